@@ -1,0 +1,47 @@
+# Entry points for people and CI. `make demo` and `make test` each build the virtual
+# environment they need (.venv) from PyPI on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard proto/rlmesh/v1/*.proto)
+
+.PHONY: demo test proto proto-check bench compose-check clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch: an unpinned torch would pull several GB of CUDA packages.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rlmesh demo
+
+test: $(STAMP) proto-check
+	$(BIN)/python -m pytest -q
+
+# Regenerate the Python code for the .proto contracts (committed).
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
+		--grpc_python_out=proto $(PROTOS)
+
+# Fails when the committed generated code differs from what the .proto files give.
+proto-check: $(STAMP)
+	@tmp=$$(mktemp -d) && \
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=$$tmp --pyi_out=$$tmp \
+		--grpc_python_out=$$tmp $(PROTOS) && \
+	for f in $$tmp/rlmesh/v1/*.py*; do \
+		cmp -s $$f proto/rlmesh/v1/$$(basename $$f) || { echo "stale generated code: proto/rlmesh/v1/$$(basename $$f); run 'make proto'"; exit 1; }; \
+	done; echo "generated code is up to date"
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.wire
+	$(BIN)/python -m bench.buffer
+
+compose-check:
+	docker-compose -f deploy/docker-compose.yml config -q
+
+clean:
+	rm -rf $(VENV) .rlmesh

@@ -1,0 +1,204 @@
+from rlmesh.v1 import sample_pb2 as _sample_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DatasetSpec(_message.Message):
+    __slots__ = ("name", "path", "prompt_key", "label_key", "metadata_key", "weight", "shuffle", "seed", "eval")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
+    LABEL_KEY_FIELD_NUMBER: _ClassVar[int]
+    METADATA_KEY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    prompt_key: str
+    label_key: str
+    metadata_key: str
+    weight: float
+    shuffle: bool
+    seed: int
+    eval: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., prompt_key: _Optional[str] = ..., label_key: _Optional[str] = ..., metadata_key: _Optional[str] = ..., weight: _Optional[float] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., eval: _Optional[bool] = ...) -> None: ...
+
+class CreateRunRequest(_message.Message):
+    __slots__ = ("run_id", "datasets", "n_samples_per_prompt", "max_queued_groups")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    N_SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetSpec]
+    n_samples_per_prompt: int
+    max_queued_groups: int
+    def __init__(self, run_id: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetSpec, _Mapping]]] = ..., n_samples_per_prompt: _Optional[int] = ..., max_queued_groups: _Optional[int] = ...) -> None: ...
+
+class CreateRunResponse(_message.Message):
+    __slots__ = ("created",)
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    def __init__(self, created: _Optional[bool] = ...) -> None: ...
+
+class DeleteRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class DeleteRunResponse(_message.Message):
+    __slots__ = ("keys_deleted",)
+    KEYS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    keys_deleted: int
+    def __init__(self, keys_deleted: _Optional[int] = ...) -> None: ...
+
+class GetPromptsRequest(_message.Message):
+    __slots__ = ("run_id", "num_groups", "worker_id", "lease_seconds")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    num_groups: int
+    worker_id: str
+    lease_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., worker_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class GetPromptsResponse(_message.Message):
+    __slots__ = ("groups", "lease_id")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[_sample_pb2.SampleGroup]
+    lease_id: str
+    def __init__(self, groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class GetEvalPromptsRequest(_message.Message):
+    __slots__ = ("run_id", "dataset", "n_samples_per_prompt", "offset", "limit")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    N_SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    dataset: str
+    n_samples_per_prompt: int
+    offset: int
+    limit: int
+    def __init__(self, run_id: _Optional[str] = ..., dataset: _Optional[str] = ..., n_samples_per_prompt: _Optional[int] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class PutGroupsRequest(_message.Message):
+    __slots__ = ("run_id", "groups")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    groups: _containers.RepeatedCompositeFieldContainer[_sample_pb2.SampleGroup]
+    def __init__(self, run_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ...) -> None: ...
+
+class PutGroupsResponse(_message.Message):
+    __slots__ = ("stored", "duplicates")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    duplicates: int
+    def __init__(self, stored: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+
+class LeaseBatchRequest(_message.Message):
+    __slots__ = ("run_id", "consumer", "num_groups", "lease_seconds", "wait_seconds", "min_weight_version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    consumer: str
+    num_groups: int
+    lease_seconds: float
+    wait_seconds: float
+    min_weight_version: int
+    def __init__(self, run_id: _Optional[str] = ..., consumer: _Optional[str] = ..., num_groups: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
+
+class LeaseBatchResponse(_message.Message):
+    __slots__ = ("lease_id", "groups")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    groups: _containers.RepeatedCompositeFieldContainer[_sample_pb2.SampleGroup]
+    def __init__(self, lease_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ...) -> None: ...
+
+class AckBatchRequest(_message.Message):
+    __slots__ = ("run_id", "lease_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    lease_id: str
+    def __init__(self, run_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class AckBatchResponse(_message.Message):
+    __slots__ = ("acknowledged",)
+    ACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
+    acknowledged: int
+    def __init__(self, acknowledged: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class BufferStats(_message.Message):
+    __slots__ = ("queued_groups", "leased_groups", "partial_groups", "acknowledged_groups", "dropped_groups", "prompts_handed_out", "epoch", "offset", "next_sample_index")
+    QUEUED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_HANDED_OUT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    queued_groups: int
+    leased_groups: int
+    partial_groups: int
+    acknowledged_groups: int
+    dropped_groups: int
+    prompts_handed_out: int
+    epoch: int
+    offset: int
+    next_sample_index: int
+    def __init__(self, queued_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., partial_groups: _Optional[int] = ..., acknowledged_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., prompts_handed_out: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., next_sample_index: _Optional[int] = ...) -> None: ...
+
+class ExportGroupsRequest(_message.Message):
+    __slots__ = ("run_id", "path")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    path: str
+    def __init__(self, run_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class ExportGroupsResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: int
+    def __init__(self, groups: _Optional[int] = ...) -> None: ...
+
+class ImportGroupsRequest(_message.Message):
+    __slots__ = ("run_id", "path")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    path: str
+    def __init__(self, run_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class ImportGroupsResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: int
+    def __init__(self, groups: _Optional[int] = ...) -> None: ...

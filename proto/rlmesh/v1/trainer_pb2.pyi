@@ -1,0 +1,106 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InitRunRequest(_message.Message):
+    __slots__ = ("run_id", "config_json")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    config_json: str
+    def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
+
+class TrainStepRequest(_message.Message):
+    __slots__ = ("run_id", "num_groups", "wait_seconds", "loss")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    num_groups: int
+    wait_seconds: float
+    loss: str
+    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., loss: _Optional[str] = ...) -> None: ...
+
+class TrainStepResponse(_message.Message):
+    __slots__ = ("step", "groups_trained", "samples_trained", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    groups_trained: int
+    samples_trained: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., groups_trained: _Optional[int] = ..., samples_trained: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class PublishWeightsRequest(_message.Message):
+    __slots__ = ("run_id", "version", "method")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    method: str
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., method: _Optional[str] = ...) -> None: ...
+
+class PublishWeightsResponse(_message.Message):
+    __slots__ = ("version", "seconds", "bytes", "buckets")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    seconds: float
+    bytes: int
+    buckets: int
+    def __init__(self, version: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., buckets: _Optional[int] = ...) -> None: ...
+
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ("run_id", "path")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    path: str
+    def __init__(self, run_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class SaveCheckpointResponse(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class EndRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class TrainerStatus(_message.Message):
+    __slots__ = ("run_id", "step", "weight_version", "model_path")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    weight_version: int
+    model_path: str
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,47 @@
+"""Errors that carry a gRPC status code. Plain logic raises these; the transport layer
+(services.common.grpc_server) turns them into a status with a message a person can act
+on, never a stack trace."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RlmeshError(Exception):
+    code = grpc.StatusCode.INTERNAL
+    http_status = 500
+
+
+class InvalidArgument(RlmeshError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+
+
+class NotFound(RlmeshError):
+    code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+
+
+class FailedPrecondition(RlmeshError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 409
+
+
+class ResourceExhausted(RlmeshError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+
+
+class Unavailable(RlmeshError):
+    code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+
+
+class DeadlineExceeded(RlmeshError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
+
+
+class Unimplemented(RlmeshError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+    http_status = 501

@@ -1,0 +1,123 @@
+"""One way to run a gRPC service: asyncio server, health checking, reflection, message
+size caps, errors mapped to status codes, graceful stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import RlmeshError
+from services.common.sample import ConversionError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def aio_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+
+
+def sync_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+
+
+class _StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions from plain logic into gRPC statuses with readable messages."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+        method = handler_call_details.method
+
+        async def guarded(request, context: grpc.aio.ServicerContext):
+            try:
+                return await inner(request, context)
+            except RlmeshError as e:
+                await context.abort(e.code, str(e))
+            except ConversionError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as e:  # noqa: BLE001 - last resort: no stack trace on the wire
+                log.exception("unhandled error in %s", method)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}")
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+@dataclass
+class ServiceBinding:
+    """A servicer, the generated function that adds it, and its full service name."""
+
+    servicer: Any
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    full_name: str
+
+
+async def start_server(
+    bindings: Iterable[ServiceBinding],
+    address: str,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Start a server on `address` ("host:port", port 0 picks a free one); returns it,
+    the bound port and its health servicer (all services marked SERVING)."""
+    server = grpc.aio.server(interceptors=[_StatusInterceptor()], options=channel_options(max_message_bytes))
+    bindings = list(bindings)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for b in bindings:
+        b.add_to_server(b.servicer, server)
+    names = [b.full_name for b in bindings]
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind gRPC server to {address}")
+    await server.start()
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+async def serve_forever(
+    bindings: Iterable[ServiceBinding],
+    address: str,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    grace_seconds: float = 30.0,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT, then report NOT_SERVING, let in-flight calls finish
+    (up to grace_seconds) and run on_shutdown."""
+    server, port, health_servicer = await start_server(bindings, address, max_message_bytes)
+    log.info("serving gRPC on port %d", port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: finishing in-flight calls (up to %.0f s)", grace_seconds)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_seconds)
+    if on_shutdown is not None:
+        await on_shutdown()

@@ -1,0 +1,176 @@
+"""A run's configuration: the JSON body of the coordinator's `POST /runs`, documented
+once here. The coordinator hands each service its section (the trainer gets
+`TrainerRunConfig` as JSON; the buffer and rollout get typed protobuf requests)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DatasetConfig(_Strict):
+    name: str = Field(description="Name used in metrics and to pick eval datasets.")
+    path: str = Field(description="Local JSONL file; one prompt per line.")
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    metadata_key: str = ""
+    weight: float = Field(1.0, gt=0, description="Mixing weight among training datasets.")
+    shuffle: bool = True
+    seed: int = 0
+    eval: bool = Field(False, description="An evaluation dataset (held out, handed out separately).")
+
+
+class SamplingConfig(_Strict):
+    """SGLang sampling parameters (same names and meaning)."""
+
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = Field(default_factory=list, max_length=32)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_new_tokens: int = 0
+
+
+class RolloutConfig(_Strict):
+    rollout_batch_size: int = Field(8, ge=1, description="Groups (prompts) per rollout.")
+    n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the group size).")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    group_filter: Literal["", "nonzero_std"] = Field(
+        "", description="'nonzero_std' drops groups whose rewards are all equal (DAPO dynamic sampling)."
+    )
+    over_sampling_groups: int = Field(0, ge=0)
+    partial_rollout: bool = False
+    max_concurrency: int = Field(0, ge=0, description="Cap on in-flight engine requests (0 = service default).")
+    apply_chat_template: bool = False
+
+
+class RewardConfig(_Strict):
+    components: dict[str, float] = Field(
+        default_factory=lambda: {"exact_match": 1.0},
+        description="Reward component name -> weight; the sample's reward is the weighted sum.",
+    )
+    reward_key: str = ""
+
+
+class AlgorithmConfig(_Strict):
+    advantage_estimator: Literal[
+        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo"
+    ] = "grpo"
+    normalize_advantage_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
+    eps_clip: float = Field(0.2, gt=0, description="Lower clip range of the ratio (1 - eps_clip).")
+    eps_clip_high: float | None = Field(None, gt=0, description="Upper clip range (DAPO clip-higher); default eps_clip.")
+    dual_clip_c: float | None = Field(None, gt=1, description="Dual clip for negative advantages (c > 1).")
+    loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"] = "seq_mean_token_mean"
+    kl_loss_coef: float = Field(0.0, ge=0, description="KL-to-reference loss term (needs a reference model).")
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    kl_coef: float = Field(0.0, ge=0, description="KL as reward shaping (REINFORCE++); not with kl_loss_coef.")
+    entropy_coef: float = 0.0
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount for REINFORCE++ returns.")
+    tis_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling against the engine's log-probs: cap on the weight."
+    )
+
+    @model_validator(mode="after")
+    def _one_kl(self):
+        if self.kl_loss_coef > 0 and self.kl_coef > 0:
+            raise ValueError("use KL either as a loss term (kl_loss_coef) or as reward shaping (kl_coef), not both")
+        return self
+
+
+class OptimizerConfig(_Strict):
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class WeightSyncConfig(_Strict):
+    bucket_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Parameters per broadcast bucket, in bytes.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on GPU, gloo on CPU.")
+    load_format: Literal["", "flattened_bucket"] = ""
+    method: Literal["distributed", "disk"] = "distributed"
+
+
+class TrainerRunConfig(_Strict):
+    """What the trainer needs for a run (sent as JSON in Trainer.InitRun)."""
+
+    model_path: str = Field(description="Local Hugging Face checkpoint directory of the policy.")
+    reference_model_path: str = Field("", description="Frozen reference for KL; default model_path when KL is on.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    sft_optimizer: OptimizerConfig | None = Field(None, description="Optimizer for SFT steps; default `optimizer`.")
+    micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward (gradient accumulation).")
+    num_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout batch.")
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    checkpoint_dir: str = ""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+
+
+class EvalConfig(_Strict):
+    interval: int = Field(0, ge=0, description="Evaluate every this many rollouts (0 = only before and after).")
+    n_samples_per_prompt: int = Field(1, ge=1)
+    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    limit: int = Field(0, ge=0, description="Prompts per eval dataset (0 = all).")
+
+
+class SftWarmupConfig(_Strict):
+    steps: int = Field(0, ge=0, description="SFT steps through the same pipeline before RL (0 = none).")
+    batch_groups: int = Field(16, ge=1, description="Prompts per SFT step.")
+
+
+class RunConfig(_Strict):
+    """The body of `POST /runs`."""
+
+    name: str = ""
+    model_path: str = Field(description="Local Hugging Face checkpoint directory (policy and tokenizer).")
+    datasets: list[DatasetConfig] = Field(min_length=1)
+    num_rollouts: int = Field(10, ge=1, description="RL iterations: generate -> train -> push weights.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    sft_optimizer: OptimizerConfig | None = None
+    micro_batch_size: int = Field(16, ge=1)
+    num_steps_per_rollout: int = Field(1, ge=1)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    sft_warmup: SftWarmupConfig = Field(default_factory=SftWarmupConfig)
+    max_queued_groups: int = Field(0, ge=0, description="Buffer backpressure cap (0 = unlimited).")
+    checkpoint_dir: str = ""
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _has_training_data(self):
+        if not any(not d.eval for d in self.datasets):
+            raise ValueError("datasets: at least one training dataset (eval: false) is needed")
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError("datasets: names must be unique")
+        return self
+
+    def trainer_config(self) -> TrainerRunConfig:
+        return TrainerRunConfig(
+            model_path=self.model_path,
+            algorithm=self.algorithm,
+            optimizer=self.optimizer,
+            sft_optimizer=self.sft_optimizer,
+            micro_batch_size=self.micro_batch_size,
+            num_steps_per_rollout=self.num_steps_per_rollout,
+            weight_sync=self.weight_sync,
+            checkpoint_dir=self.checkpoint_dir,
+            seed=self.seed,
+        )

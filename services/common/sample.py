@@ -1,0 +1,199 @@
+"""The Python `Sample` and `SampleGroup`, and the one place that converts them to and
+from protobuf. Nothing else in rlmesh touches `sample_pb2` field by field.
+
+Numeric arrays travel as raw little-endian bytes (int32 tokens, float32 log-probs,
+uint8 loss mask); see bench/wire.py for the measurement behind that choice.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rlmesh.v1 import sample_pb2
+
+_TOKEN_DTYPE = np.dtype("<i4")
+_LOGPROB_DTYPE = np.dtype("<f4")
+_MASK_DTYPE = np.dtype("u1")
+
+
+class Status(enum.IntEnum):
+    UNSPECIFIED = 0
+    PENDING = 1
+    COMPLETED = 2
+    TRUNCATED = 3
+    ABORTED = 4
+    FAILED = 5
+
+
+@dataclass
+class Sample:
+    index: int = 0
+    group_index: int = 0
+    prompt: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # prompt tokens + response tokens
+    response: str = ""
+    response_length: int = 0
+    label: str = ""
+    reward: float = 0.0
+    reward_components: dict[str, float] = field(default_factory=dict)
+    loss_mask: list[int] = field(default_factory=list)  # one per response token
+    status: Status = Status.PENDING
+    metadata: dict[str, Any] = field(default_factory=dict)
+    rollout_log_probs: list[float] = field(default_factory=list)  # one per response token
+    weight_versions: list[int] = field(default_factory=list)
+    multimodal_inputs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.tokens[: len(self.tokens) - self.response_length]
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[len(self.tokens) - self.response_length :]
+
+
+@dataclass
+class SampleGroup:
+    group_id: str
+    group_index: int
+    samples: list[Sample]
+    dataset: str = ""
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+
+class ConversionError(ValueError):
+    """A protobuf message that cannot be a valid sample (say, arrays of the wrong size)."""
+
+
+def _pack(values, dtype: np.dtype) -> bytes:
+    return np.asarray(values, dtype=dtype).tobytes() if len(values) else b""
+
+
+def _unpack(data: bytes, dtype: np.dtype, what: str, index: int) -> list:
+    if len(data) % dtype.itemsize:
+        raise ConversionError(
+            f"sample {index}: {what} has {len(data)} bytes, not a multiple of "
+            f"{dtype.itemsize} ({dtype.name} little-endian)"
+        )
+    return np.frombuffer(data, dtype=dtype).tolist()
+
+
+def sample_to_proto(sample: Sample) -> sample_pb2.Sample:
+    msg = sample_pb2.Sample(
+        index=sample.index,
+        group_index=sample.group_index,
+        prompt=sample.prompt,
+        messages=[sample_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in sample.messages],
+        tokens=_pack(sample.tokens, _TOKEN_DTYPE),
+        response=sample.response,
+        response_length=sample.response_length,
+        label=sample.label,
+        reward=sample.reward,
+        reward_components=sample.reward_components,
+        loss_mask=_pack(sample.loss_mask, _MASK_DTYPE),
+        status=int(sample.status),
+        metadata_json=json.dumps(sample.metadata) if sample.metadata else "",
+        rollout_log_probs=_pack(sample.rollout_log_probs, _LOGPROB_DTYPE),
+        weight_versions=sample.weight_versions,
+        multimodal_inputs=[sample_pb2.MultimodalInput(**m) for m in sample.multimodal_inputs],
+    )
+    return msg
+
+
+def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
+    tokens = _unpack(msg.tokens, _TOKEN_DTYPE, "tokens", msg.index)
+    loss_mask = _unpack(msg.loss_mask, _MASK_DTYPE, "loss_mask", msg.index)
+    log_probs = _unpack(msg.rollout_log_probs, _LOGPROB_DTYPE, "rollout_log_probs", msg.index)
+    validate_arrays(msg.index, len(tokens), msg.response_length, len(loss_mask), len(log_probs))
+    try:
+        metadata = json.loads(msg.metadata_json) if msg.metadata_json else {}
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"sample {msg.index}: metadata_json is not valid JSON ({e})") from None
+    if not isinstance(metadata, dict):
+        raise ConversionError(f"sample {msg.index}: metadata_json must be a JSON object")
+    return Sample(
+        index=msg.index,
+        group_index=msg.group_index,
+        prompt=msg.prompt,
+        messages=[{"role": m.role, "content": m.content} for m in msg.messages],
+        tokens=tokens,
+        response=msg.response,
+        response_length=msg.response_length,
+        label=msg.label,
+        reward=msg.reward,
+        reward_components=dict(msg.reward_components),
+        loss_mask=loss_mask,
+        status=Status(msg.status),
+        metadata=metadata,
+        rollout_log_probs=log_probs,
+        weight_versions=list(msg.weight_versions),
+        multimodal_inputs=[
+            {"kind": m.kind, "uri": m.uri, "data": m.data, "mime_type": m.mime_type}
+            for m in msg.multimodal_inputs
+        ],
+    )
+
+
+def validate_arrays(index: int, n_tokens: int, response_length: int, n_mask: int, n_log_probs: int) -> None:
+    """The invariants every service relies on; broken ones are the sender's bug."""
+    if response_length < 0 or response_length > n_tokens:
+        raise ConversionError(
+            f"sample {index}: response_length {response_length} is outside 0..{n_tokens} (the token count)"
+        )
+    if n_mask and n_mask != response_length:
+        raise ConversionError(
+            f"sample {index}: loss_mask has {n_mask} entries but response_length is {response_length}"
+        )
+    if n_log_probs and n_log_probs != response_length:
+        raise ConversionError(
+            f"sample {index}: rollout_log_probs has {n_log_probs} entries but response_length is {response_length}"
+        )
+
+
+def group_to_proto(group: SampleGroup) -> sample_pb2.SampleGroup:
+    return sample_pb2.SampleGroup(
+        group_id=group.group_id,
+        group_index=group.group_index,
+        samples=[sample_to_proto(s) for s in group.samples],
+        dataset=group.dataset,
+    )
+
+
+def group_from_proto(msg: sample_pb2.SampleGroup) -> SampleGroup:
+    return SampleGroup(
+        group_id=msg.group_id,
+        group_index=msg.group_index,
+        samples=[sample_from_proto(s) for s in msg.samples],
+        dataset=msg.dataset,
+    )
+
+
+def sample_to_json(sample: Sample) -> dict[str, Any]:
+    """A JSON-ready dict (for JSONL export and HTTP reward services)."""
+    d = {k: getattr(sample, k) for k in Sample.__dataclass_fields__}
+    d["status"] = sample.status.name.lower()
+    d["multimodal_inputs"] = [
+        {k: v for k, v in m.items() if k != "data"} for m in sample.multimodal_inputs
+    ]
+    return d
+
+
+def sample_from_json(d: dict[str, Any]) -> Sample:
+    d = dict(d)
+    status = d.pop("status", "pending")
+    sample = Sample(**{k: v for k, v in d.items() if k in Sample.__dataclass_fields__})
+    sample.status = Status[status.upper()] if isinstance(status, str) else Status(status)
+    validate_arrays(
+        sample.index, len(sample.tokens), sample.response_length,
+        len(sample.loss_mask), len(sample.rollout_log_probs),
+    )
+    return sample

@@ -1,0 +1,70 @@
+"""Typed configuration shared by every service: values come from (lowest to highest)
+field defaults, a YAML file, RLMESH_<SERVICE>_* environment variables, command-line
+flags. Each service documents its settings once, as field descriptions on its own
+`Settings` class; `rlmesh serve <service> --help` prints them."""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_message_bytes: int = 256 * 1024 * 1024
+    log_level: str = "INFO"
+
+
+def _is_scalar(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is getattr(__import__("types"), "UnionType", None):
+        return all(_is_scalar(a) for a in typing.get_args(annotation) if a is not type(None))
+    return annotation in (str, int, float, bool, Path)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> None:
+    parser.add_argument("--config", type=Path, help="YAML file with settings (flags and env vars override it)")
+    for name, f in cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = f.default if not callable(f.default_factory) else "(computed)"
+        help_text = f"{f.description or ''} [default: {default}]"
+        if f.annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif _is_scalar(f.annotation):
+            parser.add_argument(flag, dest=name, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=help_text + " (JSON)")
+
+
+def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
+    """Merge YAML file, environment and flags. Environment values are read by pydantic;
+    explicit flags are passed as init kwargs so they win."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(yaml.safe_load(Path(args.config).read_text()) or {})
+    env_settings = cls()  # defaults + environment
+    merged = {**values, **{k: v for k, v in env_settings.model_dump().items() if k in env_settings.model_fields_set}}
+    for name in cls.model_fields:
+        v = getattr(args, name, None)
+        if v is not None:
+            merged[name] = _parse_flag(cls.model_fields[name].annotation, v)
+    return cls(**merged)
+
+
+def _parse_flag(annotation: Any, value: Any) -> Any:
+    if isinstance(value, str) and not _is_scalar(annotation):
+        import json
+
+        return json.loads(value)
+    return value
