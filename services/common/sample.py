@@ -197,3 +197,28 @@ def sample_from_json(d: dict[str, Any]) -> Sample:
         len(sample.loss_mask), len(sample.rollout_log_probs),
     )
     return sample
+
+
+def validate_group_proto(msg: sample_pb2.SampleGroup) -> None:
+    """Check a group's invariants on the wire form without decoding its arrays (the
+    buffer stores groups as bytes and never needs the Python objects)."""
+    if not msg.group_id:
+        raise ConversionError("group has no group_id (writes are idempotent on it)")
+    if not msg.samples:
+        raise ConversionError(f"group {msg.group_id!r} has no samples")
+    for s in msg.samples:
+        for data, dtype, what in (
+            (s.tokens, _TOKEN_DTYPE, "tokens"),
+            (s.rollout_log_probs, _LOGPROB_DTYPE, "rollout_log_probs"),
+        ):
+            if len(data) % dtype.itemsize:
+                raise ConversionError(
+                    f"sample {s.index}: {what} has {len(data)} bytes, not a multiple of {dtype.itemsize}"
+                )
+        validate_arrays(
+            s.index,
+            len(s.tokens) // _TOKEN_DTYPE.itemsize,
+            s.response_length,
+            len(s.loss_mask),
+            len(s.rollout_log_probs) // _LOGPROB_DTYPE.itemsize,
+        )

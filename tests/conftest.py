@@ -1,0 +1,98 @@
+"""Shared fixtures: a real Redis server, the tiny model, and servers run for real on
+loopback in background threads (each with its own asyncio loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from services.common.redis_server import start_redis
+from services.common.tiny_model import build_tiny_model
+
+# Two cores: keep torch from oversubscribing them while servers run beside the tests.
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = start_redis(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """A real Redis, flushed before each test."""
+    redis.Redis.from_url(redis_server.url).flushall()
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+class LoopThread:
+    """An asyncio event loop in a daemon thread, for running servers beside sync tests."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Awaitable, timeout: float | None = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture
+def start_in_loop(loop_thread) -> Callable:
+    """start_in_loop(factory) runs an async start function (returning (server, port)) in
+    the background loop and returns its result. The fixture keeps the servers alive
+    (an unreferenced grpc.aio server is shut down when collected) and stops them after
+    the test."""
+    started = []
+
+    def run(factory):
+        result = loop_thread.run(factory())
+        started.append(result)
+        return result
+
+    yield run
+    for result in reversed(started):
+        server = result[0] if isinstance(result, tuple) else result
+        stop = getattr(server, "stop", None)
+        if stop is not None:
+            try:
+                loop_thread.run(_stop(server), timeout=30)
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+
+
+async def _stop(server) -> None:
+    import inspect
+
+    if hasattr(server, "should_exit"):  # uvicorn
+        server.should_exit = True
+        return
+    result = server.stop(0)
+    if inspect.isawaitable(result):
+        await result
