@@ -39,6 +39,10 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         stored = await self.store.return_partial_groups(request.run_id, request.groups)
         return buffer_pb2.PutGroupsResponse(stored=stored)
 
+    async def DropGroups(self, request, context):
+        dropped = await self.store.drop_groups(request.run_id, request.group_ids, request.reason)
+        return buffer_pb2.DropGroupsResponse(dropped=dropped)
+
     async def LeaseBatch(self, request, context):
         lease_id, groups = await self.store.lease_batch(
             request, self.settings.batch_lease_seconds, self.settings.poll_interval_seconds

@@ -303,6 +303,20 @@ class BufferStore:
         await pipe.execute()
         return len(groups)
 
+    async def drop_groups(self, run_id: str, group_ids, reason: str) -> int:
+        if not group_ids:
+            raise InvalidArgument("DropGroups needs at least one group id")
+        await self._spec(run_id)
+        k = self.keys(run_id)
+        pipe = self.redis.pipeline(transaction=True)
+        for gid in group_ids:
+            pipe.zrem(k.prompt_leases, gid)
+            pipe.hdel(k.prompts, gid)
+        pipe.hincrby(k.stats, "dropped_groups", len(group_ids))
+        pipe.hincrby(k.stats, f"dropped:{reason or 'unspecified'}", len(group_ids))
+        await pipe.execute()
+        return len(group_ids)
+
     # ---- training batches ---------------------------------------------------------------
 
     async def lease_batch(self, req: buffer_pb2.LeaseBatchRequest, default_lease: float, poll: float):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlmesh.v1 import sample_pb2 as rlmesh_dot_v1_dot_sample__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/buffer.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/sample.proto\"\xa3\x01\n\x0b\x44\x61tasetSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nprompt_key\x18\x03 \x01(\t\x12\x11\n\tlabel_key\x18\x04 \x01(\t\x12\x14\n\x0cmetadata_key\x18\x05 \x01(\t\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x0f\n\x07shuffle\x18\x07 \x01(\x08\x12\x0c\n\x04seed\x18\x08 \x01(\x03\x12\x0c\n\x04\x65val\x18\t \x01(\x08\"\x85\x01\n\x10\x43reateRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12(\n\x08\x64\x61tasets\x18\x02 \x03(\x0b\x32\x16.rlmesh.v1.DatasetSpec\x12\x1c\n\x14n_samples_per_prompt\x18\x03 \x01(\x05\x12\x19\n\x11max_queued_groups\x18\x04 \x01(\x03\"$\n\x11\x43reateRunResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\"\"\n\x10\x44\x65leteRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\")\n\x11\x44\x65leteRunResponse\x12\x14\n\x0ckeys_deleted\x18\x01 \x01(\x03\"a\n\x11GetPromptsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nnum_groups\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\"N\n\x12GetPromptsResponse\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"u\n\x15GetEvalPromptsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x1c\n\x14n_samples_per_prompt\x18\x03 \x01(\x05\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\r\n\x05limit\x18\x05 \x01(\x03\"J\n\x10PutGroupsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12&\n\x06groups\x18\x02 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\"7\n\x11PutGroupsResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x05\x12\x12\n\nduplicates\x18\x02 \x01(\x05\"\x92\x01\n\x11LeaseBatchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x05 \x01(\x01\x12\x1a\n\x12min_weight_version\x18\x06 \x01(\x03\"N\n\x12LeaseBatchResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12&\n\x06groups\x18\x02 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\"3\n\x0f\x41\x63kBatchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"(\n\x10\x41\x63kBatchResponse\x12\x14\n\x0c\x61\x63knowledged\x18\x01 \x01(\x05\"!\n\x0fGetStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xde\x01\n\x0b\x42ufferStats\x12\x15\n\rqueued_groups\x18\x01 \x01(\x03\x12\x15\n\rleased_groups\x18\x02 \x01(\x03\x12\x16\n\x0epartial_groups\x18\x03 \x01(\x03\x12\x1b\n\x13\x61\x63knowledged_groups\x18\x04 \x01(\x03\x12\x16\n\x0e\x64ropped_groups\x18\x05 \x01(\x03\x12\x1a\n\x12prompts_handed_out\x18\x06 \x01(\x03\x12\r\n\x05\x65poch\x18\x07 \x01(\x03\x12\x0e\n\x06offset\x18\x08 \x01(\x03\x12\x19\n\x11next_sample_index\x18\t \x01(\x03\"3\n\x13\x45xportGroupsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"&\n\x14\x45xportGroupsResponse\x12\x0e\n\x06groups\x18\x01 \x01(\x03\"3\n\x13ImportGroupsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"&\n\x14ImportGroupsResponse\x12\x0e\n\x06groups\x18\x01 \x01(\x03\x32\xc2\x06\n\x06\x42uffer\x12\x46\n\tCreateRun\x12\x1b.rlmesh.v1.CreateRunRequest\x1a\x1c.rlmesh.v1.CreateRunResponse\x12\x46\n\tDeleteRun\x12\x1b.rlmesh.v1.DeleteRunRequest\x1a\x1c.rlmesh.v1.DeleteRunResponse\x12I\n\nGetPrompts\x12\x1c.rlmesh.v1.GetPromptsRequest\x1a\x1d.rlmesh.v1.GetPromptsResponse\x12Q\n\x0eGetEvalPrompts\x12 .rlmesh.v1.GetEvalPromptsRequest\x1a\x1d.rlmesh.v1.GetPromptsResponse\x12\x46\n\tPutGroups\x12\x1b.rlmesh.v1.PutGroupsRequest\x1a\x1c.rlmesh.v1.PutGroupsResponse\x12P\n\x13ReturnPartialGroups\x12\x1b.rlmesh.v1.PutGroupsRequest\x1a\x1c.rlmesh.v1.PutGroupsResponse\x12I\n\nLeaseBatch\x12\x1c.rlmesh.v1.LeaseBatchRequest\x1a\x1d.rlmesh.v1.LeaseBatchResponse\x12\x43\n\x08\x41\x63kBatch\x12\x1a.rlmesh.v1.AckBatchRequest\x1a\x1b.rlmesh.v1.AckBatchResponse\x12>\n\x08GetStats\x12\x1a.rlmesh.v1.GetStatsRequest\x1a\x16.rlmesh.v1.BufferStats\x12O\n\x0c\x45xportGroups\x12\x1e.rlmesh.v1.ExportGroupsRequest\x1a\x1f.rlmesh.v1.ExportGroupsResponse\x12O\n\x0cImportGroups\x12\x1e.rlmesh.v1.ImportGroupsRequest\x1a\x1f.rlmesh.v1.ImportGroupsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/buffer.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/sample.proto\"\xa3\x01\n\x0b\x44\x61tasetSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nprompt_key\x18\x03 \x01(\t\x12\x11\n\tlabel_key\x18\x04 \x01(\t\x12\x14\n\x0cmetadata_key\x18\x05 \x01(\t\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x0f\n\x07shuffle\x18\x07 \x01(\x08\x12\x0c\n\x04seed\x18\x08 \x01(\x03\x12\x0c\n\x04\x65val\x18\t \x01(\x08\"\x85\x01\n\x10\x43reateRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12(\n\x08\x64\x61tasets\x18\x02 \x03(\x0b\x32\x16.rlmesh.v1.DatasetSpec\x12\x1c\n\x14n_samples_per_prompt\x18\x03 \x01(\x05\x12\x19\n\x11max_queued_groups\x18\x04 \x01(\x03\"$\n\x11\x43reateRunResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\"\"\n\x10\x44\x65leteRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\")\n\x11\x44\x65leteRunResponse\x12\x14\n\x0ckeys_deleted\x18\x01 \x01(\x03\"a\n\x11GetPromptsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nnum_groups\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\"N\n\x12GetPromptsResponse\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"u\n\x15GetEvalPromptsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x1c\n\x14n_samples_per_prompt\x18\x03 \x01(\x05\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\r\n\x05limit\x18\x05 \x01(\x03\"J\n\x10PutGroupsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12&\n\x06groups\x18\x02 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\"7\n\x11PutGroupsResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x05\x12\x12\n\nduplicates\x18\x02 \x01(\x05\"F\n\x11\x44ropGroupsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tgroup_ids\x18\x02 \x03(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"%\n\x12\x44ropGroupsResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x05\"\x92\x01\n\x11LeaseBatchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x63onsumer\x18\x02 \x01(\t\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x05 \x01(\x01\x12\x1a\n\x12min_weight_version\x18\x06 \x01(\x03\"N\n\x12LeaseBatchResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12&\n\x06groups\x18\x02 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\"3\n\x0f\x41\x63kBatchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"(\n\x10\x41\x63kBatchResponse\x12\x14\n\x0c\x61\x63knowledged\x18\x01 \x01(\x05\"!\n\x0fGetStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xde\x01\n\x0b\x42ufferStats\x12\x15\n\rqueued_groups\x18\x01 \x01(\x03\x12\x15\n\rleased_groups\x18\x02 \x01(\x03\x12\x16\n\x0epartial_groups\x18\x03 \x01(\x03\x12\x1b\n\x13\x61\x63knowledged_groups\x18\x04 \x01(\x03\x12\x16\n\x0e\x64ropped_groups\x18\x05 \x01(\x03\x12\x1a\n\x12prompts_handed_out\x18\x06 \x01(\x03\x12\r\n\x05\x65poch\x18\x07 \x01(\x03\x12\x0e\n\x06offset\x18\x08 \x01(\x03\x12\x19\n\x11next_sample_index\x18\t \x01(\x03\"3\n\x13\x45xportGroupsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"&\n\x14\x45xportGroupsResponse\x12\x0e\n\x06groups\x18\x01 \x01(\x03\"3\n\x13ImportGroupsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"&\n\x14ImportGroupsResponse\x12\x0e\n\x06groups\x18\x01 \x01(\x03\x32\x8d\x07\n\x06\x42uffer\x12\x46\n\tCreateRun\x12\x1b.rlmesh.v1.CreateRunRequest\x1a\x1c.rlmesh.v1.CreateRunResponse\x12\x46\n\tDeleteRun\x12\x1b.rlmesh.v1.DeleteRunRequest\x1a\x1c.rlmesh.v1.DeleteRunResponse\x12I\n\nGetPrompts\x12\x1c.rlmesh.v1.GetPromptsRequest\x1a\x1d.rlmesh.v1.GetPromptsResponse\x12Q\n\x0eGetEvalPrompts\x12 .rlmesh.v1.GetEvalPromptsRequest\x1a\x1d.rlmesh.v1.GetPromptsResponse\x12\x46\n\tPutGroups\x12\x1b.rlmesh.v1.PutGroupsRequest\x1a\x1c.rlmesh.v1.PutGroupsResponse\x12P\n\x13ReturnPartialGroups\x12\x1b.rlmesh.v1.PutGroupsRequest\x1a\x1c.rlmesh.v1.PutGroupsResponse\x12I\n\nDropGroups\x12\x1c.rlmesh.v1.DropGroupsRequest\x1a\x1d.rlmesh.v1.DropGroupsResponse\x12I\n\nLeaseBatch\x12\x1c.rlmesh.v1.LeaseBatchRequest\x1a\x1d.rlmesh.v1.LeaseBatchResponse\x12\x43\n\x08\x41\x63kBatch\x12\x1a.rlmesh.v1.AckBatchRequest\x1a\x1b.rlmesh.v1.AckBatchResponse\x12>\n\x08GetStats\x12\x1a.rlmesh.v1.GetStatsRequest\x1a\x16.rlmesh.v1.BufferStats\x12O\n\x0c\x45xportGroups\x12\x1e.rlmesh.v1.ExportGroupsRequest\x1a\x1f.rlmesh.v1.ExportGroupsResponse\x12O\n\x0cImportGroups\x12\x1e.rlmesh.v1.ImportGroupsRequest\x1a\x1f.rlmesh.v1.ImportGroupsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,26 +52,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTGROUPSREQUEST']._serialized_end=852
   _globals['_PUTGROUPSRESPONSE']._serialized_start=854
   _globals['_PUTGROUPSRESPONSE']._serialized_end=909
-  _globals['_LEASEBATCHREQUEST']._serialized_start=912
-  _globals['_LEASEBATCHREQUEST']._serialized_end=1058
-  _globals['_LEASEBATCHRESPONSE']._serialized_start=1060
-  _globals['_LEASEBATCHRESPONSE']._serialized_end=1138
-  _globals['_ACKBATCHREQUEST']._serialized_start=1140
-  _globals['_ACKBATCHREQUEST']._serialized_end=1191
-  _globals['_ACKBATCHRESPONSE']._serialized_start=1193
-  _globals['_ACKBATCHRESPONSE']._serialized_end=1233
-  _globals['_GETSTATSREQUEST']._serialized_start=1235
-  _globals['_GETSTATSREQUEST']._serialized_end=1268
-  _globals['_BUFFERSTATS']._serialized_start=1271
-  _globals['_BUFFERSTATS']._serialized_end=1493
-  _globals['_EXPORTGROUPSREQUEST']._serialized_start=1495
-  _globals['_EXPORTGROUPSREQUEST']._serialized_end=1546
-  _globals['_EXPORTGROUPSRESPONSE']._serialized_start=1548
-  _globals['_EXPORTGROUPSRESPONSE']._serialized_end=1586
-  _globals['_IMPORTGROUPSREQUEST']._serialized_start=1588
-  _globals['_IMPORTGROUPSREQUEST']._serialized_end=1639
-  _globals['_IMPORTGROUPSRESPONSE']._serialized_start=1641
-  _globals['_IMPORTGROUPSRESPONSE']._serialized_end=1679
-  _globals['_BUFFER']._serialized_start=1682
-  _globals['_BUFFER']._serialized_end=2516
+  _globals['_DROPGROUPSREQUEST']._serialized_start=911
+  _globals['_DROPGROUPSREQUEST']._serialized_end=981
+  _globals['_DROPGROUPSRESPONSE']._serialized_start=983
+  _globals['_DROPGROUPSRESPONSE']._serialized_end=1020
+  _globals['_LEASEBATCHREQUEST']._serialized_start=1023
+  _globals['_LEASEBATCHREQUEST']._serialized_end=1169
+  _globals['_LEASEBATCHRESPONSE']._serialized_start=1171
+  _globals['_LEASEBATCHRESPONSE']._serialized_end=1249
+  _globals['_ACKBATCHREQUEST']._serialized_start=1251
+  _globals['_ACKBATCHREQUEST']._serialized_end=1302
+  _globals['_ACKBATCHRESPONSE']._serialized_start=1304
+  _globals['_ACKBATCHRESPONSE']._serialized_end=1344
+  _globals['_GETSTATSREQUEST']._serialized_start=1346
+  _globals['_GETSTATSREQUEST']._serialized_end=1379
+  _globals['_BUFFERSTATS']._serialized_start=1382
+  _globals['_BUFFERSTATS']._serialized_end=1604
+  _globals['_EXPORTGROUPSREQUEST']._serialized_start=1606
+  _globals['_EXPORTGROUPSREQUEST']._serialized_end=1657
+  _globals['_EXPORTGROUPSRESPONSE']._serialized_start=1659
+  _globals['_EXPORTGROUPSRESPONSE']._serialized_end=1697
+  _globals['_IMPORTGROUPSREQUEST']._serialized_start=1699
+  _globals['_IMPORTGROUPSREQUEST']._serialized_end=1750
+  _globals['_IMPORTGROUPSRESPONSE']._serialized_start=1752
+  _globals['_IMPORTGROUPSRESPONSE']._serialized_end=1790
+  _globals['_BUFFER']._serialized_start=1793
+  _globals['_BUFFER']._serialized_end=2702
 # @@protoc_insertion_point(module_scope)

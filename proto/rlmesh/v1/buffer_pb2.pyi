@@ -109,6 +109,22 @@ class PutGroupsResponse(_message.Message):
     duplicates: int
     def __init__(self, stored: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
+class DropGroupsRequest(_message.Message):
+    __slots__ = ("run_id", "group_ids", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., group_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DropGroupsResponse(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
+
 class LeaseBatchRequest(_message.Message):
     __slots__ = ("run_id", "consumer", "num_groups", "lease_seconds", "wait_seconds", "min_weight_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

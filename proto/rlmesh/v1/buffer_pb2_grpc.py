@@ -64,6 +64,11 @@ class BufferStub:
                 request_serializer=rlmesh_dot_v1_dot_buffer__pb2.PutGroupsRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.PutGroupsResponse.FromString,
                 _registered_method=True)
+        self.DropGroups = channel.unary_unary(
+                '/rlmesh.v1.Buffer/DropGroups',
+                request_serializer=rlmesh_dot_v1_dot_buffer__pb2.DropGroupsRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.DropGroupsResponse.FromString,
+                _registered_method=True)
         self.LeaseBatch = channel.unary_unary(
                 '/rlmesh.v1.Buffer/LeaseBatch',
                 request_serializer=rlmesh_dot_v1_dot_buffer__pb2.LeaseBatchRequest.SerializeToString,
@@ -138,6 +143,14 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropGroups(self, request, context):
+        """Release prompts that were generated but filtered out (e.g. all rewards equal):
+        they count as consumed and dropped, and are not handed out again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LeaseBatch(self, request, context):
         """Lease a training batch; acknowledge it after the optimizer step. An expired lease
         is redelivered; an acknowledged group is never delivered again.
@@ -203,6 +216,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.ReturnPartialGroups,
                     request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.PutGroupsRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_buffer__pb2.PutGroupsResponse.SerializeToString,
+            ),
+            'DropGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropGroups,
+                    request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.DropGroupsRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_buffer__pb2.DropGroupsResponse.SerializeToString,
             ),
             'LeaseBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaseBatch,
@@ -392,6 +410,33 @@ class Buffer:
             '/rlmesh.v1.Buffer/ReturnPartialGroups',
             rlmesh_dot_v1_dot_buffer__pb2.PutGroupsRequest.SerializeToString,
             rlmesh_dot_v1_dot_buffer__pb2.PutGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Buffer/DropGroups',
+            rlmesh_dot_v1_dot_buffer__pb2.DropGroupsRequest.SerializeToString,
+            rlmesh_dot_v1_dot_buffer__pb2.DropGroupsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,97 @@
+"""The `rlmesh` command: serve one service, bring all of them up, or run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from services.common.settings import add_settings_flags, settings_from_args
+
+# service name -> package holding its config.Settings and server.serve
+SERVICE_PACKAGES = {
+    "buffer": "services.buffer",
+    "rollout": "services.rollout",
+    "reward": "services.reward",
+    "trainer": "services.trainer",
+    "coordinator": "services.coordinator",
+    "engine": "services.rollout.engine",
+}
+SERVER_MODULE = {"coordinator": "app"}  # the coordinator's transport is HTTP
+
+
+def _serve(name: str, argv: list[str]) -> None:
+    package = SERVICE_PACKAGES[name]
+    settings_cls = importlib.import_module(f"{package}.config").Settings
+    parser = argparse.ArgumentParser(prog=f"rlmesh serve {name}", description=f"Run the {name} service.")
+    add_settings_flags(parser, settings_cls)
+    settings = settings_from_args(settings_cls, parser.parse_args(argv))
+    logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    server = importlib.import_module(f"{package}.{SERVER_MODULE.get(name, 'server')}")
+    asyncio.run(server.serve(settings))
+
+
+def _up(args: argparse.Namespace) -> None:
+    from services.common.launcher import start_stack
+    from services.common.tiny_model import build_tiny_model
+
+    data_dir = Path(args.data_dir)
+    model_path = args.model_path or str(data_dir / "tiny-model")
+    if not args.model_path and not (Path(model_path) / "config.json").exists():
+        print(f"building the tiny model in {model_path}")
+        build_tiny_model(model_path)
+    print("starting rlmesh:")
+    stack = start_stack(data_dir, model_path, redis_url=args.redis_url)
+    print(f"rlmesh is up. REST API: {stack.coordinator_url} (docs: {stack.coordinator_url}/docs). Ctrl-C stops it.")
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop and all(p.poll() is None for p in stack.processes.values()):
+            signal.sigtimedwait([signal.SIGINT, signal.SIGTERM], 1.0) if hasattr(signal, "sigtimedwait") else None
+    except KeyboardInterrupt:
+        pass
+    finally:
+        dead = [n for n, p in stack.processes.items() if p.poll() is not None]
+        if dead:
+            print(f"stopping: {', '.join(dead)} exited; see {data_dir / 'logs'}", file=sys.stderr)
+        stack.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="rlmesh", description="RL post-training as five gRPC services.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run one service (rlmesh serve SERVICE --help lists its settings)", add_help=False)
+    s.add_argument("service", choices=sorted(SERVICE_PACKAGES))
+    u = sub.add_parser("up", help="run every service as a local process (embedded Redis, CPU engine, tiny model)")
+    d = sub.add_parser("demo", help="train the tiny model on a small task end to end and print eval reward before/after")
+    for p in (u, d):
+        p.add_argument("--data-dir", default=".rlmesh", help="where Redis data, logs and the tiny model live")
+        p.add_argument("--redis-url", default="", help="use this Redis instead of starting an embedded one")
+    u.add_argument("--model-path", default="", help="a local Hugging Face checkpoint directory (default: the tiny model)")
+    d.add_argument("--coordinator-url", default="", help="use running services (default: the ones `rlmesh up` started, else start them)")
+    t = sub.add_parser("build-tiny-model", help="write the tiny model and tokenizer to a directory")
+    t.add_argument("out_dir")
+
+    if argv[:1] == ["serve"] and len(argv) >= 2 and argv[1] in SERVICE_PACKAGES:
+        _serve(argv[1], argv[2:])
+        return
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        _up(args)
+    elif args.command == "demo":
+        from services.demo import run_demo
+
+        sys.exit(run_demo(args))
+    elif args.command == "build-tiny-model":
+        from services.common.tiny_model import build_tiny_model
+
+        print(build_tiny_model(args.out_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""`rlmesh up`: every service as a local process, wired together on free loopback ports,
+with an embedded Redis when no Redis URL is given. Logs go to <data_dir>/logs/."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.redis_server import EmbeddedRedis, free_port, start_redis
+
+# Start order: each service's dependencies come before it.
+SERVICES = ("engine", "reward", "buffer", "rollout", "trainer", "coordinator")
+HTTP_SERVICES = ("engine", "coordinator")
+
+
+@dataclass
+class Stack:
+    data_dir: Path
+    redis_url: str
+    ports: dict[str, int]
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    redis: EmbeddedRedis | None = None
+
+    @property
+    def coordinator_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['coordinator']}"
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def flags(self, name: str, model_path: str) -> list[str]:
+        a = self.address
+        common = ["--host", "127.0.0.1", "--port", str(self.ports[name])]
+        return common + {
+            "engine": ["--model-path", model_path],
+            "reward": [],
+            "buffer": ["--redis-url", self.redis_url],
+            "rollout": ["--buffer-address", a("buffer"), "--reward-address", a("reward"),
+                        "--engine-urls", json.dumps([f"http://{a('engine')}"])],
+            "trainer": ["--buffer-address", a("buffer"), "--rollout-address", a("rollout"),
+                        "--work-dir", str(self.data_dir / "trainer")],
+            "coordinator": ["--redis-url", self.redis_url, "--buffer-address", a("buffer"),
+                            "--rollout-address", a("rollout"), "--reward-address", a("reward"),
+                            "--trainer-address", a("trainer")],
+        }[name]
+
+    def write_state(self) -> None:
+        (self.data_dir / "up.json").write_text(json.dumps({
+            "pid": os.getpid(), "redis_url": self.redis_url, "ports": self.ports,
+            "coordinator_url": self.coordinator_url}))
+
+    def stop(self) -> None:
+        """SIGTERM in reverse start order (each service finishes in-flight work), then Redis."""
+        for name in reversed(SERVICES):
+            p = self.processes.get(name)
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        if self.redis is not None:
+            self.redis.stop()
+        (self.data_dir / "up.json").unlink(missing_ok=True)
+
+
+def _ready(name: str, address: str) -> bool:
+    if name in HTTP_SERVICES:
+        try:
+            return httpx.get(f"http://{address}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+    with grpc.insecure_channel(address) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+
+def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", timeout: float = 180.0,
+                echo=print) -> Stack:
+    data_dir = Path(data_dir).resolve()
+    (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+    redis = None
+    if not redis_url:
+        redis = start_redis(data_dir / "redis")
+        redis_url = redis.url
+        echo(f"  redis        {redis_url} (embedded, append-only file in {data_dir / 'redis'})")
+    stack = Stack(data_dir=data_dir, redis_url=redis_url, ports={n: free_port() for n in SERVICES}, redis=redis)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        for name in SERVICES:
+            log = open(data_dir / "logs" / f"{name}.log", "ab")
+            stack.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "serve", name, *stack.flags(name, model_path)],
+                stdout=log, stderr=subprocess.STDOUT, env=env)
+            deadline = time.monotonic() + timeout
+            while not _ready(name, stack.address(name)):
+                if stack.processes[name].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not start; see {data_dir / 'logs' / (name + '.log')}")
+                time.sleep(0.2)
+            echo(f"  {name:<12} {stack.address(name)}")
+    except BaseException:
+        stack.stop()
+        raise
+    stack.write_state()
+    return stack
+
+
+def running_stack(data_dir: str | Path) -> dict | None:
+    """The state file of an `rlmesh up` that is still running, if any."""
+    state_file = Path(data_dir) / "up.json"
+    if not state_file.exists():
+        return None
+    state = json.loads(state_file.read_text())
+    try:
+        os.kill(state["pid"], 0)
+    except OSError:
+        return None
+    return state

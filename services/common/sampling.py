@@ -1,0 +1,34 @@
+"""Sampling parameters: the run config's SamplingConfig, the SamplingParams protobuf, and
+the dict SGLang's /generate takes. proto3 cannot tell "unset" from zero, so the sender
+always fills every field (from SamplingConfig) and zeros that SGLang would reject map
+back to SGLang's defaults."""
+
+from __future__ import annotations
+
+from rlmesh.v1 import rollout_pb2
+from services.common.run_config import SamplingConfig
+
+
+def sampling_to_proto(cfg: SamplingConfig) -> rollout_pb2.SamplingParams:
+    return rollout_pb2.SamplingParams(**cfg.model_dump())
+
+
+def sampling_to_sglang(p: rollout_pb2.SamplingParams) -> dict:
+    params = {
+        "max_new_tokens": p.max_new_tokens or 128,
+        "temperature": p.temperature,
+        "top_p": p.top_p or 1.0,
+        "top_k": p.top_k or -1,
+        "min_p": p.min_p,
+        "ignore_eos": p.ignore_eos,
+        "no_stop_trim": p.no_stop_trim,
+        "repetition_penalty": p.repetition_penalty or 1.0,
+        "frequency_penalty": p.frequency_penalty,
+        "presence_penalty": p.presence_penalty,
+        "min_new_tokens": p.min_new_tokens,
+    }
+    if p.stop:
+        params["stop"] = list(p.stop)
+    if p.stop_token_ids:
+        params["stop_token_ids"] = list(p.stop_token_ids)
+    return params

@@ -1,0 +1,19 @@
+"""Coordinator settings (flags, RLMESH_COORDINATOR_* environment variables, or YAML)."""
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServiceSettings
+
+
+class Settings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="RLMESH_COORDINATOR_", extra="forbid")
+
+    port: int = Field(8000, description="HTTP port of the REST API (0 = any free port).")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Where run state is kept.")
+    key_prefix: str = Field("rlmesh", description="Prefix of the coordinator's Redis keys.")
+    buffer_address: str = Field("127.0.0.1:50051", description="host:port of the buffer service.")
+    rollout_address: str = Field("127.0.0.1:50052", description="host:port of the rollout service.")
+    reward_address: str = Field("127.0.0.1:50053", description="host:port of the reward service.")
+    trainer_address: str = Field("127.0.0.1:50054", description="host:port of the trainer service.")
+    train_wait_seconds: float = Field(600.0, gt=0, description="How long a train step waits for its batch.")

@@ -1,0 +1,65 @@
+"""Reward service settings (flags, RLMESH_REWARD_* environment variables, or YAML).
+
+Custom reward functions are named here, by the operator, and only here: a request
+can pick a component by name but can never make the service import anything."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServiceSettings
+from services.reward.verifiers import VERIFIERS
+
+# "package.module:function" or "package.module:Class.method"
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+class Settings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="RLMESH_REWARD_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(50053, ge=0, le=65535, description="gRPC port (0 = any free port).")
+    redis_url: str = Field(
+        "", description="Redis that will hold registered remote reward services (not used yet; empty = none)."
+    )
+    default_components: dict[str, float] = Field(
+        default_factory=lambda: {"exact_match": 1.0},
+        description="Components used when a request's spec names none: component name -> weight.",
+    )
+    custom_functions: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Per-sample reward functions: component name -> 'module:function'. The function takes a "
+            "Sample and returns a float, or a dict (the spec's reward_key picks one entry); sync or async."
+        ),
+    )
+    group_functions: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Group reward functions: component name -> 'module:function'. The function takes a group's "
+            "list of Samples and returns one float (or dict) per sample; sync or async. Used by ScoreGroups."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_components(self) -> "Settings":
+        for field_name, functions in (("custom_functions", self.custom_functions), ("group_functions", self.group_functions)):
+            for name, path in functions.items():
+                if name in VERIFIERS:
+                    raise ValueError(f"{field_name}: '{name}' is a built-in verifier; give the function another name")
+                if not _IMPORT_PATH.match(path):
+                    raise ValueError(f"{field_name}: '{name}' -> '{path}' is not an import path like 'my_pkg.rewards:score'")
+        both = set(self.custom_functions) & set(self.group_functions)
+        if both:
+            raise ValueError(f"names used in both custom_functions and group_functions: {', '.join(sorted(both))}")
+        known = set(VERIFIERS) | set(self.custom_functions) | set(self.group_functions)
+        for name, weight in self.default_components.items():
+            if name not in known:
+                raise ValueError(f"default_components: unknown component '{name}'; known: {', '.join(sorted(known))}")
+            if not math.isfinite(weight):
+                raise ValueError(f"default_components: weight of '{name}' must be a finite number")
+        return self

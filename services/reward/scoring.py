@@ -1,0 +1,302 @@
+"""Scoring: compute each requested reward component of each sample and their weighted sum.
+
+Components are built-in verifiers (services.reward.verifiers), per-sample custom
+functions and group functions, the latter two loaded by import path from the
+operator's settings. Bad requests (unknown component names, bad weights) raise
+errors.InvalidArgument before anything is scored. A component that fails on a sample
+(raises, returns something that is not a finite number) marks that sample FAILED with
+the reason in metadata["reward_error"]: it is excluded from training and counted,
+never a silent 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from services.common import errors
+from services.common.sample import Sample, SampleGroup, Status
+from services.reward.verifiers import VERIFIERS
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["builtin", "sample", "group"]
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """Component name -> weight (empty = the service's defaults), and which entry of a
+    dict-valued reward to use."""
+
+    components: dict[str, float] = field(default_factory=dict)
+    reward_key: str = ""
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    kind: Kind
+    fn: Callable[..., Any]
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None))
+
+
+def load_function(path: str) -> Callable[..., Any]:
+    """'package.module:function' (or 'module:Class.method') -> the callable."""
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"'{path}' is not an import path like 'my_pkg.rewards:score'")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import module '{module_name}' for '{path}': {e}") from None
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ValueError(f"'{path}': '{module_name}' has no attribute '{attribute}'") from None
+    if not callable(target):
+        raise ValueError(f"'{path}' is not callable")
+    return target
+
+
+class _ComponentFailed(Exception):
+    """A component could not score a sample; the message goes into metadata["reward_error"]."""
+
+
+def _as_reward(value: Any, reward_key: str, name: str) -> float:
+    """A component's result as a finite float; a dict result is reduced with reward_key."""
+    if isinstance(value, dict):
+        if not reward_key:
+            raise _ComponentFailed(
+                f"{name} returned a dict (keys: {', '.join(map(str, value))}); set reward_key in the spec to pick one"
+            )
+        if reward_key not in value:
+            raise _ComponentFailed(
+                f"{name} returned a dict without reward_key '{reward_key}' (keys: {', '.join(map(str, value))})"
+            )
+        value = value[reward_key]
+    if not isinstance(value, numbers.Real):
+        raise _ComponentFailed(f"{name} returned {type(value).__name__}, not a number")
+    result = float(value)
+    if not math.isfinite(result):
+        raise _ComponentFailed(f"{name} returned {result}")
+    return result
+
+
+def _describe(name: str, e: BaseException) -> str:
+    return f"{name} raised {type(e).__name__}: {e}"
+
+
+@dataclass
+class _Outcome:
+    """What scoring found for one sample, before it is written back."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+class Scorer:
+    def __init__(self, components: dict[str, Component], default_components: dict[str, float]) -> None:
+        self.components = components
+        self.default_components = dict(default_components)
+        self._check_weights(self.default_components, "default_components")
+
+    @classmethod
+    def from_config(
+        cls,
+        default_components: dict[str, float],
+        custom_functions: dict[str, str] | None = None,
+        group_functions: dict[str, str] | None = None,
+    ) -> Scorer:
+        """Built-ins plus the operator's functions, imported now so a bad path fails at startup."""
+        components = {name: Component(name, "builtin", fn) for name, fn in VERIFIERS.items()}
+        for kind, functions in (("sample", custom_functions or {}), ("group", group_functions or {})):
+            for name, path in functions.items():
+                if name in components:
+                    raise ValueError(f"reward component '{name}' is defined twice")
+                components[name] = Component(name, kind, load_function(path))
+        return cls(components, default_components)
+
+    def known_components(self) -> list[str]:
+        return sorted(self.components)
+
+    # ------------------------------------------------------------ request checks
+
+    def _check_weights(self, weights: dict[str, float], where: str, allow_group: bool = True) -> None:
+        for name, weight in weights.items():
+            component = self.components.get(name)
+            if component is None:
+                raise errors.InvalidArgument(
+                    f"{where}: unknown reward component '{name}'; known components: {', '.join(self.known_components())}"
+                )
+            if component.kind == "group" and not allow_group:
+                raise errors.InvalidArgument(
+                    f"{where}: reward component '{name}' scores whole groups; call ScoreGroups with the groups instead"
+                )
+            if not isinstance(weight, numbers.Real) or isinstance(weight, bool) or not math.isfinite(weight):
+                raise errors.InvalidArgument(f"{where}: the weight of '{name}' must be a finite number, got {weight!r}")
+
+    def _base_weights(self, spec: RewardSpec, allow_group: bool) -> dict[str, float]:
+        weights = dict(spec.components) or self.default_components
+        self._check_weights(weights, "spec", allow_group)
+        return weights
+
+    def _sample_weights(self, sample: Sample, base: dict[str, float], allow_group: bool) -> dict[str, float]:
+        """metadata["reward"] (a component name, or name -> weight) overrides the spec for one sample."""
+        override = sample.metadata.get("reward")
+        if override is None:
+            return base
+        where = f"sample {sample.index}: metadata['reward']"
+        if isinstance(override, str):
+            weights = {override: 1.0}
+        elif isinstance(override, dict) and override:
+            weights = dict(override)
+        else:
+            raise errors.InvalidArgument(
+                f"{where} must be a component name or a non-empty object of name -> weight, got {override!r}"
+            )
+        self._check_weights(weights, where, allow_group)
+        return weights
+
+    # ------------------------------------------------------------ scoring
+
+    async def score_samples(self, samples: list[Sample], spec: RewardSpec) -> list[Sample]:
+        """Score samples one by one (no group functions); returns the same, updated, objects."""
+        base = self._base_weights(spec, allow_group=False)
+        plans = [(s, self._sample_weights(s, base, allow_group=False)) for s in samples]
+        await self._score([plans], spec.reward_key)
+        return samples
+
+    async def score_groups(self, groups: list[SampleGroup], spec: RewardSpec) -> list[SampleGroup]:
+        """Score whole groups; a group function sees the group's samples that ask for it."""
+        base = self._base_weights(spec, allow_group=True)
+        batches = [[(s, self._sample_weights(s, base, allow_group=True)) for s in g.samples] for g in groups]
+        await self._score(batches, spec.reward_key)
+        return groups
+
+    async def _score(self, groups: list[list[tuple[Sample, dict[str, float]]]], reward_key: str) -> None:
+        # Samples that already failed (generation errors) keep their status and are not scored.
+        groups = [[(s, w) for s, w in g if s.status != Status.FAILED] for g in groups]
+        outcomes = {id(s): _Outcome() for g in groups for s, _ in g}
+        sync_jobs: list[Callable[[], None]] = []
+        async_jobs: list[Any] = []
+
+        def add(component: Component, job: Callable[[], Any]) -> None:
+            if component.is_async:
+                async_jobs.append(job())
+            else:
+                sync_jobs.append(job)
+
+        for group in groups:
+            for sample, weights in group:
+                for name in weights:
+                    component = self.components[name]
+                    if component.kind != "group":
+                        add(component, self._sample_job(component, sample, outcomes[id(sample)], reward_key))
+            group_names = sorted({n for _, w in group for n in w if self.components[n].kind == "group"})
+            for name in group_names:
+                component = self.components[name]
+                members = [s for s, w in group if name in w]
+                member_outcomes = [outcomes[id(s)] for s in members]
+                add(component, self._group_job(component, members, member_outcomes, reward_key))
+
+        # Rule-based verifiers (sympy) and sync custom functions are CPU work: they run in
+        # one worker thread per request, so the event loop stays free for health checks,
+        # other calls and the async functions, which run meanwhile.
+        if sync_jobs:
+            async_jobs.append(asyncio.to_thread(lambda: [job() for job in sync_jobs]))
+        await asyncio.gather(*async_jobs)
+
+        for group in groups:
+            for sample, weights in group:
+                self._write_back(sample, weights, outcomes[id(sample)])
+
+    @staticmethod
+    def _sample_job(component: Component, sample: Sample, outcome: _Outcome, reward_key: str) -> Callable[[], Any]:
+        def record(result: Any) -> None:
+            outcome.values[component.name] = _as_reward(result, reward_key, component.name)
+
+        if component.is_async:
+            async def run_async() -> None:
+                try:
+                    record(await component.fn(sample))
+                except _ComponentFailed as e:
+                    outcome.errors.append(str(e))
+                except Exception as e:  # noqa: BLE001 - the operator's code: report, don't crash the call
+                    log.warning("reward component %s failed on sample %d", component.name, sample.index, exc_info=True)
+                    outcome.errors.append(_describe(component.name, e))
+            return run_async
+
+        def run_sync() -> None:
+            try:
+                if component.kind == "builtin":
+                    record(component.fn(sample.response, sample.label, sample.metadata))
+                else:
+                    record(component.fn(sample))
+            except _ComponentFailed as e:
+                outcome.errors.append(str(e))
+            except Exception as e:  # noqa: BLE001
+                if component.kind != "builtin":
+                    log.warning("reward component %s failed on sample %d", component.name, sample.index, exc_info=True)
+                outcome.errors.append(_describe(component.name, e))
+        return run_sync
+
+    @staticmethod
+    def _group_job(
+        component: Component, members: list[Sample], outcomes: list[_Outcome], reward_key: str
+    ) -> Callable[[], Any]:
+        def record(results: Any) -> None:
+            if not isinstance(results, Sequence) or isinstance(results, (str, bytes)):
+                raise _ComponentFailed(f"{component.name} returned {type(results).__name__}, not a list of rewards")
+            if len(results) != len(members):
+                raise _ComponentFailed(
+                    f"{component.name} returned {len(results)} rewards for a group of {len(members)} samples"
+                )
+            values = [_as_reward(r, reward_key, component.name) for r in results]
+            for outcome, value in zip(outcomes, values):
+                outcome.values[component.name] = value
+
+        def fail(reason: str) -> None:
+            for outcome in outcomes:
+                outcome.errors.append(reason)
+
+        if component.is_async:
+            async def run_async() -> None:
+                try:
+                    record(await component.fn(members))
+                except _ComponentFailed as e:
+                    fail(str(e))
+                except Exception as e:  # noqa: BLE001
+                    log.warning("group reward component %s failed", component.name, exc_info=True)
+                    fail(_describe(component.name, e))
+            return run_async
+
+        def run_sync() -> None:
+            try:
+                record(component.fn(members))
+            except _ComponentFailed as e:
+                fail(str(e))
+            except Exception as e:  # noqa: BLE001
+                log.warning("group reward component %s failed", component.name, exc_info=True)
+                fail(_describe(component.name, e))
+        return run_sync
+
+    @staticmethod
+    def _write_back(sample: Sample, weights: dict[str, float], outcome: _Outcome) -> None:
+        sample.reward_components = dict(outcome.values)
+        if outcome.errors:
+            sample.status = Status.FAILED
+            sample.reward = 0.0
+            sample.metadata["reward_error"] = "; ".join(outcome.errors)
+            return
+        sample.reward = sum(weight * outcome.values[name] for name, weight in weights.items())

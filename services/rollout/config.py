@@ -1,0 +1,28 @@
+"""Rollout service settings (flags, RLMESH_ROLLOUT_* environment variables, or YAML)."""
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServiceSettings
+
+
+class Settings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="RLMESH_ROLLOUT_", extra="forbid")
+
+    port: int = Field(50052, description="gRPC port (0 = any free port).")
+    buffer_address: str = Field("127.0.0.1:50051", description="host:port of the buffer service.")
+    reward_address: str = Field("127.0.0.1:50053", description="host:port of the reward service.")
+    engine_urls: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:30000"],
+        description="Inference engines (SGLang servers or the reference engine), by base URL.",
+    )
+    router_url: str = Field(
+        "", description="An SGLang router: generation goes through it; weight calls go to its workers (GET /workers)."
+    )
+    tokenizer_path: str = Field("", description="Tokenizer directory; default: the engines' tokenizer_path.")
+    max_concurrency: int = Field(256, ge=1, description="Default cap on in-flight /generate requests.")
+    request_timeout_seconds: float = Field(600.0, gt=0, description="Timeout of one engine HTTP call.")
+    weight_update_timeout_seconds: float = Field(600.0, gt=0, description="Timeout of a weight-update call.")
+    generate_function: str = Field(
+        "", description="Custom generate function by import path (module:function), from this operator config only."
+    )

@@ -1,0 +1,167 @@
+"""The one client for inference engines: SGLang's native HTTP API. Production engines
+are SGLang servers (optionally behind the SGLang router); the reference engine serves
+the same API on CPU, and this client cannot tell them apart."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+
+import httpx
+
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+
+
+@dataclass
+class EngineState:
+    url: str
+    tp_size: int = 1
+    weight_version: str = "default"
+    healthy: bool = True
+    model_path: str = ""
+    tokenizer_path: str = ""
+
+
+class EngineError(Unavailable):
+    pass
+
+
+class SGLangClient:
+    """Talks to one engine (or to a router, for /generate)."""
+
+    def __init__(self, url: str, http: httpx.AsyncClient, timeout: float, weight_timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self.http = http
+        self.timeout = timeout
+        self.weight_timeout = weight_timeout
+        self._has_weight_session: bool | None = None  # SGLang >= 0.5.21 wants begin/end
+
+    async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
+        try:
+            return await self.http.post(self.url + path, json=body, timeout=timeout or self.timeout)
+        except httpx.HTTPError as e:
+            raise EngineError(f"engine {self.url}: POST {path} failed: {type(e).__name__}: {e}") from None
+
+    async def _get_json(self, path: str) -> dict:
+        try:
+            r = await self.http.get(self.url + path, timeout=self.timeout)
+        except httpx.HTTPError as e:
+            raise EngineError(f"engine {self.url}: GET {path} failed: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise EngineError(f"engine {self.url}: GET {path} answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, rid: str, return_logprob: bool = True) -> dict:
+        r = await self._post("/generate", {
+            "input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
+            "return_logprob": return_logprob, "logprob_start_len": -1,
+        })
+        if r.status_code == 400:
+            raise InvalidArgument(f"engine {self.url} refused the request: {_error_message(r)}")
+        if r.status_code != 200:
+            raise EngineError(f"engine {self.url}: /generate answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    async def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        await self._post("/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._check(await self._post("/pause_generation", {"mode": mode}), "/pause_generation")
+
+    async def resume(self) -> None:
+        await self._check(await self._post("/continue_generation", {}), "/continue_generation")
+
+    async def model_info(self) -> dict:
+        return await self._get_json("/get_model_info")
+
+    async def server_info(self) -> dict:
+        return await self._get_json("/get_server_info")
+
+    async def workers(self) -> list[str]:
+        """The router's workers (the router does not forward weight calls)."""
+        return [w["url"] for w in (await self._get_json("/workers")).get("workers", [])]
+
+    async def weight_call(self, path: str, body: dict) -> dict:
+        r = await self._post(path, body, timeout=self.weight_timeout)
+        return await self._check(r, path)
+
+    async def begin_weight_update(self) -> None:
+        if self._has_weight_session is False:
+            return
+        r = await self._post("/begin_weight_update", {"selector": "all"})
+        self._has_weight_session = r.status_code != 404
+        if self._has_weight_session:
+            await self._check(r, "/begin_weight_update")
+
+    async def end_weight_update(self) -> None:
+        if self._has_weight_session:
+            await self._check(await self._post("/end_weight_update", {}), "/end_weight_update")
+
+    async def _check(self, r: httpx.Response, path: str) -> dict:
+        try:
+            body = r.json() if r.content else {}
+        except ValueError:
+            body = {}
+        if r.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
+            msg = body.get("message") if isinstance(body, dict) else None
+            raise FailedPrecondition(f"engine {self.url}: {path} failed ({r.status_code}): {msg or r.text[:300]}")
+        return body if isinstance(body, dict) else {}
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+        return body.get("error", {}).get("message") or body.get("message") or r.text
+    except ValueError:
+        return r.text[:300]
+
+
+class EnginePool:
+    """All engines of the rollout service: generation spread over them (or sent to the
+    router), control and weight calls sent to every engine."""
+
+    def __init__(self, engine_urls: list[str], router_url: str, timeout: float, weight_timeout: float) -> None:
+        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        self.timeout, self.weight_timeout = timeout, weight_timeout
+        self.router = SGLangClient(router_url, self.http, timeout, weight_timeout) if router_url else None
+        self.engines = [SGLangClient(u, self.http, timeout, weight_timeout) for u in engine_urls]
+        self._next = itertools.cycle(range(max(len(self.engines), 1)))
+        if not self.engines and not self.router:
+            raise ValueError("the rollout service needs engine_urls or a router_url")
+
+    async def refresh_workers(self) -> None:
+        """Behind a router, the engines are the router's workers."""
+        if self.router:
+            urls = await self.router.workers()
+            known = {e.url: e for e in self.engines}
+            self.engines = [known.get(u.rstrip("/")) or SGLangClient(u, self.http, self.timeout, self.weight_timeout) for u in urls]
+
+    def for_generation(self) -> SGLangClient:
+        if self.router:
+            return self.router
+        return self.engines[next(self._next) % len(self.engines)]
+
+    async def states(self) -> list[EngineState]:
+        await self.refresh_workers()
+
+        async def one(e: SGLangClient) -> EngineState:
+            try:
+                info, server = await asyncio.gather(e.model_info(), e.server_info())
+            except Unavailable:
+                return EngineState(url=e.url, healthy=False)
+            return EngineState(
+                url=e.url,
+                tp_size=int(server.get("tp_size", 1)),
+                weight_version=str(info.get("weight_version", "default")),
+                model_path=info.get("model_path", ""),
+                tokenizer_path=info.get("tokenizer_path", "") or info.get("model_path", ""),
+            )
+
+        return list(await asyncio.gather(*(one(e) for e in self.engines)))
+
+    async def abort_all(self) -> None:
+        await asyncio.gather(*(e.abort(abort_all=True) for e in self.engines), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.http.aclose()

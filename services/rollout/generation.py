@@ -1,0 +1,92 @@
+"""Turning one sample into a generated one through an engine. This is the default
+generate function; a custom one (multi-turn, tool use) has the same signature and is
+named by import path in the rollout service's own settings:
+
+    async def generate(ctx: GenerateContext, sample: Sample, sampling_params: dict) -> Sample | list[Sample]
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.sample import Sample, Status
+from services.rollout.engine_client import SGLangClient
+
+FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+@dataclass
+class GenerateContext:
+    """What a generate function may use: the tokenizer and an engine to call."""
+
+    tokenizer: Any
+    engine: SGLangClient
+    apply_chat_template: bool = False
+
+
+def prompt_ids(tokenizer: Any, sample: Sample, apply_chat_template: bool) -> list[int]:
+    if sample.messages:
+        return list(tokenizer.apply_chat_template(sample.messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+    if apply_chat_template:
+        messages = [{"role": "user", "content": sample.prompt}]
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+    return tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+
+
+def weight_version_number(version: str) -> int:
+    """SGLang reports versions as strings ("default" before any update)."""
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return 0
+
+
+def apply_engine_output(sample: Sample, out: dict) -> Sample:
+    """Append an engine response to the sample (a resumed sample keeps what it had:
+    tokens come from the engine, never re-tokenised)."""
+    meta = out["meta_info"]
+    new_ids = list(out["output_ids"])
+    new_logprobs = [lp for lp, *_ in meta.get("output_token_logprobs", [])]
+    if new_logprobs and len(new_logprobs) != len(new_ids):
+        raise ValueError(f"engine returned {len(new_logprobs)} log-probs for {len(new_ids)} tokens")
+    sample.tokens = sample.tokens + new_ids
+    sample.response = sample.response + out.get("text", "")
+    sample.response_length += len(new_ids)
+    sample.rollout_log_probs = sample.rollout_log_probs + new_logprobs
+    sample.loss_mask = sample.loss_mask + [1] * len(new_ids)
+    sample.status = FINISH_STATUS.get((meta.get("finish_reason") or {}).get("type", "stop"), Status.COMPLETED)
+    version = weight_version_number(meta.get("weight_version", "default"))
+    if not sample.weight_versions or sample.weight_versions[-1] != version:
+        sample.weight_versions = sample.weight_versions + [version]
+    return sample
+
+
+async def default_generate(ctx: GenerateContext, sample: Sample, sampling_params: dict) -> Sample:
+    if not sample.tokens:
+        sample.tokens = prompt_ids(ctx.tokenizer, sample, ctx.apply_chat_template)
+        sample.response_length = 0
+    params = dict(sampling_params)
+    # Resuming a partial sample: continue from what it has, within the same token budget.
+    params["max_new_tokens"] = max(params.get("max_new_tokens", 128) - sample.response_length, 0)
+    if params["max_new_tokens"] == 0:
+        sample.status = Status.TRUNCATED
+        return sample
+    rid = sample.metadata.get("rid") or uuid.uuid4().hex
+    sample.metadata["rid"] = rid
+    out = await ctx.engine.generate(sample.tokens, params, rid=rid)
+    return apply_engine_output(sample, out)
+
+
+def sft_sample(tokenizer: Any, sample: Sample, apply_chat_template: bool) -> Sample:
+    """A supervised sample: the label is the response, every response token trained."""
+    prompt = prompt_ids(tokenizer, sample, apply_chat_template)
+    answer = tokenizer(sample.label, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    sample.tokens = prompt + answer
+    sample.response = sample.label
+    sample.response_length = len(answer)
+    sample.loss_mask = [1] * len(answer)
+    sample.rollout_log_probs = []
+    sample.status = Status.COMPLETED
+    return sample

@@ -1,0 +1,230 @@
+"""The rollout loop, as plain logic: prompts from the buffer, samples from the engines,
+scores from the reward service, finished groups back to the buffer."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2
+from services.common.errors import InvalidArgument, Unavailable
+from services.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
+from services.common.sampling import sampling_to_sglang
+from services.rollout.config import Settings
+from services.rollout.engine_client import EnginePool
+from services.rollout.generation import GenerateContext, default_generate, sft_sample
+
+log = logging.getLogger(__name__)
+
+GenerateFn = Callable[[GenerateContext, Sample, dict], Awaitable[Sample | list[Sample]]]
+
+
+def load_function(path: str) -> Callable:
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"import path must look like 'package.module:function', got {path!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def keep_group(group: SampleGroup, group_filter: str) -> bool:
+    if group_filter == "nonzero_std":
+        rewards = [s.reward for s in group.samples if s.status != Status.FAILED]
+        return len(rewards) > 1 and max(rewards) != min(rewards)
+    return True
+
+
+def rollout_metrics(groups: list[SampleGroup], prefix: str) -> dict[str, float]:
+    samples = [s for g in groups for s in g.samples]
+    if not samples:
+        return {}
+    scored = [s.reward for s in samples if s.status != Status.FAILED]
+    return {
+        f"{prefix}reward_mean": statistics.fmean(scored) if scored else 0.0,
+        f"{prefix}response_length_mean": statistics.fmean(s.response_length for s in samples),
+        f"{prefix}truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
+        f"{prefix}failed_ratio": sum(s.status == Status.FAILED for s in samples) / len(samples),
+        f"{prefix}samples": float(len(samples)),
+    }
+
+
+class RolloutManager:
+    def __init__(self, settings: Settings, pool: EnginePool, buffer: buffer_pb2_grpc.BufferStub,
+                 reward: reward_pb2_grpc.RewardStub) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.buffer = buffer
+        self.reward = reward
+        self.generate_fn: GenerateFn = load_function(settings.generate_function) if settings.generate_function else default_generate
+        self._tokenizer = None
+        self._tokenizer_lock = asyncio.Lock()
+
+    async def tokenizer(self):
+        async with self._tokenizer_lock:
+            if self._tokenizer is None:
+                path = self.settings.tokenizer_path
+                if not path:
+                    states = [s for s in await self.pool.states() if s.healthy]
+                    if not states:
+                        raise Unavailable("no engine answers /get_model_info, so the tokenizer path is unknown")
+                    path = states[0].tokenizer_path
+                from transformers import AutoTokenizer
+
+                self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+            return self._tokenizer
+
+    # ---- one sample / one group ---------------------------------------------------------
+
+    async def _generate_group(self, group: SampleGroup, params: dict, sem: asyncio.Semaphore,
+                              chat: bool, inflight: dict, stop: asyncio.Event | None = None) -> SampleGroup:
+        tokenizer = await self.tokenizer()
+
+        async def one(sample: Sample) -> list[Sample]:
+            if sample.status not in (Status.PENDING, Status.ABORTED):
+                return [sample]  # finished before an abort: keep as is
+            async with sem:
+                if stop is not None and stop.is_set():
+                    return [sample]  # aborted before it started: hand back untouched
+                ctx = GenerateContext(tokenizer=tokenizer, engine=self.pool.for_generation(), apply_chat_template=chat)
+                inflight[id(sample)] = (ctx.engine, sample)
+                try:
+                    out = await self.generate_fn(ctx, sample, params)
+                finally:
+                    inflight.pop(id(sample), None)
+            return out if isinstance(out, list) else [out]
+
+        results = await asyncio.gather(*(one(s) for s in group.samples))
+        group.samples = [s for batch in results for s in batch]
+        return group
+
+    async def _score(self, groups: list[SampleGroup], spec: reward_pb2.RewardSpec) -> list[SampleGroup]:
+        try:
+            resp = await self.reward.ScoreGroups(reward_pb2.ScoreGroupsRequest(
+                groups=[group_to_proto(g) for g in groups], spec=spec))
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(f"reward service: {e.details()}") from None
+            raise Unavailable(f"reward service failed: {e.code().name}: {e.details()}") from None
+        return [group_from_proto(g) for g in resp.groups]
+
+    async def _put(self, run_id: str, groups: list[SampleGroup]) -> None:
+        """Write groups; wait while the buffer is full (backpressure) instead of failing."""
+        delay = 0.05
+        while True:
+            try:
+                await self.buffer.PutGroups(buffer_pb2.PutGroupsRequest(
+                    run_id=run_id, groups=[group_to_proto(g) for g in groups]))
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    # ---- a rollout ----------------------------------------------------------------------
+
+    async def generate_rollout(self, req: rollout_pb2.GenerateRolloutRequest) -> rollout_pb2.GenerateRolloutResponse:
+        if req.num_groups < 1:
+            raise InvalidArgument("num_groups must be at least 1")
+        if req.mode not in ("", "rl", "sft"):
+            raise InvalidArgument(f"mode must be 'rl' or 'sft', got {req.mode!r}")
+        if req.group_filter not in ("", "nonzero_std"):
+            raise InvalidArgument(f"unknown group_filter {req.group_filter!r}; known: 'nonzero_std'")
+        start = time.monotonic()
+        if req.mode == "sft":
+            return await self._sft_rollout(req, start)
+
+        params = sampling_to_sglang(req.sampling)
+        sem = asyncio.Semaphore(req.max_concurrency or self.settings.max_concurrency)
+        written: list[SampleGroup] = []
+        filtered = aborted = 0
+        while len(written) < req.num_groups:
+            need = req.num_groups - len(written)
+            resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
+                run_id=req.run_id, num_groups=need + req.over_sampling_groups, worker_id="rollout"))
+            inflight: dict = {}
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(self._generate_group(group_from_proto(g), params, sem,
+                                                              req.apply_chat_template, inflight, stop))
+                     for g in resp.groups]
+            pending = set(tasks)
+            try:
+                while pending and len(written) < req.num_groups:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    finished = [t.result() for t in done]
+                    for group in await self._score(finished, req.reward):
+                        if not keep_group(group, req.group_filter):
+                            filtered += 1
+                            await self.buffer.DropGroups(buffer_pb2.DropGroupsRequest(
+                                run_id=req.run_id, group_ids=[group.group_id], reason=req.group_filter))
+                        elif len(written) < req.num_groups:
+                            await self._put(req.run_id, [group])
+                            written.append(group)
+                        else:
+                            pending.add(_done(group))  # over-sampled surplus: hand back below
+                if pending:
+                    stop.set()
+                    aborted += await self._abort_and_return(req, pending, inflight)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                raise
+        metrics = rollout_metrics(written, "rollout/")
+        metrics.update({"rollout/seconds": time.monotonic() - start, "rollout/groups_filtered": float(filtered),
+                        "rollout/groups_aborted": float(aborted)})
+        return rollout_pb2.GenerateRolloutResponse(groups_written=len(written), groups_filtered=filtered, metrics=metrics)
+
+    async def _abort_and_return(self, req, pending: set, inflight: dict) -> int:
+        """Over-sampling: enough groups are done; abort the rest and hand them back to the
+        buffer (with their partial responses when partial_rollout is on, else reset)."""
+        for engine, sample in list(inflight.values()):
+            await engine.abort(sample.metadata.get("rid", ""))
+        groups = [g for g in await asyncio.gather(*pending)]
+        for group in groups:
+            for s in group.samples:
+                if not req.partial_rollout and s.status != Status.COMPLETED:
+                    s.tokens, s.response, s.response_length = [], "", 0
+                    s.loss_mask, s.rollout_log_probs, s.weight_versions = [], [], []
+                    s.status = Status.PENDING
+                if s.status == Status.ABORTED or s.status == Status.PENDING:
+                    s.metadata.pop("rid", None)
+        if groups:
+            await self.buffer.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(
+                run_id=req.run_id, groups=[group_to_proto(g) for g in groups]))
+        return len(groups)
+
+    async def _sft_rollout(self, req, start: float) -> rollout_pb2.GenerateRolloutResponse:
+        tokenizer = await self.tokenizer()
+        resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
+            run_id=req.run_id, num_groups=req.num_groups, worker_id="rollout-sft"))
+        groups = [group_from_proto(g) for g in resp.groups]
+        for g in groups:
+            g.samples = [sft_sample(tokenizer, s, req.apply_chat_template) for s in g.samples]
+        await self._put(req.run_id, groups)
+        return rollout_pb2.GenerateRolloutResponse(
+            groups_written=len(groups), metrics={"rollout/seconds": time.monotonic() - start})
+
+    async def evaluate(self, req: rollout_pb2.EvaluateRequest) -> rollout_pb2.EvaluateResponse:
+        start = time.monotonic()
+        resp = await self.buffer.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
+            run_id=req.run_id, dataset=req.dataset, n_samples_per_prompt=req.n_samples_per_prompt or 1, limit=req.limit))
+        params = sampling_to_sglang(req.sampling)
+        sem = asyncio.Semaphore(self.settings.max_concurrency)
+        groups = await asyncio.gather(*(self._generate_group(group_from_proto(g), params, sem,
+                                                             req.apply_chat_template, {})
+                                        for g in resp.groups))
+        scored = await self._score(list(groups), req.reward) if groups else []
+        metrics = rollout_metrics(scored, f"eval/{req.dataset}/")
+        metrics[f"eval/{req.dataset}/seconds"] = time.monotonic() - start
+        return rollout_pb2.EvaluateResponse(metrics=metrics)
+
+
+def _done(value) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut

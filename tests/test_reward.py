@@ -1,0 +1,362 @@
+"""Reward service: the built-in verifiers, the scorer (plain logic), and the gRPC
+service on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import ValidationError
+
+from rlmesh.v1 import reward_pb2, reward_pb2_grpc, sample_pb2
+from services.common import errors
+from services.common.grpc_server import sync_channel
+from services.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto, sample_from_proto, sample_to_proto
+from services.reward import verifiers
+from services.reward.config import Settings
+from services.reward.scoring import RewardSpec, Scorer, load_function
+from services.reward.server import start
+
+# ---------------------------------------------------------------- custom functions the tests configure
+
+
+def length_bonus(sample: Sample) -> float:
+    return min(len(sample.response), 10) / 10
+
+
+async def async_contains_label(sample: Sample) -> dict:
+    await asyncio.sleep(0)
+    return {"score": float(sample.label in sample.response), "pred_len": len(sample.response)}
+
+
+def broken(sample: Sample) -> float:
+    raise RuntimeError("the judge is down")
+
+
+def not_a_number(sample: Sample):
+    return "yes"
+
+
+def rank_in_group(samples: list[Sample]) -> list[float]:
+    """Shortest response in the group gets 1.0, the others 0.0."""
+    shortest = min(len(s.response) for s in samples)
+    return [float(len(s.response) == shortest) for s in samples]
+
+
+async def wrong_length_group(samples: list[Sample]) -> list[float]:
+    return [1.0]
+
+
+CUSTOM = {
+    "length_bonus": f"{__name__}:length_bonus",
+    "contains_label": f"{__name__}:async_contains_label",
+    "broken": f"{__name__}:broken",
+    "not_a_number": f"{__name__}:not_a_number",
+}
+GROUP = {"shortest": f"{__name__}:rank_in_group", "wrong_length": f"{__name__}:wrong_length_group"}
+
+
+def make_sample(index: int, response: str, label: str, **kw) -> Sample:
+    return Sample(
+        index=index, group_index=kw.pop("group_index", 0), prompt="What is it?", tokens=[5, 6, 7, 8, 9],
+        response=response, response_length=2, label=label, loss_mask=[1, 1],
+        rollout_log_probs=[-0.5, -0.25], status=Status.COMPLETED, **kw,
+    )
+
+
+# ---------------------------------------------------------------- verifiers
+
+MATH_CASES = [
+    # (response, label, expected)
+    (r"So the result is \boxed{\frac{1}{2}}.", "0.5", 1.0),
+    (r"\boxed{\dfrac{3}{4}}", "0.75", 1.0),
+    (r"\boxed{\dfrac{3}{4}}", r"\frac34", 1.0),
+    (r"\boxed{\tfrac{6}{8}}", "3/4", 1.0),
+    (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+    (r"\boxed{\frac{1}{3}}", "0.33", 0.0),
+    (r"\boxed{\$1,000}", "1000", 1.0),
+    (r"\boxed{12.0}", "12", 1.0),
+    (r"\boxed{5 \text{ dollars}}", "5", 1.0),
+    (r"\boxed{\text{5 cm}^2}", "5", 1.0),
+    (r"\boxed{90^\circ}", "90", 1.0),
+    (r"\boxed{50\%}", "50", 1.0),
+    (r"\boxed{x = 3}", "3", 1.0),
+    (r"\boxed{\left( 1, 2 \right)}", "(1,2)", 1.0),
+    (r"\boxed{(1,2]}", "(1,2)", 0.0),
+    (r"\boxed{(\frac{1}{2}, 3)}", "(0.5, 3)", 1.0),
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", 1.0),
+    (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt2}", 1.0),
+    (r"\boxed{2\pi}", r"2 \pi", 1.0),
+    (r"\boxed{2x+1}", "1 + 2x", 1.0),
+    (r"\boxed{-\frac{1}{2}}", "-0.5", 1.0),
+    (r"\boxed{\ln x}", r"\log(x)", 1.0),
+    (r"\boxed{(x+1)^2}", "x^2 + 2x + 1", 1.0),
+    (r"\boxed{(x+1)^{1000}}", "x^{1000} + 1", 0.0),  # decided without a slow symbolic simplify
+    (r"\boxed{\{1, 2\}}", r"\{1,2\}", 1.0),
+    (r"first \boxed{4}, then corrected: \boxed{5}", "5", 1.0),  # the last box counts
+    (r"\boxed{\boxed{7}}", "7", 1.0),
+    (r"\boxed 7", "7", 1.0),
+    ("The answer is $42$.", "42", 1.0),
+    ("Final answer: 1/2", r"\frac{1}{2}", 1.0),
+    ("We get 3 apples, then 4 more: 7", "7", 1.0),  # last number as a last resort
+    (r"\boxed{3}", "4", 0.0),
+    ("I do not know.", "3", 0.0),  # no answer at all
+    ("", "3", 0.0),
+    (r"\boxed{9^{9^{9}}}", "1", 0.0),  # a power tower must not hang the verifier
+    (r"\boxed{().__class__}", "1", 0.0),  # never evaluated as Python
+    ("Work... The solution: \\boxed{6}", r"Step 1 ... so \boxed{6}", 1.0),  # label with a worked solution
+]
+
+
+@pytest.mark.parametrize("response,label,expected", MATH_CASES)
+def test_math_verifier(response, label, expected):
+    assert verifiers.math(response, label, {}) == expected
+
+
+@pytest.mark.parametrize(
+    "response,label,expected",
+    [
+        ("Paris", "paris", 1.0),
+        ("  PARIS \n", "Paris", 1.0),
+        ("The answer is Paris.", "Paris", 1.0),
+        (r"\boxed{New   York}", "new york", 1.0),
+        ("I think it is Paris", "Paris", 0.0),
+        ("NYC", '["New York", "NYC"]', 1.0),  # a JSON list of accepted answers
+        ("London", "Paris", 0.0),
+    ],
+)
+def test_exact_match(response, label, expected):
+    assert verifiers.exact_match(response, label, {}) == expected
+
+
+def test_f1():
+    assert verifiers.f1("the Eiffel Tower", "Eiffel tower", {}) == 1.0
+    assert verifiers.f1("Eiffel", "Eiffel Tower", {}) == pytest.approx(2 / 3)
+    assert verifiers.f1("London", "Paris", {}) == 0.0
+    assert verifiers.f1(r"... \boxed{Eiffel Tower}", '["Louvre", "Eiffel Tower"]', {}) == 1.0
+
+
+@pytest.mark.parametrize(
+    "response,label,expected",
+    [
+        ("The answer is (B).", "B", 1.0),
+        ("**C**", "C", 1.0),
+        (r"So \boxed{\text{(D)}}", "D. forty-two", 1.0),
+        ("Answer: E", "(e)", 1.0),
+        ("(A) is wrong, (C) fits", "C", 1.0),
+        ("The answer is (B).", "C", 0.0),
+        ("the answer is a dog", "A", 0.0),  # an article, not a choice
+        ("no idea", "A", 0.0),
+    ],
+)
+def test_multiple_choice(response, label, expected):
+    assert verifiers.multiple_choice(response, label, {}) == expected
+
+
+def test_format():
+    assert verifiers.format(r"... \boxed{3}", "", {}) == 1.0
+    assert verifiers.format(r"... \boxed{}", "", {}) == 0.0
+    assert verifiers.format("3", "", {}) == 0.0
+
+
+def test_missing_label_is_an_error_not_a_zero():
+    for name in ("math", "exact_match", "f1", "multiple_choice"):
+        with pytest.raises(ValueError, match="no label"):
+            verifiers.VERIFIERS[name](r"\boxed{1}", "  ", {})
+    with pytest.raises(ValueError, match="not a choice letter"):
+        verifiers.multiple_choice("A", "forty-two", {})
+
+
+# ---------------------------------------------------------------- scorer (plain logic)
+
+
+@pytest.fixture
+def scorer() -> Scorer:
+    return Scorer.from_config({"exact_match": 1.0}, CUSTOM, GROUP)
+
+
+def test_weighted_sum_of_components(scorer):
+    s = make_sample(0, r"\boxed{12}", "12")
+    asyncio.run(scorer.score_samples([s], RewardSpec({"math": 1.0, "format": 0.5, "length_bonus": -1.0})))
+    assert s.reward_components == {"math": 1.0, "format": 1.0, "length_bonus": 1.0}
+    assert s.reward == pytest.approx(0.5)
+    assert s.status == Status.COMPLETED
+
+
+def test_empty_spec_uses_the_defaults(scorer):
+    s = make_sample(0, "yes", "YES")
+    asyncio.run(scorer.score_samples([s], RewardSpec()))
+    assert s.reward_components == {"exact_match": 1.0} and s.reward == 1.0
+
+
+def test_dict_reward_needs_reward_key(scorer):
+    right, wrong = make_sample(0, "it is 7", "7"), make_sample(1, "it is 8", "7")
+    asyncio.run(scorer.score_samples([right, wrong], RewardSpec({"contains_label": 2.0}, reward_key="score")))
+    assert (right.reward, wrong.reward) == (2.0, 0.0)
+
+    s = make_sample(2, "it is 7", "7")
+    asyncio.run(scorer.score_samples([s], RewardSpec({"contains_label": 1.0})))
+    assert s.status == Status.FAILED
+    assert "set reward_key" in s.metadata["reward_error"]
+
+
+def test_per_sample_override_through_metadata(scorer):
+    by_name = make_sample(0, r"\boxed{0.5}", r"\frac12", metadata={"reward": "math"})
+    by_dict = make_sample(1, r"\boxed{B}", "B", metadata={"reward": {"multiple_choice": 3.0}})
+    plain = make_sample(2, r"\boxed{0.5}", r"\frac12")
+    asyncio.run(scorer.score_samples([by_name, by_dict, plain], RewardSpec({"exact_match": 1.0})))
+    assert by_name.reward_components == {"math": 1.0} and by_name.reward == 1.0
+    assert by_dict.reward_components == {"multiple_choice": 1.0} and by_dict.reward == 3.0
+    assert plain.reward_components == {"exact_match": 0.0}
+
+
+def test_failing_component_marks_the_sample_failed(scorer):
+    ok, bad_label = make_sample(0, r"\boxed{1}", "1"), make_sample(1, r"\boxed{1}", "")
+    asyncio.run(scorer.score_samples([ok, bad_label], RewardSpec({"math": 1.0})))
+    assert ok.status == Status.COMPLETED and ok.reward == 1.0
+    assert bad_label.status == Status.FAILED and bad_label.reward == 0.0
+    assert "no label" in bad_label.metadata["reward_error"]
+
+    for name, reason in (("broken", "RuntimeError: the judge is down"), ("not_a_number", "returned str")):
+        s = make_sample(2, "x", "x")
+        asyncio.run(scorer.score_samples([s], RewardSpec({"exact_match": 1.0, name: 1.0})))
+        assert s.status == Status.FAILED and reason in s.metadata["reward_error"]
+        assert s.reward_components == {"exact_match": 1.0}  # what did work is kept for inspection
+
+
+def test_already_failed_samples_are_left_alone(scorer):
+    s = make_sample(0, "", "3")
+    s.status, s.metadata = Status.FAILED, {"error": "engine timed out"}
+    asyncio.run(scorer.score_samples([s], RewardSpec({"broken": 1.0})))
+    assert s.metadata == {"error": "engine timed out"} and s.reward_components == {}
+
+
+def test_group_functions(scorer):
+    group = SampleGroup("g0", 0, [make_sample(i, "x" * (i + 1), "x") for i in range(3)])
+    asyncio.run(scorer.score_groups([group], RewardSpec({"shortest": 1.0, "exact_match": 1.0})))
+    assert group.rewards == [2.0, 0.0, 0.0]
+
+    group = SampleGroup("g1", 1, [make_sample(i, "x", "x") for i in range(3)])
+    asyncio.run(scorer.score_groups([group], RewardSpec({"wrong_length": 1.0})))
+    assert all(s.status == Status.FAILED for s in group.samples)
+    assert "returned 1 rewards for a group of 3" in group.samples[0].metadata["reward_error"]
+
+
+def test_bad_specs_are_invalid_arguments(scorer):
+    s = make_sample(0, "x", "x")
+    with pytest.raises(errors.InvalidArgument, match="unknown reward component 'nope'; known components: .*math"):
+        asyncio.run(scorer.score_samples([s], RewardSpec({"nope": 1.0})))
+    with pytest.raises(errors.InvalidArgument, match="scores whole groups; call ScoreGroups"):
+        asyncio.run(scorer.score_samples([s], RewardSpec({"shortest": 1.0})))
+    with pytest.raises(errors.InvalidArgument, match="finite"):
+        asyncio.run(scorer.score_samples([s], RewardSpec({"math": float("nan")})))
+    s.metadata["reward"] = ["math"]
+    with pytest.raises(errors.InvalidArgument, match=r"sample 0: metadata\['reward'\]"):
+        asyncio.run(scorer.score_samples([s], RewardSpec()))
+    assert s.reward_components == {}  # nothing was scored
+
+
+def test_settings_and_loading():
+    with pytest.raises(ValidationError, match="built-in verifier"):
+        Settings(custom_functions={"math": "pkg.mod:fn"})
+    with pytest.raises(ValidationError, match="not an import path"):
+        Settings(custom_functions={"mine": "os.system('x')"})
+    with pytest.raises(ValidationError, match="unknown component 'mine'"):
+        Settings(default_components={"mine": 1.0})
+    with pytest.raises(ValueError, match="cannot import module"):
+        load_function("no_such_module_xyz:fn")
+    with pytest.raises(ValueError, match="has no attribute"):
+        load_function(f"{__name__}:no_such_function")
+
+
+def test_settings_from_environment(monkeypatch):
+    monkeypatch.setenv("RLMESH_REWARD_PORT", "6123")
+    monkeypatch.setenv("RLMESH_REWARD_DEFAULT_COMPONENTS", '{"math": 1.0}')
+    settings = Settings()
+    assert settings.port == 6123 and settings.default_components == {"math": 1.0}
+
+
+# ---------------------------------------------------------------- the gRPC service on loopback
+
+
+@pytest.fixture
+def reward_channel(loop_thread):
+    settings = Settings(port=0, default_components={"math": 1.0}, custom_functions=CUSTOM, group_functions=GROUP)
+    server, port = loop_thread.run(start(settings))
+    channel = sync_channel(f"127.0.0.1:{port}")
+    yield channel
+    channel.close()
+    loop_thread.run(server.stop(None))
+
+
+def test_score_over_grpc(reward_channel):
+    stub = reward_pb2_grpc.RewardStub(reward_channel)
+    samples = [make_sample(0, r"\boxed{\frac{1}{2}}", "0.5"), make_sample(1, r"\boxed{2}", "0.5"), make_sample(2, "x", "")]
+    reply = stub.Score(reward_pb2.ScoreRequest(samples=[sample_to_proto(s) for s in samples]), timeout=30)
+    scored = [sample_from_proto(m) for m in reply.samples]
+    assert [s.reward for s in scored] == [1.0, 0.0, 0.0]
+    assert [s.status for s in scored] == [Status.COMPLETED, Status.COMPLETED, Status.FAILED]
+    assert "no label" in scored[2].metadata["reward_error"]
+    assert scored[0].tokens == samples[0].tokens and scored[0].loss_mask == [1, 1]  # nothing else changed
+
+    spec = reward_pb2.RewardSpec(components={"contains_label": 1.0, "format": 0.5}, reward_key="score")
+    reply = stub.Score(reward_pb2.ScoreRequest(samples=[sample_to_proto(samples[0])], spec=spec), timeout=30)
+    assert dict(reply.samples[0].reward_components) == {"contains_label": 0.0, "format": 1.0}
+    assert reply.samples[0].reward == 0.5
+
+    health = health_pb2_grpc.HealthStub(reward_channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service="rlmesh.v1.Reward"), timeout=10).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_score_groups_over_grpc(reward_channel):
+    stub = reward_pb2_grpc.RewardStub(reward_channel)
+    groups = [
+        SampleGroup(f"g{g}", g, [make_sample(4 * g + i, "y" * (i + 1), "y", group_index=g) for i in range(4)])
+        for g in range(2)
+    ]
+    spec = reward_pb2.RewardSpec(components={"shortest": 1.0, "exact_match": 0.5})
+    reply = stub.ScoreGroups(reward_pb2.ScoreGroupsRequest(groups=[group_to_proto(g) for g in groups], spec=spec), timeout=30)
+    scored = [group_from_proto(m) for m in reply.groups]
+    assert [g.group_id for g in scored] == ["g0", "g1"]
+    assert [g.rewards for g in scored] == [[1.5, 0.0, 0.0, 0.0]] * 2
+
+
+def _code_and_message(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def test_bad_requests_over_grpc(reward_channel):
+    stub = reward_pb2_grpc.RewardStub(reward_channel)
+    good = sample_to_proto(make_sample(0, "x", "x"))
+
+    code, message = _code_and_message(lambda: stub.Score(reward_pb2.ScoreRequest(), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "no samples" in message
+    code, message = _code_and_message(lambda: stub.ScoreGroups(reward_pb2.ScoreGroupsRequest(), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "no groups" in message
+    empty_group = reward_pb2.ScoreGroupsRequest(groups=[sample_pb2.SampleGroup(group_id="g7")])
+    code, message = _code_and_message(lambda: stub.ScoreGroups(empty_group, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "'g7'" in message
+
+    unknown = reward_pb2.ScoreRequest(samples=[good], spec=reward_pb2.RewardSpec(components={"nope": 1.0}))
+    code, message = _code_and_message(lambda: stub.Score(unknown, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "unknown reward component 'nope'" in message
+    assert "length_bonus" in message and "math" in message  # lists what is known
+
+    malformed = sample_pb2.Sample()
+    malformed.CopyFrom(good)
+    malformed.loss_mask = bytes([1, 1, 1])  # three mask entries, response_length 2
+    code, message = _code_and_message(lambda: stub.Score(reward_pb2.ScoreRequest(samples=[malformed]), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "loss_mask has 3 entries but response_length is 2" in message
+
+    for call, request in (
+        (stub.RegisterService, reward_pb2.RegisterServiceRequest()),
+        (stub.ListServices, reward_pb2.ListServicesRequest()),
+        (stub.UnregisterService, reward_pb2.UnregisterServiceRequest(name="x")),
+    ):
+        code, message = _code_and_message(lambda: call(request, timeout=10))
+        assert code == grpc.StatusCode.UNIMPLEMENTED and "not implemented yet" in message
