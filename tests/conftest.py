@@ -96,3 +96,45 @@ async def _stop(server) -> None:
     result = server.stop(0)
     if inspect.isawaitable(result):
         await result
+
+
+def _wait_http(url: str, proc, timeout: float = 120.0) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"engine did not start (exit code {proc.poll()})")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir, tmp_path_factory):
+    """The CPU reference engine in its own process (as in production: the weight group's
+    ranks must live in different processes)."""
+    import subprocess
+    import sys
+
+    from services.common.redis_server import free_port
+
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("engine") / "engine.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "engine", "--model-path", str(tiny_model_dir),
+         "--port", str(port), "--num-threads", "1"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

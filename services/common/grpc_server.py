@@ -56,6 +56,9 @@ class _StatusInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
+            except grpc.aio.AioRpcError as e:
+                # A call to another service failed: pass its status on, saying where it came from.
+                await context.abort(e.code(), f"{e.details()} (reported by an upstream rlmesh service)")
             except Exception as e:  # noqa: BLE001 - last resort: no stack trace on the wire
                 log.exception("unhandled error in %s", method)
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}")

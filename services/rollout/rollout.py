@@ -204,7 +204,8 @@ class RolloutManager:
             run_id=req.run_id, num_groups=req.num_groups, worker_id="rollout-sft"))
         groups = [group_from_proto(g) for g in resp.groups]
         for g in groups:
-            g.samples = [sft_sample(tokenizer, s, req.apply_chat_template) for s in g.samples]
+            # One supervised sample per prompt: the group's copies would all be identical.
+            g.samples = [sft_sample(tokenizer, g.samples[0], req.apply_chat_template)]
         await self._put(req.run_id, groups)
         return rollout_pb2.GenerateRolloutResponse(
             groups_written=len(groups), metrics={"rollout/seconds": time.monotonic() - start})

@@ -1,0 +1,42 @@
+"""Settings of the CPU reference inference engine (an HTTP server that speaks SGLang's
+native API over a Hugging Face causal LM). `rlmesh serve engine --help` prints them."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServiceSettings
+
+
+class Settings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="RLMESH_ENGINE_", extra="forbid")
+
+    model_path: str = Field("", description="Local Hugging Face checkpoint directory of a causal LM (required).")
+    tokenizer_path: str = Field("", description="Tokenizer directory; empty means model_path.")
+    served_model_name: str = Field("", description="Name reported by /get_model_info; empty means model_path.")
+    device: str = Field("cpu", description="Torch device the model runs on; built and tested for 'cpu' ('cuda' is untested).")
+    dtype: str = Field(
+        "float32", description="Parameter dtype: float32, bfloat16, float16, or 'auto' for the checkpoint's own."
+    )
+    attn_implementation: str = Field("sdpa", description="transformers attention implementation: sdpa or eager.")
+    max_batch_size: int = Field(64, ge=1, description="Most sequences decoded together (SGLang's max_running_requests).")
+    context_length: int = Field(
+        0, ge=0, description="Longest prompt + output in tokens; 0 means the model's max_position_embeddings."
+    )
+    num_threads: int = Field(2, ge=0, description="torch.set_num_threads for the engine process; 0 leaves torch's default.")
+    weight_version: str = Field("default", description="Weight version reported until the first weight update.")
+    seed: int | None = Field(None, description="Seed of the sampling random generator; empty means random.")
+    weight_group_timeout_s: float = Field(
+        300.0, gt=0, description="How long joining a weight-update group or receiving a broadcast may take."
+    )
+    health_generate_timeout_s: float = Field(
+        20.0, gt=0, description="/health_generate answers 503 when a one-token generation takes longer than this."
+    )
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, in-flight requests are aborted (answering with their partial output); "
+        "this bounds how long the server then waits for their responses to be sent."
+    )
+    reported_version: str = Field(
+        "0.5.23", description="SGLang version reported by /get_server_info (the API level this engine mimics)."
+    )

@@ -1,0 +1,224 @@
+"""Weight updates for the reference engine, the way SGLang receives them:
+
+- a weight-update process group joined with `services.common.weight_group` (the trainer is
+  rank 0 and the source of every broadcast; this engine is rank `rank_offset`);
+- `update_weights_from_distributed`: one `broadcast(src=0)` per tensor in `names` order,
+  each allocated with its announced dtype and shape; or, with load_format
+  "flattened_bucket", a single uint8 broadcast holding the tensors' bytes back to back in
+  `names` order with no padding (SGLang's `FlattenedTensorBucket.from_specs`: tensor i
+  starts where tensor i-1 ends);
+- `update_weights_from_disk`: the safetensors (or .bin) files of a checkpoint directory.
+
+Tensors are matched to the model by Hugging Face name (`model.state_dict()` names, tied
+aliases such as lm_head.weight included). Unlike SGLang, a bad name or shape is found
+before anything is copied, so a failed update leaves the old weights whole. Everything
+here is blocking; the server calls it from worker threads, and `load_into_model` from the
+engine thread between decode steps."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from services.common.weight_group import destroy_weight_group, init_weight_group
+
+
+class WeightUpdateError(ValueError):
+    """An update that cannot be applied; answered as {"success": false, "message"} with 400."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def parse_dtype(name: Any) -> torch.dtype:
+    candidate = getattr(torch, str(name).removeprefix("torch."), None) if isinstance(name, str) else None
+    if not isinstance(candidate, torch.dtype):
+        raise WeightUpdateError(f"unknown dtype {name!r}; use torch dtype names such as 'bfloat16' or 'float32'")
+    return candidate
+
+
+def parse_specs(names: Any, dtypes: Any, shapes: Any) -> list[TensorSpec]:
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise WeightUpdateError("names must be a non-empty list of parameter names")
+    if not isinstance(dtypes, list) or not isinstance(shapes, list) or not len(names) == len(dtypes) == len(shapes):
+        raise WeightUpdateError(
+            f"names, dtypes and shapes must be lists of equal length (got {len(names)}, "
+            f"{len(dtypes) if isinstance(dtypes, list) else '?'}, {len(shapes) if isinstance(shapes, list) else '?'})"
+        )
+    specs = []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise WeightUpdateError(f"shape of {name!r} must be a list of non-negative integers, got {shape!r}")
+        specs.append(TensorSpec(name, parse_dtype(dtype), tuple(shape)))
+    return specs
+
+
+# -- the process group -------------------------------------------------------
+
+
+class WeightGroups:
+    """Weight-update groups this engine has joined, by group name."""
+
+    def __init__(self, device: torch.device, timeout_s: float) -> None:
+        self.device = device
+        self.timeout_s = timeout_s
+        self._groups: dict[str, dist.ProcessGroup] = {}
+
+    def init(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        """Join the group as rank `rank_offset` (this engine has one TP rank); blocks until
+        every rank, the trainer's rank 0 included, has joined."""
+        if group_name in self._groups:
+            raise WeightUpdateError(f"weight-update group {group_name!r} already exists; destroy it first")
+        if not 1 <= rank_offset < world_size:
+            raise WeightUpdateError(f"rank_offset must be in [1, world_size) (rank 0 is the trainer); got {rank_offset}")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise WeightUpdateError("backend 'nccl' needs a GPU; the reference engine on cpu joins with backend 'gloo'")
+        try:
+            group = init_weight_group(
+                backend, master_address, master_port, world_size, rank_offset, group_name, timeout_seconds=self.timeout_s
+            )
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            raise WeightUpdateError(f"failed to join weight-update group {group_name!r}: {type(e).__name__}: {e}") from e
+        self._groups[group_name] = group
+
+    def get(self, group_name: str) -> dist.ProcessGroup:
+        group = self._groups.get(group_name)
+        if group is None:
+            raise WeightUpdateError(
+                f"weight-update group {group_name!r} not found (known: {sorted(self._groups)}); "
+                "call /init_weights_update_group first"
+            )
+        return group
+
+    def destroy(self, group_name: str) -> None:
+        group = self._groups.pop(group_name, None)
+        if group is None:
+            raise WeightUpdateError(f"weight-update group {group_name!r} does not exist")
+        destroy_weight_group(group, group_name)
+
+    def destroy_all(self) -> None:
+        for name in list(self._groups):
+            self.destroy(name)
+
+
+def receive(
+    specs: Sequence[TensorSpec], group: dist.ProcessGroup, load_format: str | None, device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive the tensors broadcast by rank 0, in `specs` order."""
+    if load_format not in (None, "flattened_bucket"):
+        raise WeightUpdateError(f"unknown load_format {load_format!r}; use null or 'flattened_bucket'")
+    try:
+        if load_format is None:
+            received = []
+            for spec in specs:
+                tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+                dist.broadcast(tensor, src=0, group=group)
+                received.append((spec.name, tensor))
+            return received
+        bucket = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=device)
+        dist.broadcast(bucket, src=0, group=group)
+    except Exception as e:  # noqa: BLE001 - reported to the caller
+        raise WeightUpdateError(f"receiving the broadcast failed: {type(e).__name__}: {e}") from e
+    received, offset = [], 0
+    for spec in specs:
+        # clone: a dtype view needs its start aligned to the dtype size, the bucket has no padding.
+        chunk = bucket[offset : offset + spec.nbytes].clone()
+        received.append((spec.name, chunk.view(spec.dtype).reshape(spec.shape)))
+        offset += spec.nbytes
+    return received
+
+
+# -- the model's side --------------------------------------------------------
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by Hugging Face name, tied aliases included."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def check_against_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    targets = model_tensors(model)
+    unknown, mismatched = [], []
+    for name, tensor in named:
+        target = targets.get(name)
+        if target is None:
+            unknown.append(name)
+        elif tuple(target.shape) != tuple(tensor.shape):
+            mismatched.append(f"{name}: model {list(target.shape)}, sent {list(tensor.shape)}")
+    problems = []
+    if unknown:
+        problems.append(f"unknown parameter name(s) {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
+    if mismatched:
+        problems.append(f"shape mismatch: {'; '.join(mismatched[:10])}")
+    if problems:
+        raise WeightUpdateError("; ".join(problems) + ". No weights were changed.")
+
+
+def load_into_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy tensors into the model (converting dtype/device); run between decode steps."""
+    targets = model_tensors(model)
+    count = 0
+    with torch.no_grad():
+        for name, tensor in named:
+            targets[name].data.copy_(tensor)
+            count += 1
+    return count
+
+
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face checkpoint directory (safetensors, else .bin)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise WeightUpdateError(f"model_path {str(path)!r} is not a directory")
+    tensors: dict[str, torch.Tensor] = {}
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        for f in files:
+            tensors.update(load_file(str(f)))
+    else:
+        for f in sorted(directory.glob("*.bin")):
+            tensors.update(torch.load(f, map_location="cpu", weights_only=True))
+    if not tensors:
+        raise WeightUpdateError(f"no *.safetensors or *.bin weight files in {str(path)!r}")
+    return tensors
+
+
+def checkpoint_for_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors this model has (extra ones, e.g. rotary inv_freq, are skipped);
+    shapes must match and at least one must be found."""
+    targets = model_tensors(model)
+    named = [(n, t) for n, t in tensors.items() if n in targets]
+    if not named:
+        raise WeightUpdateError(f"none of the checkpoint's {len(tensors)} tensors match this model's parameter names")
+    check_against_model(model, named)
+    return named
+
+
+def weights_by_name(model: torch.nn.Module, name: str, truncate_size: int) -> Any:
+    """A parameter as (nested) lists of float32 values, its first dimension cut to
+    truncate_size, like SGLang's /get_weights_by_name."""
+    tensor = model_tensors(model).get(name)
+    if tensor is None:
+        raise WeightUpdateError(f"unknown parameter name {name!r}")
+    data = tensor.detach()
+    if data.dim() > 0:
+        data = data[:truncate_size]
+    return data.to(device="cpu", dtype=torch.float32).tolist()

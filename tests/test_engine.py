@@ -1,0 +1,544 @@
+"""The CPU reference engine, over real HTTP on loopback: SGLang's /generate shapes, stop
+conditions, abort, pause, info endpoints, and weight updates received from a real gloo
+group (this test process plays the trainer, rank 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.common.tiny_model import build_tiny_model
+from services.common.weight_group import destroy_weight_group, init_weight_group
+from services.rollout.engine.config import Settings
+from services.rollout.engine.server import start
+
+# Long enough that a request with ignore_eos is still running when a test aborts it.
+LONG = {"max_new_tokens": 100_000, "ignore_eos": True, "temperature": 0}
+
+
+def _settings(model_dir: Path, **overrides) -> Settings:
+    values = dict(model_path=str(model_dir), num_threads=1, max_batch_size=8, seed=0, context_length=1_000_000)
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture
+def engine_url(loop_thread, tiny_model_dir):
+    server, port = loop_thread.run(start(_settings(tiny_model_dir)))
+    yield f"http://127.0.0.1:{port}"
+    loop_thread.run(server.stop())
+
+
+@pytest.fixture
+def client(engine_url):
+    with httpx.Client(base_url=engine_url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def _in_background(fn, *args, **kwargs) -> Future:
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(fn, *args, **kwargs)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _wait_until_in_flight(client: httpx.Client) -> None:
+    """/flush_cache answers 400 while requests are in flight."""
+    while client.post("/flush_cache", json={}).status_code != 400:
+        time.sleep(0.01)
+
+
+def _greedy(client: httpx.Client, input_ids: list[int], n: int = 20, **extra) -> dict:
+    params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **extra}
+    r = client.post("/generate", json={"input_ids": input_ids, "sampling_params": params, "return_logprob": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream_chunks(base_url: str, body: dict, on_chunk) -> list[dict]:
+    chunks = []
+    with httpx.Client(base_url=base_url, timeout=60) as c, c.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            chunks.append(json.loads(line[len("data: "):]))
+            on_chunk(chunks)
+    return chunks
+
+
+# -- /generate ------------------------------------------------------------------
+
+
+def test_generate_shapes_and_logprobs(client, tokenizer):
+    r = client.post(
+        "/generate",
+        json={
+            "text": "hello",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "ignore_eos": True},
+            "return_logprob": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()
+    meta = out["meta_info"]
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    assert len(out["output_ids"]) == 6 == meta["completion_tokens"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == len(tokenizer("hello")["input_ids"])
+    assert meta["cached_tokens"] == 0
+    assert meta["weight_version"] == "default"
+    assert isinstance(meta["id"], str) and meta["id"]
+    logprobs = meta["output_token_logprobs"]
+    assert [entry[1] for entry in logprobs] == out["output_ids"]
+    assert all(len(e) == 3 and isinstance(e[0], float) and e[0] <= 0 and e[2] is None for e in logprobs)
+    assert out["text"] == tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+
+    r = client.post(
+        "/generate",
+        json={"text": "hi", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True, "return_text_in_logprobs": True},
+    )
+    for lp, token_id, text in r.json()["meta_info"]["output_token_logprobs"]:
+        assert text == tokenizer.decode([token_id])
+
+
+def test_greedy_matches_the_model_and_logprobs(client, tokenizer, hf_model):
+    prompt = tokenizer("The cat")["input_ids"]
+    out = _greedy(client, prompt, n=12)
+    ids = out["output_ids"]
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt + ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    for i, (lp, token_id, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+        position = len(prompt) + i - 1
+        assert token_id == int(logits[position].argmax())
+        assert lp == pytest.approx(float(logprobs[position, token_id]), abs=1e-4)
+
+
+def test_temperature_scales_logprobs(client, tokenizer, hf_model):
+    prompt = tokenizer("abc")["input_ids"]
+    r = client.post(
+        "/generate",
+        json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0.5}, "return_logprob": True},
+    )
+    out = r.json()
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt + out["output_ids"]])).logits[0].float()
+    expected = torch.log_softmax(logits / 0.5, dim=-1)
+    for i, (lp, token_id, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+        assert lp == pytest.approx(float(expected[len(prompt) + i - 1, token_id]), abs=1e-4)
+
+
+def test_filters_and_seed(client, tokenizer):
+    prompt = tokenizer("Filters")["input_ids"]
+    greedy = _greedy(client, prompt, n=8)["output_ids"]
+    # top_k=1, min_p=1 and a tiny top_p each leave only the most likely token.
+    for extra in [{"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}]:
+        assert _greedy(client, prompt, n=8, temperature=1.0, **extra)["output_ids"] == greedy, extra
+    seeded = [_greedy(client, prompt, n=8, temperature=1.0, sampling_seed=42)["output_ids"] for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_prompt_logprobs(client, tokenizer, hf_model):
+    prompt = tokenizer("prompt tokens")["input_ids"]
+    r = client.post(
+        "/generate",
+        json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+              "logprob_start_len": 0, "top_logprobs_num": 2},
+    )
+    meta = r.json()["meta_info"]
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    entries = meta["input_token_logprobs"]
+    assert [e[1] for e in entries] == prompt and entries[0][0] is None
+    for i, (lp, token_id, _) in enumerate(entries[1:], start=1):
+        assert lp == pytest.approx(float(logprobs[i - 1, token_id]), abs=1e-4)
+    assert len(meta["output_top_logprobs"]) == 1 and len(meta["output_top_logprobs"][0]) == 2
+
+
+def test_stop_token_ids_and_trim(client, tokenizer):
+    prompt = tokenizer("Once upon")["input_ids"]
+    # ignore_eos would also ignore stop_token_ids (as in SGLang): keep EOS away with a bias instead.
+    no_eos = {"ignore_eos": False, "logit_bias": {str(tokenizer.eos_token_id): -1000.0}}
+    base = _greedy(client, prompt, **no_eos)["output_ids"]
+    stop_id = base[3]
+    cut = base.index(stop_id) + 1
+    out = _greedy(client, prompt, stop_token_ids=[stop_id], **no_eos)
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert out["output_ids"] == base[:cut]
+    assert out["meta_info"]["completion_tokens"] == cut
+    assert out["text"] == tokenizer.decode(base[: cut - 1], skip_special_tokens=True)
+    kept = _greedy(client, prompt, stop_token_ids=[stop_id], no_stop_trim=True, **no_eos)
+    assert kept["text"] == tokenizer.decode(base[:cut], skip_special_tokens=True)
+
+
+def test_stop_string(client, tokenizer):
+    prompt = tokenizer("Hello there")["input_ids"]
+    base = _greedy(client, prompt, n=30)["output_ids"]
+    full = tokenizer.decode(base, skip_special_tokens=True)
+    assert len(full) >= 6, "the tiny model should produce printable text"
+    stop = full[3:5]
+    cut = next(k for k in range(1, len(base) + 1) if stop in tokenizer.decode(base[:k], skip_special_tokens=True))
+    out = _greedy(client, prompt, n=30, stop=[stop, "@@never@@"])
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == base[:cut]
+    assert out["text"] == full[: full.find(stop)]
+    kept = _greedy(client, prompt, n=30, stop=stop, no_stop_trim=True)
+    assert kept["text"] == tokenizer.decode(base[:cut], skip_special_tokens=True)
+
+
+def test_eos_stops_unless_ignored(client, tokenizer):
+    prompt = tokenizer("x")["input_ids"]
+    eos = tokenizer.eos_token_id
+    # logit_bias makes EOS the greedy choice.
+    params = {"max_new_tokens": 5, "temperature": 0, "logit_bias": {str(eos): 1000.0}}
+    out = client.post("/generate", json={"input_ids": prompt, "sampling_params": params}).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    assert out["output_ids"] == [eos]
+    ignored = client.post(
+        "/generate", json={"input_ids": prompt, "sampling_params": {**params, "ignore_eos": True}}
+    ).json()
+    assert ignored["output_ids"] == [eos] * 5
+    assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+
+def test_batch_answers_in_order_and_matches_single_requests(client, tokenizer):
+    prompts = [tokenizer(t)["input_ids"] for t in ["a", "a much longer prompt here", "mid length"]]
+    singles = [_greedy(client, p, n=10)["output_ids"] for p in prompts]
+    r = client.post(
+        "/generate",
+        json={
+            "input_ids": prompts,
+            "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True},
+            "rid": ["r0", "r1", "r2"],
+        },
+    )
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert isinstance(outs, list) and [o["meta_info"]["id"] for o in outs] == ["r0", "r1", "r2"]
+    assert [o["output_ids"] for o in outs] == singles
+    texts = client.post("/generate", json={"text": ["x", "yy"], "sampling_params": {"max_new_tokens": 2}}).json()
+    assert isinstance(texts, list) and len(texts) == 2
+    several = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2, "n": 3}}).json()
+    assert isinstance(several, list) and len(several) == 3
+
+
+def test_requests_joining_a_running_batch_are_not_disturbed(client, engine_url, tokenizer):
+    short_prompt = tokenizer("short")["input_ids"]
+    expected = _greedy(client, short_prompt, n=15)["output_ids"]
+    chunks_seen = threading.Event()
+    body = {"input_ids": tokenizer("a long running one")["input_ids"], "sampling_params": {**LONG}, "stream": True,
+            "rid": "runner"}
+    streaming = _in_background(_stream_chunks, engine_url, body, lambda chunks: chunks_seen.set())
+    assert chunks_seen.wait(30)
+    assert _greedy(client, short_prompt, n=15)["output_ids"] == expected
+    client.post("/abort_request", json={"rid": "runner"})
+    assert streaming.result(30)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_bad_input_is_400_with_a_message(client):
+    r = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokenz": 3}})
+    assert r.status_code == 400
+    assert "max_new_tokenz" in r.json()["error"]["message"]
+    for body in [
+        {"sampling_params": {}},
+        {"text": "x", "input_ids": [1]},
+        {"text": "x", "sampling_params": {"top_p": 0}},
+        {"text": "x", "sampling_params": {"temperature": "hot"}},
+        {"input_ids": [100000]},
+        {"text": ["a", "b"], "sampling_params": [{}]},
+    ]:
+        r = client.post("/generate", json=body)
+        assert r.status_code == 400, body
+        assert r.json()["error"]["message"]
+    r = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+# -- abort, pause, flush -------------------------------------------------------------
+
+
+def test_abort_in_flight_request_returns_partial_output(client):
+    pending = _in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG, "rid": "a-1"})
+    _wait_until_in_flight(client)
+    duplicate = client.post("/generate", json={"text": "go", "sampling_params": {"max_new_tokens": 1}, "rid": "a-1"})
+    assert duplicate.status_code == 400 and "a-1" in duplicate.json()["error"]["message"]
+    r = client.post("/abort_request", json={"rid": "a-1"})
+    assert r.status_code == 200 and r.content == b""
+    response = pending.result(30)
+    assert response.status_code == 200
+    out = response.json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]) < LONG["max_new_tokens"]
+    assert client.post("/abort_request", json={"rid": "unknown"}).status_code == 200
+    assert client.get("/flush_cache").status_code == 200
+
+
+def test_abort_all_while_streaming_keeps_the_tokens_so_far(client, engine_url):
+    body = {"text": "go", "sampling_params": LONG, "stream": True, "return_logprob": True}
+    started = threading.Event()
+    streaming = _in_background(_stream_chunks, engine_url, body, lambda chunks: len(chunks) >= 3 and started.set())
+    assert started.wait(30)
+    client.post("/abort_request", json={"abort_all": True})
+    chunks = streaming.result(30)
+    final = chunks[-1]
+    assert final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(final["output_ids"]) >= 3
+    assert len(final["meta_info"]["output_token_logprobs"]) == len(final["output_ids"])
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_pause_abort_mode_holds_new_requests_until_continue(client):
+    running = _in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG})
+    _wait_until_in_flight(client)
+    assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+    assert running.result(30).json()["meta_info"]["finish_reason"]["type"] == "abort"
+    held = _in_background(client.post, "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    time.sleep(0.3)
+    assert not held.done()
+    assert client.post("/continue_generation", json={}).status_code == 200
+    assert held.result(30).json()["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_keeps_running_requests(client, tokenizer, mode):
+    prompt = tokenizer("pause me")["input_ids"]
+    expected = _greedy(client, prompt, n=150)["output_ids"]
+    running = _in_background(_greedy, client, prompt, 150)
+    _wait_until_in_flight(client)
+    assert client.post("/pause_generation", json={"mode": mode}).status_code == 200
+    assert client.get("/flush_cache").status_code == 400
+    assert client.post("/continue_generation", json={}).status_code == 200
+    out = running.result(30)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 150}
+    assert out["output_ids"] == expected
+
+
+def test_pause_rejects_unknown_mode(client):
+    assert client.post("/pause_generation", json={"mode": "sleep"}).status_code == 400
+
+
+# -- info and health -------------------------------------------------------------------
+
+
+def test_info_and_health(client, tiny_model_dir):
+    info = client.get("/get_model_info").json()
+    assert info["model_path"] == str(tiny_model_dir)
+    assert info["tokenizer_path"] == str(tiny_model_dir)
+    assert info["is_generation"] is True
+    assert info["weight_version"] == "default"
+    assert client.get("/model_info").json() == info
+    server = client.get("/get_server_info").json()
+    assert server["tp_size"] == 1 and server["max_total_num_tokens"] > 0 and server["version"]
+    assert client.get("/server_info").status_code == 200
+    assert client.get("/health").status_code == 200
+    assert client.get("/health_generate").status_code == 200
+    assert client.post("/flush_cache", json={}).status_code == 200
+
+
+# -- weights: disk and get_weights_by_name -------------------------------------------
+
+
+def test_update_weights_from_disk(client, tmp_path):
+    other = build_tiny_model(tmp_path / "other", seed=7)
+    expected = load_file(str(next(other.glob("*.safetensors"))))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    before = client.post("/get_weights_by_name", json={"name": name, "truncate_size": 1000}).json()
+    assert before != expected[name].tolist()
+    r = client.post("/update_weights_from_disk", json={"model_path": str(other), "weight_version": "disk-1"})
+    assert r.status_code == 200 and r.json()["success"] is True, r.text
+    for n in [name, "model.embed_tokens.weight", "model.norm.weight"]:
+        got = client.post("/get_weights_by_name", json={"name": n, "truncate_size": 100_000}).json()
+        assert got == expected[n].tolist()
+    info = client.get("/get_model_info").json()
+    assert info["weight_version"] == "disk-1" and info["model_path"] == str(other)
+    out = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}}).json()
+    assert out["meta_info"]["weight_version"] == "disk-1"
+    bad = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})
+    assert bad.status_code == 400 and bad.json()["success"] is False and bad.json()["message"]
+    unknown = client.post("/get_weights_by_name", json={"name": "nope"})
+    assert unknown.status_code == 400 and "nope" in unknown.json()["error"]["message"]
+
+
+# -- weights over torch.distributed (engine in a subprocess: one process cannot hold both
+# -- ends of a group with the same name) -------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_ENGINE_MAIN = (
+    "import asyncio, logging, sys\n"
+    "logging.basicConfig(level=logging.INFO)\n"
+    "from services.rollout.engine.config import Settings\n"
+    "from services.rollout.engine.server import serve\n"
+    "asyncio.run(serve(Settings(model_path=sys.argv[1], port=int(sys.argv[2]), num_threads=1, seed=0,\n"
+    "                           context_length=1_000_000)))\n"
+)
+
+
+def _launch_engine(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """`serve(settings)` in its own process, as `rlmesh serve engine` runs it."""
+    port = _free_port()
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _ENGINE_MAIN, str(model_dir), str(port)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"engine did not start:\n{log_path.read_text()}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def engine_process(tiny_model_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("engine") / "engine.log"
+    proc, url = _launch_engine(tiny_model_dir, log_path)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, log_path.read_text()
+
+
+def test_sigterm_answers_in_flight_requests_with_their_partial_output(tiny_model_dir, tmp_path):
+    proc, url = _launch_engine(tiny_model_dir, tmp_path / "engine.log")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            pending = _in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG})
+            _wait_until_in_flight(client)
+            proc.send_signal(signal.SIGTERM)
+            response = pending.result(60)
+        assert response.status_code == 200
+        assert response.json()["meta_info"]["finish_reason"]["type"] == "abort"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+class Trainer:
+    """Rank 0 of a weight-update group, as the trainer runs it."""
+
+    def __init__(self, client: httpx.Client, group_name: str) -> None:
+        self.client = client
+        self.group_name = group_name
+        port = _free_port()
+        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "group_name": group_name, "backend": "gloo"}
+        joined = _in_background(client.post, "/init_weights_update_group", json=body)
+        self.group = init_weight_group("gloo", "127.0.0.1", port, 2, 0, group_name, timeout_seconds=60)
+        r = joined.result(60)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+
+    def send(self, named: list[tuple[str, torch.Tensor]], version: str, flattened: bool = False) -> httpx.Response:
+        body = {
+            "names": [n for n, _ in named],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named],
+            "group_name": self.group_name,
+            "weight_version": version,
+            "load_format": "flattened_bucket" if flattened else None,
+        }
+        answer = _in_background(self.client.post, "/update_weights_from_distributed", json=body)
+        if flattened:
+            bucket = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in named])
+            torch.distributed.broadcast(bucket, src=0, group=self.group)
+        else:
+            for _, t in named:
+                torch.distributed.broadcast(t, src=0, group=self.group)
+        return answer.result(60)
+
+    def close(self) -> None:
+        r = self.client.post("/destroy_weights_update_group", json={"group_name": self.group_name})
+        assert r.status_code == 200 and r.json()["success"] is True
+        destroy_weight_group(self.group, self.group_name)
+
+
+def _new_weights(hf_model, seed: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(n, (torch.randn(p.shape, generator=gen) * 0.05).to(dtype)) for n, p in hf_model.named_parameters()]
+
+
+def _assert_engine_has(client: httpx.Client, named: list[tuple[str, torch.Tensor]]) -> None:
+    for name, tensor in named:
+        got = client.post("/get_weights_by_name", json={"name": name, "truncate_size": 100_000}).json()
+        assert got == tensor.float().tolist(), name
+
+
+@pytest.mark.parametrize("flattened", [False, True], ids=["per-tensor", "flattened_bucket"])
+def test_update_weights_from_distributed(engine_process, hf_model, flattened):
+    with httpx.Client(base_url=engine_process, timeout=60) as client:
+        assert client.post("/begin_weight_update", json={"selector": "all"}).json()["success"] is True
+        trainer = Trainer(client, f"wu-{'flat' if flattened else 'plain'}")
+        version = f"v-{flattened}"
+        named = _new_weights(hf_model, seed=1 + flattened)
+        r = trainer.send(named, version, flattened=flattened)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        assert client.post("/end_weight_update", json={}).json()["success"] is True
+        _assert_engine_has(client, named)
+        assert client.get("/get_model_info").json()["weight_version"] == version
+        out = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}}).json()
+        assert out["meta_info"]["weight_version"] == version
+        trainer.close()
+
+
+def test_bad_weight_update_is_refused_and_changes_nothing(engine_process, hf_model):
+    with httpx.Client(base_url=engine_process, timeout=60) as client:
+        trainer = Trainer(client, "wu-bad")
+        good = _new_weights(hf_model, seed=5)
+        assert trainer.send(good, "good").json()["success"] is True
+        bad = [(good[0][0], torch.zeros(good[0][1].shape)), ("model.no_such.weight", torch.zeros(3))]
+        r = trainer.send(bad, "bad")
+        assert r.status_code == 400 and r.json()["success"] is False
+        assert "model.no_such.weight" in r.json()["message"]
+        _assert_engine_has(client, good[:1])
+        assert client.get("/get_model_info").json()["weight_version"] == "good"
+        # bfloat16 on the wire is converted into the float32 model.
+        halves = [(n, t.to(torch.bfloat16)) for n, t in _new_weights(hf_model, seed=6)[:2]]
+        assert trainer.send(halves, "bf16", flattened=True).json()["success"] is True
+        _assert_engine_has(client, halves)
+        trainer.close()
+        again = client.post("/destroy_weights_update_group", json={"group_name": "wu-bad"})
+        assert again.status_code == 400 and again.json()["success"] is False
+        missing = client.post("/update_weights_from_distributed", json={
+            "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "wu-bad"})
+        assert missing.status_code == 400 and "init_weights_update_group" in missing.json()["message"]

@@ -1,0 +1,106 @@
+"""Rollout service over real gRPC, with a real buffer (Redis), reward service and CPU
+reference engine (its own process), all on loopback."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, rollout_pb2, rollout_pb2_grpc
+from services.buffer.config import Settings as BufferSettings
+from services.buffer.server import start as start_buffer
+from services.common.grpc_server import sync_channel
+from services.common.run_config import SamplingConfig
+from services.common.sample import Status, group_from_proto
+from services.common.sampling import sampling_to_proto
+from services.reward.config import Settings as RewardSettings
+from services.reward.server import start as start_reward
+from services.rollout.config import Settings as RolloutSettings
+from services.rollout.server import start as start_rollout
+
+
+@pytest.fixture
+def stack(redis_url, start_in_loop, engine_url, tmp_path):
+    _, buffer_port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
+    _, reward_port = start_in_loop(lambda: start_reward(RewardSettings(port=0)))
+    _, rollout_port = start_in_loop(lambda: start_rollout(RolloutSettings(
+        port=0, buffer_address=f"127.0.0.1:{buffer_port}", reward_address=f"127.0.0.1:{reward_port}",
+        engine_urls=[engine_url])))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"rev {s}=", "label": s[::-1]}) + "\n" for s in ("abc", "bcd", "cde", "def")))
+    buffer = buffer_pb2_grpc.BufferStub(sync_channel(f"127.0.0.1:{buffer_port}"))
+    buffer.CreateRun(buffer_pb2.CreateRunRequest(run_id="r", n_samples_per_prompt=3, datasets=[
+        buffer_pb2.DatasetSpec(name="train", path=str(data)),
+        buffer_pb2.DatasetSpec(name="held_out", path=str(data), eval=True)]))
+    return buffer, rollout_pb2_grpc.RolloutStub(sync_channel(f"127.0.0.1:{rollout_port}"))
+
+
+def request(**kw) -> rollout_pb2.GenerateRolloutRequest:
+    defaults = dict(run_id="r", num_groups=2, n_samples_per_prompt=3,
+                    sampling=sampling_to_proto(SamplingConfig(max_new_tokens=6)),
+                    reward=reward_pb2.RewardSpec(components={"exact_match": 1.0}))
+    return rollout_pb2.GenerateRolloutRequest(**{**defaults, **kw})
+
+
+def test_rollout_writes_scored_groups_with_engine_tokens_and_logprobs(stack):
+    buffer, rollout = stack
+    r = rollout.GenerateRollout(request())
+    assert r.groups_written == 2 and r.metrics["rollout/samples"] == 6
+    lease = buffer.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r", num_groups=2))
+    groups = [group_from_proto(g) for g in lease.groups]
+    for g in groups:
+        assert [s.index for s in g.samples] == [g.group_index * 3 + i for i in range(3)]
+        for s in g.samples:
+            assert s.status in (Status.COMPLETED, Status.TRUNCATED)
+            assert 1 <= s.response_length <= 6
+            assert len(s.rollout_log_probs) == len(s.loss_mask) == s.response_length
+            assert all(lp <= 0 for lp in s.rollout_log_probs)
+            assert s.weight_versions == [0]  # engine reports "default" before any update
+            assert s.reward_components.keys() == {"exact_match"}
+            assert s.prompt_tokens  # prompt + response tokens, straight from the engine
+
+
+def test_sft_mode_writes_label_as_response(stack):
+    buffer, rollout = stack
+    assert rollout.GenerateRollout(request(mode="sft", num_groups=2)).groups_written == 2
+    g = group_from_proto(buffer.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r", num_groups=2)).groups[0])
+    s = g.samples[0]
+    assert len(g.samples) == 1 and s.response == s.label and s.loss_mask == [1] * s.response_length
+
+
+def test_over_sampling_hands_surplus_groups_back(stack):
+    buffer, rollout = stack
+    r = rollout.GenerateRollout(request(num_groups=1, over_sampling_groups=2))
+    assert r.groups_written == 1
+    stats = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r"))
+    assert stats.queued_groups == 1
+    assert stats.partial_groups + int(r.metrics["rollout/groups_aborted"]) >= 2  # nothing lost
+
+
+def test_evaluate_reports_metrics_per_dataset(stack):
+    _, rollout = stack
+    r = rollout.Evaluate(rollout_pb2.EvaluateRequest(
+        run_id="r", dataset="held_out", sampling=sampling_to_proto(SamplingConfig(max_new_tokens=4, temperature=0)),
+        reward=reward_pb2.RewardSpec(components={"exact_match": 1.0})))
+    assert r.metrics["eval/held_out/samples"] == 4
+    assert 0 <= r.metrics["eval/held_out/reward_mean"] <= 1
+
+
+def test_list_engines_and_errors(stack, engine_url):
+    _, rollout = stack
+    engines = rollout.ListEngines(rollout_pb2.ListEnginesRequest())
+    assert [e.url for e in engines.engines] == [engine_url] and engines.weight_group_world_size == 2
+    with pytest.raises(grpc.RpcError) as e:
+        rollout.GenerateRollout(request(run_id="missing"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as e:
+        rollout.GenerateRollout(request(num_groups=0))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        rollout.GenerateRollout(request(reward=reward_pb2.RewardSpec(components={"nope": 1.0})))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nope" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        rollout.StartAsyncRollout(request())
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
