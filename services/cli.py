@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--data-dir", default=".rlmesh", help="where Redis data, logs and the tiny model live")
         p.add_argument("--redis-url", default="", help="use this Redis instead of starting an embedded one")
     u.add_argument("--model-path", default="", help="a local Hugging Face checkpoint directory (default: the tiny model)")
+    d.add_argument("--sft-steps", type=int, default=35, help="SFT warm-start steps before RL")
+    d.add_argument("--rollouts", type=int, default=80, help="RL iterations")
     d.add_argument("--coordinator-url", default="", help="use running services (default: the ones `rlmesh up` started, else start them)")
     t = sub.add_parser("build-tiny-model", help="write the tiny model and tokenizer to a directory")
     t.add_argument("out_dir")

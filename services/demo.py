@@ -34,7 +34,7 @@ def write_task(out_dir: Path) -> tuple[Path, Path]:
     return paths
 
 
-def demo_config(model_path: str, train: Path, held_out: Path) -> RunConfig:
+def demo_config(model_path: str, train: Path, held_out: Path, sft_steps: int = 35, rollouts: int = 80) -> RunConfig:
     return RunConfig.model_validate({
         "name": "demo: reverse three letters",
         "model_path": model_path,
@@ -42,7 +42,7 @@ def demo_config(model_path: str, train: Path, held_out: Path) -> RunConfig:
             {"name": "train", "path": str(train), "shuffle": True, "seed": 0},
             {"name": "held_out", "path": str(held_out), "eval": True},
         ],
-        "num_rollouts": 60,
+        "num_rollouts": rollouts,
         "rollout": {"rollout_batch_size": 16, "n_samples_per_prompt": 8,
                     "sampling": {"max_new_tokens": 8, "temperature": 1.0}},
         "reward": {"components": {"exact_match": 1.0}},
@@ -50,7 +50,7 @@ def demo_config(model_path: str, train: Path, held_out: Path) -> RunConfig:
         # A 137k-parameter model wants a far larger step than a real LLM.
         "optimizer": {"lr": 3e-3, "grad_clip": 1.0},
         "micro_batch_size": 128,
-        "sft_warmup": {"steps": 40, "batch_groups": 32},
+        "sft_warmup": {"steps": sft_steps, "batch_groups": 32},
         "eval": {"interval": 10, "sampling": {"max_new_tokens": 8, "temperature": 0.0}},
         "seed": 0,
     })
@@ -123,7 +123,7 @@ def run_demo(args) -> int:
             stack = start_stack(data_dir, str(model_path), redis_url=args.redis_url)
             url = stack.coordinator_url
     try:
-        config = demo_config(str(model_path), train, held_out)
+        config = demo_config(str(model_path), train, held_out, args.sft_steps, args.rollouts)
         with httpx.Client(base_url=url, timeout=60) as http:
             r = http.post("/runs", json=config.model_dump(mode="json"))
             if r.status_code != 201:
@@ -131,13 +131,14 @@ def run_demo(args) -> int:
                 return 1
             run_id = r.json()["id"]
             print(f"run {run_id} started: {config.name}; watch it at {url}/runs/{run_id}")
-            last = ""
+            last = None
             while True:
                 run = http.get(f"/runs/{run_id}").json()
-                line = _progress(run, start)
-                if line.split("  ", 1)[-1] != last.split("  ", 1)[-1]:
-                    print(line, flush=True)
-                    last = line
+                m = run.get("latest_metrics") or {}
+                where = (run["phase"], run["rollout_id"], m.get("sft_step"))
+                if where != last:  # one line per SFT step / rollout
+                    print(_progress(run, start), flush=True)
+                    last = where
                 if run["status"] in ("completed", "failed", "stopped"):
                     break
                 time.sleep(0.5)

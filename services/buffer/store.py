@@ -374,5 +374,7 @@ class BufferStore:
             epoch=epoch,
             offset=offset,
             next_sample_index=int(cursor.get(b"__groups__", 0)) * spec["n_samples_per_prompt"],
+            groups_written=counters.get("groups_written", 0),
+            redelivered_groups=counters.get("redelivered_groups", 0),
         )
 

@@ -115,6 +115,9 @@ class TrainerRunConfig(_Strict):
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward (gradient accumulation).")
     num_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout batch.")
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    rollout_temperature: float = Field(
+        1.0, gt=0, description="The engines' sampling temperature: log-probs are taken of logits / temperature."
+    )
     checkpoint_dir: str = ""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
@@ -171,6 +174,8 @@ class RunConfig(_Strict):
             micro_batch_size=self.micro_batch_size,
             num_steps_per_rollout=self.num_steps_per_rollout,
             weight_sync=self.weight_sync,
+            # Greedy sampling (0) has no temperature to divide by.
+            rollout_temperature=self.rollout.sampling.temperature or 1.0,
             checkpoint_dir=self.checkpoint_dir,
             seed=self.seed,
         )

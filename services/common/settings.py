@@ -30,6 +30,8 @@ def _is_scalar(annotation: Any) -> bool:
     origin = typing.get_origin(annotation)
     if origin is typing.Union or origin is getattr(__import__("types"), "UnionType", None):
         return all(_is_scalar(a) for a in typing.get_args(annotation) if a is not type(None))
+    if origin is typing.Literal:
+        return all(isinstance(a, (str, int, float, bool)) for a in typing.get_args(annotation))
     return annotation in (str, int, float, bool, Path)
 
 

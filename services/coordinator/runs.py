@@ -180,6 +180,9 @@ class RunDriver:
         ))
         await self.clients.trainer.InitRun(trainer_pb2.InitRunRequest(
             run_id=run_id, config_json=cfg.trainer_config().model_dump_json()))
+        if (await self.store.get(run_id))["weight_version"] == 0:
+            # The engines may hold another run's weights: start from the run's own.
+            await self._publish(run_id)
 
     async def _end(self, run_id: str) -> None:
         try:

@@ -170,7 +170,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("queued_groups", "leased_groups", "partial_groups", "acknowledged_groups", "dropped_groups", "prompts_handed_out", "epoch", "offset", "next_sample_index")
+    __slots__ = ("queued_groups", "leased_groups", "partial_groups", "acknowledged_groups", "dropped_groups", "prompts_handed_out", "epoch", "offset", "next_sample_index", "groups_written", "redelivered_groups")
     QUEUED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEASED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,8 @@ class BufferStats(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NEXT_SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    REDELIVERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     queued_groups: int
     leased_groups: int
     partial_groups: int
@@ -189,7 +191,9 @@ class BufferStats(_message.Message):
     epoch: int
     offset: int
     next_sample_index: int
-    def __init__(self, queued_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., partial_groups: _Optional[int] = ..., acknowledged_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., prompts_handed_out: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., next_sample_index: _Optional[int] = ...) -> None: ...
+    groups_written: int
+    redelivered_groups: int
+    def __init__(self, queued_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., partial_groups: _Optional[int] = ..., acknowledged_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., prompts_handed_out: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., next_sample_index: _Optional[int] = ..., groups_written: _Optional[int] = ..., redelivered_groups: _Optional[int] = ...) -> None: ...
 
 class ExportGroupsRequest(_message.Message):
     __slots__ = ("run_id", "path")

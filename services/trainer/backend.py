@@ -1,0 +1,563 @@
+"""TorchBackend: a Hugging Face causal LM trained with plain torch, on CPU or one GPU.
+
+One RL step, for a batch of sample groups (FAILED samples left out):
+
+1. `old` log-probs of every response token with the current policy, before any update
+   (and the reference model's, when KL is used), without gradients;
+2. per-token advantages for the whole batch (algorithms.compute_advantages);
+3. the batch is cut into `num_steps_per_rollout` mini-batches (slime's meaning: the
+   rollout batch holds num_steps_per_rollout global batches); each mini-batch is one
+   optimizer step, run as micro-batches of `micro_batch_size` samples with gradient
+   accumulation. With one step per rollout the ratio is exactly 1; later mini-batches
+   see the policy already moved by the earlier ones.
+
+The model stays in eval mode: dropout would make the ratio differ from 1 for no reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from services.common import errors
+from services.common.run_config import OptimizerConfig, TrainerRunConfig
+from services.common.sample import SampleGroup, Status, validate_arrays
+from services.trainer import algorithms as algo
+
+log = logging.getLogger(__name__)
+
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.json"
+# Files of a model directory that save_pretrained writes itself; everything else at the
+# top level (tokenizer, chat template) is copied over so a checkpoint is a complete model.
+_WRITTEN_BY_SAVE = {"config.json", "generation_config.json", OPTIMIZER_FILE, STATE_FILE}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise errors.InvalidArgument("device: 'cuda' was asked for but this trainer has no CUDA device")
+    return torch.device(requested)
+
+
+# --------------------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainSample:
+    """A sample reduced to what the model needs (CPU tensors)."""
+
+    tokens: Tensor  # [L] prompt + response
+    response_length: int
+    loss_mask: Tensor  # [R] float
+    rollout_log_probs: Tensor | None  # [R], None when the engine sent none
+    reward: float
+
+    @property
+    def num_trained_tokens(self) -> float:
+        return float(self.loss_mask.sum())
+
+
+@dataclass
+class PreparedBatch:
+    samples: list[TrainSample]  # group after group
+    group_sizes: list[int]
+    failed: int
+    truncated: int
+
+
+def prepare_batch(groups: Sequence[SampleGroup]) -> PreparedBatch:
+    """Drop FAILED samples (counted), check the arrays, make tensors."""
+    samples: list[TrainSample] = []
+    group_sizes: list[int] = []
+    failed = truncated = 0
+    for group in groups:
+        kept = 0
+        for s in group.samples:
+            if s.status == Status.FAILED:
+                failed += 1
+                continue
+            validate_arrays(s.index, len(s.tokens), s.response_length, len(s.loss_mask), len(s.rollout_log_probs))
+            if len(s.tokens) - s.response_length < 1:
+                raise errors.InvalidArgument(
+                    f"group {group.group_id!r}, sample {s.index}: no prompt tokens, so the first response "
+                    "token has nothing to be predicted from"
+                )
+            truncated += s.status == Status.TRUNCATED
+            r = s.response_length
+            samples.append(
+                TrainSample(
+                    tokens=torch.tensor(s.tokens, dtype=torch.long),
+                    response_length=r,
+                    loss_mask=torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else torch.ones(r),
+                    rollout_log_probs=(
+                        torch.tensor(s.rollout_log_probs, dtype=torch.float32) if s.rollout_log_probs else None
+                    ),
+                    reward=float(s.reward),
+                )
+            )
+            kept += 1
+        if kept:
+            group_sizes.append(kept)
+    return PreparedBatch(samples, group_sizes, failed, truncated)
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded model inputs and response-aligned [b, R] index tensors."""
+
+    input_ids: Tensor  # [b, L]
+    attention_mask: Tensor  # [b, L]
+    logit_index: Tensor  # [b, R] position whose logits predict response token j
+    targets: Tensor  # [b, R] the response tokens
+    mask: Tensor  # [b, R] float: 1 = trained token
+
+    @property
+    def response_width(self) -> int:
+        return self.mask.shape[1]
+
+
+def collate(samples: Sequence[TrainSample], pad_token_id: int, device: torch.device) -> MicroBatch:
+    lengths = torch.tensor([len(s.tokens) for s in samples])
+    responses = torch.tensor([s.response_length for s in samples])
+    width = max(int(responses.max()), 1)
+    input_ids = pad_sequence([s.tokens for s in samples], batch_first=True, padding_value=pad_token_id)
+    attention_mask = (torch.arange(input_ids.shape[1]) < lengths.unsqueeze(1)).long()
+    j = torch.arange(width).unsqueeze(0)
+    inside = j < responses.unsqueeze(1)
+    # Token at position p is predicted by the logits at p - 1.
+    logit_index = torch.where(inside, (lengths - responses - 1).unsqueeze(1) + j, 0)
+    targets = torch.gather(input_ids, 1, torch.where(inside, logit_index + 1, 0))
+    mask = pad_to([s.loss_mask for s in samples], width)
+    return MicroBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        logit_index=logit_index.to(device),
+        targets=targets.to(device),
+        mask=mask.to(device),
+    )
+
+
+def pad_to(rows: Sequence[Tensor], width: int, value: float = 0.0) -> Tensor:
+    """Stack 1-D tensors (at least one) into [len(rows), width], right-padded."""
+    out = torch.full((len(rows), width), value, dtype=rows[0].dtype, device=rows[0].device)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row
+    return out
+
+
+def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log softmax(logits)[target] per position: [b, R, V], [b, R] -> [b, R]."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def split_evenly(n: int, parts: int) -> list[range]:
+    """[0, n) cut into `parts` contiguous ranges whose sizes differ by at most one."""
+    bounds = [round(k * n / parts) for k in range(parts + 1)]
+    return [range(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+# --------------------------------------------------------------------------------------
+# Metrics accumulation
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Totals:
+    """Sums over optimizer steps (per-step losses) and over trained tokens."""
+
+    steps: int = 0
+    skipped_steps: int = 0
+    tokens: float = 0.0
+    per_step: dict[str, float] = field(default_factory=dict)
+    per_token: dict[str, float] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)
+    lr: float = 0.0
+
+    def add_step_value(self, name: str, value: float) -> None:
+        self.per_step[name] = self.per_step.get(name, 0.0) + value
+
+    def add_token_sum(self, name: str, value: float) -> None:
+        self.per_token[name] = self.per_token.get(name, 0.0) + value
+
+    def metrics(self) -> dict[str, float]:
+        out = {k: v / max(self.steps, 1) for k, v in self.per_step.items()}
+        out.update({k: v / max(self.tokens, 1.0) for k, v in self.per_token.items()})
+        if self.grad_norms:
+            out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+        out["lr"] = self.lr
+        out["optimizer_steps"] = float(self.steps)
+        if self.skipped_steps:
+            out["skipped_steps_nonfinite_grad"] = float(self.skipped_steps)
+        return out
+
+
+# --------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _FixedTokens:
+    """What a step computes once, before any update, as [B, W] tensors."""
+
+    old: Tensor  # log-probs of the policy before the update
+    ref: Tensor | None  # log-probs of the reference model
+    advantages: Tensor
+    rollout: Tensor  # the engine's log-probs ...
+    has_rollout: Tensor  # ... where it sent them (1.0), else 0
+
+    def rows(self, index: Sequence[int], width: int) -> _FixedTokens:
+        """The rows of a micro-batch, cut to its response width."""
+        pick = torch.as_tensor(list(index), device=self.old.device)
+        fields = (self.old, self.ref, self.advantages, self.rollout, self.has_rollout)
+        return _FixedTokens(*(t[pick, :width] if t is not None else None for t in fields))
+
+
+@dataclass
+class _Optimizer:
+    config: OptimizerConfig
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+
+
+def _build_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) -> _Optimizer:
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    warmup = config.warmup_steps
+    # Linear warmup: step k (0-based) runs at lr * (k + 1) / warmup until warmup is reached.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: min(1.0, (k + 1) / warmup) if warmup > 0 else 1.0
+    )
+    return _Optimizer(config, optimizer, scheduler)
+
+
+def _load_model(path: str, device: torch.device) -> PreTrainedModel:
+    if not Path(path).is_dir():
+        raise errors.InvalidArgument(f"model_path: {path!r} is not a directory (a local Hugging Face checkpoint)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise errors.InvalidArgument(f"model_path: cannot load a causal LM from {path!r}: {e}") from None
+    return model.to(device).eval()
+
+
+class TorchBackend:
+    def __init__(
+        self,
+        config: TrainerRunConfig,
+        device: torch.device,
+        mixed_precision: bool = True,
+    ) -> None:
+        self.config = config
+        self.algorithm = config.algorithm
+        self.device = device
+        self.temperature = config.rollout_temperature
+        self.step = 0
+        self._lock = threading.RLock()  # one user of the model and optimizer at a time
+        self._autocast_dtype = torch.bfloat16 if (mixed_precision and device.type == "cuda") else None
+        torch.manual_seed(config.seed)
+
+        self.policy = _load_model(config.model_path, device)
+        pad = self.policy.config.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else 0
+
+        # Starting from one of our checkpoints resumes it (see _resume); its reference
+        # is still the model the run began from, not the checkpoint.
+        saved_state = _read_state(Path(config.model_path))
+        self.reference_path = (
+            config.reference_model_path or saved_state.get("reference_model_path") or config.model_path
+        )
+        self.reference: PreTrainedModel | None = None
+        if self.needs_reference:
+            self.reference = _load_model(self.reference_path, device)
+            self.reference.requires_grad_(False)
+
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self._params = params
+        self._optimizers = {"rl": _build_optimizer(params, config.optimizer)}
+        self._optimizers["sft"] = (
+            _build_optimizer(params, config.sft_optimizer) if config.sft_optimizer else self._optimizers["rl"]
+        )
+        self.resumed_state: dict = self._resume(Path(config.model_path), saved_state) if saved_state else {}
+
+    @property
+    def needs_reference(self) -> bool:
+        a = self.algorithm
+        return a.kl_loss_coef > 0 or (a.kl_coef > 0 and a.advantage_estimator == "reinforce_plus_plus")
+
+    # ---------------------------------------------------------------- forward helpers
+
+    def _autocast(self):
+        if self._autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
+
+    def _response_logits(self, model: PreTrainedModel, mb: MicroBatch) -> Tensor:
+        """Float32 logits [b, R, V] at the positions that predict the response tokens,
+        divided by the sampling temperature."""
+        with self._autocast():
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        index = mb.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        return logits.gather(1, index).float() / self.temperature
+
+    def _response_log_probs(self, model: PreTrainedModel, mb: MicroBatch) -> Tensor:
+        return token_log_probs(self._response_logits(model, mb), mb.targets)
+
+    def _micro_batches(self, indices: Sequence[int], samples: Sequence[TrainSample]) -> Iterator[tuple[list[int], MicroBatch]]:
+        size = self.config.micro_batch_size
+        for start in range(0, len(indices), size):
+            chunk = list(indices[start : start + size])
+            yield chunk, collate([samples[i] for i in chunk], self.pad_token_id, self.device)
+
+    @torch.no_grad()
+    def _log_probs_per_sample(self, model: PreTrainedModel, samples: Sequence[TrainSample]) -> list[Tensor]:
+        out: list[Tensor] = []
+        for chunk, mb in self._micro_batches(range(len(samples)), samples):
+            lp = self._response_log_probs(model, mb)
+            out.extend(lp[k, : samples[i].response_length] for k, i in enumerate(chunk))
+        return out
+
+    def _optimizer_step(self, opt: _Optimizer, totals: _Totals) -> None:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, opt.config.grad_clip))
+        totals.lr = opt.optimizer.param_groups[0]["lr"]
+        if math.isfinite(grad_norm):
+            opt.optimizer.step()
+            totals.grad_norms.append(grad_norm)
+        else:  # a NaN/inf gradient would poison the weights: drop this step's update
+            totals.skipped_steps += 1
+            log.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
+        opt.scheduler.step()
+        opt.optimizer.zero_grad(set_to_none=True)
+        totals.steps += 1
+        self.step += 1
+
+    # ---------------------------------------------------------------- RL step
+
+    def train_step(self, groups: Sequence[SampleGroup]) -> dict[str, float]:
+        with self._lock:
+            return self._train_rl(prepare_batch(groups))
+
+    def _train_rl(self, batch: PreparedBatch) -> dict[str, float]:
+        a = self.algorithm
+        samples = batch.samples
+        metrics = _batch_metrics(batch)
+        if not samples:
+            return metrics
+        device = self.device
+
+        # 1. Behaviour of the policy before this update ("old") and of the reference.
+        #    Everything per token is kept as [B, W] tensors, right-padded with zeros.
+        width = max(max(s.response_length for s in samples), 1)
+        masks = pad_to([s.loss_mask.to(device) for s in samples], width)
+        old = pad_to(self._log_probs_per_sample(self.policy, samples), width)
+        ref = None
+        if self.reference is not None:
+            ref = pad_to(self._log_probs_per_sample(self.reference, samples), width)
+        rollout, has_rollout = self._rollout_log_probs(samples, width)
+        if has_rollout.any():
+            metrics["train_rollout_logprob_abs_diff"] = float(
+                algo.masked_mean((old - rollout).abs(), masks * has_rollout)
+            )
+
+        # 2. Advantages for the whole batch.
+        kl_for_reward = None
+        if ref is not None and a.advantage_estimator == "reinforce_plus_plus":
+            kl_for_reward = algo.kl_penalty(old, ref, a.kl_estimator)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device)
+        advantages = algo.compute_advantages(a, rewards, batch.group_sizes, masks, kl_for_reward)
+        metrics["advantage_abs_mean"] = float(algo.masked_mean(advantages.abs(), masks))
+        fixed = _FixedTokens(old, ref, advantages, rollout, has_rollout)
+
+        # 3. One optimizer step per mini-batch.
+        opt = self._optimizers["rl"]
+        totals = _Totals()
+        for mini in split_evenly(len(samples), min(self.config.num_steps_per_rollout, len(samples))):
+            mini_masks = masks[mini.start : mini.stop]
+            num_tokens = mini_masks.sum().clamp(min=1)
+            num_seqs = (mini_masks.sum(dim=1) > 0).sum().clamp(min=1)
+            for chunk, mb in self._micro_batches(mini, samples):
+                self._rl_micro_step(mb, fixed.rows(chunk, mb.response_width), num_seqs, num_tokens, totals)
+            self._optimizer_step(opt, totals)
+
+        metrics.update(totals.metrics())
+        return metrics
+
+    def _rollout_log_probs(self, samples: Sequence[TrainSample], width: int) -> tuple[Tensor, Tensor]:
+        values = torch.zeros(len(samples), width, device=self.device)
+        present = torch.zeros(len(samples), width, device=self.device)
+        for i, s in enumerate(samples):
+            if s.rollout_log_probs is not None:
+                values[i, : s.response_length] = s.rollout_log_probs.to(self.device)
+                present[i, : s.response_length] = 1.0
+        return values, present
+
+    def _rl_micro_step(
+        self, mb: MicroBatch, fixed: _FixedTokens, num_seqs: Tensor, num_tokens: Tensor, totals: _Totals
+    ) -> None:
+        a = self.algorithm
+        mask, old = mb.mask, fixed.old
+        logits = self._response_logits(self.policy, mb)
+        log_probs = token_log_probs(logits, mb.targets)
+        # The entropy bonus needs the entropy's gradient; the metric alone does not.
+        with nullcontext() if a.entropy_coef else torch.no_grad():
+            entropy = algo.entropy_from_logits(logits)
+        if a.advantage_estimator == "gspo":
+            log_ratio = algo.gspo_log_ratio(log_probs, old, mask)
+        else:
+            log_ratio = log_probs - old
+        pg, clipped = algo.policy_loss(log_ratio, fixed.advantages, a.eps_clip, a.eps_clip_high, a.dual_clip_c)
+        if a.tis_cap is not None:
+            tis = algo.tis_weights(old, fixed.rollout, a.tis_cap)
+            weights = torch.where(fixed.has_rollout > 0, tis, 1.0)  # no engine log-probs: weight 1
+            pg = pg * weights
+            totals.add_token_sum("tis_weight_mean", float(algo.masked_sum(weights, mask)))
+
+        def aggregate(values: Tensor) -> Tensor:
+            return algo.aggregate_loss(values, mask, a.loss_aggregation, num_seqs, num_tokens)
+
+        pg_loss = aggregate(pg)
+        loss = pg_loss
+        if self.reference is not None and a.kl_loss_coef > 0:
+            kl_loss = aggregate(algo.kl_penalty(log_probs, fixed.ref, a.kl_estimator))
+            loss = loss + a.kl_loss_coef * kl_loss
+            totals.add_step_value("kl_loss", float(kl_loss.detach()))
+        if a.entropy_coef:
+            loss = loss - a.entropy_coef * aggregate(entropy)
+        loss.backward()
+
+        totals.add_step_value("loss", float(loss.detach()))
+        totals.add_step_value("pg_loss", float(pg_loss.detach()))
+        totals.tokens += float(mask.sum())
+        totals.add_token_sum("clip_frac", float(algo.masked_sum(clipped, mask)))
+        totals.add_token_sum("approx_kl", float(algo.masked_sum(old - log_probs.detach(), mask)))
+        totals.add_token_sum("entropy", float(algo.masked_sum(entropy.detach(), mask)))
+
+    # ---------------------------------------------------------------- SFT step
+
+    def sft_step(self, groups: Sequence[SampleGroup]) -> dict[str, float]:
+        """One optimizer step of plain NLL over the trained response tokens."""
+        with self._lock:
+            batch = prepare_batch(groups)
+            metrics = _batch_metrics(batch)
+            if not batch.samples:
+                return metrics
+            samples = batch.samples
+            num_tokens = torch.tensor(max(sum(s.num_trained_tokens for s in samples), 1.0), device=self.device)
+            totals = _Totals()
+            for _, mb in self._micro_batches(range(len(samples)), samples):
+                log_probs = self._response_log_probs(self.policy, mb)
+                loss = algo.nll_loss(log_probs, mb.mask, num_tokens)
+                loss.backward()
+                totals.add_step_value("loss", float(loss.detach()))
+            self._optimizer_step(self._optimizers["sft"], totals)
+            metrics.update(totals.metrics())
+            metrics["sft_nll"] = metrics["loss"]
+            return metrics
+
+    # ---------------------------------------------------------------- weights and checkpoints
+
+    def state_dict_for_sync(self) -> Iterator[tuple[str, Tensor]]:
+        """(Hugging Face name, tensor) for every parameter, in module order. Tied
+        weights appear once (as the input embedding), as in save_pretrained."""
+        for name, param in self.policy.named_parameters():
+            yield name, param.detach()
+
+    def save_weights(self, path: Path) -> Path:
+        """A complete Hugging Face model directory (safetensors, config, tokenizer)."""
+        with self._lock:
+            path.mkdir(parents=True, exist_ok=True)
+            self.policy.save_pretrained(path)
+            _copy_model_extras(Path(self.config.model_path), path)
+            return path
+
+    def save_checkpoint(self, path: Path, extra_state: dict | None = None) -> Path:
+        """Model (save_pretrained) + optimizer and scheduler state + trainer_state.json.
+        Written beside the target and renamed into place, so a crash never leaves a
+        checkpoint that looks complete but is not."""
+        path = path.resolve()
+        partial = path.with_name(path.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        with self._lock:
+            self.save_weights(partial)
+            state = {
+                name: {"optimizer": o.optimizer.state_dict(), "scheduler": o.scheduler.state_dict()}
+                for name, o in self._distinct_optimizers().items()
+            }
+            torch.save(state, partial / OPTIMIZER_FILE)
+            state_json = {"step": self.step, "reference_model_path": self.reference_path, **(extra_state or {})}
+            (partial / STATE_FILE).write_text(json.dumps(state_json, indent=2))
+            if path.exists():
+                shutil.rmtree(path)
+            partial.rename(path)
+            return path
+
+    def _distinct_optimizers(self) -> dict[str, _Optimizer]:
+        if self._optimizers["sft"] is self._optimizers["rl"]:
+            return {"rl": self._optimizers["rl"]}
+        return dict(self._optimizers)
+
+    def _resume(self, path: Path, state: dict) -> dict:
+        """Restore the optimizer, the scheduler and the step count of a checkpoint;
+        returns its saved state."""
+        saved = torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
+        for name, opt in self._distinct_optimizers().items():
+            if name in saved:
+                opt.optimizer.load_state_dict(saved[name]["optimizer"])
+                opt.scheduler.load_state_dict(saved[name]["scheduler"])
+        self.step = int(state.get("step", 0))
+        log.info("resumed from checkpoint %s at step %d", path, self.step)
+        return state
+
+    def close(self) -> None:
+        with self._lock:
+            self.policy = None  # type: ignore[assignment]
+            self.reference = None
+            self._optimizers.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _read_state(path: Path) -> dict:
+    """trainer_state.json of a checkpoint of ours ({} for a plain model directory)."""
+    state_file = path / STATE_FILE
+    if not (state_file.exists() and (path / OPTIMIZER_FILE).exists()):
+        return {}
+    return json.loads(state_file.read_text())
+
+
+def _batch_metrics(batch: PreparedBatch) -> dict[str, float]:
+    samples = batch.samples
+    n = len(samples)
+    return {
+        "samples": float(n),
+        "groups": float(len(batch.group_sizes)),
+        "failed_count": float(batch.failed),
+        "truncated_fraction": batch.truncated / n if n else 0.0,
+        "reward_mean": sum(s.reward for s in samples) / n if n else 0.0,
+        "response_length_mean": sum(s.response_length for s in samples) / n if n else 0.0,
+        "trained_tokens": float(sum(s.num_trained_tokens for s in samples)),
+    }
+
+
+def _copy_model_extras(source: Path, target: Path) -> None:
+    if source.resolve() == target.resolve() or not source.is_dir():
+        return
+    for f in source.iterdir():
+        if f.is_file() and f.name not in _WRITTEN_BY_SAVE and not f.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(f, target / f.name)

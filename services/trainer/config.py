@@ -1,0 +1,61 @@
+"""Settings of the trainer service (the process), as opposed to a run's settings
+(services.common.run_config.TrainerRunConfig, sent with InitRun)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServiceSettings
+
+
+class Settings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="RLMESH_TRAINER_", extra="forbid")
+
+    port: int = Field(50054, description="gRPC port (0 = any free port).")
+    buffer_address: str = Field("", description="host:port of the buffer service (TrainStep leases batches there).")
+    rollout_address: str = Field(
+        "", description="host:port of the rollout service (PublishWeights pushes weights through it)."
+    )
+    work_dir: Path = Field(
+        Path(".rlmesh/trainer"),
+        description="Where default checkpoints (<run>/checkpoints) and disk weight pushes (<run>/weights) go.",
+    )
+    # Plain str (checked below), not Literal: the CLI flag helper parses non-scalar types as JSON.
+    device: str = Field("auto", description="Device when the run config says 'auto': auto, cpu or cuda.")
+    mixed_precision: bool = Field(
+        True, description="On CUDA, run forward passes under bfloat16 autocast (weights stay float32)."
+    )
+    consumer_name: str = Field("trainer", description="Name this trainer leases buffer batches under.")
+    lease_seconds: float = Field(
+        0.0, ge=0, description="How long a leased batch stays ours before the buffer redelivers it (0 = buffer default)."
+    )
+    buffer_timeout_seconds: float = Field(
+        60.0, gt=0, description="Deadline of a buffer call, added to TrainStep's wait_seconds."
+    )
+    weight_sync_master_address: str = Field(
+        "127.0.0.1",
+        description="Address the engines use to reach this trainer's rendezvous store when joining the weight group.",
+    )
+    weight_sync_dtype: str = Field(
+        "", description="Dtype weights are sent in: float32, bfloat16, float16 ('' = the parameters' own)."
+    )
+    weight_sync_timeout_seconds: float = Field(
+        300.0, gt=0, description="Deadline of each weight-update call and of the weight group's collectives."
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {value!r}")
+        return value
+
+    @field_validator("weight_sync_dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in ("", "float32", "bfloat16", "float16"):
+            raise ValueError(f"weight_sync_dtype must be float32, bfloat16, float16 or empty, got {value!r}")
+        return value

@@ -1,0 +1,78 @@
+"""The trainer's gRPC face (proto/rlmesh/v1/trainer.proto): converts messages and calls
+services.trainer.trainer.Trainer; errors are raised as services.common.errors."""
+
+from __future__ import annotations
+
+import grpc
+
+from rlmesh.v1 import trainer_pb2, trainer_pb2_grpc
+from services.common.grpc_server import ServiceBinding, serve_forever, start_server
+from services.trainer.config import Settings
+from services.trainer.trainer import RunStatus, Trainer, parse_run_config
+
+SERVICE_NAME = "rlmesh.v1.Trainer"
+
+
+def _status(status: RunStatus) -> trainer_pb2.TrainerStatus:
+    return trainer_pb2.TrainerStatus(
+        run_id=status.run_id, step=status.step, weight_version=status.weight_version, model_path=status.model_path
+    )
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    async def InitRun(self, request, context):
+        config = parse_run_config(request.config_json)
+        return _status(await self.trainer.init_run(request.run_id, config))
+
+    async def TrainStep(self, request, context):
+        result = await self.trainer.train_step(request.run_id, request.num_groups, request.wait_seconds, request.loss)
+        return trainer_pb2.TrainStepResponse(
+            step=result.step,
+            groups_trained=result.groups_trained,
+            samples_trained=result.samples_trained,
+            metrics=result.metrics,
+        )
+
+    async def PublishWeights(self, request, context):
+        result = await self.trainer.publish_weights(request.run_id, request.version, request.method)
+        return trainer_pb2.PublishWeightsResponse(
+            version=request.version, seconds=result.seconds, bytes=result.bytes, buckets=result.buckets
+        )
+
+    async def SaveCheckpoint(self, request, context):
+        path = await self.trainer.save_checkpoint(request.run_id, request.path)
+        return trainer_pb2.SaveCheckpointResponse(path=str(path))
+
+    async def GetStatus(self, request, context):
+        return _status(self.trainer.status(request.run_id))
+
+    async def EndRun(self, request, context):
+        return _status(await self.trainer.end_run(request.run_id))
+
+
+def binding(trainer: Trainer) -> ServiceBinding:
+    return ServiceBinding(TrainerServicer(trainer), trainer_pb2_grpc.add_TrainerServicer_to_server, SERVICE_NAME)
+
+
+async def start(settings: Settings, trainer: Trainer | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start the trainer service; returns the server and its bound port. Pass a Trainer
+    to keep a handle on it (tests close it themselves)."""
+    trainer = trainer or Trainer(settings)
+    server, port, _ = await start_server(
+        [binding(trainer)], f"{settings.host}:{settings.port}", settings.max_message_bytes
+    )
+    return server, port
+
+
+async def serve(settings: Settings) -> None:
+    """Serve until SIGTERM; an in-flight step finishes, then the run's resources go."""
+    trainer = Trainer(settings)
+    await serve_forever(
+        [binding(trainer)],
+        f"{settings.host}:{settings.port}",
+        settings.max_message_bytes,
+        on_shutdown=trainer.close,
+    )

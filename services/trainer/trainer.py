@@ -1,0 +1,274 @@
+"""The trainer's plain logic: one run at a time, its model on a TorchBackend, batches
+leased from the buffer and acknowledged after the optimizer step, weights pushed to
+the engines through the rollout service. No gRPC server here (see server.py); the
+model work runs on a worker thread so the event loop stays responsive."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from pydantic import ValidationError
+
+from rlmesh.v1 import buffer_pb2
+from rlmesh.v1.buffer_pb2_grpc import BufferStub
+from services.common import errors
+from services.common.grpc_server import aio_channel
+from services.common.run_config import TrainerRunConfig
+from services.common.sample import SampleGroup, group_from_proto
+from services.trainer.backend import TorchBackend, resolve_device
+from services.trainer.config import Settings
+from services.trainer.weight_sync import PushResult, WeightPusher, remote_error
+
+log = logging.getLogger(__name__)
+
+LOSSES = ("", "sft")
+PUBLISH_METHODS = ("distributed", "disk")
+ACK_ATTEMPTS = 3
+
+
+def parse_run_config(config_json: str) -> TrainerRunConfig:
+    """TrainerRunConfig from InitRun's JSON; a bad field is InvalidArgument naming it."""
+    try:
+        config = TrainerRunConfig.model_validate_json(config_json)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()
+        )
+        raise errors.InvalidArgument(f"invalid trainer config: {problems}") from None
+    a = config.algorithm
+    if a.kl_coef > 0 and a.advantage_estimator != "reinforce_plus_plus":
+        raise errors.InvalidArgument(
+            "invalid trainer config: algorithm.kl_coef: KL as reward shaping is only used by "
+            f"reinforce_plus_plus (advantage_estimator is {a.advantage_estimator!r}); "
+            "use algorithm.kl_loss_coef for a KL loss term"
+        )
+    return config
+
+
+@dataclass
+class RunStatus:
+    run_id: str
+    step: int
+    weight_version: int
+    model_path: str
+
+
+@dataclass
+class StepResult:
+    step: int
+    groups_trained: int
+    samples_trained: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Run:
+    run_id: str
+    config: TrainerRunConfig
+    backend: TorchBackend
+    weight_version: int = 0
+    pusher: WeightPusher | None = None
+
+    def status(self) -> RunStatus:
+        return RunStatus(self.run_id, self.backend.step, self.weight_version, self.config.model_path)
+
+
+class Trainer:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._run: _Run | None = None
+        self._lock = asyncio.Lock()  # one user of the model at a time (steps, pushes, saves)
+        self._buffer_channel: grpc.aio.Channel | None = None
+
+    # ---------------------------------------------------------------- runs
+
+    def _get(self, run_id: str) -> _Run:
+        run = self._run
+        if run is None or run.run_id != run_id:
+            holding = f"it holds run {run.run_id!r}" if run else "it holds no run"
+            raise errors.NotFound(f"this trainer has no run {run_id!r} ({holding}); call InitRun first")
+        return run
+
+    async def init_run(self, run_id: str, config: TrainerRunConfig) -> RunStatus:
+        if not run_id:
+            raise errors.InvalidArgument("run_id is required")
+        async with self._lock:
+            if self._run is not None:
+                if self._run.run_id == run_id and self._run.config == config:
+                    return self._run.status()  # a retried InitRun
+                raise errors.FailedPrecondition(
+                    f"this trainer already holds run {self._run.run_id!r}"
+                    + (" with a different config" if self._run.run_id == run_id else "")
+                    + "; EndRun it first"
+                )
+            device = resolve_device(config.device if config.device != "auto" else self.settings.device)
+            backend = await asyncio.to_thread(TorchBackend, config, device, self.settings.mixed_precision)
+            run = _Run(run_id, config, backend, weight_version=int(backend.resumed_state.get("weight_version", 0)))
+            self._run = run
+            log.info("run %s: %s on %s (step %d)", run_id, config.model_path, device, backend.step)
+            return run.status()
+
+    def status(self, run_id: str) -> RunStatus:
+        return self._get(run_id).status()
+
+    async def end_run(self, run_id: str) -> RunStatus:
+        run = self._get(run_id)
+        async with self._lock:
+            status = run.status()
+            if run.pusher is not None:
+                await run.pusher.close()
+            await asyncio.to_thread(run.backend.close)
+            if self._run is run:
+                self._run = None
+            return status
+
+    async def close(self) -> None:
+        if self._run is not None:
+            await self.end_run(self._run.run_id)
+        if self._buffer_channel is not None:
+            await self._buffer_channel.close()
+            self._buffer_channel = None
+
+    # ---------------------------------------------------------------- training
+
+    async def train_step(self, run_id: str, num_groups: int, wait_seconds: float = 0.0, loss: str = "") -> StepResult:
+        """Lease num_groups groups, train on them, acknowledge the lease. The work is
+        shielded from the caller going away: a step once started is finished and
+        acknowledged rather than trained and then redelivered."""
+        run = self._get(run_id)
+        if num_groups < 1:
+            raise errors.InvalidArgument(f"num_groups must be at least 1, got {num_groups}")
+        if wait_seconds < 0:
+            raise errors.InvalidArgument(f"wait_seconds must not be negative, got {wait_seconds}")
+        _check_loss(loss)
+        return await asyncio.shield(self._lease_train_ack(run, num_groups, wait_seconds, loss))
+
+    async def _lease_train_ack(self, run: _Run, num_groups: int, wait_seconds: float, loss: str) -> StepResult:
+        async with self._lock:
+            lease_id, groups = await self._lease(run.run_id, num_groups, wait_seconds)
+            result = await self._train(run, groups, loss)
+            await self._ack(run.run_id, lease_id, result.step)
+            return result
+
+    async def train_on_groups(self, run_id: str, groups: list[SampleGroup], loss: str = "") -> StepResult:
+        """Train on groups the caller already has (no buffer involved)."""
+        run = self._get(run_id)
+        _check_loss(loss)
+        async with self._lock:
+            return await self._train(run, groups, loss)
+
+    async def _train(self, run: _Run, groups: list[SampleGroup], loss: str) -> StepResult:
+        step = run.backend.sft_step if loss == "sft" else run.backend.train_step
+        metrics = await asyncio.to_thread(step, groups)
+        return StepResult(
+            step=run.backend.step,
+            groups_trained=int(metrics["groups"]),
+            samples_trained=int(metrics["samples"]),
+            metrics=metrics,
+        )
+
+    # ---------------------------------------------------------------- buffer
+
+    def _buffer(self) -> BufferStub:
+        if not self.settings.buffer_address:
+            raise errors.FailedPrecondition(
+                "this trainer has no buffer_address (RLMESH_TRAINER_BUFFER_ADDRESS): it cannot lease batches"
+            )
+        if self._buffer_channel is None:
+            self._buffer_channel = aio_channel(self.settings.buffer_address, self.settings.max_message_bytes)
+        return BufferStub(self._buffer_channel)
+
+    async def _lease(self, run_id: str, num_groups: int, wait_seconds: float) -> tuple[str, list[SampleGroup]]:
+        request = buffer_pb2.LeaseBatchRequest(
+            run_id=run_id,
+            consumer=self.settings.consumer_name,
+            num_groups=num_groups,
+            lease_seconds=self.settings.lease_seconds,
+            wait_seconds=wait_seconds,
+        )
+        try:
+            response = await self._buffer().LeaseBatch(
+                request, timeout=wait_seconds + self.settings.buffer_timeout_seconds
+            )
+        except grpc.aio.AioRpcError as e:
+            raise remote_error("buffer (LeaseBatch)", self.settings.buffer_address, e) from None
+        if not response.groups:
+            raise errors.Unavailable(
+                f"buffer had only 0 of {num_groups} groups for run {run_id!r} after waiting {wait_seconds:g} s"
+            )
+        if len(response.groups) < num_groups:
+            log.warning("buffer leased %d of %d groups; training on those", len(response.groups), num_groups)
+        return response.lease_id, [group_from_proto(g) for g in response.groups]
+
+    async def _ack(self, run_id: str, lease_id: str, step: int) -> None:
+        request = buffer_pb2.AckBatchRequest(run_id=run_id, lease_id=lease_id)
+        for attempt in range(1, ACK_ATTEMPTS + 1):
+            try:
+                await self._buffer().AckBatch(request, timeout=self.settings.buffer_timeout_seconds)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt < ACK_ATTEMPTS:
+                    await asyncio.sleep(0.5 * attempt)
+                    continue
+                error = remote_error("buffer (AckBatch)", self.settings.buffer_address, e)
+                raise type(error)(
+                    f"step {step} was taken but lease {lease_id!r} was not acknowledged ({error}); "
+                    "the buffer will redeliver those groups when the lease expires"
+                ) from None
+
+    # ---------------------------------------------------------------- weights and checkpoints
+
+    async def publish_weights(self, run_id: str, version: int, method: str = "") -> PushResult:
+        run = self._get(run_id)
+        method = method or run.config.weight_sync.method
+        if method not in PUBLISH_METHODS:
+            raise errors.InvalidArgument(f"method must be one of {', '.join(PUBLISH_METHODS)} (or empty), got {method!r}")
+        if version < 0:
+            raise errors.InvalidArgument(f"version must not be negative, got {version}")
+        async with self._lock:
+            if run.pusher is None:
+                run.pusher = WeightPusher(
+                    self.settings.rollout_address,
+                    run.run_id,
+                    self.settings.weight_sync_master_address,
+                    self.settings.weight_sync_timeout_seconds,
+                )
+            if method == "distributed":
+                wire_dtype = getattr(torch, self.settings.weight_sync_dtype) if self.settings.weight_sync_dtype else None
+                result = await run.pusher.push_distributed(
+                    list(run.backend.state_dict_for_sync()), version, run.config.weight_sync, wire_dtype
+                )
+            else:
+                directory = self.settings.work_dir / run.run_id / "weights"
+                result = await run.pusher.push_from_disk(run.backend.save_weights, directory, version)
+            run.weight_version = version
+            log.info(
+                "run %s: weights v%d pushed (%s, %d bytes, %d buckets, %.2f s)",
+                run.run_id, version, method, result.bytes, result.buckets, result.seconds,
+            )
+            return result
+
+    async def save_checkpoint(self, run_id: str, path: str = "") -> Path:
+        """Save to `path`, or by default <checkpoint_dir or work_dir/<run>/checkpoints>/step_<n>."""
+        run = self._get(run_id)
+        async with self._lock:
+            if path:
+                target = Path(path)
+            else:
+                root = Path(run.config.checkpoint_dir) if run.config.checkpoint_dir else self.settings.work_dir / run.run_id / "checkpoints"
+                target = root / f"step_{run.backend.step}"
+            extra = {"run_id": run.run_id, "weight_version": run.weight_version}
+            try:
+                return await asyncio.to_thread(run.backend.save_checkpoint, target, extra)
+            except OSError as e:
+                raise errors.FailedPrecondition(f"cannot write checkpoint to {str(target)!r}: {e}") from None
+
+
+def _check_loss(loss: str) -> None:
+    if loss not in LOSSES:
+        raise errors.InvalidArgument(f"loss must be '' (the run's policy loss) or 'sft', got {loss!r}")

@@ -1,0 +1,210 @@
+"""Every formula of services.trainer.algorithms against numbers worked out by hand
+(the arithmetic is in the comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.common.run_config import AlgorithmConfig
+from services.trainer import algorithms as algo
+
+
+def t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def close(actual: torch.Tensor, expected, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual, t(expected), atol=atol, rtol=0)
+
+
+# ------------------------------------------------------------------ advantages
+
+
+def test_grpo_uses_the_unbiased_std():
+    # r = 1, 2, 3, 6: mean 3, deviations -2 -1 0 3, squares sum 14,
+    # unbiased std = sqrt(14 / 3) = 2.160247; A = d / (2.160247 + 1e-6)
+    close(algo.grpo_advantages(t([1, 2, 3, 6])), [-0.925820, -0.462910, 0.0, 1.388730])
+
+
+def test_grpo_without_std_and_with_one_sample():
+    close(algo.grpo_advantages(t([1, 2, 3, 6]), normalize_std=False), [-2, -1, 0, 3])
+    close(algo.grpo_advantages(t([5.0])), [0.0])  # nothing to compare with
+    close(algo.grpo_advantages(t([2.0, 2.0, 2.0])), [0, 0, 0])  # std 0: 0 / 1e-6
+
+
+def test_dr_grpo_is_reward_minus_mean():
+    close(algo.dr_grpo_advantages(t([1, 2, 3, 6])), [-2, -1, 0, 3])
+
+
+def test_rloo_leaves_one_out():
+    # sum 12; baselines (12 - r) / 3 = 11/3, 10/3, 3, 2
+    close(algo.rloo_advantages(t([1, 2, 3, 6])), [1 - 11 / 3, 2 - 10 / 3, 0.0, 4.0])
+    close(algo.rloo_advantages(t([4.0])), [0.0])
+
+
+def test_masked_whiten_uses_population_variance():
+    # masked values 1 2 3: mean 2, var (1 + 0 + 1) / 3 = 2/3, std 0.816497
+    close(algo.masked_whiten(t([1, 2, 3, 100]), t([1, 1, 1, 0])), [-1.224745, 0.0, 1.224745, 0.0])
+
+
+def test_reinforce_plus_plus_token_rewards_put_the_reward_on_the_last_trained_token():
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    kl = t([[0.1, 0.2, 0.3], [0.5, 0.4, 9.0]])
+    # -0.5 * kl, plus the final reward (1, then -1) on the last token with mask 1
+    expected = [[-0.05, -0.1, -0.15 + 1], [-0.25, -0.2 - 1, 0.0]]
+    close(algo.reinforce_plus_plus_token_rewards(t([1, -1]), mask, kl, kl_coef=0.5), expected)
+
+
+def test_discounted_returns_skip_masked_tokens():
+    # gamma 0.5: row 0: G2 = .85, G1 = -.1 + .5 * .85 = .325, G0 = -.05 + .5 * .325 = .1125
+    #            row 1: G2 masked = 0, G1 = -1.2, G0 = -.25 + .5 * -1.2 = -.85
+    rewards = t([[-0.05, -0.1, 0.85], [-0.25, -1.2, 0.0]])
+    close(algo.discounted_returns(rewards, t([[1, 1, 1], [1, 1, 0]]), 0.5), [[0.1125, 0.325, 0.85], [-0.85, -1.2, 0]])
+    # A masked token in the middle (a tool's output) neither earns nor discounts:
+    # G2 = 2, G1 passes 2 through (its own 5 is ignored) and reads 0, G0 = 1 + .5 * 2
+    close(algo.discounted_returns(t([[1, 5, 2]]), t([[1, 0, 1]]), 0.5), [[2, 0, 2]])
+
+
+def test_reinforce_plus_plus_advantages_are_whitened_returns():
+    config = AlgorithmConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.5, gamma=0.5)
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    kl = t([[0.1, 0.2, 0.3], [0.5, 0.4, 9.0]])
+    # returns .1125 .325 .85 | -.85 -1.2: mean -.1525, population var .5774, std .759868
+    adv = algo.compute_advantages(config, t([1, -1]), [1, 1], mask, kl)
+    close(adv, [[0.348745, 0.628398, 1.319307], [-0.917922, -1.378528, 0.0]])
+
+
+def test_reinforce_plus_plus_baseline_subtracts_the_group_mean_then_whitens():
+    config = AlgorithmConfig(advantage_estimator="reinforce_plus_plus_baseline")
+    # groups (1, 0) and (3, 3): centred .5 -.5 0 0 on two tokens each;
+    # token mean 0, var 4 * .25 / 8 = .125, std .353553 -> +-1.414214
+    adv = algo.compute_advantages(config, t([1, 0, 3, 3]), [2, 2], torch.ones(4, 2))
+    close(adv, [[1.414214, 1.414214], [-1.414214, -1.414214], [0, 0], [0, 0]])
+
+
+def test_group_advantages_are_broadcast_per_group_under_the_mask():
+    mask = t([[1, 1], [1, 0], [0, 1]])
+    # group (1, 0): mean .5, unbiased std sqrt(.5) = .707107 -> +-.707106; group (7,): 0
+    grpo = algo.compute_advantages(AlgorithmConfig(), t([1, 0, 7]), [2, 1], mask)
+    close(grpo, [[0.707106, 0.707106], [-0.707106, 0], [0, 0]])
+    rloo = algo.compute_advantages(AlgorithmConfig(advantage_estimator="rloo"), t([1, 0, 7]), [2, 1], mask)
+    close(rloo, [[1, 1], [-1, 0], [0, 0]])
+    with pytest.raises(ValueError, match="group sizes"):
+        algo.compute_advantages(AlgorithmConfig(), t([1, 0, 7]), [2, 2], mask)
+
+
+# ------------------------------------------------------------------ policy loss
+
+
+def test_policy_loss_clips_low_and_high():
+    ratios = t([0.5, 1.5, 0.5, 1.5, 1.1])
+    adv = t([1, 1, -1, -1, 2])
+    loss, clipped = algo.policy_loss(torch.log(ratios), adv, eps_clip=0.2, eps_clip_high=0.28)
+    # A=+1, r=.5:  max(-.5, -.8)  = -.5   (not clipped)
+    # A=+1, r=1.5: max(-1.5, -1.28) = -1.28 (clipped at 1 + .28)
+    # A=-1, r=.5:  max(.5, .8)   = .8    (clipped at 1 - .2)
+    # A=-1, r=1.5: max(1.5, 1.28) = 1.5   (not clipped)
+    # A=2,  r=1.1: -2.2 both ways
+    close(loss, [-0.5, -1.28, 0.8, 1.5, -2.2])
+    close(clipped, [0, 1, 1, 0, 0])
+
+
+def test_policy_loss_symmetric_clip_by_default():
+    loss, _ = algo.policy_loss(torch.log(t([1.5])), t([1.0]), eps_clip=0.2)
+    close(loss, [-1.2])
+
+
+def test_dual_clip_caps_negative_advantages():
+    ratios = t([5.0, 2.0, 5.0])
+    adv = t([-1, -1, 1])
+    loss, _ = algo.policy_loss(torch.log(ratios), adv, eps_clip=0.2, dual_clip_c=3.0)
+    # A=-1, r=5: max(5, 1.2) = 5, capped at 3 * 1 = 3;  A=-1, r=2: 2 < 3 stays;
+    # A=+1, r=5: max(-5, -1.2) = -1.2 (dual clip only touches A < 0)
+    close(loss, [3.0, 2.0, -1.2])
+
+
+def test_gspo_ratio_is_the_sequence_mean_with_per_token_gradient():
+    log_probs = t([[-1.0, -2.0, -3.0]]).requires_grad_()
+    old = t([[-1.5, -2.0, -2.5]])
+    # trained diffs .5 and 0 (the third token is masked): mean .25 on every token
+    log_ratio = algo.gspo_log_ratio(log_probs, old, t([[1, 1, 0]]))
+    close(log_ratio.detach(), [[0.25, 0.25, 0.25]])
+    log_ratio[0, 0].backward()
+    close(log_probs.grad, [[1.0, 0.0, 0.0]])
+
+
+# ------------------------------------------------------------------ aggregation
+
+
+VALUES = t([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+MASK = t([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the third sequence trains nothing
+
+
+def test_token_mean():
+    close(algo.aggregate_loss(VALUES, MASK, "token_mean"), 7 / 3)  # (1 + 2 + 4) / 3
+
+
+def test_seq_mean_token_mean():
+    close(algo.aggregate_loss(VALUES, MASK, "seq_mean_token_mean"), 2.75)  # (1.5 + 4) / 2
+
+
+def test_seq_mean_token_sum():
+    close(algo.aggregate_loss(VALUES, MASK, "seq_mean_token_sum"), 3.5)  # (3 + 4) / 2
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_micro_batches_with_global_counts_add_up_to_the_batch(mode):
+    whole = algo.aggregate_loss(VALUES, MASK, mode)
+    parts = sum(
+        algo.aggregate_loss(VALUES[rows], MASK[rows], mode, num_sequences=2, num_tokens=3)
+        for rows in (slice(0, 1), slice(1, 3))
+    )
+    close(parts, float(whole))
+
+
+def test_unknown_aggregation_is_refused():
+    with pytest.raises(ValueError, match="aggregation"):
+        algo.aggregate_loss(VALUES, MASK, "seq_sum")
+
+
+# ------------------------------------------------------------------ KL, entropy, TIS, metrics, SFT
+
+
+def test_kl_estimators():
+    logp, ref = t([-1.0]), t([-1.5])  # x = .5
+    close(algo.kl_penalty(logp, ref, "k1"), [0.5])
+    close(algo.kl_penalty(logp, ref, "k2"), [0.125])  # .5^2 / 2
+    close(algo.kl_penalty(logp, ref, "k3"), [math.exp(-0.5) - 0.5])  # .106531
+    close(algo.kl_penalty(logp, ref, "low_var_kl"), [0.106531])
+
+
+def test_low_var_kl_is_clamped():
+    # x = -20: k3 = e^20 - 21 = 4.85e8 -> 10;  x = 20: k3 = e^-20 + 19 -> 10
+    close(algo.kl_penalty(t([-21.0, -1.0]), t([-1.0, -21.0]), "low_var_kl"), [10.0, 10.0])
+    close(algo.kl_penalty(t([-1.0]), t([-21.0]), "k3"), [19.0], atol=1e-4)
+
+
+def test_entropy_from_logits():
+    # uniform over 2: ln 2; probs (.25, .75): -( .25 ln .25 + .75 ln .75 ) = .562335
+    close(algo.entropy_from_logits(t([[0.0, 0.0], [0.0, math.log(3)]])), [0.693147, 0.562335])
+
+
+def test_tis_weights_are_clamped_and_constant():
+    old = t([-1.0, -1.0, -1.0]).requires_grad_()
+    w = algo.tis_weights(old, t([-1.0, -2.0, -0.5]), cap=2.0)
+    close(w, [1.0, 2.0, math.exp(-0.5)])  # e^0, e^1 capped at 2, e^-.5
+    assert not w.requires_grad
+
+
+def test_approx_kl_metric():
+    # old - logp = -.5 and .5; only the first is trained
+    close(algo.approx_kl(t([-1.0, -2.0]), t([-1.5, -1.5]), t([1, 0])), -0.5)
+    close(algo.approx_kl(t([-1.0, -2.0]), t([-1.5, -1.5]), t([1, 1])), 0.0)
+
+
+def test_sft_nll_is_the_mean_over_trained_tokens():
+    close(algo.nll_loss(t([[-0.5, -1.5, -9.0]]), t([[1, 1, 0]])), 1.0)  # (.5 + 1.5) / 2
+    close(algo.nll_loss(t([[-0.5, -1.5, -9.0]]), t([[1, 1, 0]]), num_tokens=4), 0.5)

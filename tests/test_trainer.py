@@ -1,0 +1,544 @@
+"""The trainer: TorchBackend on the tiny model, the Trainer's run logic, its gRPC face,
+and weight pushes through the real rollout service to the CPU reference engine over a
+real gloo group."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlmesh.v1 import buffer_pb2, trainer_pb2
+from rlmesh.v1.buffer_pb2_grpc import BufferStub
+from rlmesh.v1.trainer_pb2_grpc import TrainerStub
+from services.buffer.config import Settings as BufferSettings
+from services.buffer.server import start as start_buffer
+from services.common import errors
+from services.common.grpc_server import sync_channel
+from services.common.redis_server import free_port
+from services.common.run_config import TrainerRunConfig, WeightSyncConfig
+from services.common.sample import ConversionError, Sample, SampleGroup, Status, group_from_proto, group_to_proto
+from services.rollout.config import Settings as RolloutSettings
+from services.rollout.server import start as start_rollout
+from services.trainer.backend import TorchBackend
+from services.trainer.config import Settings
+from services.trainer.server import start
+from services.trainer.trainer import Trainer, parse_run_config
+from services.trainer.weight_sync import WeightPusher, plan_buckets
+
+CPU = torch.device("cpu")
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def sample(index: int, prompt: list[int], response: list[int], reward: float, status=Status.COMPLETED, **kw) -> Sample:
+    return Sample(
+        index=index,
+        tokens=prompt + response,
+        response_length=len(response),
+        reward=reward,
+        status=status,
+        **kw,
+    )
+
+
+def make_groups() -> list[SampleGroup]:
+    """Two prompts of different lengths, responses of different lengths (padding is
+    exercised), one truncated sample and one failed one."""
+    return [
+        SampleGroup("g0", 0, [
+            sample(0, [5, 6, 7], [8, 9, 10, 1], 1.0),
+            sample(1, [5, 6, 7], [11, 1], 0.0),
+            sample(2, [5, 6, 7], [12, 13, 14, 15, 16], 0.5, Status.TRUNCATED),
+        ]),
+        SampleGroup("g1", 1, [
+            sample(3, [20, 21, 22, 23, 24, 25], [8, 1], 1.0),
+            sample(4, [20, 21, 22, 23, 24, 25], [30, 31, 1], 0.0),
+            sample(5, [20, 21, 22, 23, 24, 25], [9, 9, 9], 0.0, Status.FAILED),
+        ]),
+    ]
+
+
+def config(model_dir: Path, **overrides) -> TrainerRunConfig:
+    base = {"model_path": str(model_dir), "micro_batch_size": 2, "optimizer": {"lr": 1e-3}, "device": "cpu"}
+    base.update(overrides)
+    return TrainerRunConfig.model_validate(base)
+
+
+def independent_log_probs(model, s: Sample) -> list[float]:
+    """Response-token log-probs from one unpadded forward, the way an engine would."""
+    with torch.no_grad():
+        logp = model(torch.tensor([s.tokens])).logits[0].log_softmax(-1)
+    first = len(s.tokens) - s.response_length
+    return [float(logp[first + j - 1, s.tokens[first + j]]) for j in range(s.response_length)]
+
+
+def params(backend: TorchBackend) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in backend.state_dict_for_sync()}
+
+
+# ------------------------------------------------------------------ backend
+
+
+def test_first_step_has_ratio_one_and_matches_independent_log_probs(tiny_model_dir):
+    backend = TorchBackend(config(tiny_model_dir, algorithm={"tis_cap": 2.0}), CPU)
+    groups = make_groups()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for g in groups:
+        for s in g.samples:
+            s.rollout_log_probs = independent_log_probs(model, s)
+    before = params(backend)
+
+    m = backend.train_step(groups)
+
+    # Padded micro-batches score every response token exactly like an unpadded forward.
+    assert m["train_rollout_logprob_abs_diff"] < 1e-5
+    assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    # "old" is the policy before the step: ratio 1, nothing clipped, no KL.
+    assert m["clip_frac"] == 0.0 and m["approx_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert m["samples"] == 5 and m["failed_count"] == 1 and m["truncated_fraction"] == pytest.approx(0.2)
+    assert m["reward_mean"] == pytest.approx(2.5 / 5)
+    assert m["response_length_mean"] == pytest.approx((4 + 2 + 5 + 2 + 3) / 5)
+    assert m["trained_tokens"] == 16 and m["optimizer_steps"] == 1 and backend.step == 1
+    assert m["grad_norm"] > 0 and m["entropy"] > 0 and m["lr"] == pytest.approx(1e-3)
+    assert any(not torch.equal(before[n], t) for n, t in params(backend).items())
+
+
+def test_policy_moves_towards_the_rewarded_response(tiny_model_dir):
+    backend = TorchBackend(config(tiny_model_dir, optimizer={"lr": 3e-3}), CPU)
+    good = sample(0, [5, 6, 7], [40, 41, 42], 1.0)
+    bad = sample(1, [5, 6, 7], [50, 51, 52], 0.0)
+    model = backend.policy
+
+    def margin() -> float:
+        return sum(independent_log_probs(model, good)) - sum(independent_log_probs(model, bad))
+
+    start = margin()
+    for _ in range(5):
+        backend.train_step([SampleGroup("g", 0, [good, bad])])
+    assert margin() > start + 1.0
+
+
+def test_micro_batching_does_not_change_the_gradient(tiny_model_dir):
+    results = []
+    for micro in (1, 4):
+        for aggregation in ("seq_mean_token_mean", "token_mean"):
+            backend = TorchBackend(
+                config(tiny_model_dir, micro_batch_size=micro, algorithm={"loss_aggregation": aggregation}), CPU
+            )
+            m = backend.train_step(make_groups())
+            results.append((aggregation, m["grad_norm"], m["loss"]))
+    by_aggregation: dict[str, list] = {}
+    for aggregation, grad_norm, loss in results:
+        by_aggregation.setdefault(aggregation, []).append((grad_norm, loss))
+    for (g1, l1), (g4, l4) in by_aggregation.values():
+        assert g1 == pytest.approx(g4, rel=1e-4)
+        assert l1 == pytest.approx(l4, abs=1e-6)
+
+
+def test_steps_per_rollout_split_the_batch(tiny_model_dir):
+    backend = TorchBackend(config(tiny_model_dir, num_steps_per_rollout=2), CPU)
+    m = backend.train_step(make_groups())
+    assert m["optimizer_steps"] == 2 and backend.step == 2
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"advantage_estimator": "dr_grpo", "loss_aggregation": "seq_mean_token_sum"},
+        {"advantage_estimator": "rloo", "dual_clip_c": 3.0, "entropy_coef": 0.01},
+        {"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.1, "gamma": 0.9},
+        {"advantage_estimator": "reinforce_plus_plus_baseline", "loss_aggregation": "token_mean"},
+        {"advantage_estimator": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4},
+    ],
+)
+def test_every_estimator_trains(tiny_model_dir, algorithm):
+    backend = TorchBackend(config(tiny_model_dir, algorithm=algorithm, num_steps_per_rollout=2), CPU)
+    assert (backend.reference is not None) == (algorithm.get("kl_coef", 0) > 0)
+    m = backend.train_step(make_groups())
+    assert m["optimizer_steps"] == 2
+    assert all(torch.isfinite(torch.tensor(v)) for v in m.values()), m
+
+
+def test_kl_loss_against_the_frozen_reference(tiny_model_dir):
+    backend = TorchBackend(config(tiny_model_dir, algorithm={"kl_loss_coef": 0.1, "kl_estimator": "k3"}), CPU)
+    assert backend.reference is not None
+    first = backend.train_step(make_groups())
+    assert first["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # policy == reference before any step
+    second = backend.train_step(make_groups())
+    assert second["kl_loss"] > 0
+    assert all(not p.requires_grad for p in backend.reference.parameters())
+
+
+def test_sft_step_uses_its_own_optimizer_and_lowers_the_nll(tiny_model_dir):
+    backend = TorchBackend(
+        config(tiny_model_dir, sft_optimizer={"lr": 1e-2, "warmup_steps": 2}), CPU
+    )
+    groups = [SampleGroup("g", 0, [sample(0, [5, 6], [40, 41, 42, 1], 0.0, loss_mask=[1, 1, 0, 1])])]
+    first = backend.sft_step(groups)
+    assert first["lr"] == pytest.approx(5e-3)  # warmup: step 1 of 2
+    for _ in range(4):
+        last = backend.sft_step(groups)
+    assert last["lr"] == pytest.approx(1e-2)
+    assert last["sft_nll"] < first["sft_nll"] - 0.5
+    assert last["trained_tokens"] == 3
+
+
+def test_only_failed_samples_is_no_step(tiny_model_dir):
+    backend = TorchBackend(config(tiny_model_dir), CPU)
+    m = backend.train_step([SampleGroup("g", 0, [sample(0, [5], [6], 1.0, Status.FAILED)])])
+    assert m["failed_count"] == 1 and m["samples"] == 0 and backend.step == 0
+
+
+def test_bad_samples_are_refused_with_the_reason(tiny_model_dir):
+    backend = TorchBackend(config(tiny_model_dir), CPU)
+    with pytest.raises(errors.InvalidArgument, match="no prompt tokens"):
+        backend.train_step([SampleGroup("g", 0, [sample(0, [], [6, 7], 1.0)])])
+    with pytest.raises(ConversionError, match="loss_mask has 1 entries but response_length is 2"):
+        backend.train_step([SampleGroup("g", 0, [sample(0, [5], [6, 7], 1.0, loss_mask=[1])])])
+
+
+def test_checkpoint_round_trip(tiny_model_dir, tmp_path):
+    backend = TorchBackend(config(tiny_model_dir, sft_optimizer={"lr": 1e-4}), CPU)
+    backend.train_step(make_groups())
+    backend.sft_step(make_groups())
+    path = backend.save_checkpoint(tmp_path / "ckpt", {"weight_version": 7})
+    assert (path / "model.safetensors").exists() and (path / "tokenizer.json").exists()
+    state = json.loads((path / "trainer_state.json").read_text())
+    assert state == {"step": 2, "weight_version": 7, "reference_model_path": str(tiny_model_dir)}
+
+    resumed = TorchBackend(config(path, sft_optimizer={"lr": 1e-4}), CPU)
+    assert resumed.step == 2 and resumed.resumed_state["weight_version"] == 7
+    assert resumed.reference_path == str(tiny_model_dir)  # KL stays against the starting model
+    for (name, a), (_, b) in zip(backend.state_dict_for_sync(), resumed.state_dict_for_sync()):
+        assert torch.equal(a, b), name
+    for key in ("rl", "sft"):
+        saved = backend._optimizers[key].optimizer.state_dict()["state"][0]["exp_avg"]
+        loaded = resumed._optimizers[key].optimizer.state_dict()["state"][0]["exp_avg"]
+        assert torch.equal(saved, loaded)
+    # The same step on both gives the same weights.
+    backend.train_step(make_groups())
+    resumed.train_step(make_groups())
+    for (name, a), (_, b) in zip(backend.state_dict_for_sync(), resumed.state_dict_for_sync()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+# ------------------------------------------------------------------ run config and Trainer logic
+
+
+def test_bad_run_config_names_the_field():
+    with pytest.raises(errors.InvalidArgument, match=r"algorithm\.eps_clip: Input should be greater than 0"):
+        parse_run_config(json.dumps({"model_path": "/m", "algorithm": {"eps_clip": -1}}))
+    with pytest.raises(errors.InvalidArgument, match=r"model_path: Field required"):
+        parse_run_config("{}")
+    with pytest.raises(errors.InvalidArgument, match=r"config: Invalid JSON"):
+        parse_run_config("{not json")
+    with pytest.raises(errors.InvalidArgument, match=r"algorithm\.kl_coef: .*reinforce_plus_plus"):
+        parse_run_config(json.dumps({"model_path": "/m", "algorithm": {"kl_coef": 0.1}}))
+
+
+def test_trainer_holds_one_run(tiny_model_dir, tmp_path):
+    async def scenario():
+        trainer = Trainer(Settings(work_dir=tmp_path))
+        cfg = config(tiny_model_dir)
+        with pytest.raises(errors.NotFound, match="call InitRun first"):
+            trainer.status("r1")
+        status = await trainer.init_run("r1", cfg)
+        assert (status.run_id, status.step, status.weight_version) == ("r1", 0, 0)
+        assert (await trainer.init_run("r1", cfg)).run_id == "r1"  # retried InitRun
+        with pytest.raises(errors.FailedPrecondition, match="already holds run 'r1'"):
+            await trainer.init_run("r2", cfg)
+        with pytest.raises(errors.FailedPrecondition, match="different config"):
+            await trainer.init_run("r1", config(tiny_model_dir, seed=1))
+        with pytest.raises(errors.InvalidArgument, match="loss must be"):
+            await trainer.train_on_groups("r1", make_groups(), loss="dpo")
+
+        result = await trainer.train_on_groups("r1", make_groups())
+        assert (result.step, result.groups_trained, result.samples_trained) == (1, 2, 5)
+        sft = await trainer.train_on_groups("r1", make_groups(), loss="sft")
+        assert sft.step == 2 and "sft_nll" in sft.metrics
+
+        path = await trainer.save_checkpoint("r1")
+        assert path == (tmp_path / "r1" / "checkpoints" / "step_2").resolve()
+        assert json.loads((path / "trainer_state.json").read_text())["run_id"] == "r1"
+
+        with pytest.raises(errors.FailedPrecondition, match="no buffer_address"):
+            await trainer.train_step("r1", num_groups=1)
+        with pytest.raises(errors.FailedPrecondition, match="no rollout_address"):
+            await trainer.publish_weights("r1", version=1)
+        final = await trainer.end_run("r1")
+        assert final.step == 2
+        with pytest.raises(errors.NotFound):
+            trainer.status("r1")
+        await trainer.init_run("r2", config(tiny_model_dir, model_path=str(path)))
+        assert trainer.status("r2").step == 2  # resumed from the checkpoint
+        await trainer.close()
+
+    asyncio.run(scenario())
+
+
+def test_missing_model_is_invalid_argument(tmp_path):
+    async def scenario():
+        trainer = Trainer(Settings())
+        with pytest.raises(errors.InvalidArgument, match="model_path: .* is not a directory"):
+            await trainer.init_run("r1", config(tmp_path / "nope"))
+
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ gRPC
+
+
+@pytest.fixture
+def trainer_server(loop_thread, tmp_path):
+    """start(settings) -> a TrainerStub; the trainer and server stop with the test."""
+    made = []
+
+    def make(**settings):
+        trainer = Trainer(Settings(work_dir=tmp_path, **settings))
+        server, port = loop_thread.run(start(trainer.settings, trainer))
+        made.append((trainer, server))
+        make.trainers.append(trainer)
+        return TrainerStub(sync_channel(f"127.0.0.1:{port}"))
+
+    make.trainers = []
+    yield make
+    for trainer, server in made:
+        loop_thread.run(trainer.close())
+        loop_thread.run(server.stop(None))
+
+
+def test_grpc_errors_are_status_codes_with_messages(trainer_server, tiny_model_dir):
+    stub = trainer_server(buffer_address=f"127.0.0.1:{free_port()}")  # nothing listens there
+    with pytest.raises(grpc.RpcError) as e:
+        stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json='{"model_path": "/m", "micro_batch_size": 0}'))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "micro_batch_size: Input should be greater than or equal to 1" in e.value.details()
+
+    with pytest.raises(grpc.RpcError) as e:
+        stub.GetStatus(trainer_pb2.GetStatusRequest(run_id="r1"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+    status = stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=config(tiny_model_dir).model_dump_json()))
+    assert status.run_id == "r1" and status.model_path == str(tiny_model_dir)
+
+    with pytest.raises(grpc.RpcError) as e:
+        stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="r1", num_groups=2))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "buffer (LeaseBatch)" in e.value.details() and "unavailable" in e.value.details()
+
+    with pytest.raises(grpc.RpcError) as e:
+        stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="r1", num_groups=0))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    saved = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id="r1"))
+    assert Path(saved.path, "model.safetensors").exists()
+    assert stub.EndRun(trainer_pb2.EndRunRequest(run_id="r1")).step == 0
+
+
+@pytest.fixture
+def buffer_address(redis_url, loop_thread):
+    """The real buffer service on the test's Redis."""
+    server, port = loop_thread.run(start_buffer(BufferSettings(redis_url=redis_url, port=0)))
+    yield f"127.0.0.1:{port}"
+    loop_thread.run(server.stop(None))
+
+
+def fill_buffer(address: str, run_id: str, dataset: Path) -> BufferStub:
+    """Two prompts through the buffer's own path: CreateRun, GetPrompts, PutGroups."""
+    dataset.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(2)))
+    stub = BufferStub(sync_channel(address))
+    stub.CreateRun(buffer_pb2.CreateRunRequest(
+        run_id=run_id, n_samples_per_prompt=2, datasets=[buffer_pb2.DatasetSpec(name="train", path=str(dataset))]
+    ))
+    prompts = stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id=run_id, num_groups=2)).groups
+    done = []
+    for g, template in zip(prompts, make_groups()):
+        group = group_from_proto(g)
+        for s, filled in zip(group.samples, template.samples):
+            s.tokens, s.response_length, s.reward, s.status = filled.tokens, filled.response_length, filled.reward, filled.status
+        done.append(group_to_proto(group))
+    stub.PutGroups(buffer_pb2.PutGroupsRequest(run_id=run_id, groups=done))
+    return stub
+
+
+def test_train_step_leases_from_the_buffer_and_acknowledges_after_the_step(
+    buffer_address, trainer_server, tiny_model_dir, tmp_path
+):
+    buffer = fill_buffer(buffer_address, "r1", tmp_path / "train.jsonl")
+    stub = trainer_server(buffer_address=buffer_address)
+    stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=config(tiny_model_dir).model_dump_json()))
+
+    result = stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="r1", num_groups=2, wait_seconds=5))
+    assert (result.step, result.groups_trained, result.samples_trained) == (1, 2, 4)
+    assert {"loss", "pg_loss", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr"} <= set(result.metrics)
+    stats = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r1"))
+    assert (stats.acknowledged_groups, stats.queued_groups, stats.leased_groups) == (2, 0, 0)
+
+    with pytest.raises(grpc.RpcError) as e:  # everything was consumed
+        stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="r1", num_groups=1, wait_seconds=0.05))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "buffer had only 0 of 1 groups for run 'r1'" in e.value.details()
+
+    stub.EndRun(trainer_pb2.EndRunRequest(run_id="r1"))
+    stub.InitRun(trainer_pb2.InitRunRequest(run_id="r2", config_json=config(tiny_model_dir).model_dump_json()))
+    with pytest.raises(grpc.RpcError) as e:  # the trainer knows r2, the buffer does not
+        stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="r2", num_groups=1))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "unknown run 'r2'" in e.value.details()
+
+
+# ------------------------------------------------------------------ weight push
+
+
+class EngineProcess:
+    """The CPU reference engine as `rlmesh serve engine` runs it, in its own process:
+    one process cannot hold both ends of a weight group (torch registers groups by
+    name, and both ends must use the same name)."""
+
+    def __init__(self, model_dir: Path, log_path: Path) -> None:
+        self.model_dir, self.log_path = model_dir, log_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        command = [sys.executable, "-m", "services.cli", "serve", "engine", "--model-path", str(self.model_dir),
+                   "--port", str(self.port), "--num-threads", "1", "--weight-group-timeout-s", "60"]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            if self.process.poll() is not None:
+                pytest.fail(f"engine did not start:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def weight_version(self) -> str:
+        return httpx.get(f"{self.url}/get_model_info").json()["weight_version"]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        values = httpx.post(f"{self.url}/get_weights_by_name", json={"name": name, "truncate_size": 10**6}).json()
+        return torch.tensor(values, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    process = EngineProcess(tiny_model_dir, tmp_path_factory.mktemp("engine") / "engine.log")
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def rollout_address(loop_thread, engine):
+    """The real rollout service in front of the engine (generation is not used here)."""
+    server, port = loop_thread.run(start_rollout(RolloutSettings(port=0, engine_urls=[engine.url])))
+    yield f"127.0.0.1:{port}"
+    loop_thread.run(server.stop(None))
+
+
+def moved(backend: TorchBackend, delta: float) -> list[tuple[str, torch.Tensor]]:
+    """Change every weight, so that the engine can only match by receiving them."""
+    with torch.no_grad():
+        for p in backend.policy.parameters():
+            p.add_(delta)
+    return list(backend.state_dict_for_sync())
+
+
+def assert_engine_has(engine: EngineProcess, tensors, dtype=None) -> None:
+    for name, t in tensors:
+        expected = t.to(dtype).float() if dtype else t
+        torch.testing.assert_close(engine.tensor(name), expected, rtol=0, atol=0, msg=name)
+
+
+def test_plan_buckets():
+    f32 = [(f"w{i}", torch.zeros(10)) for i in range(5)]  # 40 bytes each
+    assert [[n for n, _ in b] for b in plan_buckets(f32, 100)] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    assert len(plan_buckets(f32, 10)) == 5  # larger than a bucket: alone
+    assert len(plan_buckets(f32, 60, wire_dtype=torch.bfloat16)) == 2  # 20 bytes each as sent: 3 + 2
+    mixed = [("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16)), ("c", torch.zeros(2))]
+    assert [[n for n, _ in b] for b in plan_buckets(mixed, 1000)] == [["a"], ["b"], ["c"]]  # one dtype each
+
+
+def test_publish_weights_through_the_rollout_service(rollout_address, engine, trainer_server, tiny_model_dir, tmp_path):
+    stub = trainer_server(rollout_address=rollout_address)
+    cfg = config(tiny_model_dir, weight_sync={"bucket_bytes": 128 * 1024})
+    stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=cfg.model_dump_json()))
+
+    first = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=1))
+    trainer = trainer_server.trainers[-1]
+    buckets = plan_buckets(list(trainer._run.backend.state_dict_for_sync()), 128 * 1024)
+    assert first.version == 1 and first.bytes == 137_728 * 4 and first.buckets == len(buckets) > 1
+    assert engine.weight_version() == "1"
+    group = trainer._run.pusher._group.name
+    weights = moved(trainer._run.backend, 0.01)
+
+    stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=2))
+    assert engine.weight_version() == "2"
+    assert_engine_has(engine, weights)  # every parameter, bit for bit
+    assert trainer._run.pusher._group.name == group  # the group is kept across pushes
+    assert stub.GetStatus(trainer_pb2.GetStatusRequest(run_id="r1")).weight_version == 2
+
+    weights = moved(trainer._run.backend, 0.01)
+    disk = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=3, method="disk"))
+    assert disk.bytes > 0 and engine.weight_version() == "3"
+    assert_engine_has(engine, weights[:3])
+    assert sorted(p.name for p in (tmp_path / "r1" / "weights").iterdir()) == ["v3"]
+
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=4, method="nfs"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_flattened_bf16_buckets_and_a_new_group_after_an_engine_restart(loop_thread, rollout_address, engine, tiny_model_dir):
+    backend = TorchBackend(config(tiny_model_dir), CPU)
+    sync = WeightSyncConfig(bucket_bytes=64 * 1024, backend="gloo", load_format="flattened_bucket")
+    pusher = WeightPusher(rollout_address, "r-flat")
+    try:
+        weights = moved(backend, 0.02)
+        result = loop_thread.run(pusher.push_distributed(weights, 5, sync, wire_dtype=torch.bfloat16))
+        assert result.bytes == 137_728 * 2 and result.buckets == len(plan_buckets(weights, 64 * 1024, torch.bfloat16))
+        assert_engine_has(engine, weights, torch.bfloat16)
+        group = pusher._group.name
+
+        engine.restart()  # back with its checkpoint's weights and outside any group
+        weights = moved(backend, 0.02)
+        loop_thread.run(pusher.push_distributed(weights, 6, sync))
+        assert engine.weight_version() == "6" and pusher._group.name != group
+        assert_engine_has(engine, weights)
+    finally:
+        loop_thread.run(pusher.close())
+
+
+def test_push_to_an_engine_that_is_down_is_a_clear_error(loop_thread):
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    server, port = loop_thread.run(start_rollout(RolloutSettings(port=0, engine_urls=[down])))
+    pusher = WeightPusher(f"127.0.0.1:{port}", "r-down")
+    try:
+        with pytest.raises(errors.Unavailable, match=f"engines not answering, weights not pushed: {down}"):
+            loop_thread.run(pusher.push_distributed([("w", torch.zeros(2))], 1, WeightSyncConfig()))
+    finally:
+        loop_thread.run(pusher.close())
+        loop_thread.run(server.stop(None))
