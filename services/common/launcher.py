@@ -43,7 +43,7 @@ class Stack:
         common = ["--host", "127.0.0.1", "--port", str(self.ports[name])]
         return common + {
             "engine": ["--model-path", model_path],
-            "reward": [],
+            "reward": ["--redis-url", self.redis_url],
             "buffer": ["--redis-url", self.redis_url],
             "rollout": ["--buffer-address", a("buffer"), "--reward-address", a("reward"),
                         "--engine-urls", json.dumps([f"http://{a('engine')}"])],
