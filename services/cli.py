@@ -8,6 +8,7 @@ import importlib
 import logging
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from services.common.settings import add_settings_flags, settings_from_args
@@ -47,13 +48,12 @@ def _up(args: argparse.Namespace) -> None:
     print("starting rlmesh:")
     stack = start_stack(data_dir, model_path, redis_url=args.redis_url)
     print(f"rlmesh is up. REST API: {stack.coordinator_url} (docs: {stack.coordinator_url}/docs). Ctrl-C stops it.")
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        while not stop and all(p.poll() is None for p in stack.processes.values()):
-            signal.sigtimedwait([signal.SIGINT, signal.SIGTERM], 1.0) if hasattr(signal, "sigtimedwait") else None
-    except KeyboardInterrupt:
-        pass
+        while not stop.is_set() and all(p.poll() is None for p in stack.processes.values()):
+            stop.wait(1.0)
     finally:
         dead = [n for n, p in stack.processes.items() if p.poll() is not None]
         if dead:
