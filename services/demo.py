@@ -89,12 +89,14 @@ def write_plot(history: list[dict], path: Path) -> None:
              f'<line x1="{pad}" y1="{sy(0)}" x2="{w - pad}" y2="{sy(0)}" stroke="black"/>',
              f'<line x1="{pad}" y1="{sy(0)}" x2="{pad}" y2="{sy(1)}" stroke="black"/>',
              f'<text x="{w / 2}" y="{h - 8}" text-anchor="middle">rollout</text>',
-             f'<text x="8" y="{sy(1) + 4}">1.0</text><text x="8" y="{sy(0) + 4}">0.0</text>']
+             f'<text x="8" y="{sy(1) + 4}">1.0</text><text x="8" y="{sy(0) + 4}">0.0</text>',
+             f'<text x="{sx(0)}" y="{sy(0) + 16}" text-anchor="middle">0</text>',
+             f'<text x="{sx(xmax)}" y="{sy(0) + 16}" text-anchor="middle">{xmax}</text>']
     for (name, pts), color, y in zip(series.items(), ("#1f77b4", "#d62728"), (20, 36)):
         if pts:
             d = " ".join(f"{sx(x):.1f},{sy(v):.1f}" for x, v in pts)
             parts.append(f'<polyline points="{d}" fill="none" stroke="{color}" stroke-width="2"/>')
-        parts.append(f'<text x="{w - pad - 110}" y="{y}" fill="{color}">{name}</text>')
+        parts.append(f'<text x="{pad + 10}" y="{y}" fill="{color}">{name}</text>')
     parts.append("</svg>")
     path.write_text("\n".join(parts))
 
