@@ -1,0 +1,94 @@
+"""The shared plumbing every service relies on: Sample conversion, typed settings,
+health checking and reflection, graceful stop on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from rlmesh.v1 import sample_pb2
+from services.buffer.config import Settings as BufferSettings
+from services.buffer.server import start as start_buffer
+from services.common.grpc_server import sync_channel
+from services.common.redis_server import free_port
+from services.common.sample import (
+    ConversionError, Sample, SampleGroup, Status, group_from_proto, group_to_proto, sample_from_json,
+    sample_from_proto, sample_to_json, sample_to_proto,
+)
+from services.common.settings import add_settings_flags, settings_from_args
+
+
+def full_sample() -> Sample:
+    return Sample(
+        index=7, group_index=3, prompt="", messages=[{"role": "user", "content": "hi"}], tokens=[5, 6, 7, 8],
+        response="ab", response_length=2, label="ab", reward=0.5, reward_components={"exact_match": 0.5},
+        loss_mask=[0, 1], status=Status.TRUNCATED, metadata={"dataset": "d", "n": 1},
+        rollout_log_probs=[-0.5, -1.25], weight_versions=[3, 4],
+        multimodal_inputs=[{"kind": "image", "uri": "file:///x.png", "data": b"", "mime_type": "image/png"}],
+    )
+
+
+def test_sample_round_trips_through_protobuf_and_json():
+    s = full_sample()
+    assert sample_from_proto(sample_pb2.Sample.FromString(sample_to_proto(s).SerializeToString())) == s
+    group = SampleGroup("g3", 3, [s, full_sample()], "d")
+    assert group_from_proto(group_to_proto(group)) == group
+    back = sample_from_json(sample_to_json(s))
+    assert back.tokens == s.tokens and back.status == Status.TRUNCATED and back.rollout_log_probs == s.rollout_log_probs
+    assert s.prompt_tokens == [5, 6] and s.response_tokens == [7, 8]
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("loss_mask", b"\x01", "loss_mask has 1 entries"),
+    ("rollout_log_probs", b"\x00" * 5, "not a multiple of 4"),
+    ("response_length", 9, "outside 0..4"),
+    ("metadata_json", "[1]", "JSON object"),
+])
+def test_malformed_samples_are_refused_with_the_reason(field, value, message):
+    msg = sample_to_proto(full_sample())
+    setattr(msg, field, value)
+    with pytest.raises(ConversionError, match=message.replace(".", r"\.")):
+        sample_from_proto(msg)
+
+
+def test_settings_precedence_is_defaults_yaml_env_flags(tmp_path, monkeypatch):
+    (tmp_path / "buffer.yaml").write_text("port: 1111\nredis_url: redis://yaml:1/0\nkey_prefix: fromyaml\n")
+    monkeypatch.setenv("RLMESH_BUFFER_REDIS_URL", "redis://env:2/0")
+    parser = argparse.ArgumentParser()
+    add_settings_flags(parser, BufferSettings)
+    args = parser.parse_args(["--config", str(tmp_path / "buffer.yaml"), "--port", "3333"])
+    s = settings_from_args(BufferSettings, args)
+    assert (s.port, s.redis_url, s.key_prefix, s.prompt_lease_seconds) == (3333, "redis://env:2/0", "fromyaml", 600.0)
+
+
+def test_services_serve_health_and_reflection(redis_url, start_in_loop):
+    _, port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
+    channel = sync_channel(f"127.0.0.1:{port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    for name in ("", "rlmesh.v1.Buffer"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (reply,) = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"rlmesh.v1.Buffer", "grpc.health.v1.Health"} <= names
+
+
+def test_a_service_stops_gracefully_on_sigterm(redis_url):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "buffer", "--redis-url", redis_url,
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        channel = sync_channel(f"127.0.0.1:{port}")
+        grpc.channel_ready_future(channel).result(timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert b"shutting down" in proc.stdout.read()
+    finally:
+        proc.kill()
