@@ -104,3 +104,13 @@ def test_list_engines_and_errors(stack, engine_url):
     with pytest.raises(grpc.RpcError) as e:
         rollout.StartAsyncRollout(request())
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_filter_that_drops_everything_fails_clearly(stack):
+    buffer, rollout = stack
+    # A reward that is 0 for every sample (labels never match 1-token answers): all groups equal.
+    with pytest.raises(grpc.RpcError) as e:
+        rollout.GenerateRollout(request(num_groups=1, group_filter="nonzero_std",
+                                        sampling=sampling_to_proto(SamplingConfig(max_new_tokens=1))))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "dropped" in e.value.details()
+    assert buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r")).dropped_groups > 20

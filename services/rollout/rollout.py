@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
 from services.common.sampling import sampling_to_sglang
 from services.rollout.config import Settings
@@ -21,6 +21,9 @@ from services.rollout.engine_client import EnginePool
 from services.rollout.generation import GenerateContext, default_generate, sft_sample
 
 log = logging.getLogger(__name__)
+
+# With a group filter on, give up after this many dropped groups per group wanted.
+MAX_FILTERED_PER_GROUP = 20
 
 GenerateFn = Callable[[GenerateContext, Sample, dict], Awaitable[Sample | list[Sample]]]
 
@@ -144,6 +147,11 @@ class RolloutManager:
         written: list[SampleGroup] = []
         filtered = aborted = 0
         while len(written) < req.num_groups:
+            if filtered > MAX_FILTERED_PER_GROUP * req.num_groups:
+                raise FailedPrecondition(
+                    f"the {req.group_filter!r} filter dropped {filtered} groups and kept {len(written)} of "
+                    f"{req.num_groups}: every group's rewards are equal (is the task too hard or too easy "
+                    f"for the policy, or the reward broken?)")
             need = req.num_groups - len(written)
             resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
                 run_id=req.run_id, num_groups=need + req.over_sampling_groups, worker_id="rollout"))
