@@ -243,7 +243,7 @@ def test_bad_run_config_names_the_field():
         parse_run_config("{}")
     with pytest.raises(errors.InvalidArgument, match=r"config: Invalid JSON"):
         parse_run_config("{not json")
-    with pytest.raises(errors.InvalidArgument, match=r"algorithm\.kl_coef: .*reinforce_plus_plus"):
+    with pytest.raises(errors.InvalidArgument, match=r"algorithm: .*kl_coef.*reinforce_plus_plus"):
         parse_run_config(json.dumps({"model_path": "/m", "algorithm": {"kl_coef": 0.1}}))
 
 

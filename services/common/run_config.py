@@ -86,6 +86,11 @@ class AlgorithmConfig(_Strict):
     def _one_kl(self):
         if self.kl_loss_coef > 0 and self.kl_coef > 0:
             raise ValueError("use KL either as a loss term (kl_loss_coef) or as reward shaping (kl_coef), not both")
+        if self.kl_coef > 0 and self.advantage_estimator != "reinforce_plus_plus":
+            raise ValueError(
+                f"kl_coef (KL as reward shaping) is only used by reinforce_plus_plus, not {self.advantage_estimator!r}; "
+                "use kl_loss_coef for a KL loss term"
+            )
         return self
 
 

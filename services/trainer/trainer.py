@@ -40,13 +40,6 @@ def parse_run_config(config_json: str) -> TrainerRunConfig:
             f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()
         )
         raise errors.InvalidArgument(f"invalid trainer config: {problems}") from None
-    a = config.algorithm
-    if a.kl_coef > 0 and a.advantage_estimator != "reinforce_plus_plus":
-        raise errors.InvalidArgument(
-            "invalid trainer config: algorithm.kl_coef: KL as reward shaping is only used by "
-            f"reinforce_plus_plus (advantage_estimator is {a.advantage_estimator!r}); "
-            "use algorithm.kl_loss_coef for a KL loss term"
-        )
     return config
 
 
