@@ -39,6 +39,7 @@ proto-check: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.wire
 	$(BIN)/python -m bench.buffer
+	$(BIN)/python -m bench.reward
 
 compose-check:
 	docker-compose -f deploy/docker-compose.yml config -q

@@ -76,12 +76,17 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--sft-steps", type=int, default=35, help="SFT warm-start steps before RL")
     d.add_argument("--rollouts", type=int, default=80, help="RL iterations")
     d.add_argument("--coordinator-url", default="", help="use running services (default: the ones `rlmesh up` started, else start them)")
+    sub.add_parser("reward", help="reward tools: `rlmesh reward check URL` runs the conformance suite against a remote reward service")
     t = sub.add_parser("build-tiny-model", help="write the tiny model and tokenizer to a directory")
     t.add_argument("out_dir")
 
     if argv[:1] == ["serve"] and len(argv) >= 2 and argv[1] in SERVICE_PACKAGES:
         _serve(argv[1], argv[2:])
         return
+    if argv[:2] == ["reward", "check"]:
+        from services.reward.check import main as reward_check
+
+        sys.exit(reward_check(argv[2:]))
     args = parser.parse_args(argv)
     if args.command == "up":
         _up(args)

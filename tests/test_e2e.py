@@ -107,3 +107,14 @@ def test_bad_requests_get_clear_http_errors(services, tmp_path, tiny_model_dir):
     assert r.status_code == 404 and "nope" in r.json()["detail"]
     assert api.post("/runs/nope/stop").status_code == 404
     assert api.get("/docs").status_code == 200
+
+
+def test_reward_services_are_registered_through_the_rest_api(services):
+    api, _ = services
+    assert api.get("/reward-services").json() == []
+    r = api.post("/reward-services", json={"name": "judge", "url": "ftp://example.invalid/score"})
+    assert r.status_code == 400 and "ftp" in r.json()["detail"]
+    r = api.post("/reward-services", json={"name": "judge", "url": "http://127.0.0.1:9/score", "timeout_seconds": 0.5})
+    assert r.status_code == 409 and r.json()["code"] == "FAILED_PRECONDITION"
+    assert api.delete("/reward-services/judge").json() == {"removed": False}
+    assert api.get("/reward-services/stats").status_code == 200

@@ -115,6 +115,46 @@ def test_math_verifier(response, label, expected):
     assert verifiers.math(response, label, {}) == expected
 
 
+GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+
+GSM8K_CASES = [
+    # (response, label, expected)
+    ("She sold 48 + 24 = 72 clips.\n#### 72", GSM8K_SOLUTION, 1.0),  # the dataset's own format
+    ("The answer is 72.", GSM8K_SOLUTION, 1.0),
+    (r"So she sold \boxed{72} clips.", "72", 1.0),
+    ("48 in April and 24 in May, so 72 in total", "72", 1.0),  # the last number as a last resort
+    ("The answer is 72 clips, since 48 + 24 = 72.", "72", 1.0),
+    ("The answer is: 48 + 24 = 72", "72", 1.0),  # the result of the equation, not its first term
+    ("#### 1,000", "1000", 1.0),  # thousands separators
+    (r"\boxed{\$1,234.50}", "1234.5", 1.0),  # currency, trailing zero
+    ("The answer is $18.", "#### 18", 1.0),
+    ("It takes 3.50 hours.", "3.5", 1.0),
+    ("72.00", "72", 1.0),
+    ("The temperature dropped to −5 degrees", "-5", 1.0),  # a Unicode minus
+    ("#### 50%", "50", 1.0),
+    (r"\boxed{\frac{3}{4}}", "0.75", 1.0),
+    ("The answer is 7. I double-checked with 3 + 4.", "7", 1.0),  # the stated answer beats later numbers
+    ("#### 71", GSM8K_SOLUTION, 0.0),
+    ("72 clips, but then 70 were returned, so 2", "72", 0.0),  # the final number counts
+    ("#### 7\nActually it is 8", "8", 0.0),  # '####' marks the final answer
+    ("0.72", "72", 0.0),
+    ("1,00", "100", 0.0),  # not a thousands separator
+    ("I do not know.", "72", 0.0),  # no number at all
+    ("", "72", 0.0),
+    (r"\boxed{1e999999999}", "999999999", 0.0),  # never turned into a huge number
+]
+
+
+@pytest.mark.parametrize("response,label,expected", GSM8K_CASES)
+def test_gsm8k_verifier(response, label, expected):
+    assert verifiers.gsm8k(response, label, {}) == expected
+
+
+def test_gsm8k_label_must_state_a_number():
+    with pytest.raises(ValueError, match="states no final number"):
+        verifiers.gsm8k("#### 3", "three apples", {})
+
+
 @pytest.mark.parametrize(
     "response,label,expected",
     [
@@ -162,7 +202,7 @@ def test_format():
 
 
 def test_missing_label_is_an_error_not_a_zero():
-    for name in ("math", "exact_match", "f1", "multiple_choice"):
+    for name in ("math", "gsm8k", "exact_match", "f1", "multiple_choice"):
         with pytest.raises(ValueError, match="no label"):
             verifiers.VERIFIERS[name](r"\boxed{1}", "  ", {})
     with pytest.raises(ValueError, match="not a choice letter"):
@@ -353,10 +393,19 @@ def test_bad_requests_over_grpc(reward_channel):
     code, message = _code_and_message(lambda: stub.Score(reward_pb2.ScoreRequest(samples=[malformed]), timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "loss_mask has 3 entries but response_length is 2" in message
 
-    for call, request in (
-        (stub.RegisterService, reward_pb2.RegisterServiceRequest()),
-        (stub.ListServices, reward_pb2.ListServicesRequest()),
-        (stub.UnregisterService, reward_pb2.UnregisterServiceRequest(name="x")),
-    ):
-        code, message = _code_and_message(lambda: call(request, timeout=10))
-        assert code == grpc.StatusCode.UNIMPLEMENTED and "not implemented yet" in message
+    # without Redis, registrations live in memory; none yet
+    assert list(stub.ListServices(reward_pb2.ListServicesRequest(), timeout=10).services) == []
+    code, message = _code_and_message(lambda: stub.UnregisterService(reward_pb2.UnregisterServiceRequest(), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "no name" in message
+
+
+def test_stats_count_scored_and_failed_samples(reward_channel):
+    stub = reward_pb2_grpc.RewardStub(reward_channel)
+    samples = [make_sample(0, r"\boxed{1}", "1"), make_sample(1, r"\boxed{1}", ""), make_sample(2, "x", "x")]
+    spec = reward_pb2.RewardSpec(components={"math": 1.0, "broken": 0.0})
+    stub.Score(reward_pb2.ScoreRequest(samples=[sample_to_proto(s) for s in samples[:2]]), timeout=30)
+    reply = stub.Score(reward_pb2.ScoreRequest(samples=[sample_to_proto(samples[2])], spec=spec), timeout=30)
+    assert sample_from_proto(reply.samples[0]).metadata["reward_failed_components"] == ["broken"]
+    stats = stub.GetStats(reward_pb2.GetRewardStatsRequest(), timeout=10)
+    assert (stats.samples_scored, stats.samples_failed) == (1, 2)
+    assert dict(stats.failures_by_component) == {"math": 1, "broken": 1}

@@ -45,3 +45,22 @@ class DeadlineExceeded(RlmeshError):
 class Unimplemented(RlmeshError):
     code = grpc.StatusCode.UNIMPLEMENTED
     http_status = 501
+
+
+
+ERROR_BY_GRPC_CODE = {
+    cls.code: cls
+    for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded, Unimplemented)
+}
+# For HTTP front ends (the coordinator) relaying a failed gRPC call to another service.
+HTTP_STATUS_BY_GRPC_CODE = {code: cls.http_status for code, cls in ERROR_BY_GRPC_CODE.items()}
+
+
+def upstream_error(service: str, address: str, e: grpc.aio.AioRpcError) -> RlmeshError:
+    """A failed call to another service, as an error of ours with the same code (its
+    NOT_FOUND becomes FAILED_PRECONDITION: the thing missing is there, not here)."""
+    code = e.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(f"{service} at {address} is unavailable: {e.details()}")
+    cls = FailedPrecondition if code == grpc.StatusCode.NOT_FOUND else ERROR_BY_GRPC_CODE.get(code, RlmeshError)
+    return cls(f"{service} at {address} answered {code.name}: {e.details()}")

@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 
+import grpc
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from google.protobuf.json_format import MessageToDict
+from pydantic import BaseModel, Field
 
-from rlmesh.v1 import buffer_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
-from services.common.errors import RlmeshError
+from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
+from services.common.errors import HTTP_STATUS_BY_GRPC_CODE, RlmeshError
 from services.common.grpc_server import aio_channel
 from services.common.run_config import RunConfig
 from services.coordinator.config import Settings
@@ -46,6 +48,22 @@ class RunDetail(RunSummary):
     metrics: list[dict]
 
 
+class RewardServiceSpec(BaseModel):
+    """A remote reward service, registered by URL (the reward service checks it answers)."""
+
+    name: str = Field(description="Component name runs use in reward.components.")
+    url: str = Field(description="http://, https:// or grpc:// address of the service.")
+    protocol: str = Field("", description="'http-json' or 'grpc'; empty = from the URL's scheme.")
+    timeout_seconds: float = Field(0.0, ge=0, description="Per call; 0 = the reward service's default.")
+    max_concurrency: int = Field(0, ge=0, description="Calls in flight at once; 0 = the default.")
+    weight: float = Field(0.0, description="Weight when a run names no components.")
+    max_batch_size: int = Field(0, ge=0, description="Samples per call; 0 = the default.")
+
+
+def _service_dict(msg) -> dict:
+    return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
 def _summary(rec: dict) -> dict:
     return {**{k: rec[k] for k in RunSummary.model_fields if k in rec}, "num_rollouts": rec["config"]["num_rollouts"]}
 
@@ -61,6 +79,7 @@ def create_app(settings: Settings) -> FastAPI:
         )
         app.state.store = RunStore(redis, settings.key_prefix)
         app.state.driver = RunDriver(app.state.store, clients, settings.train_wait_seconds)
+        app.state.reward = reward_pb2_grpc.RewardStub(aio_channel(settings.reward_address, settings.max_message_bytes))
         await app.state.driver.resume_active()
         yield
         await app.state.driver.close()
@@ -72,6 +91,11 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(RlmeshError)
     async def rlmesh_error(request: Request, exc: RlmeshError):
         return JSONResponse(status_code=exc.http_status, content={"detail": str(exc)})
+
+    @app.exception_handler(grpc.aio.AioRpcError)
+    async def upstream_error(request: Request, exc: grpc.aio.AioRpcError):
+        status = HTTP_STATUS_BY_GRPC_CODE.get(exc.code(), 502)
+        return JSONResponse(status_code=status, content={"detail": exc.details(), "code": exc.code().name})
 
     @app.post("/runs", status_code=201, response_model=RunCreated)
     async def create_run(config: RunConfig, request: Request):
@@ -92,6 +116,28 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/runs/{run_id}/stop", response_model=RunCreated)
     async def stop_run(run_id: str, request: Request):
         return RunCreated(id=run_id, status=await request.app.state.driver.stop(run_id))
+
+    @app.post("/reward-services", status_code=201)
+    async def register_reward_service(spec: RewardServiceSpec, request: Request):
+        """Register (or replace) a remote reward service by URL; refused if it does not answer."""
+        msg = await request.app.state.reward.RegisterService(
+            reward_pb2.RegisterServiceRequest(service=reward_pb2.RemoteService(**spec.model_dump())))
+        return _service_dict(msg)
+
+    @app.get("/reward-services")
+    async def list_reward_services(request: Request):
+        resp = await request.app.state.reward.ListServices(reward_pb2.ListServicesRequest())
+        return [_service_dict(s) for s in resp.services]
+
+    @app.delete("/reward-services/{name}")
+    async def unregister_reward_service(name: str, request: Request):
+        resp = await request.app.state.reward.UnregisterService(reward_pb2.UnregisterServiceRequest(name=name))
+        return {"removed": resp.removed}
+
+    @app.get("/reward-services/stats")
+    async def reward_stats(request: Request):
+        """Per remote service: calls, failures, retries, breaker state, latency."""
+        return _service_dict(await request.app.state.reward.GetStats(reward_pb2.GetRewardStatsRequest()))
 
     @app.get("/health")
     async def health():

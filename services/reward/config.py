@@ -24,7 +24,11 @@ class Settings(ServiceSettings):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(50053, ge=0, le=65535, description="gRPC port (0 = any free port).")
     redis_url: str = Field(
-        "", description="Redis that will hold registered remote reward services (not used yet; empty = none)."
+        "",
+        description=(
+            "Redis that holds the registered remote reward services (they survive restarts and are shared by "
+            "replicas). Empty = keep registrations in memory only."
+        ),
     )
     default_components: dict[str, float] = Field(
         default_factory=lambda: {"exact_match": 1.0},
@@ -43,6 +47,26 @@ class Settings(ServiceSettings):
             "Group reward functions: component name -> 'module:function'. The function takes a group's "
             "list of Samples and returns one float (or dict) per sample; sync or async. Used by ScoreGroups."
         ),
+    )
+
+    # Remote reward services: defaults for what a registration leaves at 0 ...
+    remote_timeout_seconds: float = Field(30.0, gt=0, description="Timeout of one call to a remote reward service.")
+    remote_max_concurrency: int = Field(8, ge=1, description="Calls in flight at once per remote service.")
+    remote_max_batch_size: int = Field(32, ge=1, description="Samples per call to a remote service (groups kept whole).")
+    # ... and how every remote is called.
+    remote_max_retries: int = Field(2, ge=0, description="Retries of a call that timed out or met an outage.")
+    remote_backoff_seconds: float = Field(
+        0.1, gt=0, description="First retry delay; doubles per retry, with jitter, up to remote_backoff_max_seconds."
+    )
+    remote_backoff_max_seconds: float = Field(5.0, gt=0, description="Longest delay between retries.")
+    breaker_failure_threshold: int = Field(
+        5, ge=1, description="Consecutive failed calls after which a remote's circuit breaker opens (calls fail fast)."
+    )
+    breaker_cooldown_seconds: float = Field(
+        10.0, gt=0, description="How long an open breaker waits before letting one trial call through."
+    )
+    max_reply_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Largest reply accepted from a remote service; larger ones fail."
     )
 
     @model_validator(mode="after")

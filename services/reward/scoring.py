@@ -2,11 +2,15 @@
 
 Components are built-in verifiers (services.reward.verifiers), per-sample custom
 functions and group functions, the latter two loaded by import path from the
-operator's settings. Bad requests (unknown component names, bad weights) raise
-errors.InvalidArgument before anything is scored. A component that fails on a sample
+operator's settings, and remote reward services registered by URL
+(services.reward.registry): a registered name "my_judge" is a component, and so is
+each named score it returns, "my_judge/style". Bad requests (unknown component names,
+bad weights) raise errors.InvalidArgument before anything is scored. A component that fails on a sample
 (raises, returns something that is not a finite number) marks that sample FAILED with
-the reason in metadata["reward_error"]: it is excluded from training and counted,
-never a silent 0.
+the reason in metadata["reward_error"] (and the failed components' names in
+metadata["reward_failed_components"]): it is excluded from training and counted,
+never a silent 0. Every component value computed is kept in sample.reward_components
+beside the weighted total in sample.reward.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from typing import Any, Literal
 
 from services.common import errors
 from services.common.sample import Sample, SampleGroup, Status
+from services.reward.registry import RemoteRegistry
+from services.reward.remote import Unit
+from services.reward.resilience import RemoteCaller
 from services.reward.verifiers import VERIFIERS
 
 log = logging.getLogger(__name__)
@@ -103,13 +110,38 @@ class _Outcome:
 
     values: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # names of the components that failed
+
+    def fail(self, name: str, reason: str) -> None:
+        self.errors.append(reason)
+        if name not in self.failed:
+            self.failed.append(name)
+
+
+@dataclass
+class ScorerStats:
+    samples_scored: int = 0
+    samples_failed: int = 0
+    failures_by_component: dict[str, int] = field(default_factory=dict)
+
+
+# A sample with its component weights, and the group it came from (None: scored alone).
+_Plan = tuple[Sample, dict[str, float]]
+_Batch = tuple[SampleGroup | None, list[_Plan]]
 
 
 class Scorer:
-    def __init__(self, components: dict[str, Component], default_components: dict[str, float]) -> None:
+    def __init__(
+        self,
+        components: dict[str, Component],
+        default_components: dict[str, float],
+        remotes: RemoteRegistry | None = None,
+    ) -> None:
         self.components = components
         self.default_components = dict(default_components)
-        self._check_weights(self.default_components, "default_components")
+        self.remotes = remotes
+        self.stats = ScorerStats()
+        self._check_weights(self.default_components, "default_components", callers={})
 
     @classmethod
     def from_config(
@@ -117,6 +149,7 @@ class Scorer:
         default_components: dict[str, float],
         custom_functions: dict[str, str] | None = None,
         group_functions: dict[str, str] | None = None,
+        remotes: RemoteRegistry | None = None,
     ) -> Scorer:
         """Built-ins plus the operator's functions, imported now so a bad path fails at startup."""
         components = {name: Component(name, "builtin", fn) for name, fn in VERIFIERS.items()}
@@ -125,33 +158,49 @@ class Scorer:
                 if name in components:
                     raise ValueError(f"reward component '{name}' is defined twice")
                 components[name] = Component(name, kind, load_function(path))
-        return cls(components, default_components)
+        return cls(components, default_components, remotes)
 
-    def known_components(self) -> list[str]:
-        return sorted(self.components)
+    def known_components(self, callers: dict[str, RemoteCaller] | None = None) -> list[str]:
+        return sorted([*self.components, *(callers or {})])
 
     # ------------------------------------------------------------ request checks
 
-    def _check_weights(self, weights: dict[str, float], where: str, allow_group: bool = True) -> None:
+    @staticmethod
+    def _remote_of(name: str, callers: dict[str, RemoteCaller]) -> str | None:
+        """'my_judge' or 'my_judge/style' -> 'my_judge' when that service is registered."""
+        service = name.split("/", 1)[0]
+        return service if service in callers else None
+
+    def _check_weights(
+        self, weights: dict[str, float], where: str, callers: dict[str, RemoteCaller], allow_group: bool = True
+    ) -> None:
         for name, weight in weights.items():
             component = self.components.get(name)
-            if component is None:
+            if component is None and self._remote_of(name, callers) is None:
                 raise errors.InvalidArgument(
-                    f"{where}: unknown reward component '{name}'; known components: {', '.join(self.known_components())}"
+                    f"{where}: unknown reward component '{name}'; known components: "
+                    f"{', '.join(self.known_components(callers))} (register remote services with RegisterService)"
                 )
-            if component.kind == "group" and not allow_group:
+            if component is not None and component.kind == "group" and not allow_group:
                 raise errors.InvalidArgument(
                     f"{where}: reward component '{name}' scores whole groups; call ScoreGroups with the groups instead"
                 )
             if not isinstance(weight, numbers.Real) or isinstance(weight, bool) or not math.isfinite(weight):
                 raise errors.InvalidArgument(f"{where}: the weight of '{name}' must be a finite number, got {weight!r}")
 
-    def _base_weights(self, spec: RewardSpec, allow_group: bool) -> dict[str, float]:
-        weights = dict(spec.components) or self.default_components
-        self._check_weights(weights, "spec", allow_group)
+    def _base_weights(self, spec: RewardSpec, allow_group: bool, callers: dict[str, RemoteCaller]) -> dict[str, float]:
+        """The spec's components; when it names none, the defaults plus every registered
+        service with a non-zero weight."""
+        weights = dict(spec.components)
+        if not weights:
+            weights = dict(self.default_components)
+            weights.update({n: c.config.weight for n, c in callers.items() if c.config.weight})
+        self._check_weights(weights, "spec", callers, allow_group)
         return weights
 
-    def _sample_weights(self, sample: Sample, base: dict[str, float], allow_group: bool) -> dict[str, float]:
+    def _sample_weights(
+        self, sample: Sample, base: dict[str, float], allow_group: bool, callers: dict[str, RemoteCaller]
+    ) -> dict[str, float]:
         """metadata["reward"] (a component name, or name -> weight) overrides the spec for one sample."""
         override = sample.metadata.get("reward")
         if override is None:
@@ -165,29 +214,35 @@ class Scorer:
             raise errors.InvalidArgument(
                 f"{where} must be a component name or a non-empty object of name -> weight, got {override!r}"
             )
-        self._check_weights(weights, where, allow_group)
+        self._check_weights(weights, where, callers, allow_group)
         return weights
+
+    async def _callers(self) -> dict[str, RemoteCaller]:
+        return await self.remotes.callers() if self.remotes is not None else {}
 
     # ------------------------------------------------------------ scoring
 
     async def score_samples(self, samples: list[Sample], spec: RewardSpec) -> list[Sample]:
         """Score samples one by one (no group functions); returns the same, updated, objects."""
-        base = self._base_weights(spec, allow_group=False)
-        plans = [(s, self._sample_weights(s, base, allow_group=False)) for s in samples]
-        await self._score([plans], spec.reward_key)
+        callers = await self._callers()
+        base = self._base_weights(spec, False, callers)
+        plans = [(s, self._sample_weights(s, base, False, callers)) for s in samples]
+        await self._score([(None, plans)], spec.reward_key, callers)
         return samples
 
     async def score_groups(self, groups: list[SampleGroup], spec: RewardSpec) -> list[SampleGroup]:
-        """Score whole groups; a group function sees the group's samples that ask for it."""
-        base = self._base_weights(spec, allow_group=True)
-        batches = [[(s, self._sample_weights(s, base, allow_group=True)) for s in g.samples] for g in groups]
-        await self._score(batches, spec.reward_key)
+        """Score whole groups; a group function sees the group's samples that ask for it,
+        and a remote service gets them in one request."""
+        callers = await self._callers()
+        base = self._base_weights(spec, True, callers)
+        batches = [(g, [(s, self._sample_weights(s, base, True, callers)) for s in g.samples]) for g in groups]
+        await self._score(batches, spec.reward_key, callers)
         return groups
 
-    async def _score(self, groups: list[list[tuple[Sample, dict[str, float]]]], reward_key: str) -> None:
+    async def _score(self, batches: list[_Batch], reward_key: str, callers: dict[str, RemoteCaller]) -> None:
         # Samples that already failed (generation errors) keep their status and are not scored.
-        groups = [[(s, w) for s, w in g if s.status != Status.FAILED] for g in groups]
-        outcomes = {id(s): _Outcome() for g in groups for s, _ in g}
+        batches = [(g, [(s, w) for s, w in plans if s.status != Status.FAILED]) for g, plans in batches]
+        outcomes = {id(s): _Outcome() for _, plans in batches for s, _ in plans}
         sync_jobs: list[Callable[[], None]] = []
         async_jobs: list[Any] = []
 
@@ -197,29 +252,87 @@ class Scorer:
             else:
                 sync_jobs.append(job)
 
-        for group in groups:
-            for sample, weights in group:
+        for _, plans in batches:
+            for sample, weights in plans:
                 for name in weights:
-                    component = self.components[name]
-                    if component.kind != "group":
+                    component = self.components.get(name)
+                    if component is not None and component.kind != "group":
                         add(component, self._sample_job(component, sample, outcomes[id(sample)], reward_key))
-            group_names = sorted({n for _, w in group for n in w if self.components[n].kind == "group"})
+            group_names = sorted(
+                {n for _, w in plans for n in w if n in self.components and self.components[n].kind == "group"}
+            )
             for name in group_names:
                 component = self.components[name]
-                members = [s for s, w in group if name in w]
+                members = [s for s, w in plans if name in w]
                 member_outcomes = [outcomes[id(s)] for s in members]
                 add(component, self._group_job(component, members, member_outcomes, reward_key))
 
+        for service, caller in callers.items():
+            needed = self._remote_plans(batches, service, callers)
+            if needed:
+                async_jobs.append(self._remote_job(caller, needed, outcomes, reward_key))
+
         # Rule-based verifiers (sympy) and sync custom functions are CPU work: they run in
         # one worker thread per request, so the event loop stays free for health checks,
-        # other calls and the async functions, which run meanwhile.
+        # other calls, the async functions and the remote services, which run meanwhile.
         if sync_jobs:
             async_jobs.append(asyncio.to_thread(lambda: [job() for job in sync_jobs]))
         await asyncio.gather(*async_jobs)
 
-        for group in groups:
-            for sample, weights in group:
+        for _, plans in batches:
+            for sample, weights in plans:
                 self._write_back(sample, weights, outcomes[id(sample)])
+
+    def _remote_plans(
+        self, batches: list[_Batch], service: str, callers: dict[str, RemoteCaller]
+    ) -> list[tuple[Unit, list[list[str]]]]:
+        """The samples that ask for `service` (or one of its named scores), as units that
+        keep groups whole, with the component names each sample asks for."""
+        needed: list[tuple[Unit, list[list[str]]]] = []
+        for group, plans in batches:
+            asking = [(s, [n for n in w if n not in self.components and self._remote_of(n, callers) == service])
+                      for s, w in plans]
+            asking = [(s, names) for s, names in asking if names]
+            if not asking:
+                continue
+            if group is None:  # scored one by one: each sample is its own unit
+                needed.extend((Unit([s]), [names]) for s, names in asking)
+            else:
+                needed.append((Unit([s for s, _ in asking], group), [names for _, names in asking]))
+        return needed
+
+    @staticmethod
+    async def _remote_job(
+        caller: RemoteCaller,
+        needed: list[tuple[Unit, list[list[str]]]],
+        outcomes: dict[int, _Outcome],
+        reward_key: str,
+    ) -> None:
+        service = caller.config.name
+        results = await caller.score([unit for unit, _ in needed])
+        asked = [(s, names) for unit, names_per_sample in needed for s, names in zip(unit.samples, names_per_sample)]
+        for (sample, names), result in zip(asked, results):
+            outcome = outcomes[id(sample)]
+            if isinstance(result, str):
+                for name in names:
+                    outcome.fail(name, result)
+                continue
+            # Every named score is kept on the sample, asked for or not: it explains the total.
+            for key, value in result.named.items():
+                outcome.values[f"{service}/{key}"] = value
+            for name in names:
+                _, _, key = name.partition("/")
+                if key:
+                    if key not in result.named:
+                        outcome.fail(name, f"{service} returned no score named '{key}' "
+                                           f"(it returned: {', '.join(result.named) or 'a single score'})")
+                elif result.total is not None:
+                    outcome.values[name] = result.total
+                elif reward_key and reward_key in result.named:
+                    outcome.values[name] = result.named[reward_key]
+                else:
+                    outcome.fail(name, f"{service} returned named scores ({', '.join(result.named)}); name one in the "
+                                       f"spec as '{service}/<name>' or set reward_key")
 
     @staticmethod
     def _sample_job(component: Component, sample: Sample, outcome: _Outcome, reward_key: str) -> Callable[[], Any]:
@@ -231,10 +344,10 @@ class Scorer:
                 try:
                     record(await component.fn(sample))
                 except _ComponentFailed as e:
-                    outcome.errors.append(str(e))
+                    outcome.fail(component.name, str(e))
                 except Exception as e:  # noqa: BLE001 - the operator's code: report, don't crash the call
                     log.warning("reward component %s failed on sample %d", component.name, sample.index, exc_info=True)
-                    outcome.errors.append(_describe(component.name, e))
+                    outcome.fail(component.name, _describe(component.name, e))
             return run_async
 
         def run_sync() -> None:
@@ -244,11 +357,11 @@ class Scorer:
                 else:
                     record(component.fn(sample))
             except _ComponentFailed as e:
-                outcome.errors.append(str(e))
+                outcome.fail(component.name, str(e))
             except Exception as e:  # noqa: BLE001
                 if component.kind != "builtin":
                     log.warning("reward component %s failed on sample %d", component.name, sample.index, exc_info=True)
-                outcome.errors.append(_describe(component.name, e))
+                outcome.fail(component.name, _describe(component.name, e))
         return run_sync
 
     @staticmethod
@@ -268,7 +381,7 @@ class Scorer:
 
         def fail(reason: str) -> None:
             for outcome in outcomes:
-                outcome.errors.append(reason)
+                outcome.fail(component.name, reason)
 
         if component.is_async:
             async def run_async() -> None:
@@ -291,12 +404,16 @@ class Scorer:
                 fail(_describe(component.name, e))
         return run_sync
 
-    @staticmethod
-    def _write_back(sample: Sample, weights: dict[str, float], outcome: _Outcome) -> None:
+    def _write_back(self, sample: Sample, weights: dict[str, float], outcome: _Outcome) -> None:
         sample.reward_components = dict(outcome.values)
         if outcome.errors:
             sample.status = Status.FAILED
             sample.reward = 0.0
             sample.metadata["reward_error"] = "; ".join(outcome.errors)
+            sample.metadata["reward_failed_components"] = list(outcome.failed)
+            self.stats.samples_failed += 1
+            for name in outcome.failed:
+                self.stats.failures_by_component[name] = self.stats.failures_by_component.get(name, 0) + 1
             return
         sample.reward = sum(weight * outcome.values[name] for name, weight in weights.items())
+        self.stats.samples_scored += 1

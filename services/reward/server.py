@@ -1,24 +1,44 @@
-"""gRPC transport for the reward service: thin handlers over services.reward.scoring."""
+"""gRPC transport for the reward service: thin handlers over services.reward.scoring
+(scoring) and services.reward.registry (remote reward services registered by URL)."""
 
 from __future__ import annotations
 
 import grpc
 
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.common.errors import InvalidArgument, Unimplemented
+from services.common.errors import InvalidArgument
 from services.common.grpc_server import ServiceBinding, serve_forever, start_server
 from services.common.sample import group_from_proto, group_to_proto, sample_from_proto, sample_to_proto
 from services.reward.config import Settings
+from services.reward.registry import RemoteRegistry
+from services.reward.remote import RemoteDefaults, RemoteServiceConfig
+from services.reward.resilience import CallPolicy
 from services.reward.scoring import RewardSpec, Scorer
+from services.reward.verifiers import VERIFIERS
 
 
 def spec_from_proto(msg: reward_pb2.RewardSpec) -> RewardSpec:
     return RewardSpec(components=dict(msg.components), reward_key=msg.reward_key)
 
 
+def remote_from_proto(msg: reward_pb2.RemoteService) -> RemoteServiceConfig:
+    return RemoteServiceConfig(
+        name=msg.name, url=msg.url, protocol=msg.protocol, timeout_seconds=msg.timeout_seconds,
+        max_concurrency=msg.max_concurrency, weight=msg.weight, max_batch_size=msg.max_batch_size,
+    )
+
+
+def remote_to_proto(config: RemoteServiceConfig) -> reward_pb2.RemoteService:
+    return reward_pb2.RemoteService(
+        name=config.name, url=config.url, protocol=config.protocol, timeout_seconds=config.timeout_seconds,
+        max_concurrency=config.max_concurrency, weight=config.weight, max_batch_size=config.max_batch_size,
+    )
+
+
 class RewardServicer(reward_pb2_grpc.RewardServicer):
-    def __init__(self, scorer: Scorer) -> None:
+    def __init__(self, scorer: Scorer, registry: RemoteRegistry) -> None:
         self.scorer = scorer
+        self.registry = registry
 
     async def Score(self, request, context):
         if not request.samples:
@@ -38,31 +58,72 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         return reward_pb2.ScoreGroupsResponse(groups=[group_to_proto(g) for g in groups])
 
     async def RegisterService(self, request, context):
-        raise Unimplemented(
-            "RegisterService is not implemented yet: it will register a remote reward service by URL "
-            "(called with timeouts, retries and a circuit breaker) as a named component"
-        )
+        if not request.HasField("service"):
+            raise InvalidArgument("RegisterServiceRequest has no service: give at least its name and URL")
+        config = await self.registry.register(remote_from_proto(request.service))
+        return remote_to_proto(config)
 
     async def ListServices(self, request, context):
-        raise Unimplemented("ListServices is not implemented yet: it will list the registered remote reward services")
+        configs = await self.registry.configs()
+        return reward_pb2.ListServicesResponse(services=[remote_to_proto(configs[n]) for n in sorted(configs)])
 
     async def UnregisterService(self, request, context):
-        raise Unimplemented("UnregisterService is not implemented yet: it will remove a registered remote reward service")
+        if not request.name:
+            raise InvalidArgument("UnregisterServiceRequest has no name")
+        return reward_pb2.UnregisterServiceResponse(removed=await self.registry.unregister(request.name))
+
+    async def GetStats(self, request, context):
+        await self.registry.callers()  # counters for services registered through another replica too
+        stats = self.scorer.stats
+        services = []
+        for name, caller in sorted(self.registry.known_callers().items()):
+            s, breaker = caller.stats, caller.breaker
+            services.append(reward_pb2.RemoteServiceStats(
+                name=name, url=caller.config.url, breaker_state=breaker.state, calls=s.calls, failures=s.failures,
+                retries=s.retries, consecutive_failures=breaker.consecutive_failures, samples_scored=s.samples_scored,
+                samples_failed=s.samples_failed, last_error=s.last_error, mean_latency_seconds=s.mean_latency,
+                breaker_opened=breaker.times_opened,
+            ))
+        return reward_pb2.RewardStats(
+            samples_scored=stats.samples_scored, samples_failed=stats.samples_failed,
+            failures_by_component=stats.failures_by_component, services=services,
+        )
 
 
-def _binding(settings: Settings) -> ServiceBinding:
-    scorer = Scorer.from_config(settings.default_components, settings.custom_functions, settings.group_functions)
+def build(settings: Settings) -> tuple[Scorer, RemoteRegistry]:
+    """The scorer and the registry of remote services, as the settings describe them."""
+    reserved = {*VERIFIERS, *settings.custom_functions, *settings.group_functions}
+    registry = RemoteRegistry(
+        settings.redis_url,
+        RemoteDefaults(settings.remote_timeout_seconds, settings.remote_max_concurrency, settings.remote_max_batch_size),
+        CallPolicy(
+            max_retries=settings.remote_max_retries, backoff_base_seconds=settings.remote_backoff_seconds,
+            backoff_max_seconds=settings.remote_backoff_max_seconds,
+            breaker_failure_threshold=settings.breaker_failure_threshold,
+            breaker_cooldown_seconds=settings.breaker_cooldown_seconds, max_reply_bytes=settings.max_reply_bytes,
+        ),
+        reserved,
+    )
+    scorer = Scorer.from_config(settings.default_components, settings.custom_functions, settings.group_functions, registry)
+    return scorer, registry
+
+
+def _binding(scorer: Scorer, registry: RemoteRegistry) -> ServiceBinding:
     return ServiceBinding(
-        RewardServicer(scorer),
+        RewardServicer(scorer, registry),
         reward_pb2_grpc.add_RewardServicer_to_server,
         reward_pb2.DESCRIPTOR.services_by_name["Reward"].full_name,
     )
 
 
 async def start(settings: Settings) -> tuple[grpc.aio.Server, int]:
-    server, port, _ = await start_server([_binding(settings)], f"{settings.host}:{settings.port}", settings.max_message_bytes)
+    scorer, registry = build(settings)
+    server, port, _ = await start_server([_binding(scorer, registry)], f"{settings.host}:{settings.port}",
+                                         settings.max_message_bytes)
     return server, port
 
 
 async def serve(settings: Settings) -> None:
-    await serve_forever([_binding(settings)], f"{settings.host}:{settings.port}", settings.max_message_bytes)
+    scorer, registry = build(settings)
+    await serve_forever([_binding(scorer, registry)], f"{settings.host}:{settings.port}", settings.max_message_bytes,
+                        on_shutdown=registry.close)

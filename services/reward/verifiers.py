@@ -13,6 +13,7 @@ import re
 import string
 from collections import Counter
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 Verifier = Callable[[str, str, dict[str, Any]], float]
@@ -367,6 +368,72 @@ def math(response: str, label: str, metadata: dict[str, Any]) -> float:
     return 1.0 if answers_equal(answer, reference) else 0.0
 
 
+# ---------------------------------------------------------------- GSM8K: the final number
+
+_GSM8K_MARK = re.compile(r"####\s*([^\n]*)")
+# 1,234.5 / 1234 / .5 / -3 / 3/4; thousands groups need exactly three digits.
+_FINAL_NUMBER = re.compile(r"[-−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|[-−]?\.\d+")
+_LATEX_FRACTION = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(\d+)\}$")
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
+
+
+def _as_fraction(text: str) -> Fraction | None:
+    """'1,234.50' / '-3' / '3/4' / '\\frac{3}{4}' -> an exact Fraction; None otherwise."""
+    text = text.replace("−", "-").replace(",", "")
+    m = _LATEX_FRACTION.match(text)
+    if m:
+        text = f"{m.group(1)}{m.group(2)}/{m.group(3)}"
+    # Only plain decimals and a/b: Fraction("1e999999999") would build a gigantic integer.
+    if len(text) > 64 or not _PLAIN_NUMBER.fullmatch(text):
+        return None
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _number_in(text: str, prefer_last: bool = False) -> Fraction | None:
+    """The number an answer span states: the whole span when it is one number (after the
+    math normalisation: $, units, commas, \\text{}), else its first number (its last one
+    after an '=' or when prefer_last)."""
+    whole = _as_fraction(normalize_math_answer(text))
+    if whole is not None:
+        return whole
+    if "=" in text:
+        text, prefer_last = text.rsplit("=", 1)[1], False
+    found = _FINAL_NUMBER.findall(text)
+    if not found:
+        return None
+    return _as_fraction(found[-1] if prefer_last else found[0])
+
+
+def gsm8k_final_number(text: str) -> Fraction | None:
+    """The final numeric answer: after the last '####', else in the last \\boxed{}, else
+    in the last "the answer is ...", else the last number in the text."""
+    marks = _GSM8K_MARK.findall(text)
+    if marks:
+        return _number_in(marks[-1])
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return _number_in(boxed)
+    phrase = answer_phrase(text)
+    if phrase is not None and (value := _number_in(phrase)) is not None:
+        return value
+    found = _FINAL_NUMBER.findall(text)
+    return _as_fraction(found[-1]) if found else None
+
+
+def gsm8k(response: str, label: str, metadata: dict[str, Any]) -> float:
+    """1.0 when the response's final number equals the label's (GSM8K's '#### 72', a
+    \\boxed{} or a bare number), exactly: 72 == 72.00 == $72, 1,000 == 1000."""
+    _require_label(label)
+    reference = gsm8k_final_number(label)
+    if reference is None:
+        raise ValueError(f"label {label[-40:]!r} states no final number (expected '#### 72' or a number)")
+    answer = gsm8k_final_number(response)
+    return 1.0 if answer is not None and answer == reference else 0.0
+
+
 def _normalize_text(text: str) -> str:
     return " ".join(text.casefold().split()).rstrip(".").strip()
 
@@ -471,6 +538,7 @@ def format(response: str, label: str, metadata: dict[str, Any]) -> float:  # noq
 VERIFIERS: dict[str, Verifier] = {
     "exact_match": exact_match,
     "math": math,
+    "gsm8k": gsm8k,
     "f1": f1,
     "multiple_choice": multiple_choice,
     "format": format,

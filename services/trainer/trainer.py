@@ -22,7 +22,7 @@ from services.common.run_config import TrainerRunConfig
 from services.common.sample import SampleGroup, group_from_proto
 from services.trainer.backend import TorchBackend, resolve_device
 from services.trainer.config import Settings
-from services.trainer.weight_sync import PushResult, WeightPusher, remote_error
+from services.trainer.weight_sync import PushResult, WeightPusher
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class Trainer:
                 request, timeout=wait_seconds + self.settings.buffer_timeout_seconds
             )
         except grpc.aio.AioRpcError as e:
-            raise remote_error("buffer (LeaseBatch)", self.settings.buffer_address, e) from None
+            raise errors.upstream_error("buffer (LeaseBatch)", self.settings.buffer_address, e) from None
         if not response.groups:
             raise errors.Unavailable(
                 f"buffer had only 0 of {num_groups} groups for run {run_id!r} after waiting {wait_seconds:g} s"
@@ -208,7 +208,7 @@ class Trainer:
                 if e.code() == grpc.StatusCode.UNAVAILABLE and attempt < ACK_ATTEMPTS:
                     await asyncio.sleep(0.5 * attempt)
                     continue
-                error = remote_error("buffer (AckBatch)", self.settings.buffer_address, e)
+                error = errors.upstream_error("buffer (AckBatch)", self.settings.buffer_address, e)
                 raise type(error)(
                     f"step {step} was taken but lease {lease_id!r} was not acknowledged ({error}); "
                     "the buffer will redeliver those groups when the lease expires"

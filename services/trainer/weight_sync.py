@@ -42,29 +42,6 @@ from services.common.weight_group import destroy_weight_group, init_weight_group
 
 log = logging.getLogger(__name__)
 
-_ERRORS_BY_CODE = {
-    cls.code: cls
-    for cls in (
-        errors.InvalidArgument,
-        errors.FailedPrecondition,
-        errors.ResourceExhausted,
-        errors.Unavailable,
-        errors.DeadlineExceeded,
-        errors.Unimplemented,
-    )
-}
-
-
-def remote_error(service: str, address: str, e: grpc.aio.AioRpcError) -> errors.RlmeshError:
-    """A failed call to another service, as an error of ours with the same code (its
-    NOT_FOUND becomes FAILED_PRECONDITION: the thing missing is there, not here)."""
-    code = e.code()
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return errors.Unavailable(f"{service} at {address} is unavailable: {e.details()}")
-    cls = errors.FailedPrecondition if code == grpc.StatusCode.NOT_FOUND else _ERRORS_BY_CODE.get(code, errors.RlmeshError)
-    return cls(f"{service} at {address} answered {code.name}: {e.details()}")
-
-
 @dataclass
 class PushResult:
     seconds: float
@@ -174,7 +151,7 @@ class WeightPusher:
         try:
             return await call
         except grpc.aio.AioRpcError as e:
-            raise remote_error(f"rollout service ({what})", self.rollout_address, e) from None
+            raise errors.upstream_error(f"rollout service ({what})", self.rollout_address, e) from None
 
     async def _together(
         self,

@@ -51,20 +51,22 @@ class ScoreGroupsResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ...) -> None: ...
 
 class RemoteService(_message.Message):
-    __slots__ = ("name", "url", "protocol", "timeout_seconds", "max_concurrency", "weight")
+    __slots__ = ("name", "url", "protocol", "timeout_seconds", "max_concurrency", "weight", "max_batch_size")
     NAME_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     url: str
     protocol: str
     timeout_seconds: float
     max_concurrency: int
     weight: float
-    def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., protocol: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., max_concurrency: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+    max_batch_size: int
+    def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., protocol: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., max_concurrency: _Optional[int] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
 
 class RegisterServiceRequest(_message.Message):
     __slots__ = ("service",)
@@ -93,3 +95,54 @@ class UnregisterServiceResponse(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     removed: bool
     def __init__(self, removed: _Optional[bool] = ...) -> None: ...
+
+class GetRewardStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RemoteServiceStats(_message.Message):
+    __slots__ = ("name", "url", "breaker_state", "calls", "failures", "retries", "consecutive_failures", "samples_scored", "samples_failed", "last_error", "mean_latency_seconds", "breaker_opened")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_STATE_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_FIELD_NUMBER: _ClassVar[int]
+    CONSECUTIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_SCORED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LATENCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_OPENED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    url: str
+    breaker_state: str
+    calls: int
+    failures: int
+    retries: int
+    consecutive_failures: int
+    samples_scored: int
+    samples_failed: int
+    last_error: str
+    mean_latency_seconds: float
+    breaker_opened: int
+    def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., breaker_state: _Optional[str] = ..., calls: _Optional[int] = ..., failures: _Optional[int] = ..., retries: _Optional[int] = ..., consecutive_failures: _Optional[int] = ..., samples_scored: _Optional[int] = ..., samples_failed: _Optional[int] = ..., last_error: _Optional[str] = ..., mean_latency_seconds: _Optional[float] = ..., breaker_opened: _Optional[int] = ...) -> None: ...
+
+class RewardStats(_message.Message):
+    __slots__ = ("samples_scored", "samples_failed", "failures_by_component", "services")
+    class FailuresByComponentEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SAMPLES_SCORED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_BY_COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    SERVICES_FIELD_NUMBER: _ClassVar[int]
+    samples_scored: int
+    samples_failed: int
+    failures_by_component: _containers.ScalarMap[str, int]
+    services: _containers.RepeatedCompositeFieldContainer[RemoteServiceStats]
+    def __init__(self, samples_scored: _Optional[int] = ..., samples_failed: _Optional[int] = ..., failures_by_component: _Optional[_Mapping[str, int]] = ..., services: _Optional[_Iterable[_Union[RemoteServiceStats, _Mapping]]] = ...) -> None: ...

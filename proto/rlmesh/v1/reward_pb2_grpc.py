@@ -59,6 +59,11 @@ class RewardStub:
                 request_serializer=rlmesh_dot_v1_dot_reward__pb2.UnregisterServiceRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_reward__pb2.UnregisterServiceResponse.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/rlmesh.v1.Reward/GetStats',
+                request_serializer=rlmesh_dot_v1_dot_reward__pb2.GetRewardStatsRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_reward__pb2.RewardStats.FromString,
+                _registered_method=True)
 
 
 class RewardServicer:
@@ -79,7 +84,9 @@ class RewardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterService(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Register (or replace) a remote reward service by URL. The service must answer a
+        probe call first; it is then a reward component under its name. Persisted in Redis.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -92,6 +99,14 @@ class RewardServicer:
 
     def UnregisterService(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStats(self, request, context):
+        """Counters since this reward service process started: samples scored and failed,
+        and per remote service calls, failures, retries and circuit-breaker state.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -123,6 +138,11 @@ def add_RewardServicer_to_server(servicer, server):
                     servicer.UnregisterService,
                     request_deserializer=rlmesh_dot_v1_dot_reward__pb2.UnregisterServiceRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_reward__pb2.UnregisterServiceResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=rlmesh_dot_v1_dot_reward__pb2.GetRewardStatsRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_reward__pb2.RewardStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +280,33 @@ class Reward:
             '/rlmesh.v1.Reward/UnregisterService',
             rlmesh_dot_v1_dot_reward__pb2.UnregisterServiceRequest.SerializeToString,
             rlmesh_dot_v1_dot_reward__pb2.UnregisterServiceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Reward/GetStats',
+            rlmesh_dot_v1_dot_reward__pb2.GetRewardStatsRequest.SerializeToString,
+            rlmesh_dot_v1_dot_reward__pb2.RewardStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,153 @@
+"""The registered remote reward services: kept in Redis (one hash, name -> JSON record)
+so that they survive a restart and every reward-service replica sees the same set;
+kept in memory when the service runs without Redis.
+
+Each replica keeps its own RemoteCaller per service (connections, breaker, counters)
+and re-reads the hash before each scoring request, so a registration made through
+one replica is used by all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from services.common import errors
+from services.reward.remote import (
+    CallFailed,
+    RemoteDefaults,
+    RemoteScore,
+    RemoteServiceConfig,
+    Unit,
+    make_transport,
+    probe_sample,
+    resolve_config,
+)
+from services.reward.resilience import CallPolicy, RemoteCaller
+
+log = logging.getLogger(__name__)
+
+REDIS_KEY = "rlmesh:reward:remote_services"
+
+
+class RemoteRegistry:
+    def __init__(self, redis_url: str, defaults: RemoteDefaults, policy: CallPolicy, reserved: set[str]) -> None:
+        self.redis_url = redis_url
+        self.defaults = defaults
+        self.policy = policy
+        self.reserved = set(reserved)
+        # Bounded waits: an unreachable Redis must not stall scoring (the last known set is used).
+        self._redis = (aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+                       if redis_url else None)
+        self._configs: dict[str, RemoteServiceConfig] = {}  # last known (the store when there is no Redis)
+        self._callers: dict[str, RemoteCaller] = {}
+        self._retired: list[tuple[asyncio.TimerHandle, RemoteCaller]] = []
+        self._lock = asyncio.Lock()
+
+    # ------------------------------------------------------------ register / unregister / list
+
+    async def register(self, proposed: RemoteServiceConfig) -> RemoteServiceConfig:
+        config = resolve_config(proposed, self.defaults, self.reserved)
+        await probe(config, self.policy.max_reply_bytes)
+        if self._redis is not None:
+            try:
+                await self._redis.hset(REDIS_KEY, config.name, config.to_json())
+            except RedisError as e:
+                raise errors.Unavailable(f"cannot save the registration: Redis at {self.redis_url} failed: {e}") from None
+        self._configs[config.name] = config
+        await self.callers()  # replace the caller now if the URL or limits changed
+        log.info("registered remote reward service %s at %s (%s)", config.name, config.url, config.protocol)
+        return config
+
+    async def unregister(self, name: str) -> bool:
+        if self._redis is not None:
+            try:
+                removed = bool(await self._redis.hdel(REDIS_KEY, name))
+            except RedisError as e:
+                raise errors.Unavailable(f"cannot remove the registration: Redis at {self.redis_url} failed: {e}") from None
+        else:
+            removed = name in self._configs
+        self._configs.pop(name, None)
+        await self.callers()
+        return removed
+
+    async def configs(self) -> dict[str, RemoteServiceConfig]:
+        """The registered services, from Redis; the last known set when Redis is unreachable."""
+        if self._redis is None:
+            return dict(self._configs)
+        try:
+            raw = await self._redis.hgetall(REDIS_KEY)
+        except RedisError as e:
+            log.warning("Redis at %s unreachable (%s): using the last known remote reward services", self.redis_url, e)
+            return dict(self._configs)
+        configs = {}
+        for name, record in raw.items():
+            try:
+                configs[name.decode()] = RemoteServiceConfig.from_json(record)
+            except (ValueError, TypeError) as e:
+                log.warning("ignoring an unreadable registration %r in Redis: %s", name, e)
+        self._configs = configs
+        return dict(configs)
+
+    # ------------------------------------------------------------ callers
+
+    async def callers(self) -> dict[str, RemoteCaller]:
+        """One caller per registered service, rebuilt when its registration changed."""
+        configs = await self.configs()
+        async with self._lock:
+            stale = [n for n, c in self._callers.items() if configs.get(n) != c.config]
+            for name in stale:
+                caller = self._callers.pop(name)
+                # Calls in flight keep using it; close it once they are surely done.
+                delay = caller.config.timeout_seconds * (self.policy.max_retries + 2) + self.policy.backoff_max_seconds
+                handle = asyncio.get_running_loop().call_later(delay, _close_later, caller)
+                self._retired.append((handle, caller))
+            for name, config in configs.items():
+                if name not in self._callers:
+                    transport = make_transport(config, self.policy.max_reply_bytes)
+                    self._callers[name] = RemoteCaller(config, self.policy, transport)
+            return dict(self._callers)
+
+    def known_callers(self) -> dict[str, RemoteCaller]:
+        return dict(self._callers)
+
+    async def close(self) -> None:
+        for handle, caller in self._retired:
+            handle.cancel()
+            await caller.close()
+        for caller in self._callers.values():
+            await caller.close()
+        self._retired.clear()
+        self._callers.clear()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+
+def _close_later(caller: RemoteCaller) -> None:
+    asyncio.ensure_future(caller.close())
+
+
+async def probe(config: RemoteServiceConfig, max_reply_bytes: int) -> RemoteScore | str:
+    """Send one small sample; refuse the registration unless the service answers per the
+    contract. (A service that answers null for the probe does answer.)"""
+    transport = make_transport(config, max_reply_bytes)
+    try:
+        results = await asyncio.wait_for(transport.call([Unit([probe_sample()])], config.timeout_seconds),
+                                         config.timeout_seconds)
+    except CallFailed as e:
+        raise errors.FailedPrecondition(
+            f"registration of '{config.name}' refused: the {config.protocol} service at {config.url} did not "
+            f"answer a probe call correctly: {e.reason}. Check that it is running and serves the contract "
+            "(see `rlmesh reward check URL`)"
+        ) from None
+    except asyncio.TimeoutError:
+        raise errors.FailedPrecondition(
+            f"registration of '{config.name}' refused: the service at {config.url} did not answer a probe call "
+            f"within {config.timeout_seconds:g} s"
+        ) from None
+    finally:
+        await transport.close()
+    return results[0]

@@ -1,0 +1,428 @@
+"""Remote reward services: their registration record, and the two wire protocols.
+
+A remote reward service is registered by URL under a name; runs then use that name
+as a reward component (`{"correctness": 1.0, "my_judge": 0.5}`). When the service
+returns several named scores, each is also a component, `my_judge/<name>`.
+
+HTTP JSON protocol (`http://` and `https://` URLs)
+--------------------------------------------------
+rlmesh POSTs a batch of samples to the URL exactly as registered (say
+`http://judge:8000/score`) with `Content-Type: application/json`:
+
+    {"samples": [SAMPLE, ...]}
+
+SAMPLE is a sample as services.common.sample.sample_to_json writes it:
+
+    {"index": 12, "group_index": 3, "prompt": "What is 2+3?", "messages": [],
+     "tokens": [...], "response": "... \\boxed{5}", "response_length": 7,
+     "label": "5", "reward": 0.0, "reward_components": {}, "loss_mask": [...],
+     "status": "completed", "metadata": {...}, "rollout_log_probs": [...],
+     "weight_versions": [3],
+     "multimodal_inputs": [{"kind": "image", "uri": "...", "mime_type": "..."}]}
+
+A request holds whole groups (every sample of a prompt that asks for this service,
+same `group_index`) up to the service's max_batch_size samples; a larger group is
+sent alone. The service answers HTTP 200 with
+
+    {"scores": [SCORE, ...]}
+
+one SCORE per request sample, in the request's order, where SCORE is
+
+- a number: the sample's score, e.g. `0.75`;
+- an object of named numbers, e.g. `{"accuracy": 1.0, "style": 0.5}`: a run names one
+  as `my_judge/accuracy` (or the whole service with the spec's reward_key);
+- `null`: "I cannot score this sample"; that sample is marked FAILED.
+
+Registration first sends one probe sample (its metadata holds `"rlmesh_probe": true`,
+should a service want to answer it cheaply) and refuses a service that does not answer
+it per this contract.
+
+Numbers must be finite (JSON has no NaN or Infinity; Python's `json.dumps` writes
+them anyway and they are rejected); booleans and strings are not numbers. What goes
+wrong, and what rlmesh does (the samples concerned get status FAILED and the reason
+in metadata["reward_error"]; nothing is ever scored 0 silently):
+
+- no answer within the timeout, connection refused or reset, HTTP 5xx, 408 or 429:
+  retried (bounded, exponential backoff with jitter), then the request's samples fail;
+- another HTTP status, a body that is not JSON, has no "scores" list, holds the wrong
+  number of scores, or is larger than max_reply_bytes: the request's samples fail;
+- one score that is NaN, infinite, or not a number (or object of numbers): that
+  sample alone fails.
+
+gRPC protocol (`grpc://host:port` URLs)
+---------------------------------------
+The remote serves rlmesh.v1.Reward (proto/rlmesh/v1/reward.proto), e.g. another
+rlmesh reward service. rlmesh calls ScoreGroups with an empty RewardSpec (the
+remote's own defaults); samples scored one by one travel as one-sample groups. The
+reply must hold the same groups and samples in the same order; each reply sample's
+`reward` is its score and its `reward_components` its named scores; a sample the
+remote marks FAILED fails here with the remote's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import grpc
+import httpx
+
+from rlmesh.v1 import reward_pb2, reward_pb2_grpc
+from services.common import errors
+from services.common.sample import (
+    ConversionError,
+    Sample,
+    SampleGroup,
+    Status,
+    group_from_proto,
+    group_to_proto,
+    sample_to_json,
+)
+
+PROTOCOLS = {"http": "http-json", "https": "http-json", "grpc": "grpc"}
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
+_EXCERPT_CHARS = 200
+
+
+# ---------------------------------------------------------------- the registration record
+
+
+@dataclass(frozen=True)
+class RemoteServiceConfig:
+    name: str
+    url: str
+    protocol: str = ""  # "http-json" | "grpc"; empty = from the URL's scheme
+    timeout_seconds: float = 0.0  # 0 = the reward service's default
+    max_concurrency: int = 0
+    weight: float = 0.0
+    max_batch_size: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RemoteServiceConfig:
+        data = json.loads(text)
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class RemoteDefaults:
+    """What a registration leaves at 0 gets these (the reward service's settings)."""
+
+    timeout_seconds: float = 30.0
+    max_concurrency: int = 8
+    max_batch_size: int = 32
+
+
+def resolve_config(config: RemoteServiceConfig, defaults: RemoteDefaults, reserved: set[str]) -> RemoteServiceConfig:
+    """Check a registration and fill in its defaults; errors.InvalidArgument says what is wrong."""
+    name = config.name.strip()
+    if not _NAME.match(name):
+        raise errors.InvalidArgument(
+            f"service name {config.name!r} is not valid: use 1-63 letters, digits, '_', '-' or '.', "
+            "starting with a letter (it becomes the reward component name)"
+        )
+    if name in reserved:
+        raise errors.InvalidArgument(
+            f"service name '{name}' is already a built-in verifier or configured reward function; choose another name"
+        )
+    url = config.url.strip()
+    protocol = check_url(url)
+    if config.protocol and config.protocol != protocol:
+        raise errors.InvalidArgument(
+            f"protocol '{config.protocol}' does not match the URL {url!r} (its scheme means '{protocol}'); "
+            "leave protocol empty to take it from the URL"
+        )
+    timeout = config.timeout_seconds or defaults.timeout_seconds
+    if not (math.isfinite(timeout) and 0 < timeout <= 3600):
+        raise errors.InvalidArgument(f"timeout_seconds must be between 0 and 3600, got {config.timeout_seconds}")
+    concurrency = config.max_concurrency or defaults.max_concurrency
+    if not 1 <= concurrency <= 1024:
+        raise errors.InvalidArgument(f"max_concurrency must be between 1 and 1024, got {config.max_concurrency}")
+    batch = config.max_batch_size or defaults.max_batch_size
+    if not 1 <= batch <= 100_000:
+        raise errors.InvalidArgument(f"max_batch_size must be between 1 and 100000, got {config.max_batch_size}")
+    if not math.isfinite(config.weight):
+        raise errors.InvalidArgument(f"weight must be a finite number, got {config.weight}")
+    return RemoteServiceConfig(name, url, protocol, float(timeout), concurrency, float(config.weight), batch)
+
+
+def check_url(url: str) -> str:
+    """The protocol a URL means; only http, https and grpc URLs are accepted."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise errors.InvalidArgument(f"URL {url!r} is not valid: {e}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in PROTOCOLS:
+        raise errors.InvalidArgument(
+            f"URL {url!r}: only http://, https:// and grpc:// URLs are accepted"
+            + (f", not {scheme}://" if scheme else " (the URL has no scheme)")
+        )
+    if not parts.hostname:
+        raise errors.InvalidArgument(f"URL {url!r} has no host")
+    if scheme == "grpc":
+        if port is None:
+            raise errors.InvalidArgument(f"URL {url!r}: a grpc:// URL needs a port, e.g. grpc://judge:50053")
+        if parts.path not in ("", "/") or parts.query:
+            raise errors.InvalidArgument(f"URL {url!r}: a grpc:// URL is host:port only (no path or query)")
+    return PROTOCOLS[scheme]
+
+
+# ---------------------------------------------------------------- what a call returns
+
+
+@dataclass(frozen=True)
+class RemoteScore:
+    """One sample's answer: a single score, named scores, or (gRPC) both."""
+
+    total: float | None
+    named: dict[str, float] = field(default_factory=dict)
+
+
+# Per sample: a RemoteScore, or the reason this sample could not be scored.
+SampleResult = RemoteScore | str
+
+
+@dataclass
+class Unit:
+    """Samples that travel together: a group's samples (group set), or one sample."""
+
+    samples: list[Sample]
+    group: SampleGroup | None = None
+
+
+class CallFailed(Exception):
+    """A whole call failed. retryable: a timeout or an outage that a later try may not see."""
+
+    def __init__(self, reason: str, retryable: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retryable = retryable
+
+
+class Transport(Protocol):
+    async def call(self, units: Sequence[Unit], timeout: float) -> list[SampleResult]: ...
+
+    async def close(self) -> None: ...
+
+
+def _excerpt(data: bytes | str) -> str:
+    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+    text = " ".join(text.split())
+    return text[:_EXCERPT_CHARS] + ("..." if len(text) > _EXCERPT_CHARS else "")
+
+
+def _finite(value: Any) -> float | str:
+    """value as a float, or why it is not an acceptable score."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"{type(value).__name__} {_excerpt(json.dumps(value, default=str))}, not a number"
+    try:
+        result = float(value)
+    except OverflowError:
+        return f"{type(value).__name__} {_excerpt(str(value))}, too large for a float"
+    if not math.isfinite(result):
+        return f"{result} (scores must be finite numbers)"
+    return result
+
+
+def parse_score(value: Any) -> SampleResult:
+    """One entry of an HTTP reply's "scores" list."""
+    if value is None:
+        return "the service returned null: it could not score this sample"
+    if isinstance(value, dict):
+        if not value:
+            return "the service returned an empty object instead of named scores"
+        named: dict[str, float] = {}
+        for key, item in value.items():
+            checked = _finite(item)
+            if isinstance(checked, str):
+                return f"named score {key!r} is {checked}"
+            named[str(key)] = checked
+        return RemoteScore(None, named)
+    checked = _finite(value)
+    if isinstance(checked, str):
+        return f"the score is {checked}"
+    return RemoteScore(checked)
+
+
+def parse_scores_reply(body: bytes, expected: int) -> list[SampleResult]:
+    """An HTTP reply body -> one result per sample; CallFailed when the reply as a whole is unusable."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CallFailed(f"the reply is not JSON: {_excerpt(body)!r}", retryable=False) from None
+    except RecursionError:
+        raise CallFailed("the reply is JSON nested too deeply to read", retryable=False) from None
+    if not isinstance(data, dict) or not isinstance(data.get("scores"), list):
+        raise CallFailed(
+            f'the reply must be an object {{"scores": [...]}} with one score per sample, got {_excerpt(body)!r}',
+            retryable=False,
+        )
+    scores = data["scores"]
+    if len(scores) != expected:
+        raise CallFailed(f"the reply has {len(scores)} scores for {expected} samples", retryable=False)
+    return [parse_score(v) for v in scores]
+
+
+# ---------------------------------------------------------------- HTTP JSON
+
+
+def request_body(samples: Sequence[Sample]) -> bytes:
+    return json.dumps({"samples": [sample_to_json(s) for s in samples]}).encode()
+
+
+class HttpJsonTransport:
+    def __init__(self, url: str, max_concurrency: int, max_reply_bytes: int) -> None:
+        self.url = url
+        self.max_reply_bytes = max_reply_bytes
+        limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+        self.client = httpx.AsyncClient(limits=limits, follow_redirects=False)
+
+    async def call(self, units: Sequence[Unit], timeout: float) -> list[SampleResult]:
+        samples = [s for u in units for s in u.samples]
+        try:
+            async with self.client.stream(
+                "POST", self.url, content=request_body(samples),
+                headers={"content-type": "application/json"}, timeout=httpx.Timeout(timeout),
+            ) as reply:
+                body = await self._read_capped(reply)
+        except httpx.TimeoutException:
+            raise CallFailed(f"no answer within {timeout:g} s", retryable=True) from None
+        except httpx.ConnectError as e:
+            raise CallFailed(f"cannot connect to {self.url}: {e or 'connection refused'}", retryable=True) from None
+        except httpx.HTTPError as e:  # reset mid-reply, protocol errors: the service may be restarting
+            raise CallFailed(f"HTTP error talking to {self.url}: {type(e).__name__}: {e}", retryable=True) from None
+        if reply.status_code != 200:
+            retryable = reply.status_code >= 500 or reply.status_code in (408, 429)
+            raise CallFailed(f"HTTP {reply.status_code} from {self.url}: {_excerpt(body)!r}", retryable)
+        return parse_scores_reply(body, len(samples))
+
+    async def _read_capped(self, reply: httpx.Response) -> bytes:
+        declared = reply.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_reply_bytes:
+            raise CallFailed(
+                f"the reply is {int(declared)} bytes, larger than max_reply_bytes ({self.max_reply_bytes})", retryable=False
+            )
+        chunks, size = [], 0
+        async for chunk in reply.aiter_bytes():
+            size += len(chunk)
+            if size > self.max_reply_bytes:
+                raise CallFailed(f"the reply is larger than max_reply_bytes ({self.max_reply_bytes})", retryable=False)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+# ---------------------------------------------------------------- gRPC (rlmesh's reward contract)
+
+_RETRYABLE_CODES = {
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+}
+
+
+def grpc_target(url: str) -> str:
+    parts = urlsplit(url)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return f"{host}:{parts.port}"
+
+
+class GrpcTransport:
+    def __init__(self, url: str, max_reply_bytes: int) -> None:
+        self.url = url
+        self.max_reply_bytes = max_reply_bytes
+        self.channel = grpc.aio.insecure_channel(
+            grpc_target(url),
+            options=[("grpc.max_receive_message_length", max_reply_bytes),
+                     ("grpc.max_send_message_length", 256 * 1024 * 1024)],
+        )
+        self.stub = reward_pb2_grpc.RewardStub(self.channel)
+
+    async def call(self, units: Sequence[Unit], timeout: float) -> list[SampleResult]:
+        groups = [
+            SampleGroup(u.group.group_id, u.group.group_index, u.samples, u.group.dataset) if u.group is not None
+            else SampleGroup(f"sample-{u.samples[0].index}", u.samples[0].group_index, u.samples)
+            for u in units
+        ]
+        request = reward_pb2.ScoreGroupsRequest(groups=[group_to_proto(g) for g in groups])
+        try:
+            reply = await self.stub.ScoreGroups(request, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            code, details = e.code(), e.details() or ""
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise CallFailed(f"no answer within {timeout:g} s", retryable=True) from None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+                raise CallFailed(
+                    f"the reply is larger than max_reply_bytes ({self.max_reply_bytes})", retryable=False
+                ) from None
+            raise CallFailed(f"{code.name} from {self.url}: {_excerpt(details)}", code in _RETRYABLE_CODES) from None
+        return self._results(groups, reply)
+
+    @staticmethod
+    def _results(sent: list[SampleGroup], reply: reward_pb2.ScoreGroupsResponse) -> list[SampleResult]:
+        if len(reply.groups) != len(sent):
+            raise CallFailed(f"the reply has {len(reply.groups)} groups for {len(sent)} sent", retryable=False)
+        results: list[SampleResult] = []
+        for group, answer in zip(sent, reply.groups):
+            try:
+                scored = group_from_proto(answer)
+            except ConversionError as e:
+                raise CallFailed(f"the reply holds a malformed sample: {e}", retryable=False) from None
+            if scored.group_id != group.group_id or len(scored.samples) != len(group.samples):
+                raise CallFailed(
+                    f"the reply's group {scored.group_id!r} has {len(scored.samples)} samples; expected group "
+                    f"{group.group_id!r} with {len(group.samples)}, in the order sent",
+                    retryable=False,
+                )
+            for mine, theirs in zip(group.samples, scored.samples):
+                if theirs.index != mine.index:
+                    raise CallFailed(
+                        f"the reply has sample {theirs.index} where sample {mine.index} was sent (order must be kept)",
+                        retryable=False,
+                    )
+                results.append(_grpc_sample_result(theirs))
+        return results
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def _grpc_sample_result(sample: Sample) -> SampleResult:
+    if sample.status == Status.FAILED:
+        return f"the remote could not score it: {sample.metadata.get('reward_error', 'no reason given')}"
+    total = _finite(sample.reward)
+    if isinstance(total, str):
+        return f"the score is {total}"
+    named: dict[str, float] = {}
+    for key, value in sample.reward_components.items():
+        checked = _finite(value)
+        if isinstance(checked, str):
+            return f"named score {key!r} is {checked}"
+        named[key] = checked
+    return RemoteScore(total, named)
+
+
+def make_transport(config: RemoteServiceConfig, max_reply_bytes: int) -> Transport:
+    if config.protocol == "grpc":
+        return GrpcTransport(config.url, max_reply_bytes)
+    return HttpJsonTransport(config.url, config.max_concurrency, max_reply_bytes)
+
+
+def probe_sample() -> Sample:
+    """What registration and the conformance kit send first: a small, valid, scoreable sample."""
+    return Sample(
+        index=0, group_index=0, prompt="What is 1 + 1?", tokens=[1, 2, 3, 4], response="1 + 1 = \\boxed{2}",
+        response_length=2, label="2", loss_mask=[1, 1], status=Status.COMPLETED,
+        metadata={"rlmesh_probe": True},
+    )
