@@ -1,173 +1,89 @@
-"""Buffer service contract: every implemented call over real gRPC against a real Redis."""
+"""Buffer service contract: every RPC over real gRPC against a real Redis, its happy path
+and each error code it answers with."""
 
 from __future__ import annotations
 
 import json
 
 import grpc
-import pytest
+import httpx
 
-from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, sample_pb2
-from services.buffer.config import Settings
-from services.buffer.server import start
-from services.common.grpc_server import sync_channel
-from services.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
+from rlmesh.v1 import buffer_pb2, sample_pb2
+from services.common.redis_server import free_port
+from services.common.sample import group_from_proto
+from test_buffer_support import buffer, code_of, completed, create, dataset, prompts, put, stats  # noqa: F401
 
-
-@pytest.fixture
-def dataset(tmp_path):
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"q": f"question {i}", "a": str(i)}) + "\n" for i in range(5)))
-    return path
+INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 
 
-@pytest.fixture
-def buffer(redis_url, start_in_loop):
-    def factory(**overrides):
-        settings = Settings(redis_url=redis_url, port=0, **overrides)
-        server, port = start_in_loop(lambda: start(settings))
-        return buffer_pb2_grpc.BufferStub(sync_channel(f"127.0.0.1:{port}"))
-    return factory
+def lease(stub, run_id="r1", **kw) -> buffer_pb2.LeaseBatchResponse:
+    return stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id=run_id, **kw))
 
 
-def create(stub, dataset, run_id="r1", n=2, cap=0, shuffle=False):
-    return stub.CreateRun(buffer_pb2.CreateRunRequest(
-        run_id=run_id, n_samples_per_prompt=n, max_queued_groups=cap,
-        datasets=[buffer_pb2.DatasetSpec(name="train", path=str(dataset), prompt_key="q", label_key="a", shuffle=shuffle, seed=7)],
-    ))
+def ack(stub, lease_id, run_id="r1") -> int:
+    return stub.AckBatch(buffer_pb2.AckBatchRequest(run_id=run_id, lease_id=lease_id)).acknowledged
 
 
-def completed(prompt_group: sample_pb2.SampleGroup) -> sample_pb2.SampleGroup:
-    group = group_from_proto(prompt_group)
-    for s in group.samples:
-        s.tokens, s.response_length, s.loss_mask = [5, 6, 7], 2, [1, 1]
-        s.rollout_log_probs, s.status, s.reward = [-0.5, -0.25], Status.COMPLETED, 1.0
-    return group_to_proto(group)
-
-
-def code_of(call) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as e:
-        call()
-    return e.value.code(), e.value.details()
-
+# ---------------------------------------------------------------- runs and prompts
 
 def test_prompts_come_in_order_with_consecutive_sample_indices(buffer, dataset):
     stub = buffer()
     assert create(stub, dataset).created
     assert not create(stub, dataset).created  # idempotent
-    groups = stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r1", num_groups=3)).groups
+    groups = prompts(stub, 3)
     assert [g.samples[0].prompt for g in groups] == ["question 0", "question 1", "question 2"]
     assert [s.index for g in groups for s in g.samples] == [0, 1, 2, 3, 4, 5]
     assert all(s.status == sample_pb2.Sample.PENDING and s.label for g in groups for s in g.samples)
+    assert json.loads(groups[0].samples[0].metadata_json) == {"dataset": "train"}
     # epoch rollover: 5 records, 3 drawn, 4 more wraps into epoch 1
-    stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r1", num_groups=4))
-    stats = stub.GetStats(buffer_pb2.GetStatsRequest(run_id="r1"))
-    assert (stats.epoch, stats.offset, stats.prompts_handed_out) == (1, 2, 7)
+    prompts(stub, 4)
+    s = stats(stub)
+    assert (s.epoch, s.offset, s.prompts_handed_out, s.next_sample_index) == (1, 2, 7, 14)
 
 
 def test_shuffled_order_is_reproducible(buffer, dataset):
     stub = buffer()
     create(stub, dataset, run_id="a", shuffle=True)
     create(stub, dataset, run_id="b", shuffle=True)
-    order = lambda run: [g.samples[0].prompt for g in stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id=run, num_groups=5)).groups]
+    order = lambda run: [g.samples[0].prompt for g in prompts(stub, 5, run_id=run)]  # noqa: E731
     first = order("a")
     assert first == order("b")
     assert sorted(first) == [f"question {i}" for i in range(5)]
 
 
-def test_write_lease_ack_delivers_each_group_once(buffer, dataset):
+def test_create_run_errors(buffer, dataset, tmp_path):
     stub = buffer()
-    create(stub, dataset)
-    prompts = stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r1", num_groups=3)).groups
-    groups = [completed(g) for g in prompts]
-    assert stub.PutGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=groups)).stored == 3
-    retry = stub.PutGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=groups[:1]))
-    assert (retry.stored, retry.duplicates) == (0, 1)
-
-    lease = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2))
-    assert [g.group_id for g in lease.groups] == [groups[0].group_id, groups[1].group_id]
-    assert group_from_proto(lease.groups[0]).samples[0].rollout_log_probs == [-0.5, -0.25]
-    # not enough left for another batch of 2: empty answer after the wait
-    assert not stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2, wait_seconds=0.1)).groups
-    assert stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=lease.lease_id)).acknowledged == 2
-    # an acknowledged group is never stored or delivered again
-    assert stub.PutGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=groups[:1])).duplicates == 1
-    rest = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=1))
-    assert [g.group_id for g in rest.groups] == [groups[2].group_id]
-    stats = stub.GetStats(buffer_pb2.GetStatsRequest(run_id="r1"))
-    assert (stats.queued_groups, stats.leased_groups, stats.acknowledged_groups) == (0, 1, 2)
-
-
-def test_expired_batch_lease_is_redelivered(buffer, dataset):
-    stub = buffer()
-    create(stub, dataset)
-    groups = [completed(g) for g in stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r1", num_groups=1)).groups]
-    stub.PutGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=groups))
-    first = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=1, lease_seconds=0.05))
-    again = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=1, wait_seconds=5))
-    assert again.groups[0].group_id == first.groups[0].group_id
-    code, details = code_of(lambda: stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=first.lease_id)))
-    assert code == grpc.StatusCode.NOT_FOUND and "expired" in details
-    assert stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=again.lease_id)).acknowledged == 1
-
-
-def test_expired_prompt_lease_hands_prompts_out_again(buffer, dataset):
-    stub = buffer()
-    create(stub, dataset)
-    lost = stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r1", num_groups=1, lease_seconds=0.01)).groups
-    import time; time.sleep(0.05)
-    again = stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r1", num_groups=2)).groups
-    assert again[0].group_id == lost[0].group_id
-    assert again[1].samples[0].prompt == "question 1"
-
-
-def test_partial_groups_resume_before_fresh_prompts(buffer, dataset):
-    stub = buffer()
-    create(stub, dataset)
-    g = stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r1", num_groups=1)).groups[0]
-    partial = completed(g)
-    for s in partial.samples:
-        s.status = sample_pb2.Sample.ABORTED
-    stub.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=[partial]))
-    resumed = stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r1", num_groups=2)).groups
-    assert resumed[0].group_id == g.group_id and resumed[0].samples[0].response_length == 2
-    assert resumed[1].samples[0].prompt == "question 1"
-
-
-def test_backpressure_refuses_writes_beyond_the_cap(buffer, dataset):
-    stub = buffer()
-    create(stub, dataset, cap=2)
-    groups = [completed(g) for g in stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r1", num_groups=3)).groups]
-    stub.PutGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=groups[:2]))
-    code, details = code_of(lambda: stub.PutGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=groups[2:])))
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "cap is 2" in details
-
-
-def test_errors_are_clear_status_codes(buffer, dataset, tmp_path):
-    stub = buffer(max_message_bytes=64 * 1024)
-    code, details = code_of(lambda: stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="nope", num_groups=1)))
-    assert code == grpc.StatusCode.NOT_FOUND and "CreateRun" in details
-    code, details = code_of(lambda: stub.CreateRun(buffer_pb2.CreateRunRequest(
-        run_id="r2", n_samples_per_prompt=1, datasets=[buffer_pb2.DatasetSpec(name="t", path=str(tmp_path / "missing.jsonl"))])))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "file not found" in details
+    spec = lambda **kw: buffer_pb2.DatasetSpec(**{"name": "t", "path": str(dataset), **kw})  # noqa: E731
+    run = lambda *ds, n=1, **kw: stub.CreateRun(buffer_pb2.CreateRunRequest(  # noqa: E731
+        run_id="r2", n_samples_per_prompt=n, datasets=list(ds), **kw))
+    for call, words in [
+        (lambda: run(spec(path=str(tmp_path / "missing.jsonl"))), "file not found"),
+        (lambda: run(spec(), n=0), "n_samples_per_prompt"),
+        (lambda: run(spec(eval=True)), "training dataset"),
+        (lambda: run(spec(), spec()), "unique"),
+        (lambda: run(spec(weight=-1)), "weight"),
+        (lambda: run(spec(prompt_key="nope")), "'nope'"),
+        (lambda: run(spec(), max_queued_groups=-1), "max_queued_groups"),
+        (lambda: stub.CreateRun(buffer_pb2.CreateRunRequest(n_samples_per_prompt=1, datasets=[spec()])), "run_id"),
+    ]:
+        code, details = code_of(call)
+        assert code == INVALID and words in details, details
     create(stub, dataset)
     code, details = code_of(lambda: create(stub, dataset, n=3))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION
-    code, _ = code_of(lambda: stub.PutGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=[])))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT
-    empty = sample_pb2.SampleGroup(group_id="g0")
-    code, details = code_of(lambda: stub.PutGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=[empty])))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "no samples" in details
-    bad = sample_pb2.SampleGroup(group_id="g0", samples=[sample_pb2.Sample(tokens=b"\0" * 12, response_length=2, loss_mask=b"\1")])
-    code, details = code_of(lambda: stub.PutGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=[bad])))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "loss_mask" in details
-    huge = sample_pb2.SampleGroup(group_id="g0", samples=[sample_pb2.Sample(tokens=b"\0" * 100_000)])
-    code, _ = code_of(lambda: stub.PutGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=[huge])))
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    code, details = code_of(lambda: stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id="x")))
-    assert code == grpc.StatusCode.NOT_FOUND
-    code, _ = code_of(lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="r1")))
-    assert code == grpc.StatusCode.UNIMPLEMENTED
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "different spec" in details
+
+
+def test_get_prompts_errors(buffer, dataset):
+    stub = buffer()
+    code, details = code_of(lambda: prompts(stub, 1, run_id="nope"))
+    assert code == NOT_FOUND and "CreateRun" in details
+    code, _ = code_of(lambda: stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(run_id="nope", dataset="train")))
+    assert code == NOT_FOUND
+    create(stub, dataset)
+    code, _ = code_of(lambda: prompts(stub, 0))
+    assert code == INVALID
+    code, _ = code_of(lambda: prompts(stub, 1, lease_seconds=-1))
+    assert code == INVALID
 
 
 def test_eval_prompts_and_delete_run(buffer, dataset):
@@ -176,10 +92,307 @@ def test_eval_prompts_and_delete_run(buffer, dataset):
         buffer_pb2.DatasetSpec(name="train", path=str(dataset), prompt_key="q", label_key="a"),
         buffer_pb2.DatasetSpec(name="held_out", path=str(dataset), prompt_key="q", label_key="a", eval=True),
     ]))
-    groups = stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(run_id="r1", dataset="held_out", n_samples_per_prompt=1, limit=3)).groups
-    assert [g.samples[0].label for g in groups] == ["0", "1", "2"]
+    create(stub, dataset, run_id="other")
+    groups = stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
+        run_id="r1", dataset="held_out", n_samples_per_prompt=1, offset=1, limit=3)).groups
+    assert [g.samples[0].label for g in groups] == ["1", "2", "3"]
+    assert [g.group_id for g in groups] == ["eval:held_out:1", "eval:held_out:2", "eval:held_out:3"]
     code, details = code_of(lambda: stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(run_id="r1", dataset="x")))
-    assert code == grpc.StatusCode.NOT_FOUND and "held_out" in details
+    assert code == NOT_FOUND and "held_out" in details
+    code, _ = code_of(lambda: stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(run_id="r1", dataset="held_out", offset=-1)))
+    assert code == INVALID
+    # runs share one Redis without seeing each other; deleting one leaves the other
+    put(stub, [completed(g) for g in prompts(stub, 2, run_id="other")], run_id="other")
     assert stub.DeleteRun(buffer_pb2.DeleteRunRequest(run_id="r1")).keys_deleted > 0
-    code, _ = code_of(lambda: stub.GetStats(buffer_pb2.GetStatsRequest(run_id="r1")))
-    assert code == grpc.StatusCode.NOT_FOUND
+    code, _ = code_of(lambda: stats(stub))
+    assert code == NOT_FOUND
+    assert stats(stub, "other").queued_groups == 2
+    assert stub.DeleteRun(buffer_pb2.DeleteRunRequest(run_id="r1")).keys_deleted == 0
+    code, _ = code_of(lambda: stub.DeleteRun(buffer_pb2.DeleteRunRequest()))
+    assert code == INVALID
+    # a deleted run can be created again, from scratch
+    create(stub, dataset)
+    assert prompts(stub, 1)[0].group_id == "g0"
+
+
+# ---------------------------------------------------------------- completed groups and batches
+
+def test_write_lease_ack_delivers_each_group_once(buffer, dataset):
+    stub = buffer()
+    create(stub, dataset)
+    groups = [completed(g) for g in prompts(stub, 3)]
+    assert put(stub, groups).stored == 3
+    retry = put(stub, groups[:1])
+    assert (retry.stored, retry.duplicates) == (0, 1)
+
+    batch = lease(stub, num_groups=2)
+    assert [g.group_id for g in batch.groups] == [groups[0].group_id, groups[1].group_id]
+    assert batch.groups[0] == groups[0]  # the bytes as written
+    assert group_from_proto(batch.groups[0]).samples[0].rollout_log_probs == [-0.5, -0.25]
+    # not enough left for another batch of 2: empty answer after the wait
+    assert not lease(stub, num_groups=2, wait_seconds=0.1).groups
+    assert ack(stub, batch.lease_id) == 2
+    # an acknowledged group is never stored or delivered again
+    assert put(stub, groups[:1]).duplicates == 1
+    rest = lease(stub, num_groups=1)
+    assert [g.group_id for g in rest.groups] == [groups[2].group_id]
+    s = stats(stub)
+    assert (s.queued_groups, s.leased_groups, s.acknowledged_groups, s.groups_written) == (0, 1, 2, 3)
+
+
+def test_a_lease_by_samples_takes_whole_groups(buffer, dataset):
+    stub = buffer()
+    create(stub, dataset, n=2)
+    groups = [completed(g) for g in prompts(stub, 4)]
+    one_sample = sample_pb2.SampleGroup()
+    one_sample.CopyFrom(groups[3])
+    del one_sample.samples[1:]
+    put(stub, [*groups[:3], one_sample])
+    assert stats(stub).queued_samples == 7
+    assert [g.group_id for g in lease(stub, num_samples=3).groups] == ["g0", "g1"]  # never split: 4 samples
+    assert [g.group_id for g in lease(stub, num_samples=2).groups] == ["g2"]
+    assert not lease(stub, num_samples=2, wait_seconds=0.05).groups  # only one sample left
+    assert [g.group_id for g in lease(stub, num_samples=1).groups] == ["g3"]
+    assert stats(stub).queued_samples == 0
+
+
+def test_expired_batch_lease_is_redelivered(buffer, dataset):
+    stub = buffer()
+    create(stub, dataset)
+    put(stub, [completed(g) for g in prompts(stub, 1)])
+    first = lease(stub, num_groups=1, lease_seconds=0.05)
+    again = lease(stub, num_groups=1, wait_seconds=5)
+    assert again.groups[0].group_id == first.groups[0].group_id
+    code, details = code_of(lambda: ack(stub, first.lease_id))
+    assert code == NOT_FOUND and "expired" in details
+    assert ack(stub, again.lease_id) == 1
+    s = stats(stub)
+    assert (s.redelivered_groups, s.acknowledged_groups, s.leased_groups) == (1, 1, 0)
+
+
+def test_lease_and_ack_errors(buffer, dataset):
+    stub = buffer()
+    code, _ = code_of(lambda: lease(stub, run_id="nope", num_groups=1))
+    assert code == NOT_FOUND
+    code, _ = code_of(lambda: ack(stub, "x", run_id="nope"))
+    assert code == NOT_FOUND
+    create(stub, dataset)
+    for kw in ({}, {"num_groups": 1, "num_samples": 2}, {"num_groups": -1}, {"num_groups": 1, "min_weight_version": -1},
+               {"num_groups": 1, "lease_seconds": -1}, {"num_groups": 1, "stale_policy": 7}):
+        code, details = code_of(lambda: lease(stub, **kw))  # noqa: B023
+        assert code == INVALID, (kw, details)
+    code, _ = code_of(lambda: ack(stub, ""))
+    assert code == INVALID
+    code, details = code_of(lambda: ack(stub, "no-such-lease"))
+    assert code == NOT_FOUND and "no-such-lease" in details
+
+
+def test_staleness_bound_drops_or_keeps_old_groups_and_counts_them(buffer, dataset):
+    stub = buffer()
+    create(stub, dataset, n=2)
+    g = prompts(stub, 5)
+    put(stub, [completed(g[0], version=1), completed(g[1], version=3), completed(g[2], version=1),
+               completed(g[3]), completed(g[4], version=4)])
+    # KEEP: delivered, counted
+    kept = lease(stub, num_groups=1, min_weight_version=2, stale_policy=buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP)
+    assert [x.group_id for x in kept.groups] == ["g0"] and kept.stale_groups == 1
+    # DROP (the default): g2 (version 1) is dropped on the way; g3 has no versions: never stale
+    batch = lease(stub, num_groups=3, min_weight_version=2)
+    assert [x.group_id for x in batch.groups] == ["g1", "g3", "g4"]
+    assert (batch.stale_groups, batch.stale_groups_dropped) == (0, 1)
+    s = stats(stub)
+    assert (s.stale_groups_kept, s.stale_groups_dropped, s.dropped_by_reason["stale"], s.queued_groups) == (1, 1, 1, 0)
+    # a dropped stale group is never stored again
+    assert put(stub, [completed(g[2], version=1)]).duplicates == 1
+    # a sample generated partly with old weights makes its group stale
+    mixed = completed(prompts(stub, 1)[0], version=5)
+    mixed.samples[1].weight_versions[:] = [2, 5]
+    put(stub, [mixed])
+    empty = lease(stub, num_groups=1, min_weight_version=3, wait_seconds=0.05)
+    assert not empty.groups and empty.stale_groups_dropped == 1
+
+
+def test_backpressure_refuses_writes_beyond_the_cap(buffer, dataset):
+    stub = buffer()
+    create(stub, dataset, cap=2)
+    groups = [completed(g) for g in prompts(stub, 3)]
+    put(stub, groups[:2])
+    code, details = code_of(lambda: put(stub, groups[2:]))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "cap is 2" in details
+    assert put(stub, groups[:1]).duplicates == 1  # a retried write still answers
+    ack(stub, lease(stub, num_groups=1).lease_id)
+    assert put(stub, groups[2:]).stored == 1
+
+
+def test_put_groups_errors(buffer, dataset):
+    stub = buffer(max_message_bytes=64 * 1024)
+    code, _ = code_of(lambda: put(stub, [completed(sample_pb2.SampleGroup(group_id="g0", samples=[sample_pb2.Sample()]))],
+                                  run_id="nope"))
+    assert code == NOT_FOUND
+    create(stub, dataset)
+    code, _ = code_of(lambda: put(stub, []))
+    assert code == INVALID
+    empty = sample_pb2.SampleGroup(group_id="g0")
+    code, details = code_of(lambda: put(stub, [empty]))
+    assert code == INVALID and "no samples" in details
+    no_id = sample_pb2.SampleGroup(samples=[sample_pb2.Sample()])
+    code, details = code_of(lambda: put(stub, [no_id]))
+    assert code == INVALID and "group_id" in details
+    bad = sample_pb2.SampleGroup(group_id="g0", samples=[sample_pb2.Sample(tokens=b"\0" * 12, response_length=2, loss_mask=b"\1")])
+    code, details = code_of(lambda: put(stub, [bad]))
+    assert code == INVALID and "loss_mask" in details
+    odd = sample_pb2.SampleGroup(group_id="g0", samples=[sample_pb2.Sample(tokens=b"\0" * 5)])
+    code, details = code_of(lambda: put(stub, [odd]))
+    assert code == INVALID and "multiple of 4" in details
+    huge = sample_pb2.SampleGroup(group_id="g0", samples=[sample_pb2.Sample(tokens=b"\0" * 100_000)])
+    code, _ = code_of(lambda: put(stub, [huge]))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stats(stub).groups_written == 0  # nothing half-written
+
+
+def test_partial_groups_resume_before_fresh_prompts(buffer, dataset):
+    stub = buffer()
+    create(stub, dataset)
+    g = prompts(stub, 1)[0]
+    partial = completed(g)
+    for s in partial.samples:
+        s.status = sample_pb2.Sample.ABORTED
+    assert stub.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=[partial])).stored == 1
+    assert stats(stub).partial_groups == 1
+    resumed = prompts(stub, 2)
+    assert resumed[0] == partial  # with its partial response, as handed back
+    assert resumed[1].samples[0].prompt == "question 1"
+    s = stats(stub)
+    assert (s.partial_groups, s.partial_groups_returned) == (0, 1)
+    # a group already completed is not taken back as partial
+    put(stub, [completed(resumed[0])])
+    assert stub.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=[partial])).stored == 0
+    code, _ = code_of(lambda: stub.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(run_id="r1")))
+    assert code == INVALID
+    code, _ = code_of(lambda: stub.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(run_id="nope", groups=[partial])))
+    assert code == NOT_FOUND
+
+
+def test_expired_prompt_lease_hands_prompts_out_again(buffer, dataset):
+    stub = buffer()
+    create(stub, dataset)
+    lost = prompts(stub, 1, lease_seconds=0.01)
+    import time
+
+    time.sleep(0.05)
+    again = prompts(stub, 2)
+    assert again[0] == lost[0]
+    assert again[1].samples[0].prompt == "question 1"
+    assert stats(stub).prompts_reissued == 1
+
+
+def test_dropped_groups_are_counted_by_reason_and_not_handed_out_again(buffer, dataset):
+    stub = buffer()
+    create(stub, dataset)
+    g = prompts(stub, 2, lease_seconds=0.01)
+    assert stub.DropGroups(buffer_pb2.DropGroupsRequest(run_id="r1", group_ids=[g[0].group_id], reason="nonzero_std")).dropped == 1
+    import time
+
+    time.sleep(0.05)
+    assert [x.group_id for x in prompts(stub, 2)] == [g[1].group_id, "g2"]  # g0 is gone for good
+    assert put(stub, [completed(g[0])]).duplicates == 1
+    s = stats(stub)
+    assert (s.dropped_groups, dict(s.dropped_by_reason)) == (1, {"nonzero_std": 1})
+    code, _ = code_of(lambda: stub.DropGroups(buffer_pb2.DropGroupsRequest(run_id="r1")))
+    assert code == INVALID
+    code, _ = code_of(lambda: stub.DropGroups(buffer_pb2.DropGroupsRequest(run_id="nope", group_ids=["g0"])))
+    assert code == NOT_FOUND
+
+
+# ---------------------------------------------------------------- filters, export / import, stats
+
+def test_a_buffer_filter_from_the_settings_picks_high_variance_groups_first(buffer, dataset):
+    stub = buffer(buffer_filter="services.buffer.filters:highest_reward_variance_first")
+    create(stub, dataset, n=4)
+    g = prompts(stub, 4)
+    put(stub, [completed(g[0], rewards=[1, 1, 1, 1]), completed(g[1], rewards=[0, 1, 0, 1]),
+               completed(g[2], rewards=[0, 0, 0, 1]), completed(g[3], rewards=[0, 1, 1, 0])])
+    assert [x.group_id for x in lease(stub, num_groups=2).groups] == ["g1", "g3"]  # variance 0.25, ties oldest first
+    assert [x.group_id for x in lease(stub, num_samples=5).groups] == ["g2", "g0"]
+    assert stats(stub).queued_groups == 0
+
+
+def test_a_bad_buffer_filter_fails_at_start(redis_url, start_in_loop):
+    import pytest
+
+    from services.buffer.config import Settings
+    from services.buffer.server import start
+    from services.common.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="no_such_module"):
+        start_in_loop(lambda: start(Settings(redis_url=redis_url, port=0, buffer_filter="no_such_module:f")))
+
+
+def test_export_and_import_jsonl(buffer, dataset, tmp_path):
+    stub = buffer()
+    create(stub, dataset)
+    groups = [completed(g, version=3) for g in prompts(stub, 3)]
+    put(stub, groups)
+    leased = lease(stub, num_groups=1)
+    path = tmp_path / "rollouts.jsonl"
+    assert stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="r1", path=str(path))).groups == 3
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["group_id"] for line in lines] == ["g1", "g2", "g0"]  # queued, then leased
+    assert lines[0]["samples"][0]["rollout_log_probs"] == [-0.5, -0.25] and lines[0]["samples"][0]["status"] == "completed"
+    assert stats(stub).queued_groups == 2  # exporting takes nothing away
+    ack(stub, leased.lease_id)
+
+    # a trainer can run on the saved rollouts: import them into another run
+    create(stub, dataset, run_id="replay")
+    imported = stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="replay", path=str(path)))
+    assert (imported.groups, imported.duplicates) == (3, 0)
+    replayed = lease(stub, run_id="replay", num_groups=3).groups
+    assert [group_from_proto(g) for g in replayed] == [group_from_proto(g) for g in (groups[1], groups[2], groups[0])]
+    again = stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="replay", path=str(path)))
+    assert (again.groups, again.duplicates) == (0, 3)
+
+
+def test_export_and_import_errors(buffer, dataset, tmp_path):
+    stub = buffer()
+    code, _ = code_of(lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="nope", path=str(tmp_path / "x"))))
+    assert code == NOT_FOUND
+    create(stub, dataset, cap=1)
+    code, details = code_of(lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="r1")))
+    assert code == INVALID and "path" in details
+    code, details = code_of(lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="r1", path=str(tmp_path / "no" / "x"))))
+    assert code == INVALID and "does not exist" in details
+    code, details = code_of(lambda: stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="r1", path=str(tmp_path / "none.jsonl"))))
+    assert code == NOT_FOUND and "none.jsonl" in details
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"group_id": "a", "samples": []}\nnot json\n')
+    code, details = code_of(lambda: stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="r1", path=str(bad))))
+    assert code == INVALID and ":2" in details
+    bad.write_text(json.dumps({"group_id": "a", "samples": [{"tokens": [1, 2], "response_length": 1, "loss_mask": [1, 1]}]}) + "\n")
+    code, details = code_of(lambda: stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="r1", path=str(bad))))
+    assert code == INVALID and "loss_mask" in details
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(json.dumps({"group_id": f"x{i}", "samples": [{"tokens": [1]}]}) + "\n" for i in range(2)))
+    code, _ = code_of(lambda: stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="r1", path=str(two))))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # the cap is 1: all or nothing
+    assert stats(stub).queued_groups == 0
+
+
+def test_stats_over_grpc_and_as_prometheus_metrics(buffer, dataset):
+    port = free_port()
+    stub = buffer(metrics_port=port)
+    create(stub, dataset)
+    code, _ = code_of(lambda: stats(stub, "nope"))
+    assert code == NOT_FOUND
+    stats(stub)  # the first snapshot for the rates
+    put(stub, [completed(g) for g in prompts(stub, 3)])
+    ack(stub, lease(stub, num_groups=2).lease_id)
+    s = stats(stub)
+    assert (s.queued_groups, s.acknowledged_groups, s.groups_written, s.prompts_handed_out) == (1, 2, 3, 3)
+    assert s.groups_written_per_second > 0 and s.groups_acknowledged_per_second > 0 and s.rate_window_seconds > 0
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert "# TYPE rlmesh_buffer_groups_written_total counter" in text
+    assert 'rlmesh_buffer_groups_written_total{run="r1"} 3' in text
+    assert 'rlmesh_buffer_queued_groups{run="r1"} 1' in text
+    assert 'rlmesh_buffer_acknowledged_groups_total{run="r1"} 2' in text
+    assert httpx.get(f"http://127.0.0.1:{port}/other").status_code == 404

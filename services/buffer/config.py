@@ -15,3 +15,16 @@ class Settings(ServiceSettings):
     prompt_lease_seconds: float = Field(600.0, gt=0, description="Default lease on prompts handed to a rollout worker.")
     batch_lease_seconds: float = Field(600.0, gt=0, description="Default lease on a training batch until its ack.")
     poll_interval_seconds: float = Field(0.02, gt=0, description="How often a waiting LeaseBatch checks the queue.")
+    buffer_filter: str = Field(
+        "",
+        description="Import path of the function choosing which queued groups a lease gets "
+        "(e.g. services.buffer.filters:highest_reward_variance_first); empty = first in, first out.",
+    )
+    filter_window: int = Field(4096, ge=1, description="How many of the oldest queued groups a buffer filter sees.")
+    metrics_port: int = Field(0, ge=0, description="Port of the Prometheus /metrics HTTP endpoint (0 = off).")
+    metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds to.")
+    cache_megabytes: int = Field(
+        256, ge=0, description="In-process copy of recently written groups, so leases skip reading them back "
+        "from Redis (0 = off; Redis stays the only state)."
+    )
+    rate_window_seconds: float = Field(60.0, gt=0, description="Window of the per-second rates in the stats.")

@@ -1,49 +1,155 @@
-"""Prompt datasets: read a local JSONL file into plain records, and the deterministic
-per-epoch order (the same seed gives the same order on any replica, after any restart)."""
+"""Prompt datasets as plain records, and the deterministic per-epoch order (the same seed
+gives the same order on any replica, after any restart).
+
+A record is what the buffer stores per prompt in Redis:
+    {"prompt": str, "messages": [{"role", "content"}], "label": str, "metadata": dict}
+`prompt` is the text the engine sees (chat-templated when the dataset asks for it);
+`messages` keeps a chat prompt as given. Tool definitions go to metadata["tools"].
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from services.buffer.sources import read_rows
 from services.common.errors import InvalidArgument
 from services.common.sample import Sample, Status
 
 
-def load_records(name: str, path: str, prompt_key: str, label_key: str, metadata_key: str) -> list[dict]:
-    """Each record: {"prompt": str | list of chat messages, "label": str, "metadata": dict}."""
-    p = Path(path)
-    if not p.is_file():
-        raise InvalidArgument(f"dataset {name!r}: file not found: {path} (paths are read on the buffer's machine)")
-    if p.suffix not in (".jsonl", ".json"):
-        raise InvalidArgument(f"dataset {name!r}: only JSONL files are supported, got {path}")
-    records = []
-    with p.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InvalidArgument(f"dataset {name!r}: {path}:{lineno} is not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or prompt_key not in row:
-                raise InvalidArgument(f"dataset {name!r}: {path}:{lineno} has no {prompt_key!r} key (prompt_key)")
-            prompt = row[prompt_key]
-            if not isinstance(prompt, (str, list)):
-                raise InvalidArgument(f"dataset {name!r}: {path}:{lineno}: prompt must be text or a list of messages")
-            label = row.get(label_key, "")
-            metadata = row.get(metadata_key, {}) if metadata_key else {}
-            records.append({
-                "prompt": prompt,
-                "label": label if isinstance(label, str) else json.dumps(label),
-                "metadata": metadata if isinstance(metadata, dict) else {"value": metadata},
-            })
+@dataclass(frozen=True)
+class DatasetOptions:
+    name: str
+    path: str
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    metadata_key: str = ""
+    tools_key: str = ""
+    tokenizer_path: str = ""
+    apply_chat_template: bool = False
+    max_prompt_length: int = 0
+    split: str = ""
+
+
+@dataclass
+class LoadedDataset:
+    records: list[dict]
+    skipped: int  # longer than max_prompt_length
+
+
+def load_dataset(opts: DatasetOptions) -> LoadedDataset:
+    columns = [c for c in (opts.prompt_key, opts.label_key, opts.metadata_key, opts.tools_key) if c]
+    rows = read_rows(opts.name, opts.path, columns, opts.split)
+    records = [_record(opts, i, row) for i, row in enumerate(rows, 1)]
     if not records:
-        raise InvalidArgument(f"dataset {name!r}: {path} has no records")
-    return records
+        raise InvalidArgument(f"dataset {opts.name!r}: {opts.path} has no records")
+    needs_tokenizer = opts.tokenizer_path and (opts.apply_chat_template or opts.max_prompt_length > 0)
+    tokenizer = load_tokenizer(opts.tokenizer_path) if needs_tokenizer else None
+    if opts.apply_chat_template:
+        if tokenizer is None:
+            raise InvalidArgument(f"dataset {opts.name!r}: apply_chat_template needs a tokenizer_path")
+        for r in records:
+            _template(opts.name, tokenizer, r)
+    kept = records
+    if opts.max_prompt_length > 0:
+        lengths = prompt_lengths(tokenizer, records)
+        kept = [r for r, n in zip(records, lengths) if n <= opts.max_prompt_length]
+        if not kept:
+            raise InvalidArgument(
+                f"dataset {opts.name!r}: all {len(records)} prompts are longer than max_prompt_length "
+                f"{opts.max_prompt_length} ({'tokens' if tokenizer else 'characters'})"
+            )
+    return LoadedDataset(kept, len(records) - len(kept))
+
+
+def _record(opts: DatasetOptions, where: int, row: dict) -> dict:
+    def bad(why: str) -> InvalidArgument:
+        return InvalidArgument(f"dataset {opts.name!r}: {opts.path} record {where}: {why}")
+
+    if opts.prompt_key not in row or row[opts.prompt_key] is None:
+        raise bad(f"no {opts.prompt_key!r} key (prompt_key); it has {sorted(row)}")
+    prompt = row[opts.prompt_key]
+    messages: list[dict[str, str]] = []
+    if isinstance(prompt, list):
+        messages = [_message(m, bad) for m in prompt]
+        prompt = ""
+    elif not isinstance(prompt, str):
+        raise bad("the prompt must be text or a list of chat messages")
+    label = row.get(opts.label_key, "")
+    metadata = row.get(opts.metadata_key) if opts.metadata_key else None
+    if isinstance(metadata, str):  # columnar datasets often keep metadata as JSON text
+        try:
+            metadata = json.loads(metadata)
+        except json.JSONDecodeError:
+            pass
+    metadata = {} if metadata is None else metadata if isinstance(metadata, dict) else {"value": metadata}
+    if opts.tools_key and row.get(opts.tools_key) is not None:
+        tools = row[opts.tools_key]
+        if isinstance(tools, str):
+            try:
+                tools = json.loads(tools)
+            except json.JSONDecodeError:
+                raise bad(f"{opts.tools_key!r} (tools_key) is not valid JSON") from None
+        if not isinstance(tools, list):
+            raise bad(f"{opts.tools_key!r} (tools_key) must be a list of tool definitions")
+        metadata = {**metadata, "tools": tools}
+    return {
+        "prompt": prompt,
+        "messages": messages,
+        "label": label if isinstance(label, str) else json.dumps(label),
+        "metadata": metadata,
+    }
+
+
+def _message(m: Any, bad) -> dict[str, str]:
+    if not isinstance(m, dict) or "role" not in m:
+        raise bad("chat messages must be objects with 'role' and 'content'")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: keep the text ones
+        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return {"role": str(m["role"]), "content": "" if content is None else str(content)}
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(path: str):
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any failure here is a bad path or checkpoint
+        raise InvalidArgument(f"cannot load a tokenizer from {path!r} (tokenizer_path): {e}") from None
+
+
+def _chat(record: dict) -> list[dict[str, str]]:
+    return record["messages"] or [{"role": "user", "content": record["prompt"]}]
+
+
+def _template(name: str, tokenizer, record: dict) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidArgument(f"dataset {name!r}: apply_chat_template is set but the tokenizer has no chat template")
+    record["prompt"] = tokenizer.apply_chat_template(
+        _chat(record), tools=record["metadata"].get("tools"), tokenize=False, add_generation_prompt=True
+    )
+    record["metadata"]["chat_template_applied"] = True
+
+
+def prompt_lengths(tokenizer, records: list[dict]) -> list[int]:
+    """Tokens the engine will see (with a tokenizer), else characters."""
+    if tokenizer is None:
+        return [len(r["prompt"]) if not r["messages"] else sum(len(m["content"]) for m in r["messages"])
+                for r in records]
+    texts = []
+    for r in records:
+        templated = r["metadata"].get("chat_template_applied")
+        if r["messages"] and not templated and getattr(tokenizer, "chat_template", None):
+            texts.append(tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True))
+        else:
+            texts.append(r["prompt"] or "".join(m["content"] for m in r["messages"]))
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 @lru_cache(maxsize=64)
@@ -55,7 +161,7 @@ def epoch_order(size: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
 
 def record_to_samples(record: dict, group_index: int, n_samples: int, dataset: str) -> list[Sample]:
     prompt = record["prompt"]
-    messages = prompt if isinstance(prompt, list) else []
+    messages = record.get("messages") or (prompt if isinstance(prompt, list) else [])
     metadata = {**record["metadata"], "dataset": dataset}
     return [
         Sample(
@@ -65,7 +171,7 @@ def record_to_samples(record: dict, group_index: int, n_samples: int, dataset: s
             messages=[{"role": m["role"], "content": m["content"]} for m in messages],
             label=record["label"],
             status=Status.PENDING,
-            metadata=metadata,
+            metadata=dict(metadata),
         )
         for i in range(n_samples)
     ]

@@ -1,15 +1,34 @@
-"""gRPC transport for the buffer: thin handlers over BufferStore."""
+"""gRPC transport for the buffer: thin handlers over BufferStore.
+
+Groups cross the buffer as bytes: PutGroups stores each group's bytes exactly as the
+client sent them, and LeaseBatch / GetPrompts answer with responses the store already
+built in wire form (their method handlers take bytes; see services.buffer.wire)."""
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import grpc
+import redis
 import redis.asyncio as aioredis
+from google.protobuf import message_factory
 
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
+from services.buffer import metrics, transfer, wire
 from services.buffer.config import Settings
+from services.buffer.filters import load_filter
 from services.buffer.store import BufferStore
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.grpc_server import ServiceBinding, serve_forever, start_server
-from services.common.errors import Unimplemented
+
+log = logging.getLogger(__name__)
+
+_SERVICE = buffer_pb2.DESCRIPTOR.services_by_name["Buffer"]
+_STALE_POLICIES = {  # policy -> keep stale groups
+    buffer_pb2.LeaseBatchRequest.STALE_POLICY_DROP: False,
+    buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP: True,
+}
 
 
 class BufferServicer(buffer_pb2_grpc.BufferServicer):
@@ -23,31 +42,40 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def DeleteRun(self, request, context):
         return buffer_pb2.DeleteRunResponse(keys_deleted=await self.store.delete_run(request.run_id))
 
-    async def GetPrompts(self, request, context):
+    async def GetPrompts(self, request, context) -> bytes:
         lease = request.lease_seconds or self.settings.prompt_lease_seconds
         groups = await self.store.get_prompts(request.run_id, request.num_groups, lease)
-        return buffer_pb2.GetPromptsResponse(groups=groups)
+        return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 
     async def GetEvalPrompts(self, request, context):
         return buffer_pb2.GetPromptsResponse(groups=await self.store.get_eval_prompts(request))
 
-    async def PutGroups(self, request, context):
-        stored, duplicates = await self.store.put_groups(request.run_id, request.groups)
+    async def PutGroups(self, request: wire.PutGroupsWire, context):
+        stored, duplicates = await self.store.put_groups(request.run_id, request.groups, request.raw_groups)
         return buffer_pb2.PutGroupsResponse(stored=stored, duplicates=duplicates)
 
-    async def ReturnPartialGroups(self, request, context):
-        stored = await self.store.return_partial_groups(request.run_id, request.groups)
+    async def ReturnPartialGroups(self, request: wire.PutGroupsWire, context):
+        stored = await self.store.return_partial_groups(request.run_id, request.groups, request.raw_groups)
         return buffer_pb2.PutGroupsResponse(stored=stored)
 
     async def DropGroups(self, request, context):
         dropped = await self.store.drop_groups(request.run_id, request.group_ids, request.reason)
         return buffer_pb2.DropGroupsResponse(dropped=dropped)
 
-    async def LeaseBatch(self, request, context):
-        lease_id, groups = await self.store.lease_batch(
-            request, self.settings.batch_lease_seconds, self.settings.poll_interval_seconds
+    async def LeaseBatch(self, request, context) -> bytes:
+        if request.stale_policy not in _STALE_POLICIES:
+            raise InvalidArgument(f"unknown stale_policy {request.stale_policy}; use DROP (0) or KEEP (1)")
+        batch = await self.store.lease_batch(
+            request.run_id,
+            num_groups=request.num_groups,
+            num_samples=request.num_samples,
+            lease_seconds=request.lease_seconds or self.settings.batch_lease_seconds,
+            wait_seconds=request.wait_seconds,
+            min_weight_version=request.min_weight_version,
+            keep_stale=_STALE_POLICIES[request.stale_policy],
+            poll_seconds=self.settings.poll_interval_seconds,
         )
-        return buffer_pb2.LeaseBatchResponse(lease_id=lease_id, groups=groups)
+        return batch.response
 
     async def AckBatch(self, request, context):
         return buffer_pb2.AckBatchResponse(acknowledged=await self.store.ack_batch(request.run_id, request.lease_id))
@@ -56,25 +84,88 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return await self.store.stats(request.run_id)
 
     async def ExportGroups(self, request, context):
-        raise Unimplemented("ExportGroups is not implemented yet: it will write a run's queued groups to JSONL")
+        exported = await transfer.export_groups(self.store, request.run_id, request.path)
+        return buffer_pb2.ExportGroupsResponse(groups=exported)
 
     async def ImportGroups(self, request, context):
-        raise Unimplemented("ImportGroups is not implemented yet: it will load groups from a JSONL export")
+        stored, duplicates = await transfer.import_groups(self.store, request.run_id, request.path)
+        return buffer_pb2.ImportGroupsResponse(groups=stored, duplicates=duplicates)
 
 
-def _binding(settings: Settings) -> ServiceBinding:
-    store = BufferStore(aioredis.Redis.from_url(settings.redis_url), settings.key_prefix)
-    return ServiceBinding(
-        BufferServicer(store, settings),
-        buffer_pb2_grpc.add_BufferServicer_to_server,
-        buffer_pb2.DESCRIPTOR.services_by_name["Buffer"].full_name,
+# Requests parsed with their raw group bytes kept; responses that may arrive as bytes.
+_REQUEST_DESERIALIZERS = {"PutGroups": wire.PutGroupsWire, "ReturnPartialGroups": wire.PutGroupsWire}
+_BYTES_RESPONSES = {"GetPrompts", "LeaseBatch"}
+
+
+def _redis_outage_is_unavailable(handler):
+    """Redis down or still loading its data: UNAVAILABLE (callers retry), not INTERNAL."""
+
+    @functools.wraps(handler)
+    async def guarded(request, context):
+        try:
+            return await handler(request, context)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            raise Unavailable(f"the buffer's Redis is unavailable ({type(e).__name__}: {e}); retry shortly") from None
+
+    return guarded
+
+
+def add_buffer_servicer(servicer: BufferServicer, server: grpc.aio.Server) -> None:
+    """Like the generated add_BufferServicer_to_server, with the byte-level handlers."""
+    handlers = {}
+    for method in _SERVICE.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _redis_outage_is_unavailable(getattr(servicer, method.name)),
+            request_deserializer=_REQUEST_DESERIALIZERS.get(method.name, request_cls.FromString),
+            response_serializer=(
+                wire.serialize_response if method.name in _BYTES_RESPONSES else response_cls.SerializeToString
+            ),
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(_SERVICE.full_name, handlers)
+
+
+def make_store(settings: Settings) -> BufferStore:
+    return BufferStore(
+        aioredis.Redis.from_url(settings.redis_url),
+        settings.key_prefix,
+        buffer_filter=load_filter(settings.buffer_filter),
+        filter_window=settings.filter_window,
+        rate_window_seconds=settings.rate_window_seconds,
+        cache_bytes=settings.cache_megabytes * 1024 * 1024,
     )
 
 
+def _binding(store: BufferStore, settings: Settings) -> ServiceBinding:
+    return ServiceBinding(BufferServicer(store, settings), add_buffer_servicer, _SERVICE.full_name)
+
+
+async def _start_metrics(store: BufferStore, settings: Settings):
+    if not settings.metrics_port:
+        return None
+    server = await metrics.start_metrics_server(store, settings.metrics_host, settings.metrics_port)
+    log.info("serving Prometheus metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
+    return server
+
+
 async def start(settings: Settings) -> tuple[grpc.aio.Server, int]:
-    server, port, _ = await start_server([_binding(settings)], f"{settings.host}:{settings.port}", settings.max_message_bytes)
+    store = make_store(settings)
+    await _start_metrics(store, settings)
+    server, port, _ = await start_server([_binding(store, settings)], f"{settings.host}:{settings.port}",
+                                         settings.max_message_bytes)
     return server, port
 
 
 async def serve(settings: Settings) -> None:
-    await serve_forever([_binding(settings)], f"{settings.host}:{settings.port}", settings.max_message_bytes)
+    store = make_store(settings)
+    metrics_server = await _start_metrics(store, settings)
+
+    async def shutdown() -> None:
+        if metrics_server is not None:
+            metrics_server.close()
+        await store.redis.aclose()
+
+    await serve_forever([_binding(store, settings)], f"{settings.host}:{settings.port}", settings.max_message_bytes,
+                        on_shutdown=shutdown)

@@ -1,18 +1,24 @@
 """The buffer's plain logic over Redis. Every move of a group between states is one
-atomic step in Redis (a Lua script or an ownership-claiming ZREM), so several buffer
-replicas can serve one Redis and a crash at any point loses nothing.
+atomic Lua script (services.buffer.scripts), so several buffer replicas can serve one
+Redis and a crash at any point loses nothing and hands nothing out twice.
 
 Keys of a run live under `<prefix>:run:<run_id>:`:
-  spec            run spec (JSON)              data:<dataset>  prompt records (list of JSON)
+  spec            run spec (JSON); its existence is the run's existence
+  data:<dataset>  prompt records (list of JSON, see services.buffer.datasets)
   cursor          hash: <dataset> -> prompts drawn so far; __groups__ -> next group index
-  prompts         hash: group_id -> handed-out prompt group (bytes)
+  prompts         hash: group_id -> handed-out prompt group (bytes, or a "ref:" to build it)
   prompt_leases   zset: group_id -> lease expiry (unix seconds)
   partial         list of group ids + partial_groups hash: aborted groups waiting to resume
   groups          hash: group_id -> completed SampleGroup (bytes), until acknowledged
-  queue           list of completed group ids waiting for training (FIFO)
+  meta            hash: group_id -> summary (samples, oldest weight version, rewards...)
+  queue           list of completed group ids waiting for training (oldest first)
   batch_leases    zset: lease_id -> expiry;  batch:<lease_id>  list of its group ids
   acked           set of acknowledged group ids (never delivered or stored again)
-  stats           hash of counters
+  discarded       set of dropped group ids (stale, or filtered out by the rollout)
+  stats           hash of counters;  rate_snapshots  zset of counter snapshots (rates)
+
+Groups stay serialized protobuf bytes from the writer to the trainer: the buffer checks
+them but never re-encodes them (see services.buffer.wire).
 """
 
 from __future__ import annotations
@@ -21,81 +27,22 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-import numpy as np
 import redis.asyncio as aioredis
 
 from rlmesh.v1 import buffer_pb2, sample_pb2
-from services.buffer.datasets import epoch_order, load_records, record_to_samples
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unimplemented
-from services.common.sample import group_to_proto, SampleGroup, validate_group_proto
+from services.buffer import scripts
+from services.buffer.cache import GroupCache
+from services.buffer.datasets import DatasetOptions, epoch_order, load_dataset, record_to_samples
+from services.buffer.filters import BufferFilter, decode_meta, encode_meta
+from services.buffer.wire import repeated_messages
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RlmeshError
+from services.common.sample import SampleGroup, group_to_proto, validate_group_proto
 
-# Store completed groups all-or-nothing: skip duplicates (already stored, leased or
-# acknowledged), refuse the whole write when it would pass the queue cap.
-_PUT_GROUPS = """
-local groups, queue, acked, prompt_leases, prompts, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local cap = tonumber(ARGV[1])
-local fresh = {}
-for i = 2, #ARGV, 2 do
-  local id = ARGV[i]
-  if redis.call('SISMEMBER', acked, id) == 0 and redis.call('HEXISTS', groups, id) == 0 and not fresh[id] then
-    fresh[id] = ARGV[i + 1]
-    fresh[#fresh + 1] = id
-  end
-end
-if cap > 0 and redis.call('LLEN', queue) + #fresh > cap then return -1 end
-for _, id in ipairs(fresh) do
-  redis.call('HSET', groups, id, fresh[id])
-  redis.call('RPUSH', queue, id)
-end
-for i = 2, #ARGV, 2 do
-  redis.call('ZREM', prompt_leases, ARGV[i])
-  redis.call('HDEL', prompts, ARGV[i])
-end
-redis.call('HINCRBY', stats, 'groups_written', #fresh)
-return #fresh
-"""
-
-# Lease exactly n groups or none.
-_LEASE = """
-local queue, leases, lease_list = KEYS[1], KEYS[2], KEYS[3]
-local n = tonumber(ARGV[1])
-if redis.call('LLEN', queue) < n then return {} end
-local ids = redis.call('LPOP', queue, n)
-redis.call('RPUSH', lease_list, unpack(ids))
-redis.call('ZADD', leases, ARGV[3], ARGV[2])
-return ids
-"""
-
-_ACK = """
-local leases, lease_list, groups, acked, stats = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-if not redis.call('ZSCORE', leases, ARGV[1]) then return -1 end
-local ids = redis.call('LRANGE', lease_list, 0, -1)
-for _, id in ipairs(ids) do
-  redis.call('HDEL', groups, id)
-  redis.call('SADD', acked, id)
-end
-redis.call('ZREM', leases, ARGV[1])
-redis.call('DEL', lease_list)
-redis.call('HINCRBY', stats, 'acknowledged_groups', #ids)
-return #ids
-"""
-
-# Expired batch leases go back to the front of the queue, in their original order.
-_REQUEUE_EXPIRED = """
-local leases, queue, stats = KEYS[1], KEYS[2], KEYS[3]
-local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', ARGV[1])
-for _, lease_id in ipairs(expired) do
-  local list = ARGV[2] .. lease_id
-  local ids = redis.call('LRANGE', list, 0, -1)
-  for i = #ids, 1, -1 do redis.call('LPUSH', queue, ids[i]) end
-  redis.call('DEL', list)
-  redis.call('ZREM', leases, lease_id)
-  redis.call('HINCRBY', stats, 'redelivered_groups', #ids)
-end
-return #expired
-"""
+_RATE_COUNTERS = ("groups_written", "acknowledged_groups", "prompts_handed_out")
+_SPEC_ONLY_AT_CREATION = ("sizes", "skipped", "created_at", "token")
+_DATASET_DEFAULTS = asdict(DatasetOptions(name="", path=""))
 
 
 @dataclass(frozen=True)
@@ -114,63 +61,117 @@ class RunKeys:
         return f"{self.base}batch:{lease_id}"
 
 
+@dataclass
+class LeasedBatch:
+    groups: int
+    response: bytes  # a serialized LeaseBatchResponse
+
+
 class BufferStore:
-    def __init__(self, redis: aioredis.Redis, key_prefix: str = "rlmesh") -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        key_prefix: str = "rlmesh",
+        buffer_filter: BufferFilter | None = None,
+        filter_window: int = 4096,
+        rate_window_seconds: float = 60.0,
+        cache_bytes: int = 0,
+    ) -> None:
         self.redis = redis
         self.key_prefix = key_prefix
-        self._put = redis.register_script(_PUT_GROUPS)
-        self._lease = redis.register_script(_LEASE)
-        self._ack = redis.register_script(_ACK)
-        self._requeue = redis.register_script(_REQUEUE_EXPIRED)
+        self.buffer_filter = buffer_filter
+        self.filter_window = filter_window
+        self.rate_window_seconds = rate_window_seconds
+        self.cache = GroupCache(cache_bytes)
+        self._put = redis.register_script(scripts.PUT_GROUPS)
+        self._lease_fifo = redis.register_script(scripts.LEASE_FIFO)
+        self._lease_chosen = redis.register_script(scripts.LEASE_CHOSEN)
+        self._requeue = redis.register_script(scripts.REQUEUE_EXPIRED)
+        self._ack = redis.register_script(scripts.ACK_BATCH)
+        self._get_prompts = redis.register_script(scripts.GET_PROMPTS)
+        self._materialize = redis.register_script(scripts.MATERIALIZE)
+        self._return_partial = redis.register_script(scripts.RETURN_PARTIAL)
+        self._drop = redis.register_script(scripts.DROP_GROUPS)
 
     def keys(self, run_id: str) -> RunKeys:
         if not run_id:
             raise InvalidArgument("run_id is required")
         return RunKeys(f"{self.key_prefix}:run:{run_id}:")
 
+    @staticmethod
+    def _unknown_run(run_id: str) -> NotFound:
+        return NotFound(f"unknown run {run_id!r}: create it with CreateRun first")
+
     async def _spec(self, run_id: str) -> dict:
         raw = await self.redis.get(self.keys(run_id).spec)
         if raw is None:
-            raise NotFound(f"unknown run {run_id!r}: create it with CreateRun first")
+            raise self._unknown_run(run_id)
         return json.loads(raw)
+
+    async def list_runs(self) -> list[str]:
+        head, tail = f"{self.key_prefix}:run:", ":spec"
+        keys = self.redis.scan_iter(match=f"{head}*{tail}", count=1000)
+        return sorted([key.decode()[len(head):-len(tail)] async for key in keys])
 
     # ---- runs ---------------------------------------------------------------------------
 
-    async def create_run(self, req: buffer_pb2.CreateRunRequest) -> bool:
-        k = self.keys(req.run_id)
-        if req.n_samples_per_prompt < 1:
-            raise InvalidArgument("n_samples_per_prompt must be at least 1")
-        if not any(not d.eval for d in req.datasets):
-            raise InvalidArgument("a run needs at least one training dataset (eval = false)")
-        datasets = []
+    @staticmethod
+    def _dataset_options(req: buffer_pb2.CreateRunRequest) -> list[tuple[DatasetOptions, dict]]:
+        out = []
+        names = set()
         for d in req.datasets:
             if not d.name:
                 raise InvalidArgument("every dataset needs a name")
+            if d.name in names:
+                raise InvalidArgument(f"dataset names must be unique; {d.name!r} appears twice")
+            names.add(d.name)
             if d.weight < 0:
                 raise InvalidArgument(f"dataset {d.name!r}: weight must not be negative")
-            datasets.append({
-                "name": d.name, "path": d.path, "prompt_key": d.prompt_key or "prompt",
-                "label_key": d.label_key or "label", "metadata_key": d.metadata_key,
-                "weight": d.weight or 1.0, "shuffle": d.shuffle, "seed": d.seed, "eval": d.eval,
-            })
-        spec = {"datasets": datasets, "n_samples_per_prompt": req.n_samples_per_prompt,
+            if d.max_prompt_length < 0 or req.max_prompt_length < 0:
+                raise InvalidArgument(f"dataset {d.name!r}: max_prompt_length must not be negative")
+            opts = DatasetOptions(
+                name=d.name, path=d.path, prompt_key=d.prompt_key or "prompt", label_key=d.label_key or "label",
+                metadata_key=d.metadata_key, tools_key=d.tools_key,
+                tokenizer_path=d.tokenizer_path or req.tokenizer_path,
+                apply_chat_template=d.apply_chat_template or req.apply_chat_template,
+                max_prompt_length=d.max_prompt_length or req.max_prompt_length, split=d.split,
+            )
+            out.append((opts, {**asdict(opts), "weight": d.weight or 1.0, "shuffle": d.shuffle,
+                               "seed": d.seed, "eval": d.eval}))
+        return out
+
+    async def create_run(self, req: buffer_pb2.CreateRunRequest) -> bool:
+        """Register a run and load its datasets into Redis. The same spec again is a no-op."""
+        k = self.keys(req.run_id)
+        if req.n_samples_per_prompt < 1:
+            raise InvalidArgument("n_samples_per_prompt must be at least 1")
+        if req.max_queued_groups < 0:
+            raise InvalidArgument("max_queued_groups must not be negative (0 = unlimited)")
+        if not any(not d.eval for d in req.datasets):
+            raise InvalidArgument("a run needs at least one training dataset (eval = false)")
+        datasets = self._dataset_options(req)
+        spec = {"datasets": [d for _, d in datasets], "n_samples_per_prompt": req.n_samples_per_prompt,
                 "max_queued_groups": req.max_queued_groups}
         existing = await self.redis.get(k.spec)
         if existing is not None:
             old = json.loads(existing)
-            if {kk: v for kk, v in old.items() if kk != "sizes"} != spec:
+            # runs created before a dataset option existed have its default
+            old["datasets"] = [{**_DATASET_DEFAULTS, **d} for d in old["datasets"]]
+            if {kk: v for kk, v in old.items() if kk not in _SPEC_ONLY_AT_CREATION} != spec:
                 raise FailedPrecondition(f"run {req.run_id!r} exists with a different spec; delete it first")
             return False
-        sizes = {}
-        for d in datasets:
-            records = load_records(d["name"], d["path"], d["prompt_key"], d["label_key"], d["metadata_key"])
+        sizes, skipped = {}, {}
+        for opts, _ in datasets:
+            # Reading, templating and measuring prompts is CPU work: keep the event loop free.
+            loaded = await asyncio.to_thread(load_dataset, opts)
             pipe = self.redis.pipeline(transaction=True)
-            pipe.delete(k.data(d["name"]))
-            for start in range(0, len(records), 1000):
-                pipe.rpush(k.data(d["name"]), *[json.dumps(r) for r in records[start:start + 1000]])
+            pipe.delete(k.data(opts.name))
+            for start in range(0, len(loaded.records), 1000):
+                pipe.rpush(k.data(opts.name), *[json.dumps(r) for r in loaded.records[start:start + 1000]])
             await pipe.execute()
-            sizes[d["name"]] = len(records)
-        spec["sizes"] = sizes
+            sizes[opts.name], skipped[opts.name] = len(loaded.records), loaded.skipped
+        # token: this incarnation of the run (keys the group cache; see services.buffer.cache)
+        spec.update(sizes=sizes, skipped=skipped, created_at=time.time(), token=uuid.uuid4().hex)
         # SET NX: of two replicas racing to create the same run, one wins; same data either way.
         await self.redis.set(k.spec, json.dumps(spec), nx=True)
         return True
@@ -178,85 +179,65 @@ class BufferStore:
     async def delete_run(self, run_id: str) -> int:
         base = self.keys(run_id).base
         deleted = 0
-        async for key in self.redis.scan_iter(match=base + "*", count=1000):
+        pattern = "".join("\\" + c if c in "\\*?[]" else c for c in base) + "*"  # run ids are not globs
+        async for key in self.redis.scan_iter(match=pattern, count=1000):
             deleted += await self.redis.delete(key)
         return deleted
 
     # ---- prompts ------------------------------------------------------------------------
 
-    async def get_prompts(self, run_id: str, num_groups: int, lease_seconds: float) -> list[sample_pb2.SampleGroup]:
+    async def get_prompts(self, run_id: str, num_groups: int, lease_seconds: float) -> list[bytes]:
+        """Serialized prompt groups, leased: expired leases first, then partial groups,
+        then fresh prompts from the cursor (see scripts.GET_PROMPTS)."""
         if num_groups < 1:
             raise InvalidArgument("num_groups must be at least 1")
+        if lease_seconds <= 0:
+            raise InvalidArgument("lease_seconds must be positive (0 = the service default)")
+        k = self.keys(run_id)
+        now = time.time()
+        out = await self._get_prompts(
+            keys=[k.spec, k.cursor, k.prompt_leases, k.prompts, k.partial, k.partial_groups, k.stats],
+            args=[now, now + lease_seconds, num_groups],
+        )
+        if out[0] == -1:
+            raise self._unknown_run(run_id)
+        ids, values = out[1::2], out[2::2]
+        refs = [(i, v) for i, v in enumerate(values) if v.startswith(b"ref:")]
+        if refs:
+            built = await self._build_prompt_groups(run_id, [v for _, v in refs])
+            args = []
+            for (i, ref), raw in zip(refs, built):
+                values[i] = raw
+                args += [ids[i], ref, raw]
+            await self._materialize(keys=[k.prompts], args=args)
+        return values
+
+    async def _build_prompt_groups(self, run_id: str, refs: list[bytes]) -> list[bytes]:
         spec = await self._spec(run_id)
         k = self.keys(run_id)
-        out: list[sample_pb2.SampleGroup] = []
-        now = time.time()
-
-        # 1. prompts whose worker died (lease expired): claim each with ZREM, then re-lease.
-        for gid in await self.redis.zrangebyscore(k.prompt_leases, "-inf", now, start=0, num=num_groups):
-            if await self.redis.zrem(k.prompt_leases, gid):
-                raw = await self.redis.hget(k.prompts, gid)
-                if raw is not None:
-                    out.append(sample_pb2.SampleGroup.FromString(raw))
-                    await self.redis.hincrby(k.stats, "prompts_reissued", 1)
-        # 2. partial groups, to resume where they stopped.
-        while len(out) < num_groups:
-            gid = await self.redis.lpop(k.partial)
-            if gid is None:
-                break
-            raw = await self.redis.hget(k.partial_groups, gid)
-            await self.redis.hdel(k.partial_groups, gid)
-            if raw is not None:
-                out.append(sample_pb2.SampleGroup.FromString(raw))
-        # 3. fresh prompts from the cursor.
-        fresh = num_groups - len(out)
-        if fresh > 0:
-            out.extend(await self._draw_fresh(run_id, spec, fresh))
-
-        pipe = self.redis.pipeline(transaction=True)
-        expiry = now + lease_seconds
-        for g in out:
-            pipe.hset(k.prompts, g.group_id, g.SerializeToString())
-            pipe.zadd(k.prompt_leases, {g.group_id: expiry})
-        pipe.hincrby(k.stats, "prompts_handed_out", len(out))
-        await pipe.execute()
-        return out
-
-    async def _draw_fresh(self, run_id: str, spec: dict, count: int) -> list[sample_pb2.SampleGroup]:
-        k = self.keys(run_id)
-        train = [d for d in spec["datasets"] if not d["eval"]]
-        first_group = await self.redis.hincrby(k.cursor, "__groups__", count) - count
-        group_indices = list(range(first_group, first_group + count))
-        # Which dataset each group draws from: weighted, deterministic in the group index.
-        weights = np.array([d["weight"] for d in train], dtype=float)
-        weights /= weights.sum()
-        picks = [
-            train[int(np.random.default_rng([train[0]["seed"], gi]).choice(len(train), p=weights))]
-            if len(train) > 1 else train[0]
-            for gi in group_indices
-        ]
+        by_name = {d["name"]: d for d in spec["datasets"]}
+        wanted = []
+        pipe = self.redis.pipeline(transaction=False)
+        for ref in refs:
+            r = json.loads(ref[4:])
+            d = by_name[r["d"]]
+            epoch, offset = divmod(int(r["p"]), spec["sizes"][d["name"]])
+            row = int(epoch_order(spec["sizes"][d["name"]], d["seed"], epoch, d["shuffle"])[offset])
+            pipe.lindex(k.data(d["name"]), row)
+            wanted.append((int(r["i"]), d["name"]))
+        records = await pipe.execute()
         n = spec["n_samples_per_prompt"]
-        groups = []
-        for d in train:
-            mine = [gi for gi, p in zip(group_indices, picks) if p is d]
-            if not mine:
-                continue
-            end = await self.redis.hincrby(k.cursor, d["name"], len(mine))
-            size = spec["sizes"][d["name"]]
-            for gi, pos in zip(mine, range(end - len(mine), end)):
-                epoch, offset = divmod(pos, size)
-                row = int(epoch_order(size, d["seed"], epoch, d["shuffle"])[offset])
-                record = json.loads(await self.redis.lindex(k.data(d["name"]), row))
-                samples = record_to_samples(record, gi, n, d["name"])
-                groups.append(group_to_proto(SampleGroup(f"g{gi}", gi, samples, d["name"])))
-        groups.sort(key=lambda g: g.group_index)
-        return groups
+        groups = [SampleGroup(f"g{gi}", gi, record_to_samples(json.loads(rec), gi, n, name), name)
+                  for (gi, name), rec in zip(wanted, records)]
+        return [group_to_proto(g).SerializeToString() for g in groups]
 
     async def get_eval_prompts(self, req: buffer_pb2.GetEvalPromptsRequest) -> list[sample_pb2.SampleGroup]:
         spec = await self._spec(req.run_id)
         by_name = {d["name"]: d for d in spec["datasets"]}
         if req.dataset not in by_name:
             raise NotFound(f"run {req.run_id!r} has no dataset {req.dataset!r}; it has {sorted(by_name)}")
+        if req.offset < 0 or req.limit < 0 or req.n_samples_per_prompt < 0:
+            raise InvalidArgument("offset, limit and n_samples_per_prompt must not be negative")
         n = req.n_samples_per_prompt or 1
         stop = -1 if req.limit <= 0 else req.offset + req.limit - 1
         rows = await self.redis.lrange(self.keys(req.run_id).data(req.dataset), req.offset, stop)
@@ -268,87 +249,171 @@ class BufferStore:
 
     # ---- completed and partial groups ---------------------------------------------------
 
-    async def put_groups(self, run_id: str, groups) -> tuple[int, int]:
+    async def put_groups(self, run_id: str, groups, raw_groups=None) -> tuple[int, int]:
+        """Store completed groups (idempotent on group_id, all or nothing under the cap).
+        `raw_groups`: the groups' bytes as received, stored as they are."""
         if not groups:
             raise InvalidArgument("PutGroups needs at least one group")
-        spec = await self._spec(run_id)
-        for g in groups:
-            validate_group_proto(g)
         k = self.keys(run_id)
-        args: list = [spec["max_queued_groups"]]
-        for g in groups:
-            args += [g.group_id, g.SerializeToString()]
-        keys = [k.groups, k.queue, k.acked, k.prompt_leases, k.prompts, k.stats]
-        stored = await self._put(keys=keys, args=args)
-        if stored < 0:
-            queued = await self.redis.llen(k.queue)
+        args: list = []
+        raw_groups = raw_groups or [g.SerializeToString() for g in groups]
+        for g, raw in zip(groups, raw_groups):
+            validate_group_proto(g)
+            args += [g.group_id, raw, _meta(g)]
+        keys = [k.spec, k.groups, k.queue, k.acked, k.discarded, k.prompt_leases, k.prompts, k.stats, k.meta]
+        result = await self._put(keys=keys, args=args)
+        if result[0] == -1:
+            raise self._unknown_run(run_id)
+        if result[0] == -2:
+            spec = await self._spec(run_id)
             raise ResourceExhausted(
-                f"run {run_id!r}: the buffer holds {queued} queued groups and its cap is "
+                f"run {run_id!r}: the buffer holds {result[1]} queued groups and its cap is "
                 f"{spec['max_queued_groups']}; retry after the trainer has consumed some"
             )
-        return stored, len(groups) - stored
+        token = result[1].decode()
+        for position in result[2:]:
+            self.cache.put(token, groups[position].group_id, raw_groups[position])
+        return result[0], len(groups) - result[0]
 
-    async def return_partial_groups(self, run_id: str, groups) -> int:
+    async def return_partial_groups(self, run_id: str, groups, raw_groups=None) -> int:
         if not groups:
             raise InvalidArgument("ReturnPartialGroups needs at least one group")
-        await self._spec(run_id)
         k = self.keys(run_id)
-        pipe = self.redis.pipeline(transaction=True)
-        for g in groups:
+        args: list = []
+        for g, raw in zip(groups, raw_groups or [g.SerializeToString() for g in groups]):
             validate_group_proto(g)
-            pipe.hset(k.partial_groups, g.group_id, g.SerializeToString())
-            pipe.rpush(k.partial, g.group_id)
-            pipe.zrem(k.prompt_leases, g.group_id)
-            pipe.hdel(k.prompts, g.group_id)
-        await pipe.execute()
-        return len(groups)
+            args += [g.group_id, raw]
+        keys = [k.spec, k.partial, k.partial_groups, k.prompt_leases, k.prompts, k.stats,
+                k.groups, k.acked, k.discarded]
+        n = await self._return_partial(keys=keys, args=args)
+        if n < 0:
+            raise self._unknown_run(run_id)
+        return n
 
     async def drop_groups(self, run_id: str, group_ids, reason: str) -> int:
         if not group_ids:
             raise InvalidArgument("DropGroups needs at least one group id")
+        k = self.keys(run_id)
+        n = await self._drop(keys=[k.spec, k.prompt_leases, k.prompts, k.stats, k.discarded],
+                             args=[reason or "unspecified", *group_ids])
+        if n < 0:
+            raise self._unknown_run(run_id)
+        return n
+
+    async def stored_groups(self, run_id: str) -> list[bytes]:
+        """Completed, unacknowledged groups: queued (oldest first), then leased."""
         await self._spec(run_id)
         k = self.keys(run_id)
-        pipe = self.redis.pipeline(transaction=True)
-        for gid in group_ids:
-            pipe.zrem(k.prompt_leases, gid)
-            pipe.hdel(k.prompts, gid)
-        pipe.hincrby(k.stats, "dropped_groups", len(group_ids))
-        pipe.hincrby(k.stats, f"dropped:{reason or 'unspecified'}", len(group_ids))
-        await pipe.execute()
-        return len(group_ids)
+        ids = await self.redis.lrange(k.queue, 0, -1)
+        for lease_id in await self.redis.zrange(k.batch_leases, 0, -1):
+            ids += await self.redis.lrange(k.batch(lease_id.decode()), 0, -1)
+        raws = await self.redis.hmget(k.groups, ids) if ids else []
+        return [r for r in raws if r is not None]
 
     # ---- training batches ---------------------------------------------------------------
 
-    async def lease_batch(self, req: buffer_pb2.LeaseBatchRequest, default_lease: float, poll: float):
-        if req.num_groups < 1:
-            raise InvalidArgument("num_groups must be at least 1")
-        if req.min_weight_version:
-            raise Unimplemented("min_weight_version (staleness bound) is not implemented yet")
-        await self._spec(req.run_id)
-        k = self.keys(req.run_id)
-        deadline = time.monotonic() + max(req.wait_seconds, 0.0)
+    async def lease_batch(
+        self,
+        run_id: str,
+        *,
+        num_groups: int = 0,
+        num_samples: int = 0,
+        lease_seconds: float,
+        wait_seconds: float = 0.0,
+        min_weight_version: int = 0,
+        keep_stale: bool = False,
+        poll_seconds: float = 0.02,
+    ) -> LeasedBatch:
+        """Lease whole groups: exactly num_groups, or the fewest holding num_samples;
+        none if the queue has too few after wait_seconds."""
+        if (num_groups > 0) == (num_samples > 0) or num_groups < 0 or num_samples < 0:
+            raise InvalidArgument("set exactly one of num_groups and num_samples (a positive number)")
+        if min_weight_version < 0:
+            raise InvalidArgument("min_weight_version must not be negative (0 = any)")
+        if lease_seconds <= 0:
+            raise InvalidArgument("lease_seconds must be positive (0 = the service default)")
+        k = self.keys(run_id)
+        deadline = time.monotonic() + max(wait_seconds, 0.0)
         lease_id = uuid.uuid4().hex
+        keys = [k.spec, k.queue, k.batch_leases, k.groups, k.meta, k.stats, k.discarded, k.batch(lease_id)]
+        dropped = 0
         while True:
-            await self._requeue(keys=[k.batch_leases, k.queue, k.stats], args=[time.time(), k.batch("")])
-            expiry = time.time() + (req.lease_seconds or default_lease)
-            ids = await self._lease(keys=[k.queue, k.batch_leases, k.batch(lease_id)],
-                                    args=[req.num_groups, lease_id, expiry])
-            if ids:
-                raws = await self.redis.hmget(k.groups, ids)
-                return lease_id, [sample_pb2.SampleGroup.FromString(r) for r in raws if r is not None]
+            now = time.time()
+            head = [now, k.batch(""), lease_id, now + lease_seconds]
+            if self.buffer_filter is None:
+                result = await self._lease_fifo(
+                    keys=keys, args=[*head, num_groups, num_samples, min_weight_version, int(keep_stale)])
+            else:
+                result = await self._lease_filtered(keys, head, num_groups, num_samples, min_weight_version, keep_stale)
+            if result[0] == -1:
+                raise self._unknown_run(run_id)
+            dropped += result[1]
+            if result[0] > 0:
+                groups = await self._group_bytes(k, result[3].decode(), [i.decode() for i in result[4:]])
+                return LeasedBatch(result[0], lease_response(lease_id, groups, result[2], dropped))
             if time.monotonic() >= deadline:
-                return "", []
-            await asyncio.sleep(poll)
+                return LeasedBatch(0, lease_response("", [], 0, dropped))
+            await asyncio.sleep(poll_seconds)
+
+    async def _group_bytes(self, k: RunKeys, token: str, ids: list[str]) -> list:
+        """The leased groups' bytes, in order: from this replica's cache, else Redis."""
+        found = [self.cache.pop(token, gid) for gid in ids]
+        missing = [gid for gid, data in zip(ids, found) if data is None]
+        if missing:
+            from_redis = dict(zip(missing, await self.redis.hmget(k.groups, missing)))
+            found = [data if data is not None else from_redis[gid] for gid, data in zip(ids, found)]
+        return [data for data in found if data is not None]  # None: the run was deleted meanwhile
+
+    async def _lease_filtered(self, keys: list[str], head: list, num_groups: int, num_samples: int,
+                              min_version: int, keep_stale: bool) -> list:
+        """The buffer filter picks from a snapshot of the queue; the claim is atomic and
+        fails if another replica took a chosen group meanwhile (then pick again)."""
+        queue, meta = keys[1], keys[4]
+        result: list = [0, 0]
+        for _ in range(8):
+            await self._requeue(keys=keys, args=head[:2])
+            ids = [i.decode() for i in await self.redis.lrange(queue, 0, self.filter_window - 1)]
+            metas = await self.redis.hmget(meta, ids) if ids else []
+            queued = [decode_meta(gid, raw, pos) for pos, (gid, raw) in enumerate(zip(ids, metas))]
+
+            def stale(g):
+                return 0 < min_version and 0 <= g.oldest_weight_version < min_version
+
+            drop = [g.group_id for g in queued if stale(g)] if not keep_stale else []
+            eligible = [g for g in queued if keep_stale or not stale(g)]
+            ordered = self.buffer_filter(eligible)
+            known = {g.group_id for g in eligible}
+            if any(g.group_id not in known for g in ordered):
+                raise RlmeshError("the buffer filter returned a group that was not offered to it (a filter bug)")
+            take, samples = [], 0
+            for g in ordered:
+                if (num_groups and len(take) >= num_groups) or (num_samples and samples >= num_samples):
+                    break
+                take.append(g)
+                samples += g.num_samples
+            if len(take) < num_groups or samples < num_samples:
+                take = []
+            stale_kept = sum(1 for g in take if stale(g))
+            result = await self._lease_chosen(
+                keys=keys, args=[*head, len(take), len(drop), stale_kept, *(g.group_id for g in take), *drop])
+            if result[0] != -2:
+                return result
+        return [0, 0]  # contended: try again at the next poll
 
     async def ack_batch(self, run_id: str, lease_id: str) -> int:
         if not lease_id:
             raise InvalidArgument("lease_id is required")
-        await self._spec(run_id)
         k = self.keys(run_id)
-        n = await self._ack(keys=[k.batch_leases, k.batch(lease_id), k.groups, k.acked, k.stats], args=[lease_id])
-        if n < 0:
-            raise NotFound(f"lease {lease_id!r} of run {run_id!r} is unknown or has expired (its groups were redelivered)")
+        n = await self._ack(keys=[k.spec, k.batch_leases, k.batch(lease_id), k.groups, k.acked, k.stats, k.meta],
+                            args=[lease_id])
+        if n == -2:
+            raise self._unknown_run(run_id)
+        if n == -1:
+            raise NotFound(
+                f"lease {lease_id!r} of run {run_id!r} is unknown or has expired (its groups were redelivered)")
         return n
+
+    # ---- stats --------------------------------------------------------------------------
 
     async def stats(self, run_id: str) -> buffer_pb2.BufferStats:
         spec = await self._spec(run_id)
@@ -359,11 +424,13 @@ class BufferStore:
         pipe.llen(k.partial)
         pipe.hgetall(k.stats)
         pipe.hgetall(k.cursor)
-        queued, stored, partial, counters, cursor = await pipe.execute()
-        counters = {kk.decode(): int(v) for kk, v in counters.items()}
+        queued, stored, partial, raw_counters, cursor = await pipe.execute()
+        counters = {kk.decode(): int(v) for kk, v in raw_counters.items()}
         first = next(d for d in spec["datasets"] if not d["eval"])
         drawn = int(cursor.get(first["name"].encode(), 0))
         epoch, offset = divmod(drawn, spec["sizes"][first["name"]])
+        skipped = spec.get("skipped", {})
+        rates, window = await self._rates(k, counters)
         return buffer_pb2.BufferStats(
             queued_groups=queued,
             leased_groups=stored - queued,
@@ -376,5 +443,59 @@ class BufferStore:
             next_sample_index=int(cursor.get(b"__groups__", 0)) * spec["n_samples_per_prompt"],
             groups_written=counters.get("groups_written", 0),
             redelivered_groups=counters.get("redelivered_groups", 0),
+            stale_groups_dropped=counters.get("stale_groups_dropped", 0),
+            stale_groups_kept=counters.get("stale_groups_kept", 0),
+            prompts_skipped=sum(skipped.values()),
+            prompts_skipped_by_dataset=skipped,
+            prompts_reissued=counters.get("prompts_reissued", 0),
+            partial_groups_returned=counters.get("partial_groups_returned", 0),
+            dropped_by_reason={kk[len("dropped:"):]: v for kk, v in counters.items() if kk.startswith("dropped:")},
+            groups_written_per_second=rates["groups_written"],
+            groups_acknowledged_per_second=rates["acknowledged_groups"],
+            prompts_handed_out_per_second=rates["prompts_handed_out"],
+            rate_window_seconds=window,
+            queued_samples=counters.get("queued_samples", 0),
         )
 
+    async def _rates(self, k: RunKeys, counters: dict[str, int]) -> tuple[dict[str, float], float]:
+        """Per-second rates against a snapshot of the counters taken about
+        rate_window_seconds ago (snapshots live in Redis, so every replica agrees)."""
+        now = time.time()
+        window = self.rate_window_seconds
+        base = await self.redis.zrangebyscore(k.rate_snapshots, now - window, "+inf", start=0, num=1, withscores=True)
+        if not base:
+            base = await self.redis.zrevrange(k.rate_snapshots, 0, 0, withscores=True)
+        newest = await self.redis.zrevrange(k.rate_snapshots, 0, 0, withscores=True)
+        if not newest or now - newest[0][1] >= 1.0:
+            snapshot = json.dumps({"t": now, **{c: counters.get(c, 0) for c in _RATE_COUNTERS}})
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zadd(k.rate_snapshots, {snapshot: now})
+            pipe.zremrangebyscore(k.rate_snapshots, "-inf", now - 2 * window)
+            await pipe.execute()
+        rates = dict.fromkeys(_RATE_COUNTERS, 0.0)
+        if base and now - base[0][1] > 0:
+            then = json.loads(base[0][0])
+            span = now - base[0][1]
+            rates = {c: max(counters.get(c, 0) - then.get(c, 0), 0) / span for c in _RATE_COUNTERS}
+            return rates, span
+        return rates, 0.0
+
+
+def _meta(g: sample_pb2.SampleGroup) -> str:
+    """The group's summary for scripts and filters (one pass: this runs on every write)."""
+    oldest, rewards = -1, []
+    for s in g.samples:
+        rewards.append(s.reward)
+        versions = s.weight_versions
+        if versions:
+            v = versions[0] if len(versions) == 1 else min(versions)
+            if oldest < 0 or v < oldest:
+                oldest = v
+    return encode_meta(len(rewards), oldest, g.group_index, g.dataset, rewards)
+
+
+def lease_response(lease_id: str, groups: list[bytes], stale_kept: int, stale_dropped: int) -> bytes:
+    """A LeaseBatchResponse in wire form, its groups the stored bytes as they are."""
+    head = buffer_pb2.LeaseBatchResponse(
+        lease_id=lease_id, stale_groups=stale_kept, stale_groups_dropped=stale_dropped).SerializeToString()
+    return repeated_messages(2, groups, head)

@@ -44,7 +44,7 @@ class Stack:
         return common + {
             "engine": ["--model-path", model_path],
             "reward": ["--redis-url", self.redis_url],
-            "buffer": ["--redis-url", self.redis_url],
+            "buffer": ["--redis-url", self.redis_url, "--metrics-port", str(self.ports["buffer_metrics"])],
             "rollout": ["--buffer-address", a("buffer"), "--reward-address", a("reward"),
                         "--engine-urls", json.dumps([f"http://{a('engine')}"])],
             "trainer": ["--buffer-address", a("buffer"), "--rollout-address", a("rollout"),
@@ -97,7 +97,8 @@ def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", time
         redis = start_redis(data_dir / "redis")
         redis_url = redis.url
         echo(f"  redis        {redis_url} (embedded, append-only file in {data_dir / 'redis'})")
-    stack = Stack(data_dir=data_dir, redis_url=redis_url, ports={n: free_port() for n in SERVICES}, redis=redis)
+    ports = {n: free_port() for n in (*SERVICES, "buffer_metrics")}
+    stack = Stack(data_dir=data_dir, redis_url=redis_url, ports=ports, redis=redis)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     try:
         for name in SERVICES:
@@ -111,6 +112,7 @@ def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", time
                     raise RuntimeError(f"{name} did not start; see {data_dir / 'logs' / (name + '.log')}")
                 time.sleep(0.2)
             echo(f"  {name:<12} {stack.address(name)}")
+        echo(f"  {'metrics':<12} http://127.0.0.1:{stack.ports['buffer_metrics']}/metrics (buffer, Prometheus)")
     except BaseException:
         stack.stop()
         raise

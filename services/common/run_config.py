@@ -15,10 +15,18 @@ class _Strict(BaseModel):
 
 class DatasetConfig(_Strict):
     name: str = Field(description="Name used in metrics and to pick eval datasets.")
-    path: str = Field(description="Local JSONL file; one prompt per line.")
+    path: str = Field(
+        description="Local file or directory on the buffer's machine: JSONL, Parquet (file or directory), "
+        "or a Hugging Face datasets directory written by save_to_disk."
+    )
     prompt_key: str = "prompt"
     label_key: str = "label"
     metadata_key: str = ""
+    tools_key: str = Field("", description="Tool definitions per record (land in sample metadata['tools']).")
+    tokenizer_path: str = Field("", description="Tokenizer for chat templates and token lengths; default the run's model.")
+    apply_chat_template: bool = Field(False, description="Template prompts with the tokenizer's chat template.")
+    max_prompt_length: int = Field(0, ge=0, description="Skip (and count) longer prompts; tokens, 0 = no limit.")
+    split: str = Field("", description="Split of a saved DatasetDict directory (default 'train').")
     weight: float = Field(1.0, gt=0, description="Mixing weight among training datasets.")
     shuffle: bool = True
     seed: int = 0

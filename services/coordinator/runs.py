@@ -177,6 +177,8 @@ class RunDriver:
             run_id=run_id, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
             max_queued_groups=cfg.max_queued_groups,
             datasets=[buffer_pb2.DatasetSpec(**d.model_dump()) for d in cfg.datasets],
+            tokenizer_path=cfg.model_path,
+            apply_chat_template=cfg.rollout.apply_chat_template,
         ))
         await self.clients.trainer.InitRun(trainer_pb2.InitRunRequest(
             run_id=run_id, config_json=cfg.trainer_config().model_dump_json()))

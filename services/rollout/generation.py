@@ -27,6 +27,8 @@ class GenerateContext:
 
 
 def prompt_ids(tokenizer: Any, sample: Sample, apply_chat_template: bool) -> list[int]:
+    if sample.metadata.get("chat_template_applied"):  # the buffer templated it (with any tools)
+        return tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
     if sample.messages:
         return list(tokenizer.apply_chat_template(sample.messages, tokenize=True, add_generation_prompt=True, return_dict=False))
     if apply_chat_template:

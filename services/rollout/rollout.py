@@ -22,6 +22,8 @@ from services.rollout.generation import GenerateContext, default_generate, sft_s
 
 log = logging.getLogger(__name__)
 
+# How long a write waits for an unavailable buffer (writes are idempotent: retrying is safe).
+BUFFER_UNAVAILABLE_PATIENCE_SECONDS = 30.0
 # With a group filter on, give up after this many dropped groups per group wanted.
 MAX_FILTERED_PER_GROUP = 20
 
@@ -116,17 +118,21 @@ class RolloutManager:
         return [group_from_proto(g) for g in resp.groups]
 
     async def _put(self, run_id: str, groups: list[SampleGroup]) -> None:
-        """Write groups; wait while the buffer is full (backpressure) instead of failing."""
-        delay = 0.05
+        """Write groups in one call; wait while the buffer is full (backpressure) or briefly
+        unavailable (a restarting replica), instead of failing the rollout."""
+        request = buffer_pb2.PutGroupsRequest(run_id=run_id, groups=[group_to_proto(g) for g in groups])
+        delay, waited = 0.05, 0.0
         while True:
             try:
-                await self.buffer.PutGroups(buffer_pb2.PutGroupsRequest(
-                    run_id=run_id, groups=[group_to_proto(g) for g in groups]))
+                await self.buffer.PutGroups(request)
                 return
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                retry = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or (
+                    e.code() == grpc.StatusCode.UNAVAILABLE and waited < BUFFER_UNAVAILABLE_PATIENCE_SECONDS)
+                if not retry:
                     raise
                 await asyncio.sleep(delay)
+                waited += delay
                 delay = min(delay * 2, 2.0)
 
     # ---- a rollout ----------------------------------------------------------------------
@@ -165,16 +171,21 @@ class RolloutManager:
                 while pending and len(written) < req.num_groups:
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     finished = [t.result() for t in done]
+                    keep, dropped = [], []
                     for group in await self._score(finished, req.reward):
                         if not keep_group(group, req.group_filter):
-                            filtered += 1
-                            await self.buffer.DropGroups(buffer_pb2.DropGroupsRequest(
-                                run_id=req.run_id, group_ids=[group.group_id], reason=req.group_filter))
-                        elif len(written) < req.num_groups:
-                            await self._put(req.run_id, [group])
-                            written.append(group)
+                            dropped.append(group.group_id)
+                        elif len(written) + len(keep) < req.num_groups:
+                            keep.append(group)
                         else:
                             pending.add(_done(group))  # over-sampled surplus: hand back below
+                    if dropped:
+                        filtered += len(dropped)
+                        await self.buffer.DropGroups(buffer_pb2.DropGroupsRequest(
+                            run_id=req.run_id, group_ids=dropped, reason=req.group_filter))
+                    if keep:
+                        await self._put(req.run_id, keep)
+                        written.extend(keep)
                 if pending:
                     stop.set()
                     aborted += await self._abort_and_return(req, pending, inflight)

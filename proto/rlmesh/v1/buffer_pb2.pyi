@@ -1,5 +1,6 @@
 from rlmesh.v1 import sample_pb2 as _sample_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -8,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DatasetSpec(_message.Message):
-    __slots__ = ("name", "path", "prompt_key", "label_key", "metadata_key", "weight", "shuffle", "seed", "eval")
+    __slots__ = ("name", "path", "prompt_key", "label_key", "metadata_key", "weight", "shuffle", "seed", "eval", "tools_key", "tokenizer_path", "apply_chat_template", "max_prompt_length", "split")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +19,11 @@ class DatasetSpec(_message.Message):
     SHUFFLE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     EVAL_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
+    APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     prompt_key: str
@@ -27,19 +33,30 @@ class DatasetSpec(_message.Message):
     shuffle: bool
     seed: int
     eval: bool
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., prompt_key: _Optional[str] = ..., label_key: _Optional[str] = ..., metadata_key: _Optional[str] = ..., weight: _Optional[float] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., eval: _Optional[bool] = ...) -> None: ...
+    tools_key: str
+    tokenizer_path: str
+    apply_chat_template: bool
+    max_prompt_length: int
+    split: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., prompt_key: _Optional[str] = ..., label_key: _Optional[str] = ..., metadata_key: _Optional[str] = ..., weight: _Optional[float] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., eval: _Optional[bool] = ..., tools_key: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., split: _Optional[str] = ...) -> None: ...
 
 class CreateRunRequest(_message.Message):
-    __slots__ = ("run_id", "datasets", "n_samples_per_prompt", "max_queued_groups")
+    __slots__ = ("run_id", "datasets", "n_samples_per_prompt", "max_queued_groups", "tokenizer_path", "apply_chat_template", "max_prompt_length")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DATASETS_FIELD_NUMBER: _ClassVar[int]
     N_SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
+    APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     datasets: _containers.RepeatedCompositeFieldContainer[DatasetSpec]
     n_samples_per_prompt: int
     max_queued_groups: int
-    def __init__(self, run_id: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetSpec, _Mapping]]] = ..., n_samples_per_prompt: _Optional[int] = ..., max_queued_groups: _Optional[int] = ...) -> None: ...
+    tokenizer_path: str
+    apply_chat_template: bool
+    max_prompt_length: int
+    def __init__(self, run_id: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetSpec, _Mapping]]] = ..., n_samples_per_prompt: _Optional[int] = ..., max_queued_groups: _Optional[int] = ..., tokenizer_path: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ...) -> None: ...
 
 class CreateRunResponse(_message.Message):
     __slots__ = ("created",)
@@ -126,28 +143,42 @@ class DropGroupsResponse(_message.Message):
     def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class LeaseBatchRequest(_message.Message):
-    __slots__ = ("run_id", "consumer", "num_groups", "lease_seconds", "wait_seconds", "min_weight_version")
+    __slots__ = ("run_id", "consumer", "num_groups", "lease_seconds", "wait_seconds", "min_weight_version", "num_samples", "stale_policy")
+    class StalePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STALE_POLICY_DROP: _ClassVar[LeaseBatchRequest.StalePolicy]
+        STALE_POLICY_KEEP: _ClassVar[LeaseBatchRequest.StalePolicy]
+    STALE_POLICY_DROP: LeaseBatchRequest.StalePolicy
+    STALE_POLICY_KEEP: LeaseBatchRequest.StalePolicy
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STALE_POLICY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     consumer: str
     num_groups: int
     lease_seconds: float
     wait_seconds: float
     min_weight_version: int
-    def __init__(self, run_id: _Optional[str] = ..., consumer: _Optional[str] = ..., num_groups: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
+    num_samples: int
+    stale_policy: LeaseBatchRequest.StalePolicy
+    def __init__(self, run_id: _Optional[str] = ..., consumer: _Optional[str] = ..., num_groups: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., min_weight_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., stale_policy: _Optional[_Union[LeaseBatchRequest.StalePolicy, str]] = ...) -> None: ...
 
 class LeaseBatchResponse(_message.Message):
-    __slots__ = ("lease_id", "groups")
+    __slots__ = ("lease_id", "groups", "stale_groups", "stale_groups_dropped")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STALE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STALE_GROUPS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     groups: _containers.RepeatedCompositeFieldContainer[_sample_pb2.SampleGroup]
-    def __init__(self, lease_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ...) -> None: ...
+    stale_groups: int
+    stale_groups_dropped: int
+    def __init__(self, lease_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ..., stale_groups: _Optional[int] = ..., stale_groups_dropped: _Optional[int] = ...) -> None: ...
 
 class AckBatchRequest(_message.Message):
     __slots__ = ("run_id", "lease_id")
@@ -170,7 +201,21 @@ class GetStatsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("queued_groups", "leased_groups", "partial_groups", "acknowledged_groups", "dropped_groups", "prompts_handed_out", "epoch", "offset", "next_sample_index", "groups_written", "redelivered_groups")
+    __slots__ = ("queued_groups", "leased_groups", "partial_groups", "acknowledged_groups", "dropped_groups", "prompts_handed_out", "epoch", "offset", "next_sample_index", "groups_written", "redelivered_groups", "stale_groups_dropped", "stale_groups_kept", "prompts_skipped", "prompts_skipped_by_dataset", "prompts_reissued", "partial_groups_returned", "dropped_by_reason", "groups_written_per_second", "groups_acknowledged_per_second", "prompts_handed_out_per_second", "rate_window_seconds", "queued_samples")
+    class PromptsSkippedByDatasetEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DroppedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     QUEUED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEASED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +227,18 @@ class BufferStats(_message.Message):
     NEXT_SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     GROUPS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     REDELIVERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STALE_GROUPS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STALE_GROUPS_KEPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_SKIPPED_BY_DATASET_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_REISSUED_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_GROUPS_RETURNED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_WRITTEN_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_ACKNOWLEDGED_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_HANDED_OUT_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    RATE_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     queued_groups: int
     leased_groups: int
     partial_groups: int
@@ -193,7 +250,19 @@ class BufferStats(_message.Message):
     next_sample_index: int
     groups_written: int
     redelivered_groups: int
-    def __init__(self, queued_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., partial_groups: _Optional[int] = ..., acknowledged_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., prompts_handed_out: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., next_sample_index: _Optional[int] = ..., groups_written: _Optional[int] = ..., redelivered_groups: _Optional[int] = ...) -> None: ...
+    stale_groups_dropped: int
+    stale_groups_kept: int
+    prompts_skipped: int
+    prompts_skipped_by_dataset: _containers.ScalarMap[str, int]
+    prompts_reissued: int
+    partial_groups_returned: int
+    dropped_by_reason: _containers.ScalarMap[str, int]
+    groups_written_per_second: float
+    groups_acknowledged_per_second: float
+    prompts_handed_out_per_second: float
+    rate_window_seconds: float
+    queued_samples: int
+    def __init__(self, queued_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., partial_groups: _Optional[int] = ..., acknowledged_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., prompts_handed_out: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., next_sample_index: _Optional[int] = ..., groups_written: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., stale_groups_dropped: _Optional[int] = ..., stale_groups_kept: _Optional[int] = ..., prompts_skipped: _Optional[int] = ..., prompts_skipped_by_dataset: _Optional[_Mapping[str, int]] = ..., prompts_reissued: _Optional[int] = ..., partial_groups_returned: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_written_per_second: _Optional[float] = ..., groups_acknowledged_per_second: _Optional[float] = ..., prompts_handed_out_per_second: _Optional[float] = ..., rate_window_seconds: _Optional[float] = ..., queued_samples: _Optional[int] = ...) -> None: ...
 
 class ExportGroupsRequest(_message.Message):
     __slots__ = ("run_id", "path")
@@ -218,7 +287,9 @@ class ImportGroupsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ImportGroupsResponse(_message.Message):
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "duplicates")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     groups: int
-    def __init__(self, groups: _Optional[int] = ...) -> None: ...
+    duplicates: int
+    def __init__(self, groups: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...

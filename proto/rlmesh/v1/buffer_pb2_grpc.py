@@ -172,7 +172,9 @@ class BufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExportGroups(self, request, context):
-        """Debugging: dump a run's queued groups to JSONL, or load such a file.
+        """Debugging: dump a run's completed, unacknowledged groups (queued, then leased) to a
+        JSONL file on the buffer's machine, or load such a file into a run (idempotent on
+        group_id, all-or-nothing under the backpressure cap).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,335 @@
+"""The Lua scripts that move groups between states. Each runs atomically in Redis, so a
+crash of any buffer replica at any point leaves every group in exactly one state.
+
+Per-group summary kept beside the bytes (`meta` hash), so scripts never parse protobuf:
+    "<number of samples> <oldest weight version, -1 if none> <JSON for buffer filters>"
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- shared helpers
+
+_HELPERS = r"""
+-- The run's incarnation token (a new one each time the run is created).
+local function run_token(spec_key)
+  local spec = redis.call('GET', spec_key)
+  return spec and string.match(spec, '"token": "(%w+)"') or ''
+end
+
+local function meta_of(meta_key, id)
+  local m = redis.call('HGET', meta_key, id)
+  if not m then return 1, -1 end
+  local n, v = string.match(m, '^(%d+) (%-?%d+)')
+  return tonumber(n), tonumber(v)
+end
+
+local function push_all(key, ids)
+  for i = 1, #ids, 1000 do
+    redis.call('RPUSH', key, unpack(ids, i, math.min(i + 999, #ids)))
+  end
+end
+
+-- Expired batch leases go back to the front of the queue, in their original order.
+local function requeue_expired(k, now, batch_prefix)
+  local expired = redis.call('ZRANGEBYSCORE', k.leases, '-inf', now)
+  for _, lease_id in ipairs(expired) do
+    local list = batch_prefix .. lease_id
+    local ids = redis.call('LRANGE', list, 0, -1)
+    local samples = 0
+    for i = #ids, 1, -1 do
+      redis.call('LPUSH', k.queue, ids[i])
+      samples = samples + (meta_of(k.meta, ids[i]))
+    end
+    redis.call('DEL', list)
+    redis.call('ZREM', k.leases, lease_id)
+    redis.call('HINCRBY', k.stats, 'redelivered_groups', #ids)
+    redis.call('HINCRBY', k.stats, 'queued_samples', samples)
+  end
+end
+
+-- Stale groups (policy DROP): removed for good and counted.
+local function discard(k, ids)
+  if #ids == 0 then return end
+  local samples = 0
+  for _, id in ipairs(ids) do
+    samples = samples + (meta_of(k.meta, id))
+    redis.call('HDEL', k.groups, id)
+    redis.call('HDEL', k.meta, id)
+    redis.call('SADD', k.discarded, id)
+  end
+  redis.call('HINCRBY', k.stats, 'stale_groups_dropped', #ids)
+  redis.call('HINCRBY', k.stats, 'dropped_groups', #ids)
+  redis.call('HINCRBY', k.stats, 'dropped:stale', #ids)
+  redis.call('HINCRBY', k.stats, 'queued_samples', -samples)
+end
+
+-- Lease `ids` (already removed from the queue). The caller reads their bytes (from its
+-- cache of groups it stored, else from the groups hash).
+local function leased(k, ids, lease_id, expiry, stale_kept, stale_dropped)
+  local samples = 0
+  for _, id in ipairs(ids) do samples = samples + (meta_of(k.meta, id)) end
+  push_all(k.lease_list, ids)
+  redis.call('ZADD', k.leases, expiry, lease_id)
+  redis.call('HINCRBY', k.stats, 'queued_samples', -samples)
+  if stale_kept > 0 then redis.call('HINCRBY', k.stats, 'stale_groups_kept', stale_kept) end
+  local out = {#ids, stale_dropped, stale_kept, run_token(k.spec)}
+  for _, id in ipairs(ids) do out[#out + 1] = id end
+  return out
+end
+
+local function lease_keys()
+  return {spec = KEYS[1], queue = KEYS[2], leases = KEYS[3], groups = KEYS[4], meta = KEYS[5],
+          stats = KEYS[6], discarded = KEYS[7], lease_list = KEYS[8]}
+end
+"""
+
+# KEYS and ARGV of both lease scripts (see BufferStore._lease_keys):
+#   KEYS: spec queue batch_leases groups meta stats discarded batch:<lease_id>
+#   ARGV: now batch_prefix lease_id expiry ...
+# Returns {-1} for an unknown run, {0, stale_dropped} when no batch, else
+# {n, stale_dropped, stale_kept, run token, group ids...}.
+
+# First in, first out: the default. Fast path (no staleness bound, counted in groups):
+# one LPOP. Otherwise scan the queue from the front.
+LEASE_FIFO = _HELPERS + r"""
+local k = lease_keys()
+if redis.call('EXISTS', k.spec) == 0 then return {-1} end
+requeue_expired(k, ARGV[1], ARGV[2])
+local want_groups, want_samples = tonumber(ARGV[5]), tonumber(ARGV[6])
+local min_v, keep = tonumber(ARGV[7]), ARGV[8] == '1'
+local take, drop, stale_kept = {}, {}, 0
+if min_v <= 0 and want_samples <= 0 then
+  if redis.call('LLEN', k.queue) < want_groups then return {0, 0} end
+  take = redis.call('LPOP', k.queue, want_groups)
+else
+  local len = redis.call('LLEN', k.queue)
+  local scanned, samples, done = 0, 0, false
+  while scanned < len and not done do
+    local chunk = redis.call('LRANGE', k.queue, scanned, scanned + 255)
+    if #chunk == 0 then break end
+    for _, id in ipairs(chunk) do
+      scanned = scanned + 1
+      local n, v = meta_of(k.meta, id)
+      local stale = min_v > 0 and v >= 0 and v < min_v
+      if stale and not keep then
+        drop[#drop + 1] = id
+      else
+        take[#take + 1] = id
+        if stale then stale_kept = stale_kept + 1 end
+        samples = samples + n
+        if (want_samples > 0 and samples >= want_samples) or (want_samples <= 0 and #take >= want_groups) then
+          done = true
+          break
+        end
+      end
+    end
+  end
+  if done then
+    redis.call('LTRIM', k.queue, scanned, -1)  -- everything scanned was taken or dropped
+  else
+    for _, id in ipairs(drop) do redis.call('LREM', k.queue, 1, id) end
+    take, stale_kept = {}, 0
+  end
+  discard(k, drop)
+end
+if #take == 0 then return {0, #drop} end
+return leased(k, take, ARGV[3], ARGV[4], stale_kept, #drop)
+"""
+
+# A buffer filter chose the groups (from a snapshot of the queue): claim exactly those,
+# or nothing if another replica took one meanwhile ({-2}: choose again).
+#   ARGV: now batch_prefix lease_id expiry n_take n_drop stale_kept take_ids... drop_ids...
+LEASE_CHOSEN = _HELPERS + r"""
+local k = lease_keys()
+if redis.call('EXISTS', k.spec) == 0 then return {-1} end
+local n_take, n_drop, stale_kept = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local take, drop = {}, {}
+for i = 1, n_take do
+  take[i] = ARGV[7 + i]
+  if not redis.call('LPOS', k.queue, take[i]) then return {-2} end
+end
+for i = 1, n_drop do
+  local id = ARGV[7 + n_take + i]
+  if redis.call('LREM', k.queue, 1, id) == 1 then drop[#drop + 1] = id end
+end
+discard(k, drop)
+if n_take == 0 then return {0, #drop} end
+for _, id in ipairs(take) do redis.call('LREM', k.queue, 1, id) end
+return leased(k, take, ARGV[3], ARGV[4], stale_kept, #drop)
+"""
+
+REQUEUE_EXPIRED = _HELPERS + r"""
+local k = lease_keys()
+requeue_expired(k, ARGV[1], ARGV[2])
+return 0
+"""
+
+# Store completed groups all-or-nothing: skip duplicates (already stored, leased,
+# acknowledged or discarded), refuse the whole write when it would pass the queue cap.
+#   KEYS: spec groups queue acked discarded prompt_leases prompts stats meta
+#   ARGV: (group_id, bytes, meta) per group
+# Returns {-1} unknown run, {-2, queued} over the cap, else {stored, run token,
+# positions (0-based) of the groups stored...}.
+PUT_GROUPS = r"""
+local spec = redis.call('GET', KEYS[1])
+if not spec then return {-1} end
+local cap = tonumber(cjson.decode(spec).max_queued_groups) or 0
+local fresh, seen = {}, {}
+for i = 1, #ARGV, 3 do
+  local id = ARGV[i]
+  if not seen[id] and redis.call('HEXISTS', KEYS[2], id) == 0 and redis.call('SISMEMBER', KEYS[4], id) == 0
+      and redis.call('SISMEMBER', KEYS[5], id) == 0 then
+    fresh[#fresh + 1] = i
+  end
+  seen[id] = true
+end
+local queued = redis.call('LLEN', KEYS[3])
+if cap > 0 and #fresh > 0 and queued + #fresh > cap then return {-2, queued} end
+local samples = 0
+for _, i in ipairs(fresh) do
+  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+  redis.call('HSET', KEYS[9], ARGV[i], ARGV[i + 2])
+  redis.call('RPUSH', KEYS[3], ARGV[i])
+  samples = samples + tonumber(string.match(ARGV[i + 2], '^(%d+)'))
+end
+for i = 1, #ARGV, 3 do
+  redis.call('ZREM', KEYS[6], ARGV[i])
+  redis.call('HDEL', KEYS[7], ARGV[i])
+end
+redis.call('HINCRBY', KEYS[8], 'groups_written', #fresh)
+redis.call('HINCRBY', KEYS[8], 'queued_samples', samples)
+local out = {#fresh, string.match(spec, '"token": "(%w+)"') or ''}
+for _, i in ipairs(fresh) do out[#out + 1] = (i - 1) / 3 end
+return out
+"""
+
+#   KEYS: spec batch_leases batch:<lease_id> groups acked stats meta;  ARGV: lease_id
+# Returns -2 unknown run, -1 unknown or redelivered lease, else groups acknowledged.
+ACK_BATCH = r"""
+if redis.call('EXISTS', KEYS[1]) == 0 then return -2 end
+if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return -1 end
+local ids = redis.call('LRANGE', KEYS[3], 0, -1)
+for _, id in ipairs(ids) do
+  redis.call('HDEL', KEYS[4], id)
+  redis.call('HDEL', KEYS[7], id)
+  redis.call('SADD', KEYS[5], id)
+end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[3])
+redis.call('HINCRBY', KEYS[6], 'acknowledged_groups', #ids)
+return #ids
+"""
+
+# Hand out up to n prompt groups, each leased until `expiry`, in this order: prompts whose
+# lease expired (their worker died), partial groups to resume, fresh prompts. A fresh
+# prompt is leased as a reference "ref:{dataset, position, group index}" that the
+# caller turns into the group's bytes (MATERIALIZE); a crash in between leaves the
+# reference leased, and whoever gets it after the lease expires builds the same group.
+# Several training datasets are mixed by weight with stride scheduling: the next prompt
+# comes from the dataset with the smallest (drawn + 1) / weight (exact proportions at
+# every point, deterministic, no randomness to replay).
+#   KEYS: spec cursor prompt_leases prompts partial partial_groups stats
+#   ARGV: now expiry n
+# Returns {-1} unknown run, else {1, id, value, id, value, ...}.
+GET_PROMPTS = r"""
+local spec = redis.call('GET', KEYS[1])
+if not spec then return {-1} end
+local cursor, leases, prompts, partial, partial_groups, stats = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local expiry, n = ARGV[2], tonumber(ARGV[3])
+local out, count, reissued = {1}, 0, 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', ARGV[1], 'LIMIT', 0, n)) do
+  local value = redis.call('HGET', prompts, id)
+  if value then
+    redis.call('ZADD', leases, expiry, id)
+    out[#out + 1] = id
+    out[#out + 1] = value
+    count, reissued = count + 1, reissued + 1
+  else
+    redis.call('ZREM', leases, id)
+  end
+end
+while count < n do
+  local id = redis.call('LPOP', partial)
+  if not id then break end
+  local value = redis.call('HGET', partial_groups, id)
+  redis.call('HDEL', partial_groups, id)
+  if value then
+    redis.call('HSET', prompts, id, value)
+    redis.call('ZADD', leases, expiry, id)
+    out[#out + 1] = id
+    out[#out + 1] = value
+    count = count + 1
+  end
+end
+if count < n then
+  local train = {}
+  for _, d in ipairs(cjson.decode(spec).datasets) do
+    if not d.eval then train[#train + 1] = d end
+  end
+  while count < n do
+    local best, best_t
+    for _, d in ipairs(train) do
+      local t = (tonumber(redis.call('HGET', cursor, d.name) or '0') + 1) / d.weight
+      if best == nil or t < best_t then best, best_t = d, t end
+    end
+    local pos = redis.call('HINCRBY', cursor, best.name, 1) - 1
+    local gi = redis.call('HINCRBY', cursor, '__groups__', 1) - 1
+    local id = 'g' .. gi
+    local ref = 'ref:' .. cjson.encode({d = best.name, p = pos, i = gi})
+    redis.call('HSET', prompts, id, ref)
+    redis.call('ZADD', leases, expiry, id)
+    out[#out + 1] = id
+    out[#out + 1] = ref
+    count = count + 1
+  end
+end
+redis.call('HINCRBY', stats, 'prompts_handed_out', count)
+if reissued > 0 then redis.call('HINCRBY', stats, 'prompts_reissued', reissued) end
+return out
+"""
+
+# Replace a leased reference by the group's bytes (only if still leased as that reference).
+#   KEYS: prompts;  ARGV: (id, ref, bytes) per group
+MATERIALIZE = r"""
+for i = 1, #ARGV, 3 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 2])
+  end
+end
+return 0
+"""
+
+# Aborted groups come back with what they generated so far, to be handed out first.
+#   KEYS: spec partial partial_groups prompt_leases prompts stats groups acked discarded
+#   ARGV: (id, bytes) per group.  Returns -1 unknown run, else groups taken back.
+RETURN_PARTIAL = r"""
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local n = 0
+for i = 1, #ARGV, 2 do
+  local id = ARGV[i]
+  if redis.call('HEXISTS', KEYS[7], id) == 0 and redis.call('SISMEMBER', KEYS[8], id) == 0
+      and redis.call('SISMEMBER', KEYS[9], id) == 0 then
+    if redis.call('HEXISTS', KEYS[3], id) == 0 then redis.call('RPUSH', KEYS[2], id) end
+    redis.call('HSET', KEYS[3], id, ARGV[i + 1])
+    n = n + 1
+  end
+  redis.call('ZREM', KEYS[4], id)
+  redis.call('HDEL', KEYS[5], id)
+end
+redis.call('HINCRBY', KEYS[6], 'partial_groups_returned', n)
+return n
+"""
+
+# Prompts generated but filtered out: consumed and dropped, never handed out again.
+#   KEYS: spec prompt_leases prompts stats discarded;  ARGV: reason ids...
+DROP_GROUPS = r"""
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+for i = 2, #ARGV do
+  redis.call('ZREM', KEYS[2], ARGV[i])
+  redis.call('HDEL', KEYS[3], ARGV[i])
+  redis.call('SADD', KEYS[5], ARGV[i])
+end
+redis.call('HINCRBY', KEYS[4], 'dropped_groups', #ARGV - 1)
+redis.call('HINCRBY', KEYS[4], 'dropped:' .. ARGV[1], #ARGV - 1)
+return #ARGV - 1
+"""
