@@ -27,6 +27,11 @@ class EngineError(Unavailable):
     pass
 
 
+GENERATE_ATTEMPTS = 3
+# Idle pooled connections are dropped before servers (uvicorn: 5 s by default) close them.
+KEEPALIVE_EXPIRY_SECONDS = 2.0
+
+
 class SGLangClient:
     """Talks to one engine (or to a router, for /generate)."""
 
@@ -53,10 +58,28 @@ class SGLangClient:
         return r.json()
 
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str, return_logprob: bool = True) -> dict:
-        r = await self._post("/generate", {
-            "input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
-            "return_logprob": return_logprob, "logprob_start_len": -1,
-        })
+        body = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
+                "return_logprob": return_logprob, "logprob_start_len": -1}
+        for attempt in range(GENERATE_ATTEMPTS):
+            if attempt:
+                # A fresh rid: the aborted one may still be in flight. Aborting the original
+                # rid also aborts these (engines match rids by prefix).
+                body["rid"] = f"{rid}-retry{attempt}"
+            try:
+                r = await self.http.post(self.url + "/generate", json=body, timeout=self.timeout)
+                break
+            except httpx.TransportError as e:
+                # The connection broke (a pooled connection closed under us, an engine
+                # restarting). Abort the rid first so a half-received request cannot
+                # linger, then send it again.
+                if attempt + 1 == GENERATE_ATTEMPTS:
+                    raise EngineError(f"engine {self.url}: POST /generate failed {GENERATE_ATTEMPTS} times: "
+                                      f"{type(e).__name__}: {e}") from None
+                await asyncio.sleep(0.1 * 2 ** attempt)
+                try:
+                    await self.abort(rid)
+                except EngineError:
+                    pass
         if r.status_code == 400:
             raise InvalidArgument(f"engine {self.url} refused the request: {_error_message(r)}")
         if r.status_code != 200:
@@ -122,7 +145,8 @@ class EnginePool:
     router), control and weight calls sent to every engine."""
 
     def __init__(self, engine_urls: list[str], router_url: str, timeout: float, weight_timeout: float) -> None:
-        self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        self.http = httpx.AsyncClient(limits=httpx.Limits(
+            max_connections=1024, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS))
         self.timeout, self.weight_timeout = timeout, weight_timeout
         self.router = SGLangClient(router_url, self.http, timeout, weight_timeout) if router_url else None
         self.engines = [SGLangClient(u, self.http, timeout, weight_timeout) for u in engine_urls]

@@ -520,6 +520,9 @@ async def start(settings: Settings) -> tuple[EngineServer, int]:
         port=port,
         log_level=settings.log_level.lower(),
         access_log=False,
+        # Longer than clients keep idle pooled connections, so a request never meets a
+        # connection the server is just closing.
+        timeout_keep_alive=30,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
         lifespan="on",
     )
