@@ -4,38 +4,18 @@ own process), a real Redis, a real gloo weight group."""
 from __future__ import annotations
 
 import json
-import time
 
-import httpx
 import pytest
 
+from local_stack import start_local_stack, wait_for_run
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from services.buffer.config import Settings as BufferSettings
-from services.buffer.server import start as start_buffer
 from services.common.grpc_server import sync_channel
-from services.coordinator.app import start as start_coordinator
-from services.coordinator.config import Settings as CoordinatorSettings
-from services.reward.config import Settings as RewardSettings
-from services.reward.server import start as start_reward
-from services.rollout.config import Settings as RolloutSettings
-from services.rollout.server import start as start_rollout
-from services.trainer.config import Settings as TrainerSettings
-from services.trainer.server import start as start_trainer
 
 
 @pytest.fixture
 def services(redis_url, start_in_loop, engine_url, tmp_path):
-    addr = lambda port: f"127.0.0.1:{port}"
-    _, buffer = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
-    _, reward = start_in_loop(lambda: start_reward(RewardSettings(port=0)))
-    _, rollout = start_in_loop(lambda: start_rollout(RolloutSettings(
-        port=0, buffer_address=addr(buffer), reward_address=addr(reward), engine_urls=[engine_url])))
-    _, trainer = start_in_loop(lambda: start_trainer(TrainerSettings(
-        port=0, buffer_address=addr(buffer), rollout_address=addr(rollout), work_dir=tmp_path / "trainer")))
-    _, api = start_in_loop(lambda: start_coordinator(CoordinatorSettings(
-        port=0, redis_url=redis_url, buffer_address=addr(buffer), rollout_address=addr(rollout),
-        reward_address=addr(reward), trainer_address=addr(trainer))))
-    return httpx.Client(base_url=f"http://127.0.0.1:{api}", timeout=30), buffer_pb2_grpc.BufferStub(sync_channel(addr(buffer)))
+    stack = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path)
+    return stack.api, buffer_pb2_grpc.BufferStub(sync_channel(stack.addresses["buffer"]))
 
 
 def run_config(tmp_path, tiny_model_dir, num_rollouts: int) -> dict:
@@ -53,22 +33,12 @@ def run_config(tmp_path, tiny_model_dir, num_rollouts: int) -> dict:
     }
 
 
-def wait_for(api: httpx.Client, run_id: str, statuses: tuple[str, ...], timeout: float = 300) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        run = api.get(f"/runs/{run_id}").json()
-        if run["status"] in statuses:
-            return run
-        time.sleep(0.2)
-    raise AssertionError(f"run {run_id} still {run['status']} after {timeout} s")
-
-
 def test_run_completes_and_trains_every_group_exactly_once(services, tmp_path, tiny_model_dir):
     api, buffer = services
     r = api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=3))
     assert r.status_code == 201, r.text
     run_id = r.json()["id"]
-    run = wait_for(api, run_id, ("completed", "failed"))
+    run = wait_for_run(api, run_id)
     assert run["status"] == "completed", run["error"]
     assert run["rollout_id"] == 3 and run["phase"] == "done"
     assert "eval/held_out/reward_mean" in run["eval_before"] and "eval/held_out/reward_mean" in run["eval_after"]
@@ -88,11 +58,11 @@ def test_run_completes_and_trains_every_group_exactly_once(services, tmp_path, t
 def test_a_run_can_be_stopped(services, tmp_path, tiny_model_dir):
     api, _ = services
     run_id = api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1000)).json()["id"]
-    wait_for(api, run_id, ("running",))
+    wait_for_run(api, run_id, lambda run: run["status"] == "running")
     # one run trains at a time
     assert api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1)).status_code == 409
     assert api.post(f"/runs/{run_id}/stop").json()["status"] == "stopping"
-    run = wait_for(api, run_id, ("stopped", "failed"))
+    run = wait_for_run(api, run_id)
     assert run["status"] == "stopped" and run["rollout_id"] < 1000
 
 

@@ -14,18 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from local_stack import start_local_stack, wait_for_run
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.buffer.config import Settings as BufferSettings
-from services.buffer.server import start as start_buffer
 from services.common.grpc_server import sync_channel
-from services.coordinator.app import start as start_coordinator
-from services.coordinator.config import Settings as CoordinatorSettings
-from services.reward.config import Settings as RewardSettings
-from services.reward.server import start as start_reward
-from services.rollout.config import Settings as RolloutSettings
-from services.rollout.server import start as start_rollout
-from services.trainer.config import Settings as TrainerSettings
-from services.trainer.server import start as start_trainer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "reward_service" / "app.py"
 
@@ -40,22 +31,11 @@ def load_example():
 
 @pytest.fixture
 def stack(redis_url, start_in_loop, engine_url, tmp_path):
-    addr = lambda port: f"127.0.0.1:{port}"
-    _, buffer = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
-    _, reward = start_in_loop(lambda: start_reward(RewardSettings(
-        port=0, redis_url=redis_url, remote_timeout_seconds=5, remote_backoff_seconds=0.01,
-        breaker_failure_threshold=2, breaker_cooldown_seconds=60)))
-    _, rollout = start_in_loop(lambda: start_rollout(RolloutSettings(
-        port=0, buffer_address=addr(buffer), reward_address=addr(reward), engine_urls=[engine_url])))
-    _, trainer = start_in_loop(lambda: start_trainer(TrainerSettings(
-        port=0, buffer_address=addr(buffer), rollout_address=addr(rollout), work_dir=tmp_path / "trainer")))
-    _, api = start_in_loop(lambda: start_coordinator(CoordinatorSettings(
-        port=0, redis_url=redis_url, buffer_address=addr(buffer), rollout_address=addr(rollout),
-        reward_address=addr(reward), trainer_address=addr(trainer))))
+    local = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path, remote_timeout_seconds=5,
+                              remote_backoff_seconds=0.01, breaker_failure_threshold=2, breaker_cooldown_seconds=60)
     example = load_example()
     judge_server, judge_port = start_in_loop(lambda: example.start())
-    return (httpx.Client(base_url=f"http://127.0.0.1:{api}", timeout=30),
-            reward_pb2_grpc.RewardStub(sync_channel(addr(reward))),
+    return (local.api, reward_pb2_grpc.RewardStub(sync_channel(local.addresses["reward"])),
             f"http://127.0.0.1:{judge_port}", judge_server)
 
 
@@ -70,16 +50,6 @@ def run_config(tmp_path: Path, model_dir: Path, num_rollouts: int, components: d
         "reward": {"components": components},
         "optimizer": {"lr": 1e-3},
     }
-
-
-def wait_for(api: httpx.Client, run_id: str, done, timeout: float = 300) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        run = api.get(f"/runs/{run_id}").json()
-        if done(run):
-            return run
-        time.sleep(0.1)
-    raise AssertionError(f"run {run_id} still {run['status']} after {timeout} s")
 
 
 def finished(run: dict) -> bool:
@@ -98,7 +68,7 @@ def test_a_run_rewarded_by_a_service_registered_by_url(stack, tmp_path, tiny_mod
     components = {"judge/exact": 1.0, "judge/similarity": 0.5}
     r = api.post("/runs", json=run_config(tmp_path, tiny_model_dir, 2, components))
     assert r.status_code == 201, r.text
-    run = wait_for(api, r.json()["id"], finished)
+    run = wait_for_run(api, r.json()["id"], finished)
     assert run["status"] == "completed", run["error"]
     rollouts = [m for m in run["metrics"] if "rollout/reward_mean" in m]
     assert [m["rollout_id"] for m in rollouts] == [1, 2]
@@ -117,7 +87,7 @@ def test_the_run_goes_on_when_the_service_dies(stack, tmp_path, tiny_model_dir, 
 
     config = run_config(tmp_path, tiny_model_dir, 8, {"judge/similarity": 1.0, "exact_match": 0.1})
     run_id = api.post("/runs", json=config).json()["id"]
-    wait_for(api, run_id, lambda run: finished(run) or any("rollout/reward_mean" in m for m in run["metrics"]))
+    wait_for_run(api, run_id, lambda run: finished(run) or any("rollout/reward_mean" in m for m in run["metrics"]))
     judge_server.should_exit = True  # the reward service dies after the first rollout
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # wait until it is really gone
@@ -126,7 +96,7 @@ def test_the_run_goes_on_when_the_service_dies(stack, tmp_path, tiny_model_dir, 
         except httpx.HTTPError:
             break
         time.sleep(0.05)
-    run = wait_for(api, run_id, finished)
+    run = wait_for_run(api, run_id, finished)
     assert run["status"] == "completed", run["error"]
     rollouts = [m for m in run["metrics"] if "rollout/failed_ratio" in m]
     assert len(rollouts) == 8 and rollouts[0]["rollout/failed_ratio"] == 0.0

@@ -1,0 +1,61 @@
+"""Every rlmesh service started in-process on loopback (the engine runs in its own
+process, see the engine_url fixture), for end-to-end tests through the REST API."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from services.buffer.config import Settings as BufferSettings
+from services.buffer.server import start as start_buffer
+from services.coordinator.app import start as start_coordinator
+from services.coordinator.config import Settings as CoordinatorSettings
+from services.reward.config import Settings as RewardSettings
+from services.reward.server import start as start_reward
+from services.rollout.config import Settings as RolloutSettings
+from services.rollout.server import start as start_rollout
+from services.trainer.config import Settings as TrainerSettings
+from services.trainer.server import start as start_trainer
+
+FINAL = ("completed", "failed", "stopped")
+
+
+@dataclass
+class LocalStack:
+    api: httpx.Client           # the coordinator's REST API
+    addresses: dict[str, str]   # service name -> host:port
+
+
+def start_local_stack(start_in_loop, redis_url: str, engine_url: str, work_dir: Path, **reward_settings) -> LocalStack:
+    addr = {}
+
+    def up(name: str, start, settings) -> None:
+        _, port = start_in_loop(lambda: start(settings))
+        addr[name] = f"127.0.0.1:{port}"
+
+    up("buffer", start_buffer, BufferSettings(redis_url=redis_url, port=0))
+    up("reward", start_reward, RewardSettings(port=0, redis_url=redis_url, **reward_settings))
+    up("rollout", start_rollout, RolloutSettings(
+        port=0, buffer_address=addr["buffer"], reward_address=addr["reward"], engine_urls=[engine_url]))
+    up("trainer", start_trainer, TrainerSettings(
+        port=0, buffer_address=addr["buffer"], rollout_address=addr["rollout"], work_dir=work_dir / "trainer"))
+    up("coordinator", start_coordinator, CoordinatorSettings(
+        port=0, redis_url=redis_url, buffer_address=addr["buffer"], rollout_address=addr["rollout"],
+        reward_address=addr["reward"], trainer_address=addr["trainer"]))
+    return LocalStack(httpx.Client(base_url=f"http://{addr['coordinator']}", timeout=30), addr)
+
+
+def wait_for_run(api: httpx.Client, run_id: str, done: Callable[[dict], bool] = lambda run: run["status"] in FINAL,
+                 timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        run = api.get(f"/runs/{run_id}").json()
+        if done(run):
+            return run
+        if time.monotonic() > deadline:
+            raise AssertionError(f"run {run_id} still {run['status']} after {timeout} s")
+        time.sleep(0.1)
