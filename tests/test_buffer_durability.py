@@ -48,14 +48,17 @@ def test_buffer_killed_between_a_trainers_lease_and_its_ack(redis_url, dataset, 
             stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=a.lease_id), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         proc = start_buffer_process(redis_url, port, log)
-        assert stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=a.lease_id)).acknowledged == 2
+        # As a real client would: wait for the channel to reconnect (it is in backoff).
+        ack = stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=a.lease_id), wait_for_ready=True, timeout=60)
+        assert ack.acknowledged == 2
 
         # trainer B leases, the buffer dies, B never acks (it died too): after the lease
         # expires the restarted buffer redelivers the batch; it is acknowledged once
         b = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2, lease_seconds=0.3))
         kill(proc)
         proc = start_buffer_process(redis_url, port, log)
-        again = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2, wait_seconds=30))
+        again = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2, wait_seconds=30),
+                                wait_for_ready=True, timeout=60)
         assert list(again.groups) == list(b.groups) == written[2:]
         assert stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=again.lease_id)).acknowledged == 2
         with pytest.raises(grpc.RpcError) as e:
