@@ -114,3 +114,21 @@ def test_a_filter_that_drops_everything_fails_clearly(stack):
                                         sampling=sampling_to_proto(SamplingConfig(max_new_tokens=1))))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "dropped" in e.value.details()
     assert buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r")).dropped_groups > 20
+
+
+def test_partial_rollout_resumes_aborted_groups_within_the_token_budget(stack):
+    buffer, rollout = stack
+    long = sampling_to_proto(SamplingConfig(max_new_tokens=48, ignore_eos=True))
+    first = rollout.GenerateRollout(request(num_groups=1, over_sampling_groups=3, partial_rollout=True, sampling=long))
+    assert first.groups_written == 1 and first.metrics["rollout/groups_aborted"] == 3
+    assert buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r")).partial_groups == 3
+    # the next rollout takes the partial groups first and finishes them
+    second = rollout.GenerateRollout(request(num_groups=3, partial_rollout=True, sampling=long))
+    assert second.groups_written == 3
+    lease = buffer.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r", num_groups=4))
+    for g in map(group_from_proto, lease.groups):
+        for s in g.samples:
+            # one continuous response, however many times it was resumed: never past the budget
+            assert s.status == Status.TRUNCATED and s.response_length == 48
+            assert len(s.rollout_log_probs) == len(s.loss_mask) == 48
+            assert len(s.tokens) == len(s.prompt_tokens) + 48

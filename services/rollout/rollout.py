@@ -202,16 +202,19 @@ class RolloutManager:
         """Over-sampling: enough groups are done; abort the rest and hand them back to the
         buffer (with their partial responses when partial_rollout is on, else reset)."""
         for engine, sample in list(inflight.values()):
-            await engine.abort(sample.metadata.get("rid", ""))
+            rid = sample.metadata.get("rid")
+            if rid:  # never an empty rid: engines abort every rid with that prefix
+                await engine.abort(rid)
         groups = [g for g in await asyncio.gather(*pending)]
         for group in groups:
             for s in group.samples:
-                if not req.partial_rollout and s.status != Status.COMPLETED:
+                if s.status not in (Status.ABORTED, Status.PENDING):
+                    continue  # finished (completed, truncated, failed): kept as is
+                if not req.partial_rollout:
                     s.tokens, s.response, s.response_length = [], "", 0
                     s.loss_mask, s.rollout_log_probs, s.weight_versions = [], [], []
                     s.status = Status.PENDING
-                if s.status == Status.ABORTED or s.status == Status.PENDING:
-                    s.metadata.pop("rid", None)
+                s.metadata.pop("rid", None)
         if groups:
             await self.buffer.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(
                 run_id=req.run_id, groups=[group_to_proto(g) for g in groups]))
