@@ -20,7 +20,7 @@ from services.common.grpc_server import sync_channel
 from services.common.redis_server import free_port
 from services.common.sample import (
     ConversionError, Sample, SampleGroup, Status, group_from_proto, group_to_proto, sample_from_json,
-    sample_from_proto, sample_to_json, sample_to_proto,
+    sample_from_proto, sample_to_json, sample_to_proto, validate_group_proto,
 )
 from services.common.settings import add_settings_flags, settings_from_args
 
@@ -50,12 +50,16 @@ def test_sample_round_trips_through_protobuf_and_json():
     ("rollout_log_probs", b"\x00" * 5, "not a multiple of 4"),
     ("response_length", 9, "outside 0..4"),
     ("metadata_json", "[1]", "JSON object"),
+    ("metadata_json", "{oops", "not valid JSON"),
+    ("status", 42, "unknown status 42"),
 ])
 def test_malformed_samples_are_refused_with_the_reason(field, value, message):
     msg = sample_to_proto(full_sample())
     setattr(msg, field, value)
     with pytest.raises(ConversionError, match=message.replace(".", r"\.")):
         sample_from_proto(msg)
+    with pytest.raises(ConversionError, match=message.replace(".", r"\.")):  # the buffer's check at write time
+        validate_group_proto(sample_pb2.SampleGroup(group_id="g", samples=[msg]))
 
 
 def test_settings_precedence_is_defaults_yaml_env_flags(tmp_path, monkeypatch):

@@ -105,6 +105,9 @@ MATH_CASES = [
     ("I do not know.", "3", 0.0),  # no answer at all
     ("", "3", 0.0),
     (r"\boxed{9^{9^{9}}}", "1", 0.0),  # a power tower must not hang the verifier
+    (r"\boxed{((9^{999})^{999})^{999}}", "5", 0.0),  # nor one built through the base
+    (r"\boxed{\frac{1}{x^2}}", r"x^{-2}", 1.0),  # while reciprocals of powers still compare
+    (r"\boxed{\frac{1}{(x^2)^{3}}}", r"x^{-6}", 0.0),  # nested powers are not compared (conservative)
     (r"\boxed{().__class__}", "1", 0.0),  # never evaluated as Python
     ("Work... The solution: \\boxed{6}", r"Step 1 ... so \boxed{6}", 1.0),  # label with a worked solution
 ]

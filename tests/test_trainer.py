@@ -4,6 +4,8 @@ real gloo group."""
 
 from __future__ import annotations
 
+import math
+
 import asyncio
 import json
 import subprocess
@@ -178,6 +180,26 @@ def test_kl_loss_against_the_frozen_reference(tiny_model_dir):
     second = backend.train_step(make_groups())
     assert second["kl_loss"] > 0
     assert all(not p.requires_grad for p in backend.reference.parameters())
+
+
+@pytest.mark.parametrize("estimator", ["k3", "low_var_kl"])
+def test_kl_stays_finite_beside_padding(tiny_model_dir, estimator):
+    # Responses of different lengths are padded. Padded positions carry junk targets (the
+    # prompt's first token, predicted from position 0); at this temperature their log-probs
+    # are about -1e7 unless the token happens to be the argmax there, and exp(-log_ratio)
+    # overflows. At the real tokens the policy still equals the reference (log-ratio 0),
+    # so any overflow would come from padding.
+    backend = TorchBackend(config(tiny_model_dir, rollout_temperature=1e-7, micro_batch_size=6,
+                                  algorithm={"kl_loss_coef": 0.1, "kl_estimator": estimator}), CPU)
+    with torch.no_grad():
+        first = next(t for t in range(3, 40)
+                     if backend.policy(torch.tensor([[t]])).logits[0, 0].argmax() != t)
+    groups = [SampleGroup("g0", 0, [sample(0, [first, 6, 7], [8, 9, 10, 1], 1.0),
+                                    sample(1, [first, 6, 7], [11, 1], 0.0)])]
+    before = params(backend)
+    m = backend.train_step(groups)
+    assert math.isfinite(m["grad_norm"]) and m["kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    assert any(not torch.equal(before[n], t) for n, t in backend.state_dict_for_sync())
 
 
 def test_sft_step_uses_its_own_optimizer_and_lowers_the_nll(tiny_model_dir):

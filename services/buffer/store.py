@@ -266,6 +266,10 @@ class BufferStore:
             raise self._unknown_run(run_id)
         if result[0] == -2:
             spec = await self._spec(run_id)
+            if len(groups) > spec["max_queued_groups"]:  # waiting would never help
+                raise FailedPrecondition(
+                    f"run {run_id!r}: a write of {len(groups)} groups can never fit under the queue cap of "
+                    f"{spec['max_queued_groups']}; write fewer groups per call or raise max_queued_groups")
             raise ResourceExhausted(
                 f"run {run_id!r}: the buffer holds {result[1]} queued groups and its cap is "
                 f"{spec['max_queued_groups']}; retry after the trainer has consumed some"

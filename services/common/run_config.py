@@ -176,6 +176,11 @@ class RunConfig(_Strict):
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
             raise ValueError("datasets: names must be unique")
+        # The loop writes a whole batch before training it: a smaller cap would wait forever.
+        batch = max(self.rollout.rollout_batch_size, self.sft_warmup.batch_groups if self.sft_warmup.steps else 0)
+        if self.max_queued_groups and self.max_queued_groups < batch:
+            raise ValueError(f"max_queued_groups ({self.max_queued_groups}) must be 0 (no cap) or at least a "
+                             f"batch ({batch} groups: rollout_batch_size, sft_warmup.batch_groups)")
         return self
 
     def trainer_config(self) -> TrainerRunConfig:

@@ -114,12 +114,7 @@ def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
     loss_mask = _unpack(msg.loss_mask, _MASK_DTYPE, "loss_mask", msg.index)
     log_probs = _unpack(msg.rollout_log_probs, _LOGPROB_DTYPE, "rollout_log_probs", msg.index)
     validate_arrays(msg.index, len(tokens), msg.response_length, len(loss_mask), len(log_probs))
-    try:
-        metadata = json.loads(msg.metadata_json) if msg.metadata_json else {}
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"sample {msg.index}: metadata_json is not valid JSON ({e})") from None
-    if not isinstance(metadata, dict):
-        raise ConversionError(f"sample {msg.index}: metadata_json must be a JSON object")
+    metadata = _metadata(msg)
     return Sample(
         index=msg.index,
         group_index=msg.group_index,
@@ -132,7 +127,7 @@ def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
         reward=msg.reward,
         reward_components=dict(msg.reward_components),
         loss_mask=loss_mask,
-        status=Status(msg.status),
+        status=_status(msg),
         metadata=metadata,
         rollout_log_probs=log_probs,
         weight_versions=list(msg.weight_versions),
@@ -141,6 +136,23 @@ def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
             for m in msg.multimodal_inputs
         ],
     )
+
+
+def _metadata(msg: sample_pb2.Sample) -> dict[str, Any]:
+    try:
+        metadata = json.loads(msg.metadata_json) if msg.metadata_json else {}
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"sample {msg.index}: metadata_json is not valid JSON ({e})") from None
+    if not isinstance(metadata, dict):
+        raise ConversionError(f"sample {msg.index}: metadata_json must be a JSON object")
+    return metadata
+
+
+def _status(msg: sample_pb2.Sample) -> Status:
+    try:
+        return Status(msg.status)
+    except ValueError:
+        raise ConversionError(f"sample {msg.index}: unknown status {msg.status}") from None
 
 
 def validate_arrays(index: int, n_tokens: int, response_length: int, n_mask: int, n_log_probs: int) -> None:
@@ -222,3 +234,6 @@ def validate_group_proto(msg: sample_pb2.SampleGroup) -> None:
             len(s.loss_mask),
             len(s.rollout_log_probs) // _LOGPROB_DTYPE.itemsize,
         )
+        # What a reader would trip on later (every delivery): refuse it at the door.
+        _status(s)
+        _metadata(s)

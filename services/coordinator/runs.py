@@ -141,6 +141,8 @@ class RunDriver:
         try:
             rec = await self.store.get(run_id)
             cfg = RunConfig.model_validate(rec["config"])
+            if rec["status"] == "stopping":  # stopped while the coordinator was down
+                raise StopRequested
             await self.store.update(run_id, status="running")
             await self._setup(run_id, cfg)
             if rec["phase"] in ("setup", "sft"):  # (a restart mid-warm-start redoes it)
@@ -168,9 +170,11 @@ class RunDriver:
         except grpc.aio.AioRpcError as e:
             log.error("run %s failed: %s", run_id, e.details())
             await self.store.update(run_id, status="failed", error=f"{e.code().name}: {e.details()}")
+            await self._end(run_id)  # free the trainer for the next run
         except Exception as e:  # noqa: BLE001 - a run's failure is recorded, never crashes the API
             log.exception("run %s failed", run_id)
             await self.store.update(run_id, status="failed", error=f"{type(e).__name__}: {e}")
+            await self._end(run_id)
 
     async def _setup(self, run_id: str, cfg: RunConfig) -> None:
         await self.clients.buffer.CreateRun(buffer_pb2.CreateRunRequest(
@@ -204,9 +208,10 @@ class RunDriver:
         await self.store.update(run_id, phase="sft")
         for step in range(cfg.sft_warmup.steps):
             await self._check_stop(run_id)
-            await self.clients.rollout.GenerateRollout(rollout_pb2.GenerateRolloutRequest(
-                run_id=run_id, num_groups=cfg.sft_warmup.batch_groups, mode="sft",
-                apply_chat_template=cfg.rollout.apply_chat_template))
+            missing = await self._missing_groups(run_id, cfg.sft_warmup.batch_groups)
+            if missing:
+                await self.clients.rollout.GenerateRollout(rollout_pb2.GenerateRolloutRequest(
+                    run_id=run_id, num_groups=missing, mode="sft", apply_chat_template=cfg.rollout.apply_chat_template))
             r = await self.clients.trainer.TrainStep(trainer_pb2.TrainStepRequest(
                 run_id=run_id, num_groups=cfg.sft_warmup.batch_groups, wait_seconds=self.train_wait_seconds, loss="sft"))
             await self.store.append_metrics(run_id, {"sft_step": step + 1, "time": time.time(),
@@ -223,15 +228,24 @@ class RunDriver:
             out.update(r.metrics)
         return out
 
+    async def _missing_groups(self, run_id: str, batch: int) -> int:
+        """Groups to generate for a batch: an iteration interrupted by a coordinator restart
+        may have written some already (they are queued, not lost); generate only the rest."""
+        stats = await self.clients.buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id))
+        return max(batch - stats.queued_groups, 0)
+
     async def _rl_iteration(self, run_id: str, cfg: RunConfig, rollout_id: int) -> dict:
         ro = cfg.rollout
         t0 = time.monotonic()
-        g = await self.clients.rollout.GenerateRollout(rollout_pb2.GenerateRolloutRequest(
-            run_id=run_id, rollout_id=rollout_id, num_groups=ro.rollout_batch_size,
-            n_samples_per_prompt=ro.n_samples_per_prompt, sampling=sampling_to_proto(ro.sampling),
-            reward=_reward_spec(cfg), group_filter=ro.group_filter, over_sampling_groups=ro.over_sampling_groups,
-            partial_rollout=ro.partial_rollout, mode="rl", max_concurrency=ro.max_concurrency,
-            apply_chat_template=ro.apply_chat_template))
+        g = rollout_pb2.GenerateRolloutResponse()
+        missing = await self._missing_groups(run_id, ro.rollout_batch_size)
+        if missing:
+            g = await self.clients.rollout.GenerateRollout(rollout_pb2.GenerateRolloutRequest(
+                run_id=run_id, rollout_id=rollout_id, num_groups=missing,
+                n_samples_per_prompt=ro.n_samples_per_prompt, sampling=sampling_to_proto(ro.sampling),
+                reward=_reward_spec(cfg), group_filter=ro.group_filter, over_sampling_groups=ro.over_sampling_groups,
+                partial_rollout=ro.partial_rollout, mode="rl", max_concurrency=ro.max_concurrency,
+                apply_chat_template=ro.apply_chat_template))
         t = await self.clients.trainer.TrainStep(trainer_pb2.TrainStepRequest(
             run_id=run_id, num_groups=ro.rollout_batch_size, wait_seconds=self.train_wait_seconds))
         w = await self._publish(run_id)

@@ -235,12 +235,17 @@ def _bounded_powers(expr) -> bool:
     """No power towers or huge exponents: 9^{9^{9}} must not hang the service."""
     import sympy
 
+    harmless = (-1, sympy.Rational(1, 2), sympy.Rational(-1, 2))  # 1/x and square roots
     for node in sympy.preorder_traversal(expr):
         if isinstance(node, sympy.Pow):
             exponent = node.exp
-            for inner in sympy.preorder_traversal(exponent):
-                if isinstance(inner, sympy.Pow) and inner.exp not in (-1, sympy.Rational(1, 2), sympy.Rational(-1, 2)):
-                    return False
+            # A power inside a power's exponent or base makes a tower: (9^{999})^{999} is
+            # as deadly as 9^{9^{9}}. (A reciprocal or square root of a power is harmless;
+            # any tower inside it is met as a node of its own.)
+            for part in (node.exp,) if exponent in harmless else (node.exp, node.base):
+                for inner in sympy.preorder_traversal(part):
+                    if isinstance(inner, sympy.Pow) and inner.exp not in harmless:
+                        return False
             if not exponent.free_symbols and abs(float(exponent)) > 1000:
                 return False
     return True

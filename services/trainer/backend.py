@@ -413,7 +413,9 @@ class TorchBackend:
         a = self.algorithm
         mask, old = mb.mask, fixed.old
         logits = self._response_logits(self.policy, mb)
-        log_probs = token_log_probs(logits, mb.targets)
+        # Padded and loss-mask-0 positions hold log-probs of junk targets: pin them to the
+        # old values (ratio 1, KL 0) so no term there can overflow into a NaN gradient.
+        log_probs = torch.where(mask > 0, token_log_probs(logits, mb.targets), old)
         # The entropy bonus needs the entropy's gradient; the metric alone does not.
         with nullcontext() if a.entropy_coef else torch.no_grad():
             entropy = algo.entropy_from_logits(logits)
@@ -434,7 +436,8 @@ class TorchBackend:
         pg_loss = aggregate(pg)
         loss = pg_loss
         if self.reference is not None and a.kl_loss_coef > 0:
-            kl_loss = aggregate(algo.kl_penalty(log_probs, fixed.ref, a.kl_estimator))
+            ref = torch.where(mask > 0, fixed.ref, old)
+            kl_loss = aggregate(algo.kl_penalty(log_probs, ref, a.kl_estimator))
             loss = loss + a.kl_loss_coef * kl_loss
             totals.add_step_value("kl_loss", float(kl_loss.detach()))
         if a.entropy_coef:
