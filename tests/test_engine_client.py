@@ -51,8 +51,8 @@ def test_generate_retries_a_broken_connection_with_a_fresh_rid(drops):
     assert out["output_ids"] == [5]
     generates = [s["rid"] for s in seen if s["path"] == "/generate"]
     assert generates == ["abc"] + [f"abc-retry{i}" for i in range(1, drops + 1)]
-    # before each retry the broken request is aborted by its original rid
-    assert [s["rid"] for s in seen if s["path"] == "/abort_request"] == ["abc"] * drops
+    # before each retry the broken request is aborted by the rid it was sent with
+    assert [s["rid"] for s in seen if s["path"] == "/abort_request"] == ["abc"] + [f"abc-retry{i}" for i in range(1, drops)]
 
 
 def test_generate_gives_up_with_unavailable_after_bounded_retries():

@@ -412,3 +412,9 @@ def test_stats_count_scored_and_failed_samples(reward_channel):
     stats = stub.GetStats(reward_pb2.GetRewardStatsRequest(), timeout=10)
     assert (stats.samples_scored, stats.samples_failed) == (1, 2)
     assert dict(stats.failures_by_component) == {"math": 1, "broken": 1}
+
+
+def test_no_components_at_all_is_refused_not_scored_zero():
+    scorer = Scorer.from_config(default_components={})
+    with pytest.raises(errors.InvalidArgument, match="no reward components"):
+        asyncio.run(scorer.score_samples([Sample(index=0, response="a", label="a", tokens=[1], response_length=1)], RewardSpec()))

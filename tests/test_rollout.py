@@ -89,7 +89,7 @@ def test_evaluate_reports_metrics_per_dataset(stack):
 
 
 def test_list_engines_and_errors(stack, engine_url):
-    _, rollout = stack
+    buffer, rollout = stack
     engines = rollout.ListEngines(rollout_pb2.ListEnginesRequest())
     assert [e.url for e in engines.engines] == [engine_url] and engines.weight_group_world_size == 2
     with pytest.raises(grpc.RpcError) as e:
@@ -101,6 +101,8 @@ def test_list_engines_and_errors(stack, engine_url):
     with pytest.raises(grpc.RpcError) as e:
         rollout.GenerateRollout(request(reward=reward_pb2.RewardSpec(components={"nope": 1.0})))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nope" in e.value.details()
+    # the failed rollout handed its prompts back instead of leaving them leased
+    assert buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r")).partial_groups == 2
     with pytest.raises(grpc.RpcError) as e:
         rollout.StartAsyncRollout(request())
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED

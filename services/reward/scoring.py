@@ -195,6 +195,10 @@ class Scorer:
         if not weights:
             weights = dict(self.default_components)
             weights.update({n: c.config.weight for n, c in callers.items() if c.config.weight})
+        if not weights:  # scoring with nothing would be a silent 0
+            raise errors.InvalidArgument(
+                "no reward components: the request names none, and the reward service has no default_components "
+                "and no registered service with a weight")
         self._check_weights(weights, "spec", callers, allow_group)
         return weights
 

@@ -41,6 +41,7 @@ class SGLangClient:
         self.timeout = timeout
         self.weight_timeout = weight_timeout
         self._has_weight_session: bool | None = None  # SGLang >= 0.5.21 wants begin/end
+        self._live_rids: dict[str, str] = {}  # rid a caller knows -> rid of the retry in flight
 
     async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
         try:
@@ -60,26 +61,30 @@ class SGLangClient:
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str, return_logprob: bool = True) -> dict:
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
                 "return_logprob": return_logprob, "logprob_start_len": -1}
-        for attempt in range(GENERATE_ATTEMPTS):
-            if attempt:
-                # A fresh rid: the aborted one may still be in flight. Aborting the original
-                # rid also aborts these (engines match rids by prefix).
-                body["rid"] = f"{rid}-retry{attempt}"
-            try:
-                r = await self.http.post(self.url + "/generate", json=body, timeout=self.timeout)
-                break
-            except httpx.TransportError as e:
-                # The connection broke (a pooled connection closed under us, an engine
-                # restarting). Abort the rid first so a half-received request cannot
-                # linger, then send it again.
-                if attempt + 1 == GENERATE_ATTEMPTS:
-                    raise EngineError(f"engine {self.url}: POST /generate failed {GENERATE_ATTEMPTS} times: "
-                                      f"{type(e).__name__}: {e}") from None
-                await asyncio.sleep(0.1 * 2 ** attempt)
+        try:
+            for attempt in range(GENERATE_ATTEMPTS):
+                if attempt:
+                    # A fresh rid: the broken one may still be in flight. abort(rid) follows it.
+                    body["rid"] = self._live_rids[rid] = f"{rid}-retry{attempt}"
                 try:
-                    await self.abort(rid)
-                except EngineError:
-                    pass
+                    r = await self.http.post(self.url + "/generate", json=body, timeout=self.timeout)
+                    break
+                except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
+                    # The connection broke (a pooled connection closed under us, an engine
+                    # restarting); timeouts are not retried. Abort the broken request so it
+                    # cannot linger, then send it again.
+                    if attempt + 1 == GENERATE_ATTEMPTS:
+                        raise EngineError(f"engine {self.url}: POST /generate failed {GENERATE_ATTEMPTS} times: "
+                                          f"{type(e).__name__}: {e}") from None
+                    await asyncio.sleep(0.1 * 2 ** attempt)
+                    try:
+                        await self.abort(rid)
+                    except EngineError:
+                        pass
+                except httpx.HTTPError as e:
+                    raise EngineError(f"engine {self.url}: POST /generate failed: {type(e).__name__}: {e}") from None
+        finally:
+            self._live_rids.pop(rid, None)
         if r.status_code == 400:
             raise InvalidArgument(f"engine {self.url} refused the request: {_error_message(r)}")
         if r.status_code != 200:
@@ -87,7 +92,8 @@ class SGLangClient:
         return r.json()
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        await self._post("/abort_request", {"rid": rid, "abort_all": abort_all})
+        """Abort a request by the rid it was sent with (or the retry that replaced it)."""
+        await self._post("/abort_request", {"rid": self._live_rids.get(rid, rid), "abort_all": abort_all})
 
     async def pause(self, mode: str = "abort") -> None:
         await self._check(await self._post("/pause_generation", {"mode": mode}), "/pause_generation")

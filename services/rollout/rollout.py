@@ -162,6 +162,7 @@ class RolloutManager:
             resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
                 run_id=req.run_id, num_groups=need + req.over_sampling_groups, worker_id="rollout"))
             inflight: dict = {}
+            handled: set[str] = set()  # dropped by the filter (written ones are in `written`)
             stop = asyncio.Event()
             tasks = [asyncio.create_task(self._generate_group(group_from_proto(g), params, sem,
                                                               req.apply_chat_template, inflight, stop))
@@ -179,6 +180,7 @@ class RolloutManager:
                             keep.append(group)
                         else:
                             pending.add(_done(group))  # over-sampled surplus: hand back below
+                    handled.update(dropped)
                     if dropped:
                         filtered += len(dropped)
                         await self.buffer.DropGroups(buffer_pb2.DropGroupsRequest(
@@ -192,11 +194,24 @@ class RolloutManager:
             except BaseException:
                 for t in tasks:
                     t.cancel()
+                await self._hand_back(req.run_id, resp.groups, {g.group_id for g in written} | handled)
                 raise
         metrics = rollout_metrics(written, "rollout/")
         metrics.update({"rollout/seconds": time.monotonic() - start, "rollout/groups_filtered": float(filtered),
                         "rollout/groups_aborted": float(aborted)})
         return rollout_pb2.GenerateRolloutResponse(groups_written=len(written), groups_filtered=filtered, metrics=metrics)
+
+    async def _hand_back(self, run_id: str, prompts, done: set[str]) -> None:
+        """A failed or cancelled rollout returns the prompts it had not finished (as they
+        were handed out) instead of leaving them leased until the lease expires."""
+        unfinished = [g for g in prompts if g.group_id not in done]
+        if not unfinished:
+            return
+        try:
+            await asyncio.shield(self.buffer.ReturnPartialGroups(
+                buffer_pb2.PutGroupsRequest(run_id=run_id, groups=unfinished), timeout=10))
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            log.warning("could not hand %d prompts back to the buffer; their leases will expire", len(unfinished))
 
     async def _abort_and_return(self, req, pending: set, inflight: dict) -> int:
         """Over-sampling: enough groups are done; abort the rest and hand them back to the
@@ -208,11 +223,11 @@ class RolloutManager:
         groups = [g for g in await asyncio.gather(*pending)]
         for group in groups:
             for s in group.samples:
-                if s.status not in (Status.ABORTED, Status.PENDING):
-                    continue  # finished (completed, truncated, failed): kept as is
                 if not req.partial_rollout:
+                    # Start over later, with the weights of then: nothing of this policy kept.
                     s.tokens, s.response, s.response_length = [], "", 0
                     s.loss_mask, s.rollout_log_probs, s.weight_versions = [], [], []
+                    s.reward, s.reward_components = 0.0, {}
                     s.status = Status.PENDING
                 s.metadata.pop("rid", None)
         if groups:

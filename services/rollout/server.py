@@ -4,6 +4,7 @@ engine pool (weight-update calls are relayed to every engine with its rank offse
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -85,7 +86,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             "group_name": request.group_name or "weight_update_group",
             "flush_cache": request.flush_cache,
             "abort_all_requests": False,
-            "weight_version": request.weight_version,
+            "weight_version": request.weight_version or None,  # None: unchanged (earlier buckets)
             "load_format": request.load_format or None,
         }
 
@@ -117,22 +118,31 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.EngineCallResponse(engines=[e.url for e in self.pool.engines], message=message)
 
 
-def _binding(settings: Settings) -> ServiceBinding:
+def _binding(settings: Settings) -> tuple[ServiceBinding, Callable[[], Awaitable[None]]]:
+    """The servicer and a function that closes its clients (engine HTTP pool, channels)."""
     pool = EnginePool(settings.engine_urls, settings.router_url, settings.request_timeout_seconds,
                       settings.weight_update_timeout_seconds)
-    manager = RolloutManager(
-        settings, pool,
-        buffer_pb2_grpc.BufferStub(aio_channel(settings.buffer_address, settings.max_message_bytes)),
-        reward_pb2_grpc.RewardStub(aio_channel(settings.reward_address, settings.max_message_bytes)),
-    )
-    return ServiceBinding(RolloutServicer(manager, pool), rollout_pb2_grpc.add_RolloutServicer_to_server,
-                          rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name)
+    buffer_channel = aio_channel(settings.buffer_address, settings.max_message_bytes)
+    reward_channel = aio_channel(settings.reward_address, settings.max_message_bytes)
+    manager = RolloutManager(settings, pool, buffer_pb2_grpc.BufferStub(buffer_channel),
+                             reward_pb2_grpc.RewardStub(reward_channel))
+
+    async def close() -> None:
+        await pool.close()
+        await buffer_channel.close()
+        await reward_channel.close()
+
+    binding = ServiceBinding(RolloutServicer(manager, pool), rollout_pb2_grpc.add_RolloutServicer_to_server,
+                             rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name)
+    return binding, close
 
 
 async def start(settings: Settings) -> tuple[grpc.aio.Server, int]:
-    server, port, _ = await start_server([_binding(settings)], f"{settings.host}:{settings.port}", settings.max_message_bytes)
+    binding, _ = _binding(settings)
+    server, port, _ = await start_server([binding], f"{settings.host}:{settings.port}", settings.max_message_bytes)
     return server, port
 
 
 async def serve(settings: Settings) -> None:
-    await serve_forever([_binding(settings)], f"{settings.host}:{settings.port}", settings.max_message_bytes)
+    binding, close = _binding(settings)
+    await serve_forever([binding], f"{settings.host}:{settings.port}", settings.max_message_bytes, on_shutdown=close)

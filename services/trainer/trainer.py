@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,9 +110,18 @@ class Trainer:
     def status(self, run_id: str) -> RunStatus:
         return self._get(run_id).status()
 
+    @asynccontextmanager
+    async def _holding(self, run: _Run):
+        """The lock, for work on `run`: a call that waited behind EndRun finds the run gone
+        (NOT_FOUND) instead of working on a closed model."""
+        async with self._lock:
+            if self._run is not run:
+                raise errors.NotFound(f"run {run.run_id!r} ended while this call waited")
+            yield
+
     async def end_run(self, run_id: str) -> RunStatus:
         run = self._get(run_id)
-        async with self._lock:
+        async with self._holding(run):
             status = run.status()
             if run.pusher is not None:
                 await run.pusher.close()
@@ -142,7 +152,7 @@ class Trainer:
         return await asyncio.shield(self._lease_train_ack(run, num_groups, wait_seconds, loss))
 
     async def _lease_train_ack(self, run: _Run, num_groups: int, wait_seconds: float, loss: str) -> StepResult:
-        async with self._lock:
+        async with self._holding(run):
             lease_id, groups = await self._lease(run.run_id, num_groups, wait_seconds)
             result = await self._train(run, groups, loss)
             await self._ack(run.run_id, lease_id, result.step)
@@ -152,7 +162,7 @@ class Trainer:
         """Train on groups the caller already has (no buffer involved)."""
         run = self._get(run_id)
         _check_loss(loss)
-        async with self._lock:
+        async with self._holding(run):
             return await self._train(run, groups, loss)
 
     async def _train(self, run: _Run, groups: list[SampleGroup], loss: str) -> StepResult:
@@ -223,7 +233,7 @@ class Trainer:
             raise errors.InvalidArgument(f"method must be one of {', '.join(PUBLISH_METHODS)} (or empty), got {method!r}")
         if version < 0:
             raise errors.InvalidArgument(f"version must not be negative, got {version}")
-        async with self._lock:
+        async with self._holding(run):
             if run.pusher is None:
                 run.pusher = WeightPusher(
                     self.settings.rollout_address,
@@ -249,7 +259,7 @@ class Trainer:
     async def save_checkpoint(self, run_id: str, path: str = "") -> Path:
         """Save to `path`, or by default <checkpoint_dir or work_dir/<run>/checkpoints>/step_<n>."""
         run = self._get(run_id)
-        async with self._lock:
+        async with self._holding(run):
             if path:
                 target = Path(path)
             else:

@@ -261,8 +261,10 @@ class WeightPusher:
                     rollout_pb2.TensorMeta(name=name, dtype=dtype_name(wire_dtype or t.dtype), shape=list(t.shape))
                     for name, t in bucket
                 ],
-                weight_version=str(version),
-                flush_cache=k == len(buckets) - 1,  # once, after the last bucket
+                # The version and the cache flush come with the last bucket only: an engine
+                # never reports a version it holds only part of.
+                weight_version=str(version) if k == len(buckets) - 1 else "",
+                flush_cache=k == len(buckets) - 1,
                 load_format=config.load_format,
             )
             _, nbytes = await self._together(

@@ -92,7 +92,7 @@ class EngineState:
         return await asyncio.wrap_future(self.engine.run_between_steps(fn))
 
     def set_weight_version(self, version: Any) -> None:
-        if version is not None:
+        if version not in (None, ""):  # an update's earlier buckets leave the version as it is
             self.engine.weight_version = str(version)
 
 
