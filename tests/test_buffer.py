@@ -372,8 +372,8 @@ def test_export_and_import_errors(buffer, dataset, tmp_path):
     assert code == INVALID and "loss_mask" in details
     two = tmp_path / "two.jsonl"
     two.write_text("".join(json.dumps({"group_id": f"x{i}", "samples": [{"tokens": [1]}]}) + "\n" for i in range(2)))
-    code, _ = code_of(lambda: stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="r1", path=str(two))))
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # the cap is 1: all or nothing
+    code, details = code_of(lambda: stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="r1", path=str(two))))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "can never fit" in details  # 2 groups, cap 1: all or nothing
     assert stats(stub).queued_groups == 0
 
 
@@ -396,3 +396,13 @@ def test_stats_over_grpc_and_as_prometheus_metrics(buffer, dataset):
     assert 'rlmesh_buffer_queued_groups{run="r1"} 1' in text
     assert 'rlmesh_buffer_acknowledged_groups_total{run="r1"} 2' in text
     assert httpx.get(f"http://127.0.0.1:{port}/other").status_code == 404
+
+
+def test_run_ids_and_dataset_names_cannot_reach_other_keys(buffer, dataset):
+    stub = buffer()
+    for bad in ("a:b", "a*", ""):
+        code, details = code_of(lambda: stub.GetStats(buffer_pb2.GetStatsRequest(run_id=bad)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "run_id" in details
+    code, details = code_of(lambda: stub.CreateRun(buffer_pb2.CreateRunRequest(
+        run_id="r1", n_samples_per_prompt=1, datasets=[buffer_pb2.DatasetSpec(name="__groups__", path=str(dataset))])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "dataset name" in details

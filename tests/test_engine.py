@@ -273,6 +273,8 @@ def test_bad_input_is_400_with_a_message(client):
         {"text": "x", "sampling_params": {"temperature": "hot"}},
         {"input_ids": [100000]},
         {"text": ["a", "b"], "sampling_params": [{}]},
+        {"text": "x", "logprob_start_len": "zero"},
+        {"text": "x", "top_logprobs_num": 1.5},
     ]:
         r = client.post("/generate", json=body)
         assert r.status_code == 400, body

@@ -22,6 +22,8 @@ class GroupCache:
     def put(self, token: str, group_id: str, data: bytes | memoryview) -> None:
         if self.max_bytes <= 0 or len(data) > self.max_bytes:
             return
+        # A slice of a request's buffer would keep the whole request alive: copy it.
+        data = bytes(data)
         key = (token, group_id)
         old = self._entries.pop(key, None)
         if old is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -67,6 +68,9 @@ class LeasedBatch:
     response: bytes  # a serialized LeaseBatchResponse
 
 
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
 class BufferStore:
     def __init__(
         self,
@@ -94,8 +98,9 @@ class BufferStore:
         self._drop = redis.register_script(scripts.DROP_GROUPS)
 
     def keys(self, run_id: str) -> RunKeys:
-        if not run_id:
-            raise InvalidArgument("run_id is required")
+        if not _NAME.fullmatch(run_id):
+            # ':' or '*' in an id would reach into another run's keys (DeleteRun scans by prefix).
+            raise InvalidArgument(f"run_id must be 1-128 letters, digits, '_', '.' or '-', got {run_id!r}")
         return RunKeys(f"{self.key_prefix}:run:{run_id}:")
 
     @staticmethod
@@ -120,8 +125,9 @@ class BufferStore:
         out = []
         names = set()
         for d in req.datasets:
-            if not d.name:
-                raise InvalidArgument("every dataset needs a name")
+            if not _NAME.fullmatch(d.name) or d.name == "__groups__":
+                raise InvalidArgument(f"dataset name must be 1-128 letters, digits, '_', '.' or '-' "
+                                      f"(not '__groups__'), got {d.name!r}")
             if d.name in names:
                 raise InvalidArgument(f"dataset names must be unique; {d.name!r} appears twice")
             names.add(d.name)
@@ -172,8 +178,10 @@ class BufferStore:
             sizes[opts.name], skipped[opts.name] = len(loaded.records), loaded.skipped
         # token: this incarnation of the run (keys the group cache; see services.buffer.cache)
         spec.update(sizes=sizes, skipped=skipped, created_at=time.time(), token=uuid.uuid4().hex)
-        # SET NX: of two replicas racing to create the same run, one wins; same data either way.
-        await self.redis.set(k.spec, json.dumps(spec), nx=True)
+        # SET NX: of two replicas racing to create the same run, one wins (and with the same
+        # spec wrote the same data); the other reports what it found.
+        if not await self.redis.set(k.spec, json.dumps(spec), nx=True):
+            return await self.create_run(req)
         return True
 
     async def delete_run(self, run_id: str) -> int:
@@ -389,6 +397,8 @@ class BufferStore:
             known = {g.group_id for g in eligible}
             if any(g.group_id not in known for g in ordered):
                 raise RlmeshError("the buffer filter returned a group that was not offered to it (a filter bug)")
+            if len({g.group_id for g in ordered}) != len(ordered):
+                raise RlmeshError("the buffer filter returned a group twice (a filter bug)")
             take, samples = [], 0
             for g in ordered:
                 if (num_groups and len(take) >= num_groups) or (num_samples and samples >= num_samples):

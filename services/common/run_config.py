@@ -91,6 +91,19 @@ class AlgorithmConfig(_Strict):
     )
 
     @model_validator(mode="after")
+    def _estimator_defaults(self):
+        """What the estimator's paper means unless set explicitly: Dr. GRPO does not divide
+        by the response length; GSPO clips its sequence-level ratio in a far smaller range."""
+        if "loss_aggregation" not in self.model_fields_set and self.advantage_estimator == "dr_grpo":
+            self.loss_aggregation = "seq_mean_token_sum"
+        if self.advantage_estimator == "gspo":
+            if "eps_clip" not in self.model_fields_set:
+                self.eps_clip = 3e-4
+            if "eps_clip_high" not in self.model_fields_set:
+                self.eps_clip_high = 4e-4
+        return self
+
+    @model_validator(mode="after")
     def _one_kl(self):
         if self.kl_loss_coef > 0 and self.kl_coef > 0:
             raise ValueError("use KL either as a loss term (kl_loss_coef) or as reward shaping (kl_coef), not both")

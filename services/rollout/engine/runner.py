@@ -115,6 +115,12 @@ def _number(name: str, value: Any, kind: type) -> Any:
     return float(value)
 
 
+def _top_level_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+        raise RequestError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
 def _str_list(name: str, value: Any) -> list[str]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
@@ -297,8 +303,8 @@ def parse_generate_body(body: Any, tokenizer: Any, vocab_size: int) -> tuple[lis
                 prompt_ids=list(prompts[i]),
                 params=params[i],
                 return_logprob=bool(return_logprob[i]),
-                logprob_start_len=int(start_len[i] if start_len[i] is not None else -1),
-                top_logprobs_num=int(top_num[i] or 0),
+                logprob_start_len=_top_level_int("logprob_start_len", start_len[i] if start_len[i] is not None else -1),
+                top_logprobs_num=_top_level_int("top_logprobs_num", top_num[i] or 0),
                 return_text_in_logprobs=text_in_logprobs,
                 stream=stream,
             )
