@@ -4,6 +4,7 @@ health checking and reflection, graceful stop on SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import subprocess
 import sys
@@ -40,6 +41,8 @@ def test_sample_round_trips_through_protobuf_and_json():
     assert sample_from_proto(sample_pb2.Sample.FromString(sample_to_proto(s).SerializeToString())) == s
     group = SampleGroup("g3", 3, [s, full_sample()], "d")
     assert group_from_proto(group_to_proto(group)) == group
+    s.multimodal_inputs[0]["data"] = b"\x89PNG\x00"
+    assert sample_from_json(json.loads(json.dumps(sample_to_json(s)))) == s  # through real JSON, bytes too
     back = sample_from_json(sample_to_json(s))
     assert back.tokens == s.tokens and back.status == Status.TRUNCATED and back.rollout_log_probs == s.rollout_log_probs
     assert s.prompt_tokens == [5, 6] and s.response_tokens == [7, 8]

@@ -7,6 +7,7 @@ uint8 loss mask); see bench/wire.py for the measurement behind that choice.
 
 from __future__ import annotations
 
+import base64
 import enum
 import json
 from dataclasses import dataclass, field
@@ -193,8 +194,10 @@ def sample_to_json(sample: Sample) -> dict[str, Any]:
     """A JSON-ready dict (for JSONL export and HTTP reward services)."""
     d = {k: getattr(sample, k) for k in Sample.__dataclass_fields__}
     d["status"] = sample.status.name.lower()
+    # JSON has no bytes: inline data travels base64-encoded.
     d["multimodal_inputs"] = [
-        {k: v for k, v in m.items() if k != "data"} for m in sample.multimodal_inputs
+        {**{k: v for k, v in m.items() if k != "data"}, "data_base64": base64.b64encode(m.get("data") or b"").decode()}
+        for m in sample.multimodal_inputs
     ]
     return d
 
@@ -202,6 +205,10 @@ def sample_to_json(sample: Sample) -> dict[str, Any]:
 def sample_from_json(d: dict[str, Any]) -> Sample:
     d = dict(d)
     status = d.pop("status", "pending")
+    d["multimodal_inputs"] = [
+        {**{k: v for k, v in m.items() if k != "data_base64"}, "data": base64.b64decode(m.get("data_base64", ""))}
+        for m in d.get("multimodal_inputs", [])
+    ]
     sample = Sample(**{k: v for k, v in d.items() if k in Sample.__dataclass_fields__})
     sample.status = Status[status.upper()] if isinstance(status, str) else Status(status)
     validate_arrays(

@@ -72,17 +72,22 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         redis = aioredis.Redis.from_url(settings.redis_url)
+        channels = {name: aio_channel(address, settings.max_message_bytes) for name, address in (
+            ("buffer", settings.buffer_address), ("rollout", settings.rollout_address),
+            ("trainer", settings.trainer_address), ("reward", settings.reward_address))}
         clients = Clients(
-            buffer=buffer_pb2_grpc.BufferStub(aio_channel(settings.buffer_address, settings.max_message_bytes)),
-            rollout=rollout_pb2_grpc.RolloutStub(aio_channel(settings.rollout_address, settings.max_message_bytes)),
-            trainer=trainer_pb2_grpc.TrainerStub(aio_channel(settings.trainer_address, settings.max_message_bytes)),
+            buffer=buffer_pb2_grpc.BufferStub(channels["buffer"]),
+            rollout=rollout_pb2_grpc.RolloutStub(channels["rollout"]),
+            trainer=trainer_pb2_grpc.TrainerStub(channels["trainer"]),
         )
         app.state.store = RunStore(redis, settings.key_prefix)
         app.state.driver = RunDriver(app.state.store, clients, settings.train_wait_seconds)
-        app.state.reward = reward_pb2_grpc.RewardStub(aio_channel(settings.reward_address, settings.max_message_bytes))
+        app.state.reward = reward_pb2_grpc.RewardStub(channels["reward"])
         await app.state.driver.resume_active()
         yield
         await app.state.driver.close()
+        for channel in channels.values():
+            await channel.close()
         await redis.aclose()
 
     app = FastAPI(title="rlmesh coordinator", version="0.1.0", lifespan=lifespan,

@@ -18,7 +18,7 @@ SAMPLE is a sample as services.common.sample.sample_to_json writes it:
      "label": "5", "reward": 0.0, "reward_components": {}, "loss_mask": [...],
      "status": "completed", "metadata": {...}, "rollout_log_probs": [...],
      "weight_versions": [3],
-     "multimodal_inputs": [{"kind": "image", "uri": "...", "mime_type": "..."}]}
+     "multimodal_inputs": [{"kind": "image", "uri": "...", "mime_type": "...", "data_base64": "..."}]}
 
 A request holds whole groups (every sample of a prompt that asks for this service,
 same `group_index`) up to the service's max_batch_size samples; a larger group is
