@@ -8,7 +8,7 @@ import json
 import grpc
 import pytest
 
-from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, rollout_pb2, rollout_pb2_grpc
+from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, rollout_pb2, rollout_pb2_grpc, sample_pb2
 from services.buffer.config import Settings as BufferSettings
 from services.buffer.server import start as start_buffer
 from services.common.grpc_server import sync_channel
@@ -76,7 +76,11 @@ def test_over_sampling_hands_surplus_groups_back(stack):
     assert r.groups_written == 1
     stats = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r"))
     assert stats.queued_groups == 1
-    assert stats.partial_groups + int(r.metrics["rollout/groups_aborted"]) >= 2  # nothing lost
+    # the two surplus groups went back to the buffer, nothing lost
+    assert stats.partial_groups == r.metrics["rollout/groups_aborted"] == 2
+    # without partial rollout they start over: no tokens of this policy kept
+    resumed = buffer.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r", num_groups=2)).groups
+    assert all(s.status == sample_pb2.Sample.PENDING and not s.tokens for g in resumed for s in g.samples)
 
 
 def test_evaluate_reports_metrics_per_dataset(stack):
