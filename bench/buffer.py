@@ -48,6 +48,7 @@ from pydantic import BaseModel
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, sample_pb2
 from bench.wire import realistic_group
 from services.common.grpc_server import aio_channel
+from services.common.launcher import http_ready, wait_until_ready
 from services.common.redis_server import free_port, start_redis
 from services.common.sample import group_to_proto
 
@@ -233,19 +234,6 @@ def wait_grpc(address: str, proc: subprocess.Popen, timeout: float = 60) -> None
         channel.close()
 
 
-def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the JSON trajectory server did not start")
-        time.sleep(0.1)
-
-
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -317,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
         address, json_url = f"127.0.0.1:{port}", f"http://127.0.0.1:{json_port}"
         wait_grpc(address, procs[0])
-        wait_http(json_url, procs[1])
+        wait_until_ready(lambda: http_ready(json_url), procs[1], "the JSON trajectory server", timeout=60)
         dataset = os.path.join(work, "prompts.jsonl")
         with open(dataset, "w") as f:
             f.write(json.dumps({"prompt": "unused", "label": ""}) + "\n")

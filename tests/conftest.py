@@ -13,6 +13,7 @@ import pytest
 import redis
 import torch
 
+from services.common.launcher import http_ready, wait_until_ready
 from services.common.redis_server import start_redis
 from services.common.tiny_model import build_tiny_model
 
@@ -98,23 +99,6 @@ async def _stop(server) -> None:
         await result
 
 
-def _wait_http(url: str, proc, timeout: float = 120.0) -> None:
-    import time
-
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"engine did not start (exit code {proc.poll()})")
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir, tmp_path_factory):
     """The CPU reference engine in its own process (as in production: the weight group's
@@ -133,7 +117,7 @@ def engine_url(tiny_model_dir, tmp_path_factory):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_http(url, proc)
+        wait_until_ready(lambda: http_ready(url), proc, "the reference engine", timeout=120)
         yield url
     finally:
         proc.terminate()

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common.launcher import http_ready, wait_until_ready
 from services.common.tiny_model import build_tiny_model
 from services.common.weight_group import destroy_weight_group, init_weight_group
 from services.rollout.engine.config import Settings
@@ -419,17 +420,12 @@ def _launch_engine(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, s
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"engine did not start:\n{log_path.read_text()}")
-        time.sleep(0.2)
+    try:
+        wait_until_ready(lambda: http_ready(url), proc, "the reference engine", timeout=120)
+    except RuntimeError as e:
+        proc.kill()
+        pytest.fail(f"{e}:\n{log_path.read_text()}")
+    return proc, url
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -25,6 +24,7 @@ from rlmesh.v1.trainer_pb2_grpc import TrainerStub
 from services.buffer.config import Settings as BufferSettings
 from services.buffer.server import start as start_buffer
 from services.common import errors
+from services.common.launcher import http_ready, wait_until_ready
 from services.common.grpc_server import sync_channel
 from services.common.redis_server import free_port
 from services.common.run_config import TrainerRunConfig, WeightSyncConfig
@@ -440,15 +440,10 @@ class EngineProcess:
                    "--port", str(self.port), "--num-threads", "1", "--weight-group-timeout-s", "60"]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        while True:
-            if self.process.poll() is not None:
-                pytest.fail(f"engine did not start:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        try:
+            wait_until_ready(lambda: http_ready(self.url), self.process, "the reference engine")
+        except RuntimeError as e:
+            pytest.fail(f"{e}:\n{self.log_path.read_text()}")
 
     def stop(self) -> None:
         self.process.terminate()

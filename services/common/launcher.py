@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,12 +75,28 @@ class Stack:
         (self.data_dir / "up.json").unlink(missing_ok=True)
 
 
+def http_ready(url: str) -> bool:
+    """An HTTP service (engine, coordinator) answers GET /health with 200."""
+    try:
+        return httpx.get(url.rstrip("/") + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_until_ready(ready: Callable[[], bool], process: subprocess.Popen, what: str, timeout: float = 180.0) -> None:
+    """Poll `ready` until it holds; fail at once if the process exits, or after timeout."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {process.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} was not ready after {timeout:.0f} s")
+        time.sleep(0.1)
+
+
 def _ready(name: str, address: str) -> bool:
     if name in HTTP_SERVICES:
-        try:
-            return httpx.get(f"http://{address}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return http_ready(f"http://{address}")
     with grpc.insecure_channel(address) as ch:
         try:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
@@ -106,11 +123,10 @@ def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", time
             stack.processes[name] = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", "serve", name, *stack.flags(name, model_path)],
                 stdout=log, stderr=subprocess.STDOUT, env=env)
-            deadline = time.monotonic() + timeout
-            while not _ready(name, stack.address(name)):
-                if stack.processes[name].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not start; see {data_dir / 'logs' / (name + '.log')}")
-                time.sleep(0.2)
+            try:
+                wait_until_ready(lambda: _ready(name, stack.address(name)), stack.processes[name], name, timeout)
+            except RuntimeError as e:
+                raise RuntimeError(f"{e}; see {data_dir / 'logs' / (name + '.log')}") from None
             echo(f"  {name:<12} {stack.address(name)}")
         echo(f"  {'metrics':<12} http://127.0.0.1:{stack.ports['buffer_metrics']}/metrics (buffer, Prometheus)")
     except BaseException:
