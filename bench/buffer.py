@@ -32,8 +32,8 @@ import asyncio
 import json
 import os
 import shutil
-import statistics
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,12 +45,13 @@ import httpx
 import redis
 from pydantic import BaseModel
 
-from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, sample_pb2
 from bench.wire import realistic_group
-from services.common.grpc_server import aio_channel
-from services.common.launcher import http_ready, wait_until_ready
-from services.common.redis_server import free_port, start_redis
-from services.common.sample import group_to_proto
+from rlmesh.cli.embedded_redis import start_redis
+from rlmesh.cli.launcher import http_ready, wait_until_ready
+from rlmesh.common.grpc_server import aio_channel
+from rlmesh.common.net import free_port
+from rlmesh.common.sample import group_to_proto
+from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, sample_pb2
 
 SAMPLES_PER_GROUP = 8
 TEMPLATES = 32  # distinct groups, reused under fresh group ids
@@ -74,7 +75,7 @@ def templates() -> list[sample_pb2.SampleGroup]:
 
 def json_payloads(groups: list[sample_pb2.SampleGroup]) -> list[dict]:
     """The same groups as a JSON trajectory API takes them (lists of numbers)."""
-    from services.common.sample import group_from_proto
+    from rlmesh.common.sample import group_from_proto
 
     out = []
     for g in groups:
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         port = free_port()
         buffer_log = open(os.path.join(work, "buffer.log"), "wb")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "buffer", "--redis-url", server.url,
+            [sys.executable, "-m", "rlmesh.cli", "serve", "buffer", "--redis-url", server.url,
              "--port", str(port), "--log-level", "WARNING",
              *([] if args.cache_megabytes is None else ["--cache-megabytes", str(args.cache_megabytes)])],
             stdout=buffer_log, stderr=subprocess.STDOUT))

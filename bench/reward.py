@@ -28,11 +28,11 @@ from pathlib import Path
 import grpc
 import httpx
 
+from rlmesh.common.grpc_server import sync_channel
+from rlmesh.common.net import free_port
+from rlmesh.common.sample import Sample, Status, sample_to_json, sample_to_proto
+from rlmesh.reward import verifiers
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.common.grpc_server import sync_channel
-from services.common.redis_server import free_port
-from services.common.sample import Sample, Status, sample_to_json, sample_to_proto
-from services.reward import verifiers
 
 BATCH = 64  # samples per Score call from the client
 REMOTE_BATCH = 32  # samples per HTTP request rlmesh sends
@@ -84,7 +84,7 @@ def wait_until(ready: Callable[[], bool], proc: subprocess.Popen, what: str, tim
 
 def start_reward_service(port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "reward", "--port", str(port),
+        [sys.executable, "-m", "rlmesh.cli", "serve", "reward", "--port", str(port),
          "--default-components", json.dumps({"math": 1.0}), "--log-level", "WARNING"])
     channel = sync_channel(f"127.0.0.1:{port}")
 

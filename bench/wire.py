@@ -23,8 +23,7 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.internal import api_implementation
 
-from rlmesh.v1 import sample_pb2
-from services.common.sample import (
+from rlmesh.common.sample import (
     Sample,
     SampleGroup,
     Status,
@@ -32,6 +31,7 @@ from services.common.sample import (
     group_to_proto,
     validate_arrays,
 )
+from rlmesh.v1 import sample_pb2
 
 N_SAMPLES = 8
 PROMPT_TOKENS = 512

@@ -4,6 +4,7 @@ loopback in background threads (each with its own asyncio loop)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 from collections.abc import Awaitable, Callable
@@ -13,13 +14,27 @@ import pytest
 import redis
 import torch
 
-from services.common.launcher import http_ready, wait_until_ready
-from services.common.redis_server import start_redis
-from services.common.tiny_model import build_tiny_model
+from rlmesh.buffer.config import Settings as BufferSettings
+from rlmesh.buffer.server import start as start_buffer
+from rlmesh.cli.embedded_redis import start_redis
+from rlmesh.cli.launcher import http_ready, wait_until_ready
+from rlmesh.cli.tiny_model import build_tiny_model
+from rlmesh.common.grpc_server import sync_channel
+from rlmesh.v1 import buffer_pb2_grpc
 
 # Two cores: keep torch from oversubscribing them while servers run beside the tests.
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: skipped, with the reason, on machines without one."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +99,7 @@ def start_in_loop(loop_thread) -> Callable:
         if stop is not None:
             try:
                 loop_thread.run(_stop(server), timeout=30)
-            except Exception:  # noqa: BLE001 - best effort at teardown
+            except Exception:
                 pass
 
 
@@ -106,12 +121,12 @@ def engine_url(tiny_model_dir, tmp_path_factory):
     import subprocess
     import sys
 
-    from services.common.redis_server import free_port
+    from rlmesh.common.net import free_port
 
     port = free_port()
     log = open(tmp_path_factory.mktemp("engine") / "engine.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "engine", "--model-path", str(tiny_model_dir),
+        [sys.executable, "-m", "rlmesh.cli", "serve", "engine", "--model-path", str(tiny_model_dir),
          "--port", str(port), "--num-threads", "1"],
         stdout=log, stderr=subprocess.STDOUT,
     )
@@ -122,3 +137,22 @@ def engine_url(tiny_model_dir, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture
+def dataset(tmp_path) -> Path:
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"q": f"question {i}", "a": str(i)}) + "\n" for i in range(5)))
+    return path
+
+
+@pytest.fixture
+def buffer(redis_url, start_in_loop):
+    """buffer(**settings) -> a stub of a fresh buffer server on the test's Redis."""
+
+    def factory(**overrides):
+        settings = BufferSettings(**{"redis_url": redis_url, "port": 0, **overrides})
+        _, port = start_in_loop(lambda: start_buffer(settings))
+        return buffer_pb2_grpc.BufferStub(sync_channel(f"127.0.0.1:{port}"))
+
+    return factory

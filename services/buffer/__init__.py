@@ -3,19 +3,19 @@ training. Redis is its only state, so any number of replicas can serve one Redis
 any of them can be killed at any time.
 
 - Prompts come from local JSONL / Parquet files or saved Hugging Face datasets
-  (services.buffer.sources), optionally chat-templated through the model's tokenizer
-  and filtered by length (services.buffer.datasets), shuffled per epoch with a seed, mixed
+  (rlmesh.buffer.sources), optionally chat-templated through the model's tokenizer
+  and filtered by length (rlmesh.buffer.datasets), shuffled per epoch with a seed, mixed
   by weight across training datasets, with the cursor in Redis.
-- Every move of a group between states is one Lua script (services.buffer.scripts):
+- Every move of a group between states is one Lua script (rlmesh.buffer.scripts):
   prompts leased to rollout workers, partial groups waiting to resume, completed groups
   queued, training batches leased and acknowledged, stale groups dropped. The key
-  scheme is in services.buffer.store.
+  scheme is in rlmesh.buffer.store.
 - Groups stay the bytes their writer serialized, all the way to the trainer
-  (services.buffer.wire); a bounded in-process cache of recent writes lets a lease skip
-  reading them back from Redis (services.buffer.cache).
+  (rlmesh.buffer.wire); a bounded in-process cache of recent writes lets a lease skip
+  reading them back from Redis (rlmesh.buffer.cache).
 
 Durability comes from Redis's append-only file. The embedded Redis
-(services.common.redis_server) and the compose Redis run with `appendonly yes` and
+(rlmesh.cli.embedded_redis) and the compose Redis run with `appendonly yes` and
 `appendfsync everysec`: Redis appends each write to the file with write(2) before it
 sends the reply, and a background thread fsyncs the file once a second. So a killed
 Redis process (SIGKILL, OOM kill, crash) loses nothing it acknowledged (the data is in

@@ -3,7 +3,7 @@
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.settings import ServiceSettings
+from rlmesh.common.settings import ServiceSettings
 
 
 class Settings(ServiceSettings):
@@ -18,7 +18,7 @@ class Settings(ServiceSettings):
     buffer_filter: str = Field(
         "",
         description="Import path of the function choosing which queued groups a lease gets "
-        "(e.g. services.buffer.filters:highest_reward_variance_first); empty = first in, first out.",
+        "(e.g. rlmesh.buffer.filters:highest_reward_variance_first); empty = first in, first out.",
     )
     filter_window: int = Field(4096, ge=1, description="How many of the oldest queued groups a buffer filter sees.")
     metrics_port: int = Field(0, ge=0, description="Port of the Prometheus /metrics HTTP endpoint (0 = off).")

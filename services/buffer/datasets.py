@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from services.buffer.sources import read_rows
-from services.common.errors import InvalidArgument
-from services.common.sample import Sample, Status
+from rlmesh.buffer.sources import read_rows
+from rlmesh.common.errors import InvalidArgument
+from rlmesh.common.sample import Sample, Status
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def load_tokenizer(path: str):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - any failure here is a bad path or checkpoint
+    except Exception as e:
         raise InvalidArgument(f"cannot load a tokenizer from {path!r} (tokenizer_path): {e}") from None
 
 

@@ -1,7 +1,7 @@
 """Buffer filters: which queued groups a training lease gets, and in what order.
 
 A filter is named by import path in the buffer's own settings (`buffer_filter`, e.g.
-"services.buffer.filters:highest_reward_variance_first"), never by a request. It is a
+"rlmesh.buffer.filters:highest_reward_variance_first"), never by a request. It is a
 plain function
 
     def my_filter(groups: list[QueuedGroup]) -> list[QueuedGroup]
@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.errors import InvalidArgument
+from rlmesh.common.errors import InvalidArgument
 
 BufferFilter = Callable[[list["QueuedGroup"]], list["QueuedGroup"]]
 
@@ -39,7 +39,7 @@ class QueuedGroup:
 
 def encode_meta(num_samples: int, oldest_weight_version: int, group_index: int, dataset: str,
                 rewards: list[float]) -> str:
-    """The per-group summary stored beside the bytes (see services.buffer.scripts)."""
+    """The per-group summary stored beside the bytes (see rlmesh.buffer.scripts)."""
     # formatted by hand: json.dumps of a whole dict costs more than the rest of a write
     extra = f'{{"i":{group_index},"d":{json.dumps(dataset)},"r":{json.dumps(rewards)}}}'
     return f"{num_samples} {oldest_weight_version} {extra}"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from services.buffer.store import BufferStore
-from services.common.errors import NotFound
+from rlmesh.buffer.store import BufferStore
+from rlmesh.common.errors import NotFound
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ async def start_metrics_server(store: BufferStore, host: str, port: int) -> asyn
                 status, body = "200 OK", (await render(store)).encode()
             else:
                 status, body = "404 Not Found", b"only GET /metrics is served here\n"
-        except Exception as e:  # noqa: BLE001 - a broken scrape must not take the buffer down
+        except Exception as e:
             log.exception("metrics scrape failed")
             status, body = "500 Internal Server Error", f"metrics failed: {type(e).__name__}: {e}\n".encode()
         head = (f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"

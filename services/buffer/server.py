@@ -2,7 +2,7 @@
 
 Groups cross the buffer as bytes: PutGroups stores each group's bytes exactly as the
 client sent them, and LeaseBatch / GetPrompts answer with responses the store already
-built in wire form (their method handlers take bytes; see services.buffer.wire)."""
+built in wire form (their method handlers take bytes; see rlmesh.buffer.wire)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import redis
 import redis.asyncio as aioredis
 from google.protobuf import message_factory
 
+from rlmesh.buffer import metrics, transfer, wire
+from rlmesh.buffer.config import Settings
+from rlmesh.buffer.filters import load_filter
+from rlmesh.buffer.store import BufferStore
+from rlmesh.common.errors import InvalidArgument, Unavailable
+from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from services.buffer import metrics, transfer, wire
-from services.buffer.config import Settings
-from services.buffer.filters import load_filter
-from services.buffer.store import BufferStore
-from services.common.errors import InvalidArgument, Unavailable
-from services.common.grpc_server import ServiceBinding, serve_forever, start_server
 
 log = logging.getLogger(__name__)
 
@@ -150,15 +150,7 @@ async def _start_metrics(store: BufferStore, settings: Settings):
     return server
 
 
-async def start(settings: Settings) -> tuple[grpc.aio.Server, int]:
-    store = make_store(settings)
-    await _start_metrics(store, settings)
-    server, port, _ = await start_server([_binding(store, settings)], f"{settings.host}:{settings.port}",
-                                         settings.max_message_bytes)
-    return server, port
-
-
-async def serve(settings: Settings) -> None:
+async def build(settings: Settings) -> Service:
     store = make_store(settings)
     metrics_server = await _start_metrics(store, settings)
 
@@ -167,5 +159,7 @@ async def serve(settings: Settings) -> None:
             metrics_server.close()
         await store.redis.aclose()
 
-    await serve_forever([_binding(store, settings)], f"{settings.host}:{settings.port}", settings.max_message_bytes,
-                        on_shutdown=shutdown)
+    return Service([_binding(store, settings)], on_shutdown=shutdown)
+
+
+start = functools.partial(start_service, build)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.common.errors import InvalidArgument
+from rlmesh.common.errors import InvalidArgument
 
 
 def read_rows(name: str, path: str, columns: list[str], split: str = "") -> list[dict]:

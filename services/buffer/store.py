@@ -1,10 +1,10 @@
 """The buffer's plain logic over Redis. Every move of a group between states is one
-atomic Lua script (services.buffer.scripts), so several buffer replicas can serve one
+atomic Lua script (rlmesh.buffer.scripts), so several buffer replicas can serve one
 Redis and a crash at any point loses nothing and hands nothing out twice.
 
 Keys of a run live under `<prefix>:run:<run_id>:`:
   spec            run spec (JSON); its existence is the run's existence
-  data:<dataset>  prompt records (list of JSON, see services.buffer.datasets)
+  data:<dataset>  prompt records (list of JSON, see rlmesh.buffer.datasets)
   cursor          hash: <dataset> -> prompts drawn so far; __groups__ -> next group index
   prompts         hash: group_id -> handed-out prompt group (bytes, or a "ref:" to build it)
   prompt_leases   zset: group_id -> lease expiry (unix seconds)
@@ -18,7 +18,7 @@ Keys of a run live under `<prefix>:run:<run_id>:`:
   stats           hash of counters;  rate_snapshots  zset of counter snapshots (rates)
 
 Groups stay serialized protobuf bytes from the writer to the trainer: the buffer checks
-them but never re-encodes them (see services.buffer.wire).
+them but never re-encodes them (see rlmesh.buffer.wire).
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from dataclasses import asdict, dataclass
 
 import redis.asyncio as aioredis
 
+from rlmesh.buffer import scripts
+from rlmesh.buffer.cache import GroupCache
+from rlmesh.buffer.datasets import DatasetOptions, epoch_order, load_dataset, record_to_samples
+from rlmesh.buffer.filters import BufferFilter, decode_meta, encode_meta
+from rlmesh.buffer.wire import repeated_messages
+from rlmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RlmeshError
+from rlmesh.common.sample import SampleGroup, group_to_proto, validate_group_proto
 from rlmesh.v1 import buffer_pb2, sample_pb2
-from services.buffer import scripts
-from services.buffer.cache import GroupCache
-from services.buffer.datasets import DatasetOptions, epoch_order, load_dataset, record_to_samples
-from services.buffer.filters import BufferFilter, decode_meta, encode_meta
-from services.buffer.wire import repeated_messages
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RlmeshError
-from services.common.sample import SampleGroup, group_to_proto, validate_group_proto
 
 _RATE_COUNTERS = ("groups_written", "acknowledged_groups", "prompts_handed_out")
 _SPEC_ONLY_AT_CREATION = ("sizes", "skipped", "created_at", "token")
@@ -176,7 +176,7 @@ class BufferStore:
                 pipe.rpush(k.data(opts.name), *[json.dumps(r) for r in loaded.records[start:start + 1000]])
             await pipe.execute()
             sizes[opts.name], skipped[opts.name] = len(loaded.records), loaded.skipped
-        # token: this incarnation of the run (keys the group cache; see services.buffer.cache)
+        # token: this incarnation of the run (keys the group cache; see rlmesh.buffer.cache)
         spec.update(sizes=sizes, skipped=skipped, created_at=time.time(), token=uuid.uuid4().hex)
         # SET NX: of two replicas racing to create the same run, one wins (and with the same
         # spec wrote the same data); the other reports what it found.
@@ -389,7 +389,7 @@ class BufferStore:
             queued = [decode_meta(gid, raw, pos) for pos, (gid, raw) in enumerate(zip(ids, metas))]
 
             def stale(g):
-                return 0 < min_version and 0 <= g.oldest_weight_version < min_version
+                return min_version > 0 and 0 <= g.oldest_weight_version < min_version
 
             drop = [g.group_id for g in queued if stale(g)] if not keep_stale else []
             eligible = [g for g in queued if keep_stale or not stale(g)]

@@ -3,7 +3,7 @@ trainer on saved rollouts without any engine). One line per group:
 
     {"group_id": ..., "group_index": ..., "dataset": ..., "samples": [<sample JSON>, ...]}
 
-with samples in services.common.sample's JSON form (sample_to_json / sample_from_json).
+with samples in rlmesh.common.sample's JSON form (sample_to_json / sample_from_json).
 Paths are on the buffer's machine."""
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import json
 import os
 from pathlib import Path
 
-from rlmesh.v1 import sample_pb2
-from services.buffer.store import BufferStore
-from services.common.errors import InvalidArgument, NotFound
-from services.common.sample import (
+from rlmesh.buffer.store import BufferStore
+from rlmesh.common.errors import InvalidArgument, NotFound
+from rlmesh.common.sample import (
     ConversionError,
     SampleGroup,
     group_from_proto,
@@ -24,6 +23,7 @@ from services.common.sample import (
     sample_from_json,
     sample_to_json,
 )
+from rlmesh.v1 import sample_pb2
 
 
 def _path(path: str) -> Path:

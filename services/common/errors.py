@@ -1,5 +1,5 @@
 """Errors that carry a gRPC status code. Plain logic raises these; the transport layer
-(services.common.grpc_server) turns them into a status with a message a person can act
+(rlmesh.common.grpc_server) turns them into a status with a message a person can act
 on, never a stack trace."""
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import RlmeshError
-from services.common.sample import ConversionError
+from rlmesh.common.errors import RlmeshError
+from rlmesh.common.sample import ConversionError
+from rlmesh.common.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class _StatusInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AioRpcError as e:
                 # A call to another service failed: pass its status on, saying where it came from.
                 await context.abort(e.code(), f"{e.details()} (reported by an upstream rlmesh service)")
-            except Exception as e:  # noqa: BLE001 - last resort: no stack trace on the wire
+            except Exception as e:
                 log.exception("unhandled error in %s", method)
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}")
 
@@ -77,6 +78,18 @@ class ServiceBinding:
     servicer: Any
     add_to_server: Callable[[Any, grpc.aio.Server], None]
     full_name: str
+
+
+@dataclass
+class Service:
+    """What a service's `build(settings)` returns: its servicers, and what to close after
+    the server stops (clients, channels, side servers)."""
+
+    bindings: list[ServiceBinding]
+    on_shutdown: Callable[[], Awaitable[None]] | None = None
+
+
+Builder = Callable[[Any], Awaitable[Service]]
 
 
 async def start_server(
@@ -103,16 +116,21 @@ async def start_server(
     return server, port, health_servicer
 
 
-async def serve_forever(
-    bindings: Iterable[ServiceBinding],
-    address: str,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    grace_seconds: float = 30.0,
-    on_shutdown: Callable[[], Awaitable[None]] | None = None,
-) -> None:
+async def start_service(build: Builder, settings: ServiceSettings) -> tuple[grpc.aio.Server, int]:
+    """Build a service from its settings and start it in the running loop (tests and
+    embedding); returns the server and its bound port."""
+    service = await build(settings)
+    server, port, _ = await start_server(service.bindings, f"{settings.host}:{settings.port}", settings.max_message_bytes)
+    return server, port
+
+
+async def serve_service(build: Builder, settings: ServiceSettings, grace_seconds: float = 30.0) -> None:
     """Serve until SIGTERM/SIGINT, then report NOT_SERVING, let in-flight calls finish
-    (up to grace_seconds) and run on_shutdown."""
-    server, port, health_servicer = await start_server(bindings, address, max_message_bytes)
+    (up to grace_seconds) and close what the service opened."""
+    service = await build(settings)
+    server, port, health_servicer = await start_server(
+        service.bindings, f"{settings.host}:{settings.port}", settings.max_message_bytes
+    )
     log.info("serving gRPC on port %d", port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -122,5 +140,5 @@ async def serve_forever(
     log.info("shutting down: finishing in-flight calls (up to %.0f s)", grace_seconds)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_seconds)
-    if on_shutdown is not None:
-        await on_shutdown()
+    if service.on_shutdown is not None:
+        await service.on_shutdown()

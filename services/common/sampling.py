@@ -5,8 +5,8 @@ back to SGLang's defaults."""
 
 from __future__ import annotations
 
+from rlmesh.common.run_config import SamplingConfig
 from rlmesh.v1 import rollout_pb2
-from services.common.run_config import SamplingConfig
 
 
 def sampling_to_proto(cfg: SamplingConfig) -> rollout_pb2.SamplingParams:

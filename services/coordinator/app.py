@@ -14,12 +14,12 @@ from fastapi.responses import JSONResponse
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, Field
 
+from rlmesh.common.errors import HTTP_STATUS_BY_GRPC_CODE, RlmeshError
+from rlmesh.common.grpc_server import aio_channel
+from rlmesh.common.run_config import RunConfig
+from rlmesh.coordinator.config import Settings
+from rlmesh.coordinator.runs import Clients, RunDriver, RunStore
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
-from services.common.errors import HTTP_STATUS_BY_GRPC_CODE, RlmeshError
-from services.common.grpc_server import aio_channel
-from services.common.run_config import RunConfig
-from services.coordinator.config import Settings
-from services.coordinator.runs import Clients, RunDriver, RunStore
 
 
 class RunCreated(BaseModel):

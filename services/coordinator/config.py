@@ -3,7 +3,7 @@
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.settings import ServiceSettings
+from rlmesh.common.settings import ServiceSettings
 
 
 class Settings(ServiceSettings):

@@ -14,10 +14,18 @@ from dataclasses import dataclass
 import grpc
 import redis.asyncio as aioredis
 
-from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from services.common.errors import FailedPrecondition, NotFound
-from services.common.run_config import RunConfig
-from services.common.sampling import sampling_to_proto
+from rlmesh.common.errors import FailedPrecondition, NotFound
+from rlmesh.common.run_config import RunConfig
+from rlmesh.common.sampling import sampling_to_proto
+from rlmesh.v1 import (
+    buffer_pb2,
+    buffer_pb2_grpc,
+    reward_pb2,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +179,7 @@ class RunDriver:
             log.error("run %s failed: %s", run_id, e.details())
             await self.store.update(run_id, status="failed", error=f"{e.code().name}: {e.details()}")
             await self._end(run_id)  # free the trainer for the next run
-        except Exception as e:  # noqa: BLE001 - a run's failure is recorded, never crashes the API
+        except Exception as e:
             log.exception("run %s failed", run_id)
             await self.store.update(run_id, status="failed", error=f"{type(e).__name__}: {e}")
             await self._end(run_id)

@@ -25,10 +25,9 @@ from dataclasses import dataclass, replace
 import grpc
 import httpx
 
-from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.common import errors
-from services.common.sample import Sample, SampleGroup, Status
-from services.reward.remote import (
+from rlmesh.common import errors
+from rlmesh.common.sample import Sample, SampleGroup, Status
+from rlmesh.reward.remote import (
     CallFailed,
     RemoteDefaults,
     RemoteScore,
@@ -40,6 +39,7 @@ from services.reward.remote import (
     make_transport,
     resolve_config,
 )
+from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 
 CHECKS = ("answers", "shapes", "ordering", "groups", "errors", "latency")
 
@@ -90,7 +90,8 @@ def _describe(result: SampleResult) -> str:
 def _same(a: SampleResult, b: SampleResult) -> bool:
     if isinstance(a, str) or isinstance(b, str):
         return isinstance(a, str) and isinstance(b, str)
-    close = lambda x, y: (x is None and y is None) or (x is not None and y is not None and math.isclose(x, y, abs_tol=1e-6))
+    def close(x, y):
+        return (x is None and y is None) or (x is not None and y is not None and math.isclose(x, y, abs_tol=1e-6))
     return close(a.total, b.total) and a.named.keys() == b.named.keys() and all(
         close(v, b.named[k]) for k, v in a.named.items())
 

@@ -11,8 +11,8 @@ import re
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.common.settings import ServiceSettings
-from services.reward.verifiers import VERIFIERS
+from rlmesh.common.settings import ServiceSettings
+from rlmesh.reward.verifiers import VERIFIERS
 
 # "package.module:function" or "package.module:Class.method"
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -70,7 +70,7 @@ class Settings(ServiceSettings):
     )
 
     @model_validator(mode="after")
-    def _check_components(self) -> "Settings":
+    def _check_components(self) -> Settings:
         for field_name, functions in (("custom_functions", self.custom_functions), ("group_functions", self.group_functions)):
             for name, path in functions.items():
                 if name in VERIFIERS:

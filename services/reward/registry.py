@@ -15,8 +15,8 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.common import errors
-from services.reward.remote import (
+from rlmesh.common import errors
+from rlmesh.reward.remote import (
     CallFailed,
     RemoteDefaults,
     RemoteScore,
@@ -26,7 +26,7 @@ from services.reward.remote import (
     probe_sample,
     resolve_config,
 )
-from services.reward.resilience import CallPolicy, RemoteCaller
+from rlmesh.reward.resilience import CallPolicy, RemoteCaller
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,13 @@ class RemoteRegistry:
             await self._redis.aclose()
 
 
+_closing: set[asyncio.Future] = set()  # strong references until the close finishes
+
+
 def _close_later(caller: RemoteCaller) -> None:
-    asyncio.ensure_future(caller.close())
+    task = asyncio.ensure_future(caller.close())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
 
 
 async def probe(config: RemoteServiceConfig, max_reply_bytes: int) -> RemoteScore | str:

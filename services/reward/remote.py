@@ -11,7 +11,7 @@ rlmesh POSTs a batch of samples to the URL exactly as registered (say
 
     {"samples": [SAMPLE, ...]}
 
-SAMPLE is a sample as services.common.sample.sample_to_json writes it:
+SAMPLE is a sample as rlmesh.common.sample.sample_to_json writes it:
 
     {"index": 12, "group_index": 3, "prompt": "What is 2+3?", "messages": [],
      "tokens": [...], "response": "... \\boxed{5}", "response_length": 7,
@@ -73,9 +73,8 @@ from urllib.parse import urlsplit
 import grpc
 import httpx
 
-from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.common import errors
-from services.common.sample import (
+from rlmesh.common import errors
+from rlmesh.common.sample import (
     ConversionError,
     Sample,
     SampleGroup,
@@ -84,6 +83,7 @@ from services.common.sample import (
     group_to_proto,
     sample_to_json,
 )
+from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 
 PROTOCOLS = {"http": "http-json", "https": "http-json", "grpc": "grpc"}
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.reward.remote import CallFailed, RemoteServiceConfig, SampleResult, Transport, Unit
+from rlmesh.reward.remote import CallFailed, RemoteServiceConfig, SampleResult, Transport, Unit
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class RemoteCaller:
                     failure = e
                 except asyncio.TimeoutError:
                     failure = CallFailed(f"no answer within {timeout:g} s", retryable=True)
-                except Exception as e:  # noqa: BLE001 - a bug or surprise in a transport: report it, keep the run going
+                except Exception as e:
                     log.exception("remote reward service %s: unexpected error", self.config.name)
                     failure = CallFailed(f"unexpected error: {type(e).__name__}: {e}", retryable=False)
                 else:

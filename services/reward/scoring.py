@@ -1,9 +1,9 @@
 """Scoring: compute each requested reward component of each sample and their weighted sum.
 
-Components are built-in verifiers (services.reward.verifiers), per-sample custom
+Components are built-in verifiers (rlmesh.reward.verifiers), per-sample custom
 functions and group functions, the latter two loaded by import path from the
 operator's settings, and remote reward services registered by URL
-(services.reward.registry): a registered name "my_judge" is a component, and so is
+(rlmesh.reward.registry): a registered name "my_judge" is a component, and so is
 each named score it returns, "my_judge/style". Bad requests (unknown component names,
 bad weights) raise errors.InvalidArgument before anything is scored. A component that fails on a sample
 (raises, returns something that is not a finite number) marks that sample FAILED with
@@ -25,12 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from services.common import errors
-from services.common.sample import Sample, SampleGroup, Status
-from services.reward.registry import RemoteRegistry
-from services.reward.remote import Unit
-from services.reward.resilience import RemoteCaller
-from services.reward.verifiers import VERIFIERS
+from rlmesh.common import errors
+from rlmesh.common.sample import Sample, SampleGroup, Status
+from rlmesh.reward.registry import RemoteRegistry
+from rlmesh.reward.remote import Unit
+from rlmesh.reward.resilience import RemoteCaller
+from rlmesh.reward.verifiers import VERIFIERS
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Component:
 
     @property
     def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None))
+        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None))  # noqa: B004 - async __call__ of an object
 
 
 def load_function(path: str) -> Callable[..., Any]:
@@ -349,7 +349,7 @@ class Scorer:
                     record(await component.fn(sample))
                 except _ComponentFailed as e:
                     outcome.fail(component.name, str(e))
-                except Exception as e:  # noqa: BLE001 - the operator's code: report, don't crash the call
+                except Exception as e:
                     log.warning("reward component %s failed on sample %d", component.name, sample.index, exc_info=True)
                     outcome.fail(component.name, _describe(component.name, e))
             return run_async
@@ -362,7 +362,7 @@ class Scorer:
                     record(component.fn(sample))
             except _ComponentFailed as e:
                 outcome.fail(component.name, str(e))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if component.kind != "builtin":
                     log.warning("reward component %s failed on sample %d", component.name, sample.index, exc_info=True)
                 outcome.fail(component.name, _describe(component.name, e))
@@ -393,7 +393,7 @@ class Scorer:
                     record(await component.fn(members))
                 except _ComponentFailed as e:
                     fail(str(e))
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     log.warning("group reward component %s failed", component.name, exc_info=True)
                     fail(_describe(component.name, e))
             return run_async
@@ -403,7 +403,7 @@ class Scorer:
                 record(component.fn(members))
             except _ComponentFailed as e:
                 fail(str(e))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.warning("group reward component %s failed", component.name, exc_info=True)
                 fail(_describe(component.name, e))
         return run_sync

@@ -1,20 +1,20 @@
-"""gRPC transport for the reward service: thin handlers over services.reward.scoring
-(scoring) and services.reward.registry (remote reward services registered by URL)."""
+"""gRPC transport for the reward service: thin handlers over rlmesh.reward.scoring
+(scoring) and rlmesh.reward.registry (remote reward services registered by URL)."""
 
 from __future__ import annotations
 
-import grpc
+import functools
 
+from rlmesh.common.errors import InvalidArgument
+from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
+from rlmesh.common.sample import group_from_proto, group_to_proto, sample_from_proto, sample_to_proto
+from rlmesh.reward.config import Settings
+from rlmesh.reward.registry import RemoteRegistry
+from rlmesh.reward.remote import RemoteDefaults, RemoteServiceConfig
+from rlmesh.reward.resilience import CallPolicy
+from rlmesh.reward.scoring import RewardSpec, Scorer
+from rlmesh.reward.verifiers import VERIFIERS
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.common.errors import InvalidArgument
-from services.common.grpc_server import ServiceBinding, serve_forever, start_server
-from services.common.sample import group_from_proto, group_to_proto, sample_from_proto, sample_to_proto
-from services.reward.config import Settings
-from services.reward.registry import RemoteRegistry
-from services.reward.remote import RemoteDefaults, RemoteServiceConfig
-from services.reward.resilience import CallPolicy
-from services.reward.scoring import RewardSpec, Scorer
-from services.reward.verifiers import VERIFIERS
 
 
 def spec_from_proto(msg: reward_pb2.RewardSpec) -> RewardSpec:
@@ -90,7 +90,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         )
 
 
-def build(settings: Settings) -> tuple[Scorer, RemoteRegistry]:
+def build_scorer(settings: Settings) -> tuple[Scorer, RemoteRegistry]:
     """The scorer and the registry of remote services, as the settings describe them."""
     reserved = {*VERIFIERS, *settings.custom_functions, *settings.group_functions}
     registry = RemoteRegistry(
@@ -116,14 +116,9 @@ def _binding(scorer: Scorer, registry: RemoteRegistry) -> ServiceBinding:
     )
 
 
-async def start(settings: Settings) -> tuple[grpc.aio.Server, int]:
-    scorer, registry = build(settings)
-    server, port, _ = await start_server([_binding(scorer, registry)], f"{settings.host}:{settings.port}",
-                                         settings.max_message_bytes)
-    return server, port
+async def build(settings: Settings) -> Service:
+    scorer, registry = build_scorer(settings)
+    return Service([_binding(scorer, registry)], on_shutdown=registry.close)
 
 
-async def serve(settings: Settings) -> None:
-    scorer, registry = build(settings)
-    await serve_forever([_binding(scorer, registry)], f"{settings.host}:{settings.port}", settings.max_message_bytes,
-                        on_shutdown=registry.close)
+start = functools.partial(start_service, build)

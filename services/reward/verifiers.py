@@ -276,7 +276,7 @@ def _to_sympy(answer: str):
         if not _bounded_powers(unevaluated):
             return None
         return parse_expr(text, global_dict=_sympy_globals(), transformations=transformations)
-    except Exception:  # noqa: BLE001 - anything sympy cannot read is simply not comparable
+    except Exception:
         return None
 
 
@@ -310,7 +310,7 @@ def _sympy_equal(a: str, b: str) -> bool:
         return False
     try:
         return x == y or _numerically_equal(x, y)
-    except Exception:  # noqa: BLE001 - e.g. infinities or nan: not equal
+    except Exception:
         return False
 
 
@@ -535,7 +535,7 @@ def multiple_choice(response: str, label: str, metadata: dict[str, Any]) -> floa
     return 1.0 if extract_choice(response) == m.group(1).upper() else 0.0
 
 
-def format(response: str, label: str, metadata: dict[str, Any]) -> float:  # noqa: A001 - the component's name
+def format(response: str, label: str, metadata: dict[str, Any]) -> float:
     """1.0 when the response ends its reasoning with a non-empty \\boxed{} answer."""
     return 1.0 if last_boxed(response) else 0.0
 

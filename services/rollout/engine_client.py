@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 
 
 @dataclass

@@ -11,8 +11,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.sample import Sample, Status
-from services.rollout.engine_client import SGLangClient
+from rlmesh.common.sample import Sample, Status
+from rlmesh.rollout.engine_client import SGLangClient
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 

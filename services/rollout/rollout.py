@@ -12,13 +12,13 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
+from rlmesh.common.sampling import sampling_to_sglang
+from rlmesh.rollout.config import Settings
+from rlmesh.rollout.engine_client import EnginePool
+from rlmesh.rollout.generation import GenerateContext, default_generate, sft_sample
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from services.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
-from services.common.sampling import sampling_to_sglang
-from services.rollout.config import Settings
-from services.rollout.engine_client import EnginePool
-from services.rollout.generation import GenerateContext, default_generate, sft_sample
 
 log = logging.getLogger(__name__)
 

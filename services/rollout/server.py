@@ -4,16 +4,14 @@ engine pool (weight-update calls are relayed to every engine with its rank offse
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import functools
 
-import grpc
-
+from rlmesh.common.errors import InvalidArgument, Unavailable, Unimplemented
+from rlmesh.common.grpc_server import Service, ServiceBinding, aio_channel, start_service
+from rlmesh.rollout.config import Settings
+from rlmesh.rollout.engine_client import EnginePool
+from rlmesh.rollout.rollout import RolloutManager
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from services.common.errors import InvalidArgument, Unavailable, Unimplemented
-from services.common.grpc_server import ServiceBinding, aio_channel, serve_forever, start_server
-from services.rollout.config import Settings
-from services.rollout.engine_client import EnginePool
-from services.rollout.rollout import RolloutManager
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -118,8 +116,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.EngineCallResponse(engines=[e.url for e in self.pool.engines], message=message)
 
 
-def _binding(settings: Settings) -> tuple[ServiceBinding, Callable[[], Awaitable[None]]]:
-    """The servicer and a function that closes its clients (engine HTTP pool, channels)."""
+async def build(settings: Settings) -> Service:
+    """The servicer over an engine pool and clients of the buffer and reward services."""
     pool = EnginePool(settings.engine_urls, settings.router_url, settings.request_timeout_seconds,
                       settings.weight_update_timeout_seconds)
     buffer_channel = aio_channel(settings.buffer_address, settings.max_message_bytes)
@@ -134,15 +132,7 @@ def _binding(settings: Settings) -> tuple[ServiceBinding, Callable[[], Awaitable
 
     binding = ServiceBinding(RolloutServicer(manager, pool), rollout_pb2_grpc.add_RolloutServicer_to_server,
                              rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name)
-    return binding, close
+    return Service([binding], on_shutdown=close)
 
 
-async def start(settings: Settings) -> tuple[grpc.aio.Server, int]:
-    binding, _ = _binding(settings)
-    server, port, _ = await start_server([binding], f"{settings.host}:{settings.port}", settings.max_message_bytes)
-    return server, port
-
-
-async def serve(settings: Settings) -> None:
-    binding, close = _binding(settings)
-    await serve_forever([binding], f"{settings.host}:{settings.port}", settings.max_message_bytes, on_shutdown=close)
+start = functools.partial(start_service, build)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from services.common.run_config import AlgorithmConfig
+from rlmesh.common.run_config import AlgorithmConfig
 
 GRPO_EPS = 1e-6
 WHITEN_EPS = 1e-8

@@ -31,10 +31,10 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from services.common import errors
-from services.common.run_config import OptimizerConfig, TrainerRunConfig
-from services.common.sample import SampleGroup, Status, validate_arrays
-from services.trainer import algorithms as algo
+from rlmesh.common import errors
+from rlmesh.common.run_config import OptimizerConfig, TrainerRunConfig
+from rlmesh.common.sample import SampleGroup, Status, validate_arrays
+from rlmesh.trainer import algorithms as algo
 
 log = logging.getLogger(__name__)
 

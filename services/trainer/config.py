@@ -1,5 +1,5 @@
 """Settings of the trainer service (the process), as opposed to a run's settings
-(services.common.run_config.TrainerRunConfig, sent with InitRun)."""
+(rlmesh.common.run_config.TrainerRunConfig, sent with InitRun)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.common.settings import ServiceSettings
+from rlmesh.common.settings import ServiceSettings
 
 
 class Settings(ServiceSettings):

@@ -1,14 +1,14 @@
 """The trainer's gRPC face (proto/rlmesh/v1/trainer.proto): converts messages and calls
-services.trainer.trainer.Trainer; errors are raised as services.common.errors."""
+rlmesh.trainer.trainer.Trainer; errors are raised as rlmesh.common.errors."""
 
 from __future__ import annotations
 
-import grpc
+import functools
 
+from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
+from rlmesh.trainer.config import Settings
+from rlmesh.trainer.trainer import RunStatus, Trainer, parse_run_config
 from rlmesh.v1 import trainer_pb2, trainer_pb2_grpc
-from services.common.grpc_server import ServiceBinding, serve_forever, start_server
-from services.trainer.config import Settings
-from services.trainer.trainer import RunStatus, Trainer, parse_run_config
 
 SERVICE_NAME = "rlmesh.v1.Trainer"
 
@@ -57,22 +57,11 @@ def binding(trainer: Trainer) -> ServiceBinding:
     return ServiceBinding(TrainerServicer(trainer), trainer_pb2_grpc.add_TrainerServicer_to_server, SERVICE_NAME)
 
 
-async def start(settings: Settings, trainer: Trainer | None = None) -> tuple[grpc.aio.Server, int]:
-    """Start the trainer service; returns the server and its bound port. Pass a Trainer
-    to keep a handle on it (tests close it themselves)."""
+async def build(settings: Settings, trainer: Trainer | None = None) -> Service:
+    """The trainer service; pass a Trainer to keep a handle on it (tests close it themselves).
+    On shutdown an in-flight step finishes, then the run's resources go."""
     trainer = trainer or Trainer(settings)
-    server, port, _ = await start_server(
-        [binding(trainer)], f"{settings.host}:{settings.port}", settings.max_message_bytes
-    )
-    return server, port
+    return Service([binding(trainer)], on_shutdown=trainer.close)
 
 
-async def serve(settings: Settings) -> None:
-    """Serve until SIGTERM; an in-flight step finishes, then the run's resources go."""
-    trainer = Trainer(settings)
-    await serve_forever(
-        [binding(trainer)],
-        f"{settings.host}:{settings.port}",
-        settings.max_message_bytes,
-        on_shutdown=trainer.close,
-    )
+start = functools.partial(start_service, build)

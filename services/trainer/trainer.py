@@ -15,15 +15,15 @@ import grpc
 import torch
 from pydantic import ValidationError
 
+from rlmesh.common import errors
+from rlmesh.common.grpc_server import aio_channel
+from rlmesh.common.run_config import TrainerRunConfig
+from rlmesh.common.sample import SampleGroup, group_from_proto
+from rlmesh.trainer.backend import TorchBackend, resolve_device
+from rlmesh.trainer.config import Settings
+from rlmesh.trainer.weight_sync import PushResult, WeightPusher
 from rlmesh.v1 import buffer_pb2
 from rlmesh.v1.buffer_pb2_grpc import BufferStub
-from services.common import errors
-from services.common.grpc_server import aio_channel
-from services.common.run_config import TrainerRunConfig
-from services.common.sample import SampleGroup, group_from_proto
-from services.trainer.backend import TorchBackend, resolve_device
-from services.trainer.config import Settings
-from services.trainer.weight_sync import PushResult, WeightPusher
 
 log = logging.getLogger(__name__)
 

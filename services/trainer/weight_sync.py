@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlmesh.common import errors
+from rlmesh.common.grpc_server import aio_channel
+from rlmesh.common.net import free_port
+from rlmesh.common.run_config import WeightSyncConfig
+from rlmesh.common.weight_group import destroy_weight_group, init_weight_group
 from rlmesh.v1 import rollout_pb2
 from rlmesh.v1.rollout_pb2_grpc import RolloutStub
-from services.common import errors
-from services.common.grpc_server import aio_channel
-from services.common.redis_server import free_port
-from services.common.run_config import WeightSyncConfig
-from services.common.weight_group import destroy_weight_group, init_weight_group
 
 log = logging.getLogger(__name__)
 

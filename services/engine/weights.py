@@ -1,6 +1,6 @@
 """Weight updates for the reference engine, the way SGLang receives them:
 
-- a weight-update process group joined with `services.common.weight_group` (the trainer is
+- a weight-update process group joined with `rlmesh.common.weight_group` (the trainer is
   rank 0 and the source of every broadcast; this engine is rank `rank_offset`);
 - `update_weights_from_distributed`: one `broadcast(src=0)` per tensor in `names` order,
   each allocated with its announced dtype and shape; or, with load_format
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.common.weight_group import destroy_weight_group, init_weight_group
+from rlmesh.common.weight_group import destroy_weight_group, init_weight_group
 
 
 class WeightUpdateError(ValueError):
@@ -93,7 +93,7 @@ class WeightGroups:
             group = init_weight_group(
                 backend, master_address, master_port, world_size, rank_offset, group_name, timeout_seconds=self.timeout_s
             )
-        except Exception as e:  # noqa: BLE001 - reported to the caller
+        except Exception as e:
             raise WeightUpdateError(f"failed to join weight-update group {group_name!r}: {type(e).__name__}: {e}") from e
         self._groups[group_name] = group
 
@@ -133,7 +133,7 @@ def receive(
             return received
         bucket = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=device)
         dist.broadcast(bucket, src=0, group=group)
-    except Exception as e:  # noqa: BLE001 - reported to the caller
+    except Exception as e:
         raise WeightUpdateError(f"receiving the broadcast failed: {type(e).__name__}: {e}") from e
     received, offset = [], 0
     for spec in specs:

@@ -8,10 +8,10 @@ import json
 import grpc
 import httpx
 
+from rlmesh.common.net import free_port
+from rlmesh.common.sample import group_from_proto
 from rlmesh.v1 import buffer_pb2, sample_pb2
-from services.common.redis_server import free_port
-from services.common.sample import group_from_proto
-from test_buffer_support import buffer, code_of, completed, create, dataset, prompts, put, stats  # noqa: F401
+from tests.helpers.buffer import code_of, completed, create, prompts, put, stats
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 
@@ -307,7 +307,7 @@ def test_dropped_groups_are_counted_by_reason_and_not_handed_out_again(buffer, d
 # ---------------------------------------------------------------- filters, export / import, stats
 
 def test_a_buffer_filter_from_the_settings_picks_high_variance_groups_first(buffer, dataset):
-    stub = buffer(buffer_filter="services.buffer.filters:highest_reward_variance_first")
+    stub = buffer(buffer_filter="rlmesh.buffer.filters:highest_reward_variance_first")
     create(stub, dataset, n=4)
     g = prompts(stub, 4)
     put(stub, [completed(g[0], rewards=[1, 1, 1, 1]), completed(g[1], rewards=[0, 1, 0, 1]),
@@ -320,9 +320,9 @@ def test_a_buffer_filter_from_the_settings_picks_high_variance_groups_first(buff
 def test_a_bad_buffer_filter_fails_at_start(redis_url, start_in_loop):
     import pytest
 
-    from services.buffer.config import Settings
-    from services.buffer.server import start
-    from services.common.errors import InvalidArgument
+    from rlmesh.buffer.config import Settings
+    from rlmesh.buffer.server import start
+    from rlmesh.common.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="no_such_module"):
         start_in_loop(lambda: start(Settings(redis_url=redis_url, port=0, buffer_filter="no_such_module:f")))
@@ -401,7 +401,7 @@ def test_stats_over_grpc_and_as_prometheus_metrics(buffer, dataset):
 def test_run_ids_and_dataset_names_cannot_reach_other_keys(buffer, dataset):
     stub = buffer()
     for bad in ("a:b", "a*", ""):
-        code, details = code_of(lambda: stub.GetStats(buffer_pb2.GetStatsRequest(run_id=bad)))
+        code, details = code_of(lambda: stub.GetStats(buffer_pb2.GetStatsRequest(run_id=bad)))  # noqa: B023
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "run_id" in details
     code, details = code_of(lambda: stub.CreateRun(buffer_pb2.CreateRunRequest(
         run_id="r1", n_samples_per_prompt=1, datasets=[buffer_pb2.DatasetSpec(name="__groups__", path=str(dataset))])))

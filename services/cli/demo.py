@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from services.common.run_config import RunConfig
+from rlmesh.common.run_config import RunConfig
 
 LETTERS = "abcdefgh"
 
@@ -82,8 +82,10 @@ def write_plot(history: list[dict], path: Path) -> None:
         "held-out eval": [(m["rollout_id"], _eval_reward(m)) for m in history if _eval_reward(m) is not None],
     }
     xmax = max([x for pts in series.values() for x, _ in pts] + [1])
-    sx = lambda x: pad + (w - 2 * pad) * x / xmax
-    sy = lambda y: h - pad - (h - 2 * pad) * y
+    def sx(x):
+        return pad + (w - 2 * pad) * x / xmax
+    def sy(y):
+        return h - pad - (h - 2 * pad) * y
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
              f'<rect width="{w}" height="{h}" fill="white"/>',
              f'<line x1="{pad}" y1="{sy(0)}" x2="{w - pad}" y2="{sy(0)}" stroke="black"/>',
@@ -102,8 +104,8 @@ def write_plot(history: list[dict], path: Path) -> None:
 
 
 def run_demo(args) -> int:
-    from services.common.launcher import running_stack, start_stack
-    from services.common.tiny_model import build_tiny_model
+    from rlmesh.cli.launcher import running_stack, start_stack
+    from rlmesh.cli.tiny_model import build_tiny_model
 
     start = time.monotonic()
     data_dir = Path(args.data_dir).resolve()

@@ -17,7 +17,8 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.redis_server import EmbeddedRedis, free_port, start_redis
+from rlmesh.cli.embedded_redis import EmbeddedRedis, start_redis
+from rlmesh.common.net import free_port
 
 # Start order: each service's dependencies come before it.
 SERVICES = ("engine", "reward", "buffer", "rollout", "trainer", "coordinator")
@@ -121,10 +122,10 @@ def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", time
         for name in SERVICES:
             log = open(data_dir / "logs" / f"{name}.log", "ab")
             stack.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "serve", name, *stack.flags(name, model_path)],
+                [sys.executable, "-m", "rlmesh.cli", "serve", name, *stack.flags(name, model_path)],
                 stdout=log, stderr=subprocess.STDOUT, env=env)
             try:
-                wait_until_ready(lambda: _ready(name, stack.address(name)), stack.processes[name], name, timeout)
+                wait_until_ready(lambda: _ready(name, stack.address(name)), stack.processes[name], name, timeout)  # noqa: B023 - called at once
             except RuntimeError as e:
                 raise RuntimeError(f"{e}; see {data_dir / 'logs' / (name + '.log')}") from None
             echo(f"  {name:<12} {stack.address(name)}")

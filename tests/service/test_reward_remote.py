@@ -16,16 +16,23 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from rlmesh.common.grpc_server import ServiceBinding, start_server, sync_channel
+from rlmesh.common.net import free_port
+from rlmesh.common.sample import (
+    Sample,
+    SampleGroup,
+    Status,
+    group_from_proto,
+    group_to_proto,
+    sample_from_proto,
+    sample_to_proto,
+)
+from rlmesh.reward import check
+from rlmesh.reward.config import Settings
+from rlmesh.reward.remote import CallFailed, RemoteScore, Unit, parse_scores_reply
+from rlmesh.reward.resilience import CLOSED, HALF_OPEN, OPEN, BreakerOpen, CallPolicy, CircuitBreaker, pack_batches
+from rlmesh.reward.server import start as start_reward
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.common.grpc_server import ServiceBinding, start_server, sync_channel
-from services.common.redis_server import free_port
-from services.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto, sample_from_proto, sample_to_proto
-from services.reward import check
-from services.reward.config import Settings
-from services.reward.remote import CallFailed, RemoteScore, parse_scores_reply
-from services.reward.resilience import CLOSED, HALF_OPEN, OPEN, BreakerOpen, CallPolicy, CircuitBreaker, pack_batches
-from services.reward.remote import Unit
-from services.reward.server import start as start_reward
 
 # ---------------------------------------------------------------- a test remote with every failure mode
 
@@ -69,7 +76,8 @@ def remote_app(state: RemoteState) -> FastAPI:
 
 async def _answer(behaviour: str, samples: list[dict], state: RemoteState):
     scores = [score_of(s) for s in samples]
-    raw = lambda body: Response(json.dumps(body), media_type="application/json")  # allows NaN/Infinity
+    def raw(body):
+        return Response(json.dumps(body), media_type="application/json")  # allows NaN/Infinity
     if behaviour == "ok":
         await asyncio.sleep(0.01)  # long enough for concurrent calls to overlap
         return {"scores": scores}
@@ -251,7 +259,7 @@ def test_bad_registrations(reward, remote):
         (dict(name="judge", timeout_seconds=-1), "timeout_seconds"),
         (dict(name="judge", weight=float("nan")), "weight must be a finite number"),
     ):
-        code, message = rpc_error(lambda: reward.register(url=f"{url}/ok", **kw))
+        code, message = rpc_error(lambda: reward.register(url=f"{url}/ok", **kw))  # noqa: B023
         assert code == grpc.StatusCode.INVALID_ARGUMENT and reason in message, (kw, message)
     code, message = rpc_error(lambda: reward.stub.RegisterService(reward_pb2.RegisterServiceRequest()))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "no service" in message
@@ -348,7 +356,7 @@ def test_groups_travel_whole_batched_and_capped(reward, remote):
     ("null", "judge: the service returned null: it could not score this sample", [0]),
 ])
 def test_misbehaving_remote_fails_samples_with_the_reason(reward, remote, behaviour, reason, failed):
-    state, url = remote
+    _state, url = remote
     reward.register("judge", f"{url}/{behaviour}", timeout_seconds=0.2, max_batch_size=2)
     scored = reward.score_groups([SampleGroup("g", 0, [make_sample(0), make_sample(1)])], {"exact_match": 1.0, "judge": 1.0})
     samples = scored[0].samples
@@ -363,7 +371,7 @@ def test_misbehaving_remote_fails_samples_with_the_reason(reward, remote, behavi
     stats = reward.stub.GetStats(reward_pb2.GetRewardStatsRequest(), timeout=10)
     assert stats.samples_failed == len(failed) and stats.failures_by_component["judge"] == len(failed)
     assert next(s for s in stats.services if s.name == "judge").samples_failed == len(failed)
-    if "huge" == behaviour:
+    if behaviour == "huge":
         assert "larger than max_reply_bytes (65536)" in samples[0].metadata["reward_error"]
 
 
@@ -419,7 +427,8 @@ def test_a_remote_that_dies_mid_run(start_in_loop, loop_thread, redis_url):
     server, port = start_in_loop(lambda: start_http(remote_app(state)))
     reward = Reward(start_in_loop, redis_url)
     reward.register("judge", f"http://127.0.0.1:{port}/ok", timeout_seconds=2)
-    group = lambda g: SampleGroup(f"g{g}", g, [make_sample(3 * g + i, group_index=g) for i in range(3)])
+    def group(g):
+        return SampleGroup(f"g{g}", g, [make_sample(3 * g + i, group_index=g) for i in range(3)])
     assert all(s.reward == 1.0 for s in reward.score_groups([group(0)], {"judge": 1.0})[0].samples)
 
     loop_thread.run(server.stop())  # the remote dies

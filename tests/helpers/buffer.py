@@ -1,9 +1,7 @@
-"""Helpers shared by the buffer tests (no tests here): a buffer server in the test's loop
-or as its own process, runs, and completed groups."""
+"""Helpers for the buffer tests: runs, prompts, completed groups, a buffer as its own process."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -12,30 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, sample_pb2
-from services.buffer.config import Settings
-from services.buffer.server import start
-from services.common.grpc_server import sync_channel
-from services.common.sample import Status, group_from_proto, group_to_proto
-
-
-@pytest.fixture
-def dataset(tmp_path) -> Path:
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"q": f"question {i}", "a": str(i)}) + "\n" for i in range(5)))
-    return path
-
-
-@pytest.fixture
-def buffer(redis_url, start_in_loop):
-    """buffer(**settings) -> a stub of a fresh buffer server on the test's Redis."""
-
-    def factory(**overrides):
-        settings = Settings(**{"redis_url": redis_url, "port": 0, **overrides})
-        _, port = start_in_loop(lambda: start(settings))
-        return buffer_pb2_grpc.BufferStub(sync_channel(f"127.0.0.1:{port}"))
-
-    return factory
+from rlmesh.common.sample import Status, group_from_proto, group_to_proto
+from rlmesh.v1 import buffer_pb2, sample_pb2
 
 
 def create(stub, dataset, run_id="r1", n=2, cap=0, shuffle=False, **spec):
@@ -80,7 +56,7 @@ def code_of(call) -> tuple[grpc.StatusCode, str]:
 def start_buffer_process(redis_url: str, port: int, log: Path, *flags: str) -> subprocess.Popen:
     """`rlmesh serve buffer` in its own process, as deployed; returns once it serves."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "buffer", "--redis-url", redis_url, "--port", str(port), *flags],
+        [sys.executable, "-m", "rlmesh.cli", "serve", "buffer", "--redis-url", redis_url, "--port", str(port), *flags],
         stdout=log.open("ab"), stderr=subprocess.STDOUT,
     )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")

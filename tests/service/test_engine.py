@@ -21,11 +21,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.launcher import http_ready, wait_until_ready
-from services.common.tiny_model import build_tiny_model
-from services.common.weight_group import destroy_weight_group, init_weight_group
-from services.rollout.engine.config import Settings
-from services.rollout.engine.server import start
+from rlmesh.cli.launcher import http_ready, wait_until_ready
+from rlmesh.cli.tiny_model import build_tiny_model
+from rlmesh.common.weight_group import destroy_weight_group, init_weight_group
+from rlmesh.engine.config import Settings
+from rlmesh.engine.server import start
 
 # Long enough that a request with ignore_eos is still running when a test aborts it.
 LONG = {"max_new_tokens": 100_000, "ignore_eos": True, "temperature": 0}
@@ -125,7 +125,7 @@ def test_generate_shapes_and_logprobs(client, tokenizer):
         "/generate",
         json={"text": "hi", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True, "return_text_in_logprobs": True},
     )
-    for lp, token_id, text in r.json()["meta_info"]["output_token_logprobs"]:
+    for _lp, token_id, text in r.json()["meta_info"]["output_token_logprobs"]:
         assert text == tokenizer.decode([token_id])
 
 
@@ -402,8 +402,8 @@ def _free_port() -> int:
 _ENGINE_MAIN = (
     "import asyncio, logging, sys\n"
     "logging.basicConfig(level=logging.INFO)\n"
-    "from services.rollout.engine.config import Settings\n"
-    "from services.rollout.engine.server import serve\n"
+    "from rlmesh.engine.config import Settings\n"
+    "from rlmesh.engine.server import serve\n"
     "asyncio.run(serve(Settings(model_path=sys.argv[1], port=int(sys.argv[2]), num_threads=1, seed=0,\n"
     "                           context_length=1_000_000)))\n"
 )

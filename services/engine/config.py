@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from services.common.settings import ServiceSettings
+from rlmesh.common.settings import ServiceSettings
 
 
 class Settings(ServiceSettings):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import redis
 
+from rlmesh.common.net import free_port
 
 MIN_REDIS_VERSION = (6, 2)  # the buffer's Lua scripts use LPOP with a count
 
@@ -41,12 +41,6 @@ def check_version(binary: str) -> None:
     match = re.search(r"v=(\d+)\.(\d+)", out)
     if match and tuple(map(int, match.groups())) < MIN_REDIS_VERSION:
         raise RuntimeError(f"{binary} is Redis {match.group(1)}.{match.group(2)}; rlmesh needs Redis >= 6.2")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

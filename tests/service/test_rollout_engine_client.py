@@ -9,8 +9,8 @@ import json
 import httpx
 import pytest
 
-from services.common.errors import Unavailable
-from services.rollout.engine_client import SGLangClient
+from rlmesh.common.errors import Unavailable
+from rlmesh.rollout.engine_client import SGLangClient
 
 ANSWER = {"text": "x", "output_ids": [5], "meta_info": {"id": "r", "finish_reason": {"type": "stop", "matched": 1},
                                                       "weight_version": "3", "output_token_logprobs": [[-0.1, 5, None]]}}
@@ -22,7 +22,7 @@ async def flaky_engine(drop_first: int):
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
         body = json.loads(await reader.readexactly(length))
         path = head.split(b" ")[1].decode()
         seen.append({"path": path, **body})

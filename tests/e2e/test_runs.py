@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from local_stack import start_local_stack, wait_for_run
+from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from services.common.grpc_server import sync_channel
+from tests.helpers.stack import start_local_stack, wait_for_run
 
 
 @pytest.fixture
@@ -33,6 +33,7 @@ def run_config(tmp_path, tiny_model_dir, num_rollouts: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_run_completes_and_trains_every_group_exactly_once(services, tmp_path, tiny_model_dir):
     api, buffer = services
     r = api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=3))
@@ -55,6 +56,7 @@ def test_run_completes_and_trains_every_group_exactly_once(services, tmp_path, t
     assert [s["id"] for s in api.get("/runs").json()] == [run_id]
 
 
+@pytest.mark.slow
 def test_a_run_can_be_stopped(services, tmp_path, tiny_model_dir):
     api, _ = services
     run_id = api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1000)).json()["id"]
@@ -66,6 +68,7 @@ def test_a_run_can_be_stopped(services, tmp_path, tiny_model_dir):
     assert run["status"] == "stopped" and run["rollout_id"] < 1000
 
 
+@pytest.mark.slow
 def test_bad_requests_get_clear_http_errors(services, tmp_path, tiny_model_dir):
     api, _ = services
     bad = run_config(tmp_path, tiny_model_dir, num_rollouts=1)
@@ -79,6 +82,7 @@ def test_bad_requests_get_clear_http_errors(services, tmp_path, tiny_model_dir):
     assert api.get("/docs").status_code == 200
 
 
+@pytest.mark.slow
 def test_reward_services_are_registered_through_the_rest_api(services):
     api, _ = services
     assert api.get("/reward-services").json() == []

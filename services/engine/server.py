@@ -24,8 +24,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from services.rollout.engine.config import Settings
-from services.rollout.engine.runner import (
+from rlmesh.engine.config import Settings
+from rlmesh.engine.runner import (
     Engine,
     GenerationRequest,
     RequestError,
@@ -33,7 +33,7 @@ from services.rollout.engine.runner import (
     build_response,
     parse_generate_body,
 )
-from services.rollout.engine.weights import (
+from rlmesh.engine.weights import (
     WeightGroups,
     WeightUpdateError,
     check_against_model,

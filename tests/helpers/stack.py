@@ -4,22 +4,22 @@ process, see the engine_url fixture), for end-to-end tests through the REST API.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import httpx
 
-from services.buffer.config import Settings as BufferSettings
-from services.buffer.server import start as start_buffer
-from services.coordinator.app import start as start_coordinator
-from services.coordinator.config import Settings as CoordinatorSettings
-from services.reward.config import Settings as RewardSettings
-from services.reward.server import start as start_reward
-from services.rollout.config import Settings as RolloutSettings
-from services.rollout.server import start as start_rollout
-from services.trainer.config import Settings as TrainerSettings
-from services.trainer.server import start as start_trainer
+from rlmesh.buffer.config import Settings as BufferSettings
+from rlmesh.buffer.server import start as start_buffer
+from rlmesh.coordinator.app import start as start_coordinator
+from rlmesh.coordinator.config import Settings as CoordinatorSettings
+from rlmesh.reward.config import Settings as RewardSettings
+from rlmesh.reward.server import start as start_reward
+from rlmesh.rollout.config import Settings as RolloutSettings
+from rlmesh.rollout.server import start as start_rollout
+from rlmesh.trainer.config import Settings as TrainerSettings
+from rlmesh.trainer.server import start as start_trainer
 
 FINAL = ("completed", "failed", "stopped")
 

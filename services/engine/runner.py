@@ -671,7 +671,7 @@ class Engine:
                     if future.set_running_or_notify_cancel():
                         try:
                             future.set_result(fn())
-                        except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        except BaseException as e:
                             future.set_exception(e)
                 self._reap_aborted()
                 if retract:
@@ -682,7 +682,7 @@ class Engine:
                     self._admit()
                     if self._batch is not None:
                         self._decode_step()
-                except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
+                except Exception as e:
                     log.exception("generation step failed")
                     self._fail_all(f"{type(e).__name__}: {e}")
                 self.last_step_time = time.monotonic()
@@ -706,7 +706,7 @@ class Engine:
             return
         try:
             req.listener(req, finished)
-        except Exception:  # noqa: BLE001 - a broken listener must not stop the engine
+        except Exception:
             log.exception("listener of request %s failed", req.rid)
 
     def _reap_aborted(self) -> None:
@@ -773,7 +773,7 @@ class Engine:
             return
         try:
             group = self._prefill(ready)
-        except Exception as e:  # noqa: BLE001 - fail these requests only
+        except Exception as e:
             log.exception("prefill failed")
             for req in ready:
                 self._finish(req, error=f"{type(e).__name__}: {e}")

@@ -12,13 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import redis
 
+from rlmesh.buffer import scripts
+from rlmesh.buffer.config import Settings
+from rlmesh.buffer.server import start
+from rlmesh.buffer.store import RunKeys
+from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from services.buffer import scripts
-from services.buffer.config import Settings
-from services.buffer.server import start
-from services.buffer.store import RunKeys
-from services.common.grpc_server import sync_channel
-from test_buffer_support import buffer, code_of, create, dataset, prompts, stats  # noqa: F401
+from tests.helpers.buffer import code_of, create, prompts, stats
 
 ROWS = [
     {"question": "What is 1+1?", "answer": 2, "info": json.dumps({"source": "a"}),

@@ -4,10 +4,10 @@ real gloo group."""
 
 from __future__ import annotations
 
-import math
-
 import asyncio
+import functools
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -18,24 +18,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlmesh.buffer.config import Settings as BufferSettings
+from rlmesh.buffer.server import start as start_buffer
+from rlmesh.cli.launcher import http_ready, wait_until_ready
+from rlmesh.common import errors
+from rlmesh.common.grpc_server import start_service, sync_channel
+from rlmesh.common.net import free_port
+from rlmesh.common.run_config import TrainerRunConfig, WeightSyncConfig
+from rlmesh.common.sample import ConversionError, Sample, SampleGroup, Status, group_from_proto, group_to_proto
+from rlmesh.rollout.config import Settings as RolloutSettings
+from rlmesh.rollout.server import start as start_rollout
+from rlmesh.trainer.backend import TorchBackend
+from rlmesh.trainer.config import Settings
+from rlmesh.trainer.server import build
+from rlmesh.trainer.trainer import Trainer, parse_run_config
+from rlmesh.trainer.weight_sync import WeightPusher, plan_buckets
 from rlmesh.v1 import buffer_pb2, trainer_pb2
 from rlmesh.v1.buffer_pb2_grpc import BufferStub
 from rlmesh.v1.trainer_pb2_grpc import TrainerStub
-from services.buffer.config import Settings as BufferSettings
-from services.buffer.server import start as start_buffer
-from services.common import errors
-from services.common.launcher import http_ready, wait_until_ready
-from services.common.grpc_server import sync_channel
-from services.common.redis_server import free_port
-from services.common.run_config import TrainerRunConfig, WeightSyncConfig
-from services.common.sample import ConversionError, Sample, SampleGroup, Status, group_from_proto, group_to_proto
-from services.rollout.config import Settings as RolloutSettings
-from services.rollout.server import start as start_rollout
-from services.trainer.backend import TorchBackend
-from services.trainer.config import Settings
-from services.trainer.server import start
-from services.trainer.trainer import Trainer, parse_run_config
-from services.trainer.weight_sync import WeightPusher, plan_buckets
 
 CPU = torch.device("cpu")
 
@@ -328,7 +328,7 @@ def trainer_server(loop_thread, tmp_path):
 
     def make(**settings):
         trainer = Trainer(Settings(work_dir=tmp_path, **settings))
-        server, port = loop_thread.run(start(trainer.settings, trainer))
+        server, port = loop_thread.run(start_service(functools.partial(build, trainer=trainer), trainer.settings))
         made.append((trainer, server))
         make.trainers.append(trainer)
         return TrainerStub(sync_channel(f"127.0.0.1:{port}"))
@@ -436,7 +436,7 @@ class EngineProcess:
         self.start()
 
     def start(self) -> None:
-        command = [sys.executable, "-m", "services.cli", "serve", "engine", "--model-path", str(self.model_dir),
+        command = [sys.executable, "-m", "rlmesh.cli", "serve", "engine", "--model-path", str(self.model_dir),
                    "--port", str(self.port), "--num-threads", "1", "--weight-group-timeout-s", "60"]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -8,17 +8,17 @@ import json
 import grpc
 import pytest
 
+from rlmesh.buffer.config import Settings as BufferSettings
+from rlmesh.buffer.server import start as start_buffer
+from rlmesh.common.grpc_server import sync_channel
+from rlmesh.common.run_config import SamplingConfig
+from rlmesh.common.sample import Status, group_from_proto
+from rlmesh.common.sampling import sampling_to_proto
+from rlmesh.reward.config import Settings as RewardSettings
+from rlmesh.reward.server import start as start_reward
+from rlmesh.rollout.config import Settings as RolloutSettings
+from rlmesh.rollout.server import start as start_rollout
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, rollout_pb2, rollout_pb2_grpc, sample_pb2
-from services.buffer.config import Settings as BufferSettings
-from services.buffer.server import start as start_buffer
-from services.common.grpc_server import sync_channel
-from services.common.run_config import SamplingConfig
-from services.common.sample import Status, group_from_proto
-from services.common.sampling import sampling_to_proto
-from services.reward.config import Settings as RewardSettings
-from services.reward.server import start as start_reward
-from services.rollout.config import Settings as RolloutSettings
-from services.rollout.server import start as start_rollout
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from local_stack import start_local_stack, wait_for_run
+from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
-from services.common.grpc_server import sync_channel
+from tests.helpers.stack import start_local_stack, wait_for_run
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "reward_service" / "app.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "reward_service" / "app.py"
 
 
 def load_example():
@@ -60,6 +60,7 @@ def judge_stats(reward) -> reward_pb2.RemoteServiceStats:
     return next(s for s in reward.GetStats(reward_pb2.GetRewardStatsRequest(), timeout=10).services if s.name == "judge")
 
 
+@pytest.mark.slow
 def test_a_run_rewarded_by_a_service_registered_by_url(stack, tmp_path, tiny_model_dir):
     api, reward, judge_url, _ = stack
     reward.RegisterService(reward_pb2.RegisterServiceRequest(
@@ -80,6 +81,7 @@ def test_a_run_rewarded_by_a_service_registered_by_url(stack, tmp_path, tiny_mod
     assert httpx.get(f"{judge_url}/stats").json()["samples_scored"] == 2 * 2 * 3 + 1  # + the registration probe
 
 
+@pytest.mark.slow
 def test_the_run_goes_on_when_the_service_dies(stack, tmp_path, tiny_model_dir, loop_thread):
     api, reward, judge_url, judge_server = stack
     reward.RegisterService(reward_pb2.RegisterServiceRequest(

@@ -4,7 +4,6 @@ delivered twice. (Lease timeouts are fractions of a second; no timing is asserte
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,12 +13,13 @@ import time
 import grpc
 import pytest
 
+from rlmesh.buffer.config import Settings
+from rlmesh.buffer.server import start
+from rlmesh.cli.embedded_redis import start_redis
+from rlmesh.common.grpc_server import sync_channel
+from rlmesh.common.net import free_port
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from services.buffer.config import Settings
-from services.buffer.server import start
-from services.common.grpc_server import sync_channel
-from services.common.redis_server import free_port, start_redis
-from test_buffer_support import completed, create, dataset, prompts, put, start_buffer_process, stats  # noqa: F401
+from tests.helpers.buffer import completed, create, prompts, put, start_buffer_process, stats
 
 
 def stub_at(port: int) -> buffer_pb2_grpc.BufferStub:
@@ -31,6 +31,7 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_buffer_killed_between_a_trainers_lease_and_its_ack(redis_url, dataset, tmp_path):
     port = free_port()
     log = tmp_path / "buffer.log"
@@ -74,7 +75,7 @@ def test_buffer_killed_between_a_trainers_lease_and_its_ack(redis_url, dataset, 
 WORKER = """
 import sys
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from services.common.grpc_server import sync_channel
+from rlmesh.common.grpc_server import sync_channel
 stub = buffer_pb2_grpc.BufferStub(sync_channel(sys.argv[1]))
 groups = stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r1", num_groups=2, worker_id="w1", lease_seconds=0.3)).groups
 print(" ".join(g.group_id for g in groups), flush=True)
@@ -82,8 +83,9 @@ sys.stdin.read()  # "generating" until killed
 """
 
 
+@pytest.mark.slow
 def test_prompts_of_a_killed_rollout_worker_are_handed_out_again(redis_url, dataset, start_in_loop):
-    srv, port = start_in_loop(lambda: start(Settings(redis_url=redis_url, port=0)))
+    _srv, port = start_in_loop(lambda: start(Settings(redis_url=redis_url, port=0)))
     stub = stub_at(port)
     create(stub, dataset)
     worker = subprocess.Popen([sys.executable, "-c", WORKER, f"127.0.0.1:{port}"],
@@ -101,6 +103,7 @@ def test_prompts_of_a_killed_rollout_worker_are_handed_out_again(redis_url, data
     assert stats(stub).prompts_reissued == 2
 
 
+@pytest.mark.slow
 def test_redis_killed_and_restarted_on_its_data_dir_loses_nothing_acknowledged(tmp_path, start_in_loop, dataset):
     """appendfsync everysec: a power cut can cost up to a second of writes, but a killed
     redis-server process loses nothing it wrote to the append-only file before replying."""
@@ -138,7 +141,8 @@ def test_redis_killed_and_restarted_on_its_data_dir_loses_nothing_acknowledged(t
 REPLICA_GROUPS = 60
 
 
-@pytest.mark.parametrize("buffer_filter", ["", "services.buffer.filters:highest_reward_variance_first"])
+@pytest.mark.parametrize("buffer_filter", ["", "rlmesh.buffer.filters:highest_reward_variance_first"])
+@pytest.mark.slow
 def test_two_replicas_deliver_every_group_exactly_once(redis_url, start_in_loop, dataset, tmp_path, buffer_filter):
     flags = ["--buffer-filter", buffer_filter] if buffer_filter else []
     port_a = free_port()
@@ -158,7 +162,7 @@ def test_two_replicas_deliver_every_group_exactly_once(redis_url, start_in_loop,
                     batch = [completed(g, rewards=[w, 0, 1, w % 3]) for g in prompts(stub, 3)]
                     put(stub, batch)
                     put(stubs[(w + 1) % 2], batch[:1])  # a retried write through the other replica
-            except BaseException as e:  # noqa: BLE001 - reported by the test
+            except BaseException as e:
                 errors.append(e)
 
         def leaser(i: int) -> None:
@@ -173,7 +177,7 @@ def test_two_replicas_deliver_every_group_exactly_once(redis_url, start_in_loop,
                         with lock:
                             delivered.extend(g.group_id for g in batch.groups)
                         stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=batch.lease_id))
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 errors.append(e)
 
         threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]

@@ -1,4 +1,4 @@
-"""Every formula of services.trainer.algorithms against numbers worked out by hand
+"""Every formula of rlmesh.trainer.algorithms against numbers worked out by hand
 (the arithmetic is in the comments)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from services.common.run_config import AlgorithmConfig
-from services.trainer import algorithms as algo
+from rlmesh.common.run_config import AlgorithmConfig
+from rlmesh.trainer import algorithms as algo
 
 
 def t(values) -> torch.Tensor:

@@ -11,16 +11,17 @@ import sys
 import threading
 from pathlib import Path
 
-from services.common.settings import add_settings_flags, settings_from_args
+from rlmesh.common.grpc_server import serve_service
+from rlmesh.common.settings import add_settings_flags, settings_from_args
 
 # service name -> package holding its config.Settings and server.serve
 SERVICE_PACKAGES = {
-    "buffer": "services.buffer",
-    "rollout": "services.rollout",
-    "reward": "services.reward",
-    "trainer": "services.trainer",
-    "coordinator": "services.coordinator",
-    "engine": "services.rollout.engine",
+    "buffer": "rlmesh.buffer",
+    "rollout": "rlmesh.rollout",
+    "reward": "rlmesh.reward",
+    "trainer": "rlmesh.trainer",
+    "coordinator": "rlmesh.coordinator",
+    "engine": "rlmesh.engine",
 }
 SERVER_MODULE = {"coordinator": "app"}  # the coordinator's transport is HTTP
 
@@ -33,12 +34,15 @@ def _serve(name: str, argv: list[str]) -> None:
     settings = settings_from_args(settings_cls, parser.parse_args(argv))
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     server = importlib.import_module(f"{package}.{SERVER_MODULE.get(name, 'server')}")
-    asyncio.run(server.serve(settings))
+    if hasattr(server, "serve"):  # HTTP services (coordinator, engine) serve themselves
+        asyncio.run(server.serve(settings))
+    else:
+        asyncio.run(serve_service(server.build, settings))
 
 
 def _up(args: argparse.Namespace) -> None:
-    from services.common.launcher import start_stack
-    from services.common.tiny_model import build_tiny_model
+    from rlmesh.cli.launcher import start_stack
+    from rlmesh.cli.tiny_model import build_tiny_model
 
     data_dir = Path(args.data_dir)
     model_path = args.model_path or str(data_dir / "tiny-model")
@@ -84,18 +88,18 @@ def main(argv: list[str] | None = None) -> None:
         _serve(argv[1], argv[2:])
         return
     if argv[:2] == ["reward", "check"]:
-        from services.reward.check import main as reward_check
+        from rlmesh.reward.check import main as reward_check
 
         sys.exit(reward_check(argv[2:]))
     args = parser.parse_args(argv)
     if args.command == "up":
         _up(args)
     elif args.command == "demo":
-        from services.demo import run_demo
+        from rlmesh.cli.demo import run_demo
 
         sys.exit(run_demo(args))
     elif args.command == "build-tiny-model":
-        from services.common.tiny_model import build_tiny_model
+        from rlmesh.cli.tiny_model import build_tiny_model
 
         print(build_tiny_model(args.out_dir))
 

@@ -5,25 +5,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import subprocess
-import sys
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from rlmesh.v1 import sample_pb2
-from services.buffer.config import Settings as BufferSettings
-from services.buffer.server import start as start_buffer
-from services.common.grpc_server import sync_channel
-from services.common.redis_server import free_port
-from services.common.sample import (
-    ConversionError, Sample, SampleGroup, Status, group_from_proto, group_to_proto, sample_from_json,
-    sample_from_proto, sample_to_json, sample_to_proto, validate_group_proto,
+from rlmesh.buffer.config import Settings as BufferSettings
+from rlmesh.common.sample import (
+    ConversionError,
+    Sample,
+    SampleGroup,
+    Status,
+    group_from_proto,
+    group_to_proto,
+    sample_from_json,
+    sample_from_proto,
+    sample_to_json,
+    sample_to_proto,
+    validate_group_proto,
 )
-from services.common.settings import add_settings_flags, settings_from_args
+from rlmesh.common.settings import add_settings_flags, settings_from_args
+from rlmesh.v1 import sample_pb2
 
 
 def full_sample() -> Sample:
@@ -73,29 +73,3 @@ def test_settings_precedence_is_defaults_yaml_env_flags(tmp_path, monkeypatch):
     args = parser.parse_args(["--config", str(tmp_path / "buffer.yaml"), "--port", "3333"])
     s = settings_from_args(BufferSettings, args)
     assert (s.port, s.redis_url, s.key_prefix, s.prompt_lease_seconds) == (3333, "redis://env:2/0", "fromyaml", 600.0)
-
-
-def test_services_serve_health_and_reflection(redis_url, start_in_loop):
-    _, port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
-    channel = sync_channel(f"127.0.0.1:{port}")
-    health = health_pb2_grpc.HealthStub(channel)
-    for name in ("", "rlmesh.v1.Buffer"):
-        assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
-    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-    (reply,) = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
-    names = {s.name for s in reply.list_services_response.service}
-    assert {"rlmesh.v1.Buffer", "grpc.health.v1.Health"} <= names
-
-
-def test_a_service_stops_gracefully_on_sigterm(redis_url):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "buffer", "--redis-url", redis_url,
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        channel = sync_channel(f"127.0.0.1:{port}")
-        grpc.channel_ready_future(channel).result(timeout=60)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        assert b"shutting down" in proc.stdout.read()
-    finally:
-        proc.kill()
