@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/rlmesh/v1/*.proto)
 
-.PHONY: demo test proto proto-check bench compose-check clean
+.PHONY: demo test lint proto proto-check bench compose-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/rlmesh demo
 
-test: $(STAMP) proto-check
+test: $(STAMP) proto-check lint
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # Regenerate the Python code for the .proto contracts (committed).
 proto: $(STAMP)

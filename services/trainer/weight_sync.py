@@ -1,5 +1,5 @@
 """Pushing the trainer's weights to the inference engines: the trainer's side of
-DESIGN.md "Weight updates", over the rollout service's gRPC API.
+docs/architecture.md "Weight updates", over the rollout service's gRPC API.
 
 Distributed push (the default):
 1. ListEngines gives the weight group's world size (1 + the engines' TP sizes).
