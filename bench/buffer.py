@@ -133,7 +133,7 @@ async def grpc_round(address: str, groups: list[sample_pb2.SampleGroup], opts: O
         while seen < n:
             want = min(per_call, n - seen)
             batch = await stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(
-                run_id=run_id, num_groups=want, wait_seconds=30, consumer="bench"))
+                run_id=run_id, num_groups=want, wait_seconds=30))
             assert len(batch.groups) == want, "lease came back short"
             await stub.AckBatch(buffer_pb2.AckBatchRequest(run_id=run_id, lease_id=batch.lease_id))
             seen += want

@@ -3,6 +3,7 @@
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from rlmesh.common.plugins import PluginPath
 from rlmesh.common.settings import ServiceSettings
 
 
@@ -15,10 +16,10 @@ class Settings(ServiceSettings):
     prompt_lease_seconds: float = Field(600.0, gt=0, description="Default lease on prompts handed to a rollout worker.")
     batch_lease_seconds: float = Field(600.0, gt=0, description="Default lease on a training batch until its ack.")
     poll_interval_seconds: float = Field(0.02, gt=0, description="How often a waiting LeaseBatch checks the queue.")
-    buffer_filter: str = Field(
-        "",
-        description="Import path of the function choosing which queued groups a lease gets "
-        "(e.g. rlmesh.buffer.filters:highest_reward_variance_first); empty = first in, first out.",
+    buffer_filter: PluginPath = Field(
+        "rlmesh.buffer.filters:fifo",
+        description="Import path of the function choosing which queued groups a lease gets, e.g. "
+        "rlmesh.buffer.filters:highest_reward_variance_first (see rlmesh.buffer.filters).",
     )
     filter_window: int = Field(4096, ge=1, description="How many of the oldest queued groups a buffer filter sees.")
     metrics_port: int = Field(0, ge=0, description="Port of the Prometheus /metrics HTTP endpoint (0 = off).")

@@ -18,21 +18,8 @@ import numpy as np
 
 from rlmesh.buffer.sources import read_rows
 from rlmesh.common.errors import InvalidArgument
+from rlmesh.common.run_config import DatasetConfig
 from rlmesh.common.sample import Sample, Status
-
-
-@dataclass(frozen=True)
-class DatasetOptions:
-    name: str
-    path: str
-    prompt_key: str = "prompt"
-    label_key: str = "label"
-    metadata_key: str = ""
-    tools_key: str = ""
-    tokenizer_path: str = ""
-    apply_chat_template: bool = False
-    max_prompt_length: int = 0
-    split: str = ""
 
 
 @dataclass
@@ -41,7 +28,7 @@ class LoadedDataset:
     skipped: int  # longer than max_prompt_length
 
 
-def load_dataset(opts: DatasetOptions) -> LoadedDataset:
+def load_dataset(opts: DatasetConfig) -> LoadedDataset:
     columns = [c for c in (opts.prompt_key, opts.label_key, opts.metadata_key, opts.tools_key) if c]
     rows = read_rows(opts.name, opts.path, columns, opts.split)
     records = [_record(opts, i, row) for i, row in enumerate(rows, 1)]
@@ -66,7 +53,7 @@ def load_dataset(opts: DatasetOptions) -> LoadedDataset:
     return LoadedDataset(kept, len(records) - len(kept))
 
 
-def _record(opts: DatasetOptions, where: int, row: dict) -> dict:
+def _record(opts: DatasetConfig, where: int, row: dict) -> dict:
     def bad(why: str) -> InvalidArgument:
         return InvalidArgument(f"dataset {opts.name!r}: {opts.path} record {where}: {why}")
 

@@ -10,18 +10,17 @@ that receives the queued groups (oldest first, up to the `filter_window` setting
 returns those a lease may take, best first; the buffer takes from the front until the
 batch is full (whole groups, by the lease's num_groups or num_samples). Groups it leaves
 out stay queued. The filter sees summaries, not the sample arrays (the buffer never
-decodes those). No filter set means first in, first out, served by a faster path.
+decodes those). The default, `fifo` (first in, first out), is served by a faster path.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlmesh.common.errors import InvalidArgument
+from rlmesh.common.plugins import load_plugin
 
 BufferFilter = Callable[[list["QueuedGroup"]], list["QueuedGroup"]]
 
@@ -74,14 +73,6 @@ def highest_reward_variance_first(groups: list[QueuedGroup]) -> list[QueuedGroup
 
 
 def load_filter(path: str) -> BufferFilter | None:
-    """"" -> None (FIFO fast path); "pkg.module:function" or "pkg.module.function"."""
-    if not path:
-        return None
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise InvalidArgument(f"buffer_filter {path!r} cannot be loaded: {e}") from None
-    if not callable(fn):
-        raise InvalidArgument(f"buffer_filter {path!r} is not a function")
+    """The filter a `buffer_filter` setting names; None for `fifo` (the store's fast path)."""
+    fn = load_plugin(path)
     return None if fn is fifo else fn

@@ -28,22 +28,23 @@ import json
 import re
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from rlmesh.buffer import scripts
 from rlmesh.buffer.cache import GroupCache
-from rlmesh.buffer.datasets import DatasetOptions, epoch_order, load_dataset, record_to_samples
+from rlmesh.buffer.datasets import epoch_order, load_dataset, record_to_samples
 from rlmesh.buffer.filters import BufferFilter, decode_meta, encode_meta
 from rlmesh.buffer.wire import repeated_messages
+from rlmesh.common.dataset_spec import dataset_defaults, dataset_from_proto
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RlmeshError
+from rlmesh.common.run_config import DatasetConfig
 from rlmesh.common.sample import SampleGroup, group_to_proto, validate_group_proto
 from rlmesh.v1 import buffer_pb2, sample_pb2
 
 _RATE_COUNTERS = ("groups_written", "acknowledged_groups", "prompts_handed_out")
 _SPEC_ONLY_AT_CREATION = ("sizes", "skipped", "created_at", "token")
-_DATASET_DEFAULTS = asdict(DatasetOptions(name="", path=""))
 
 
 @dataclass(frozen=True)
@@ -121,9 +122,8 @@ class BufferStore:
     # ---- runs ---------------------------------------------------------------------------
 
     @staticmethod
-    def _dataset_options(req: buffer_pb2.CreateRunRequest) -> list[tuple[DatasetOptions, dict]]:
-        out = []
-        names = set()
+    def _datasets(req: buffer_pb2.CreateRunRequest) -> list[DatasetConfig]:
+        out, names = [], set()
         for d in req.datasets:
             if not _NAME.fullmatch(d.name) or d.name == "__groups__":
                 raise InvalidArgument(f"dataset name must be 1-128 letters, digits, '_', '.' or '-' "
@@ -131,19 +131,7 @@ class BufferStore:
             if d.name in names:
                 raise InvalidArgument(f"dataset names must be unique; {d.name!r} appears twice")
             names.add(d.name)
-            if d.weight < 0:
-                raise InvalidArgument(f"dataset {d.name!r}: weight must not be negative")
-            if d.max_prompt_length < 0 or req.max_prompt_length < 0:
-                raise InvalidArgument(f"dataset {d.name!r}: max_prompt_length must not be negative")
-            opts = DatasetOptions(
-                name=d.name, path=d.path, prompt_key=d.prompt_key or "prompt", label_key=d.label_key or "label",
-                metadata_key=d.metadata_key, tools_key=d.tools_key,
-                tokenizer_path=d.tokenizer_path or req.tokenizer_path,
-                apply_chat_template=d.apply_chat_template or req.apply_chat_template,
-                max_prompt_length=d.max_prompt_length or req.max_prompt_length, split=d.split,
-            )
-            out.append((opts, {**asdict(opts), "weight": d.weight or 1.0, "shuffle": d.shuffle,
-                               "seed": d.seed, "eval": d.eval}))
+            out.append(dataset_from_proto(d, req))
         return out
 
     async def create_run(self, req: buffer_pb2.CreateRunRequest) -> bool:
@@ -155,27 +143,27 @@ class BufferStore:
             raise InvalidArgument("max_queued_groups must not be negative (0 = unlimited)")
         if not any(not d.eval for d in req.datasets):
             raise InvalidArgument("a run needs at least one training dataset (eval = false)")
-        datasets = self._dataset_options(req)
-        spec = {"datasets": [d for _, d in datasets], "n_samples_per_prompt": req.n_samples_per_prompt,
+        datasets = self._datasets(req)
+        spec = {"datasets": [d.model_dump() for d in datasets], "n_samples_per_prompt": req.n_samples_per_prompt,
                 "max_queued_groups": req.max_queued_groups}
         existing = await self.redis.get(k.spec)
         if existing is not None:
             old = json.loads(existing)
             # runs created before a dataset option existed have its default
-            old["datasets"] = [{**_DATASET_DEFAULTS, **d} for d in old["datasets"]]
+            old["datasets"] = [{**dataset_defaults(), **d} for d in old["datasets"]]
             if {kk: v for kk, v in old.items() if kk not in _SPEC_ONLY_AT_CREATION} != spec:
                 raise FailedPrecondition(f"run {req.run_id!r} exists with a different spec; delete it first")
             return False
         sizes, skipped = {}, {}
-        for opts, _ in datasets:
+        for dataset in datasets:
             # Reading, templating and measuring prompts is CPU work: keep the event loop free.
-            loaded = await asyncio.to_thread(load_dataset, opts)
+            loaded = await asyncio.to_thread(load_dataset, dataset)
             pipe = self.redis.pipeline(transaction=True)
-            pipe.delete(k.data(opts.name))
+            pipe.delete(k.data(dataset.name))
             for start in range(0, len(loaded.records), 1000):
-                pipe.rpush(k.data(opts.name), *[json.dumps(r) for r in loaded.records[start:start + 1000]])
+                pipe.rpush(k.data(dataset.name), *[json.dumps(r) for r in loaded.records[start:start + 1000]])
             await pipe.execute()
-            sizes[opts.name], skipped[opts.name] = len(loaded.records), loaded.skipped
+            sizes[dataset.name], skipped[dataset.name] = len(loaded.records), loaded.skipped
         # token: this incarnation of the run (keys the group cache; see rlmesh.buffer.cache)
         spec.update(sizes=sizes, skipped=skipped, created_at=time.time(), token=uuid.uuid4().hex)
         # SET NX: of two replicas racing to create the same run, one wins (and with the same

@@ -58,10 +58,6 @@ def field_slices(data: bytes, field_number: int) -> list[memoryview]:
     return out
 
 
-def length_delimited(field_number: int, payload: bytes) -> bytes:
-    return varint(field_number << 3 | _LENGTH_DELIMITED) + varint(len(payload)) + payload
-
-
 def repeated_messages(field_number: int, payloads: list[bytes], head: bytes = b"") -> bytes:
     """`head` (other fields, already serialized) followed by each payload as an element
     of the repeated message field `field_number`."""

@@ -14,54 +14,64 @@ class _Strict(BaseModel):
 
 
 class DatasetConfig(_Strict):
-    name: str = Field(description="Name used in metrics and to pick eval datasets.")
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_.-]{1,128}$", description="Name used in metrics and to pick eval datasets."
+    )
     path: str = Field(
         description="Local file or directory on the buffer's machine: JSONL, Parquet (file or directory), "
         "or a Hugging Face datasets directory written by save_to_disk."
     )
-    prompt_key: str = "prompt"
-    label_key: str = "label"
-    metadata_key: str = ""
+    prompt_key: str = Field("prompt", description="Key of the prompt: text, or a list of chat messages.")
+    label_key: str = Field("label", description="Key of the label the verifiers compare against.")
+    metadata_key: str = Field("", description="Key of a per-record dict (or JSON text) kept as sample metadata.")
     tools_key: str = Field("", description="Tool definitions per record (land in sample metadata['tools']).")
     tokenizer_path: str = Field("", description="Tokenizer for chat templates and token lengths; default the run's model.")
     apply_chat_template: bool = Field(False, description="Template prompts with the tokenizer's chat template.")
     max_prompt_length: int = Field(0, ge=0, description="Skip (and count) longer prompts; tokens, 0 = no limit.")
     split: str = Field("", description="Split of a saved DatasetDict directory (default 'train').")
     weight: float = Field(1.0, gt=0, description="Mixing weight among training datasets.")
-    shuffle: bool = True
-    seed: int = 0
+    shuffle: bool = Field(True, description="Shuffle each epoch (the order depends only on seed and epoch).")
+    seed: int = Field(0, description="Seed of the per-epoch shuffle.")
     eval: bool = Field(False, description="An evaluation dataset (held out, handed out separately).")
 
 
 class SamplingConfig(_Strict):
     """SGLang sampling parameters (same names and meaning)."""
 
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: list[str] = Field(default_factory=list, max_length=32)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    no_stop_trim: bool = False
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    min_new_tokens: int = 0
+    max_new_tokens: int = Field(128, ge=1, description="Most tokens generated per response.")
+    temperature: float = Field(1.0, ge=0, description="Softmax temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: smallest token set with this probability.")
+    top_k: int = Field(-1, description="Sample among the k most likely tokens (-1 = all).")
+    min_p: float = Field(0.0, ge=0, le=1, description="Drop tokens less likely than min_p times the most likely one.")
+    stop: list[str] = Field(default_factory=list, max_length=32, description="Stop when any of these texts appears.")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, max_length=32, description="Stop when any of these tokens is generated."
+    )
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    no_stop_trim: bool = Field(False, description="Keep the stop text at the end of the response.")
+    repetition_penalty: float = Field(1.0, gt=0, description="Divides logits of tokens already seen (1 = off).")
+    frequency_penalty: float = Field(0.0, description="Subtracted per earlier occurrence of a token.")
+    presence_penalty: float = Field(0.0, description="Subtracted once from every token already generated.")
+    min_new_tokens: int = Field(0, ge=0, description="Do not stop before this many tokens.")
 
 
 class RolloutConfig(_Strict):
     rollout_batch_size: int = Field(8, ge=1, description="Groups (prompts) per rollout.")
     n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the group size).")
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling of training rollouts.")
     group_filter: Literal["", "nonzero_std"] = Field(
         "", description="'nonzero_std' drops groups whose rewards are all equal (DAPO dynamic sampling)."
     )
-    over_sampling_groups: int = Field(0, ge=0)
-    partial_rollout: bool = False
+    over_sampling_groups: int = Field(
+        0, ge=0, description="Extra groups generated per rollout so that filtered-out groups do not shrink the batch."
+    )
+    partial_rollout: bool = Field(
+        False, description="Surplus groups aborted mid-generation keep their partial responses and resume later."
+    )
     max_concurrency: int = Field(0, ge=0, description="Cap on in-flight engine requests (0 = service default).")
-    apply_chat_template: bool = False
+    apply_chat_template: bool = Field(
+        False, description="Template every dataset's prompts with the model's chat template (a dataset may also ask)."
+    )
 
 
 class RewardConfig(_Strict):
@@ -69,22 +79,27 @@ class RewardConfig(_Strict):
         default_factory=lambda: {"exact_match": 1.0},
         description="Reward component name -> weight; the sample's reward is the weighted sum.",
     )
-    reward_key: str = ""
+    reward_key: str = Field("", description="Entry to use when a reward function returns a dict.")
 
 
 class AlgorithmConfig(_Strict):
     advantage_estimator: Literal[
         "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo"
-    ] = "grpo"
+    ] = Field("grpo", description="How advantages are computed from rewards.")
     normalize_advantage_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
     eps_clip: float = Field(0.2, gt=0, description="Lower clip range of the ratio (1 - eps_clip).")
     eps_clip_high: float | None = Field(None, gt=0, description="Upper clip range (DAPO clip-higher); default eps_clip.")
     dual_clip_c: float | None = Field(None, gt=1, description="Dual clip for negative advantages (c > 1).")
-    loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"] = "seq_mean_token_mean"
+    loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"] = Field(
+        "seq_mean_token_mean", description="How per-token losses are averaged: per sequence then over the batch, "
+        "over all tokens of the batch, or summed per sequence (Dr. GRPO)."
+    )
     kl_loss_coef: float = Field(0.0, ge=0, description="KL-to-reference loss term (needs a reference model).")
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "low_var_kl", description="Estimator of the per-token KL (Schulman's k1/k2/k3; low_var_kl = k3 clipped)."
+    )
     kl_coef: float = Field(0.0, ge=0, description="KL as reward shaping (REINFORCE++); not with kl_loss_coef.")
-    entropy_coef: float = 0.0
+    entropy_coef: float = Field(0.0, description="Weight of an entropy bonus in the loss (0 = off).")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount for REINFORCE++ returns.")
     tis_cap: float | None = Field(
         None, gt=0, description="Truncated importance sampling against the engine's log-probs: cap on the weight."
@@ -116,43 +131,59 @@ class AlgorithmConfig(_Strict):
 
 
 class OptimizerConfig(_Strict):
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, gt=0)
-    warmup_steps: int = Field(0, ge=0)
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up over this many optimizer steps.")
 
 
 class WeightSyncConfig(_Strict):
     bucket_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Parameters per broadcast bucket, in bytes.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on GPU, gloo on CPU.")
-    load_format: Literal["", "flattened_bucket"] = ""
-    method: Literal["distributed", "disk"] = "distributed"
+    load_format: Literal["", "flattened_bucket"] = Field(
+        "", description="'flattened_bucket' sends each bucket as one flat tensor (fewer collectives)."
+    )
+    method: Literal["distributed", "disk"] = Field(
+        "distributed", description="Broadcast over a process group, or write a checkpoint the engines load."
+    )
 
 
-class TrainerRunConfig(_Strict):
-    """What the trainer needs for a run (sent as JSON in Trainer.InitRun)."""
+class TrainingConfig(_Strict):
+    """The trainer's part of a run, declared once: `POST /runs` has these fields at its top
+    level and the trainer receives them unchanged (in TrainerRunConfig)."""
 
-    model_path: str = Field(description="Local Hugging Face checkpoint directory of the policy.")
-    reference_model_path: str = Field("", description="Frozen reference for KL; default model_path when KL is on.")
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    model_path: str = Field(description="Local Hugging Face checkpoint directory of the policy (and its tokenizer).")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages, loss and KL.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer of RL steps.")
     sft_optimizer: OptimizerConfig | None = Field(None, description="Optimizer for SFT steps; default `optimizer`.")
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward (gradient accumulation).")
     num_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout batch.")
-    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    weight_sync: WeightSyncConfig = Field(
+        default_factory=WeightSyncConfig, description="How new weights reach the engines."
+    )
+    checkpoint_dir: str = Field(
+        "", description="Where the trainer saves checkpoints (default <trainer work_dir>/<run>/checkpoints)."
+    )
+    seed: int = Field(0, description="Seed of the trainer's random state.")
+
+
+class TrainerRunConfig(TrainingConfig):
+    """What the trainer needs for a run (sent as JSON in Trainer.InitRun)."""
+
+    reference_model_path: str = Field("", description="Frozen reference for KL; default model_path when KL is on.")
     rollout_temperature: float = Field(
         1.0, gt=0, description="The engines' sampling temperature: log-probs are taken of logits / temperature."
     )
-    checkpoint_dir: str = ""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = the trainer service's setting.")
 
 
 class EvalConfig(_Strict):
     interval: int = Field(0, ge=0, description="Evaluate every this many rollouts (0 = only before and after).")
-    n_samples_per_prompt: int = Field(1, ge=1)
-    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    n_samples_per_prompt: int = Field(1, ge=1, description="Responses per eval prompt (pass@k style metrics).")
+    sampling: SamplingConfig = Field(
+        default_factory=lambda: SamplingConfig(temperature=0.0), description="Sampling of eval responses (greedy)."
+    )
     limit: int = Field(0, ge=0, description="Prompts per eval dataset (0 = all).")
 
 
@@ -161,26 +192,18 @@ class SftWarmupConfig(_Strict):
     batch_groups: int = Field(16, ge=1, description="Prompts per SFT step.")
 
 
-class RunConfig(_Strict):
-    """The body of `POST /runs`."""
+class RunConfig(TrainingConfig):
+    """The body of `POST /runs`: the run's own fields, the services' sections, and the
+    trainer's fields (TrainingConfig) at the top level."""
 
-    name: str = ""
-    model_path: str = Field(description="Local Hugging Face checkpoint directory (policy and tokenizer).")
-    datasets: list[DatasetConfig] = Field(min_length=1)
+    name: str = Field("", description="A name for people; the run id is generated.")
+    datasets: list[DatasetConfig] = Field(min_length=1, description="Training and evaluation datasets.")
     num_rollouts: int = Field(10, ge=1, description="RL iterations: generate -> train -> push weights.")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    sft_optimizer: OptimizerConfig | None = None
-    micro_batch_size: int = Field(16, ge=1)
-    num_steps_per_rollout: int = Field(1, ge=1)
-    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    sft_warmup: SftWarmupConfig = Field(default_factory=SftWarmupConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation of training samples.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="How samples are scored.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on the eval datasets.")
+    sft_warmup: SftWarmupConfig = Field(default_factory=SftWarmupConfig, description="Supervised steps before RL.")
     max_queued_groups: int = Field(0, ge=0, description="Buffer backpressure cap (0 = unlimited).")
-    checkpoint_dir: str = ""
-    seed: int = 0
 
     @model_validator(mode="after")
     def _has_training_data(self):
@@ -198,15 +221,7 @@ class RunConfig(_Strict):
 
     def trainer_config(self) -> TrainerRunConfig:
         return TrainerRunConfig(
-            model_path=self.model_path,
-            algorithm=self.algorithm,
-            optimizer=self.optimizer,
-            sft_optimizer=self.sft_optimizer,
-            micro_batch_size=self.micro_batch_size,
-            num_steps_per_rollout=self.num_steps_per_rollout,
-            weight_sync=self.weight_sync,
+            **{name: getattr(self, name) for name in TrainingConfig.model_fields},
             # Greedy sampling (0) has no temperature to divide by.
             rollout_temperature=self.rollout.sampling.temperature or 1.0,
-            checkpoint_dir=self.checkpoint_dir,
-            seed=self.seed,
         )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 import redis.asyncio as aioredis
 
+from rlmesh.common.dataset_spec import dataset_to_proto
 from rlmesh.common.errors import FailedPrecondition, NotFound
 from rlmesh.common.run_config import RunConfig
 from rlmesh.common.sampling import sampling_to_proto
@@ -188,7 +189,7 @@ class RunDriver:
         await self.clients.buffer.CreateRun(buffer_pb2.CreateRunRequest(
             run_id=run_id, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
             max_queued_groups=cfg.max_queued_groups,
-            datasets=[buffer_pb2.DatasetSpec(**d.model_dump()) for d in cfg.datasets],
+            datasets=[dataset_to_proto(d) for d in cfg.datasets],
             tokenizer_path=cfg.model_path,
             apply_chat_template=cfg.rollout.apply_chat_template,
         ))
@@ -249,8 +250,7 @@ class RunDriver:
         missing = await self._missing_groups(run_id, ro.rollout_batch_size)
         if missing:
             g = await self.clients.rollout.GenerateRollout(rollout_pb2.GenerateRolloutRequest(
-                run_id=run_id, rollout_id=rollout_id, num_groups=missing,
-                n_samples_per_prompt=ro.n_samples_per_prompt, sampling=sampling_to_proto(ro.sampling),
+                run_id=run_id, num_groups=missing, sampling=sampling_to_proto(ro.sampling),
                 reward=_reward_spec(cfg), group_filter=ro.group_filter, over_sampling_groups=ro.over_sampling_groups,
                 partial_rollout=ro.partial_rollout, mode="rl", max_concurrency=ro.max_concurrency,
                 apply_chat_template=ro.apply_chat_template))

@@ -6,16 +6,13 @@ can pick a component by name but can never make the service import anything."""
 from __future__ import annotations
 
 import math
-import re
 
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from rlmesh.common.plugins import PluginPath
 from rlmesh.common.settings import ServiceSettings
 from rlmesh.reward.verifiers import VERIFIERS
-
-# "package.module:function" or "package.module:Class.method"
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 class Settings(ServiceSettings):
@@ -34,14 +31,14 @@ class Settings(ServiceSettings):
         default_factory=lambda: {"exact_match": 1.0},
         description="Components used when a request's spec names none: component name -> weight.",
     )
-    custom_functions: dict[str, str] = Field(
+    custom_functions: dict[str, PluginPath] = Field(
         default_factory=dict,
         description=(
             "Per-sample reward functions: component name -> 'module:function'. The function takes a "
             "Sample and returns a float, or a dict (the spec's reward_key picks one entry); sync or async."
         ),
     )
-    group_functions: dict[str, str] = Field(
+    group_functions: dict[str, PluginPath] = Field(
         default_factory=dict,
         description=(
             "Group reward functions: component name -> 'module:function'. The function takes a group's "
@@ -72,11 +69,9 @@ class Settings(ServiceSettings):
     @model_validator(mode="after")
     def _check_components(self) -> Settings:
         for field_name, functions in (("custom_functions", self.custom_functions), ("group_functions", self.group_functions)):
-            for name, path in functions.items():
+            for name in functions:
                 if name in VERIFIERS:
                     raise ValueError(f"{field_name}: '{name}' is a built-in verifier; give the function another name")
-                if not _IMPORT_PATH.match(path):
-                    raise ValueError(f"{field_name}: '{name}' -> '{path}' is not an import path like 'my_pkg.rewards:score'")
         both = set(self.custom_functions) & set(self.group_functions)
         if both:
             raise ValueError(f"names used in both custom_functions and group_functions: {', '.join(sorted(both))}")

@@ -16,7 +16,6 @@ beside the weighted total in sample.reward.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import math
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlmesh.common import errors
+from rlmesh.common.plugins import load_plugin
 from rlmesh.common.sample import Sample, SampleGroup, Status
 from rlmesh.reward.registry import RemoteRegistry
 from rlmesh.reward.remote import Unit
@@ -55,25 +55,6 @@ class Component:
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None))  # noqa: B004 - async __call__ of an object
-
-
-def load_function(path: str) -> Callable[..., Any]:
-    """'package.module:function' (or 'module:Class.method') -> the callable."""
-    module_name, sep, attribute = path.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(f"'{path}' is not an import path like 'my_pkg.rewards:score'")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import module '{module_name}' for '{path}': {e}") from None
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ValueError(f"'{path}': '{module_name}' has no attribute '{attribute}'") from None
-    if not callable(target):
-        raise ValueError(f"'{path}' is not callable")
-    return target
 
 
 class _ComponentFailed(Exception):
@@ -157,7 +138,7 @@ class Scorer:
             for name, path in functions.items():
                 if name in components:
                     raise ValueError(f"reward component '{name}' is defined twice")
-                components[name] = Component(name, kind, load_function(path))
+                components[name] = Component(name, kind, load_plugin(path))
         return cls(components, default_components, remotes)
 
     def known_components(self, callers: dict[str, RemoteCaller] | None = None) -> list[str]:

@@ -3,6 +3,7 @@
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from rlmesh.common.plugins import PluginPath
 from rlmesh.common.settings import ServiceSettings
 
 
@@ -23,6 +24,8 @@ class Settings(ServiceSettings):
     max_concurrency: int = Field(256, ge=1, description="Default cap on in-flight /generate requests.")
     request_timeout_seconds: float = Field(600.0, gt=0, description="Timeout of one engine HTTP call.")
     weight_update_timeout_seconds: float = Field(600.0, gt=0, description="Timeout of a weight-update call.")
-    generate_function: str = Field(
-        "", description="Custom generate function by import path (module:function), from this operator config only."
+    generate_function: PluginPath = Field(
+        "rlmesh.rollout.generation:default_generate",
+        description="Generate function by import path (module:function): async (ctx, sample, sampling_params) -> "
+        "Sample or list of Samples. Set by the operator only; requests cannot.",
     )

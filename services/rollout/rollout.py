@@ -4,7 +4,6 @@ scores from the reward service, finished groups back to the buffer."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import statistics
 import time
@@ -13,11 +12,12 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.common.plugins import load_plugin
 from rlmesh.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
 from rlmesh.common.sampling import sampling_to_sglang
 from rlmesh.rollout.config import Settings
 from rlmesh.rollout.engine_client import EnginePool
-from rlmesh.rollout.generation import GenerateContext, default_generate, sft_sample
+from rlmesh.rollout.generation import GenerateContext, sft_sample
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -28,13 +28,6 @@ BUFFER_UNAVAILABLE_PATIENCE_SECONDS = 30.0
 MAX_FILTERED_PER_GROUP = 20
 
 GenerateFn = Callable[[GenerateContext, Sample, dict], Awaitable[Sample | list[Sample]]]
-
-
-def load_function(path: str) -> Callable:
-    module, _, name = path.partition(":")
-    if not module or not name:
-        raise ValueError(f"import path must look like 'package.module:function', got {path!r}")
-    return getattr(importlib.import_module(module), name)
 
 
 def keep_group(group: SampleGroup, group_filter: str) -> bool:
@@ -65,7 +58,7 @@ class RolloutManager:
         self.pool = pool
         self.buffer = buffer
         self.reward = reward
-        self.generate_fn: GenerateFn = load_function(settings.generate_function) if settings.generate_function else default_generate
+        self.generate_fn: GenerateFn = load_plugin(settings.generate_function)
         self._tokenizer = None
         self._tokenizer_lock = asyncio.Lock()
 
@@ -160,7 +153,7 @@ class RolloutManager:
                     f"for the policy, or the reward broken?)")
             need = req.num_groups - len(written)
             resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
-                run_id=req.run_id, num_groups=need + req.over_sampling_groups, worker_id="rollout"))
+                run_id=req.run_id, num_groups=need + req.over_sampling_groups))
             inflight: dict = {}
             handled: set[str] = set()  # dropped by the filter (written ones are in `written`)
             stop = asyncio.Event()
@@ -238,7 +231,7 @@ class RolloutManager:
     async def _sft_rollout(self, req, start: float) -> rollout_pb2.GenerateRolloutResponse:
         tokenizer = await self.tokenizer()
         resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
-            run_id=req.run_id, num_groups=req.num_groups, worker_id="rollout-sft"))
+            run_id=req.run_id, num_groups=req.num_groups))
         groups = [group_from_proto(g) for g in resp.groups]
         for g in groups:
             # One supervised sample per prompt: the group's copies would all be identical.

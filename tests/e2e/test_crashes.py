@@ -141,10 +141,11 @@ def test_redis_killed_and_restarted_on_its_data_dir_loses_nothing_acknowledged(t
 REPLICA_GROUPS = 60
 
 
-@pytest.mark.parametrize("buffer_filter", ["", "rlmesh.buffer.filters:highest_reward_variance_first"])
+@pytest.mark.parametrize("buffer_filter", ["rlmesh.buffer.filters:fifo",
+                                           "rlmesh.buffer.filters:highest_reward_variance_first"])
 @pytest.mark.slow
 def test_two_replicas_deliver_every_group_exactly_once(redis_url, start_in_loop, dataset, tmp_path, buffer_filter):
-    flags = ["--buffer-filter", buffer_filter] if buffer_filter else []
+    flags = ["--buffer-filter", buffer_filter]
     port_a = free_port()
     replica_a = start_buffer_process(redis_url, port_a, tmp_path / "a.log", *flags)
     try:

@@ -38,7 +38,7 @@ def stack(redis_url, start_in_loop, engine_url, tmp_path):
 
 
 def request(**kw) -> rollout_pb2.GenerateRolloutRequest:
-    defaults = dict(run_id="r", num_groups=2, n_samples_per_prompt=3,
+    defaults = dict(run_id="r", num_groups=2,  # group size: the buffer run's (3)
                     sampling=sampling_to_proto(SamplingConfig(max_new_tokens=6)),
                     reward=reward_pb2.RewardSpec(components={"exact_match": 1.0}))
     return rollout_pb2.GenerateRolloutRequest(**{**defaults, **kw})

@@ -15,7 +15,7 @@ from rlmesh.common.sample import (
 )
 from rlmesh.reward import verifiers
 from rlmesh.reward.config import Settings
-from rlmesh.reward.scoring import RewardSpec, Scorer, load_function
+from rlmesh.reward.scoring import RewardSpec, Scorer
 from tests.helpers.reward import CUSTOM, GROUP, make_sample
 
 # ---------------------------------------------------------------- verifiers
@@ -255,15 +255,15 @@ def test_bad_specs_are_invalid_arguments(scorer):
 
 def test_settings_and_loading():
     with pytest.raises(ValidationError, match="built-in verifier"):
-        Settings(custom_functions={"math": "pkg.mod:fn"})
+        Settings(custom_functions={"math": "tests.helpers.reward:length_bonus"})
     with pytest.raises(ValidationError, match="not an import path"):
         Settings(custom_functions={"mine": "os.system('x')"})
     with pytest.raises(ValidationError, match="unknown component 'mine'"):
         Settings(default_components={"mine": 1.0})
-    with pytest.raises(ValueError, match="cannot import module"):
-        load_function("no_such_module_xyz:fn")
-    with pytest.raises(ValueError, match="has no attribute"):
-        load_function(f"{__name__}:no_such_function")
+    with pytest.raises(ValidationError, match="cannot import module"):
+        Settings(custom_functions={"mine": "no_such_module_xyz:fn"})
+    with pytest.raises(ValidationError, match="has no attribute"):
+        Settings(group_functions={"mine": f"{__name__}:no_such_function"})
 
 
 def test_settings_from_environment(monkeypatch):

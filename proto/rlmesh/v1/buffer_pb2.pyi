@@ -77,16 +77,14 @@ class DeleteRunResponse(_message.Message):
     def __init__(self, keys_deleted: _Optional[int] = ...) -> None: ...
 
 class GetPromptsRequest(_message.Message):
-    __slots__ = ("run_id", "num_groups", "worker_id", "lease_seconds")
+    __slots__ = ("run_id", "num_groups", "lease_seconds")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_groups: int
-    worker_id: str
     lease_seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., worker_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class GetPromptsResponse(_message.Message):
     __slots__ = ("groups", "lease_id")
@@ -143,7 +141,7 @@ class DropGroupsResponse(_message.Message):
     def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class LeaseBatchRequest(_message.Message):
-    __slots__ = ("run_id", "consumer", "num_groups", "lease_seconds", "wait_seconds", "min_weight_version", "num_samples", "stale_policy")
+    __slots__ = ("run_id", "num_groups", "lease_seconds", "wait_seconds", "min_weight_version", "num_samples", "stale_policy")
     class StalePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STALE_POLICY_DROP: _ClassVar[LeaseBatchRequest.StalePolicy]
@@ -151,7 +149,6 @@ class LeaseBatchRequest(_message.Message):
     STALE_POLICY_DROP: LeaseBatchRequest.StalePolicy
     STALE_POLICY_KEEP: LeaseBatchRequest.StalePolicy
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
-    CONSUMER_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -159,14 +156,13 @@ class LeaseBatchRequest(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STALE_POLICY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    consumer: str
     num_groups: int
     lease_seconds: float
     wait_seconds: float
     min_weight_version: int
     num_samples: int
     stale_policy: LeaseBatchRequest.StalePolicy
-    def __init__(self, run_id: _Optional[str] = ..., consumer: _Optional[str] = ..., num_groups: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., min_weight_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., stale_policy: _Optional[_Union[LeaseBatchRequest.StalePolicy, str]] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., min_weight_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., stale_policy: _Optional[_Union[LeaseBatchRequest.StalePolicy, str]] = ...) -> None: ...
 
 class LeaseBatchResponse(_message.Message):
     __slots__ = ("lease_id", "groups", "stale_groups", "stale_groups_dropped")

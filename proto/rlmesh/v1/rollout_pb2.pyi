@@ -38,11 +38,9 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., no_stop_trim: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRolloutRequest(_message.Message):
-    __slots__ = ("run_id", "rollout_id", "num_groups", "n_samples_per_prompt", "sampling", "reward", "group_filter", "over_sampling_groups", "partial_rollout", "mode", "max_concurrency", "apply_chat_template")
+    __slots__ = ("run_id", "num_groups", "sampling", "reward", "group_filter", "over_sampling_groups", "partial_rollout", "mode", "max_concurrency", "apply_chat_template")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
-    ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
-    N_SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     GROUP_FILTER_FIELD_NUMBER: _ClassVar[int]
@@ -52,9 +50,7 @@ class GenerateRolloutRequest(_message.Message):
     MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    rollout_id: int
     num_groups: int
-    n_samples_per_prompt: int
     sampling: SamplingParams
     reward: _reward_pb2.RewardSpec
     group_filter: str
@@ -63,7 +59,7 @@ class GenerateRolloutRequest(_message.Message):
     mode: str
     max_concurrency: int
     apply_chat_template: bool
-    def __init__(self, run_id: _Optional[str] = ..., rollout_id: _Optional[int] = ..., num_groups: _Optional[int] = ..., n_samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[_Union[_reward_pb2.RewardSpec, _Mapping]] = ..., group_filter: _Optional[str] = ..., over_sampling_groups: _Optional[int] = ..., partial_rollout: _Optional[bool] = ..., mode: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[_Union[_reward_pb2.RewardSpec, _Mapping]] = ..., group_filter: _Optional[str] = ..., over_sampling_groups: _Optional[int] = ..., partial_rollout: _Optional[bool] = ..., mode: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ...) -> None: ...
 
 class GenerateRolloutResponse(_message.Message):
     __slots__ = ("groups_written", "groups_filtered", "metrics")

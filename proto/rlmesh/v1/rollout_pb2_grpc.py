@@ -141,7 +141,7 @@ class RolloutServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InitWeightUpdateGroup(self, request, context):
-        """Weight-update handshake (DESIGN.md, "Weight updates"). The trainer is rank 0 of the
+        """Weight-update handshake (docs/architecture.md, "Weight updates"). The trainer is rank 0 of the
         group; the rollout service forwards each call to every engine with its rank offset.
         InitWeightUpdateGroup blocks until every rank has joined, so the trainer issues it
         concurrently with its own join; UpdateWeights likewise with its broadcast.
