@@ -28,7 +28,6 @@ class Settings(ServiceSettings):
     mixed_precision: bool = Field(
         True, description="On CUDA, run forward passes under bfloat16 autocast (weights stay float32)."
     )
-    consumer_name: str = Field("trainer", description="Name this trainer leases buffer batches under.")
     lease_seconds: float = Field(
         0.0, ge=0, description="How long a leased batch stays ours before the buffer redelivers it (0 = buffer default)."
     )

@@ -189,7 +189,6 @@ class Trainer:
     async def _lease(self, run_id: str, num_groups: int, wait_seconds: float) -> tuple[str, list[SampleGroup]]:
         request = buffer_pb2.LeaseBatchRequest(
             run_id=run_id,
-            consumer=self.settings.consumer_name,
             num_groups=num_groups,
             lease_seconds=self.settings.lease_seconds,
             wait_seconds=wait_seconds,
