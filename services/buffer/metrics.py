@@ -53,12 +53,12 @@ async def render(store: BufferStore) -> str:
     lines: list[str] = []
     for field, name, kind, help_text in _METRICS:
         lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"]
-        lines += [f'{PREFIX}{name}{{run="{_label(run)}"}} {getattr(s, field)}' for run, s in stats.items()]
+        lines += [f'{PREFIX}{name}{{run="{_label(run)}"}} {s[field]}' for run, s in stats.items()]
     name = f"{PREFIX}dropped_groups_by_reason_total"
     lines += [f"# HELP {name} Groups dropped, by reason.", f"# TYPE {name} counter"]
     for run, s in stats.items():
         lines += [f'{name}{{run="{_label(run)}",reason="{_label(reason)}"}} {n}'
-                  for reason, n in sorted(s.dropped_by_reason.items())]
+                  for reason, n in sorted(s["dropped_by_reason"].items())]
     return "\n".join(lines) + "\n"
 
 

@@ -18,6 +18,7 @@ from rlmesh.buffer import metrics, transfer, wire
 from rlmesh.buffer.config import Settings
 from rlmesh.buffer.filters import load_filter
 from rlmesh.buffer.store import BufferStore
+from rlmesh.common.dataset_spec import dataset_from_proto
 from rlmesh.common.errors import InvalidArgument, Unavailable
 from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
@@ -37,7 +38,10 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         self.settings = settings
 
     async def CreateRun(self, request, context):
-        return buffer_pb2.CreateRunResponse(created=await self.store.create_run(request))
+        datasets = [dataset_from_proto(d, request) for d in request.datasets]
+        created = await self.store.create_run(request.run_id, datasets, request.n_samples_per_prompt,
+                                              request.max_queued_groups)
+        return buffer_pb2.CreateRunResponse(created=created)
 
     async def DeleteRun(self, request, context):
         return buffer_pb2.DeleteRunResponse(keys_deleted=await self.store.delete_run(request.run_id))
@@ -47,8 +51,10 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         groups = await self.store.get_prompts(request.run_id, request.num_groups, lease)
         return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 
-    async def GetEvalPrompts(self, request, context):
-        return buffer_pb2.GetPromptsResponse(groups=await self.store.get_eval_prompts(request))
+    async def GetEvalPrompts(self, request, context) -> bytes:
+        groups = await self.store.get_eval_prompts(request.run_id, request.dataset, request.offset, request.limit,
+                                                   request.n_samples_per_prompt or 1)
+        return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 
     async def PutGroups(self, request: wire.PutGroupsWire, context):
         stored, duplicates = await self.store.put_groups(request.run_id, request.groups, request.raw_groups)
@@ -81,7 +87,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return buffer_pb2.AckBatchResponse(acknowledged=await self.store.ack_batch(request.run_id, request.lease_id))
 
     async def GetStats(self, request, context):
-        return await self.store.stats(request.run_id)
+        return buffer_pb2.BufferStats(**await self.store.stats(request.run_id))
 
     async def ExportGroups(self, request, context):
         exported = await transfer.export_groups(self.store, request.run_id, request.path)
@@ -94,7 +100,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
 # Requests parsed with their raw group bytes kept; responses that may arrive as bytes.
 _REQUEST_DESERIALIZERS = {"PutGroups": wire.PutGroupsWire, "ReturnPartialGroups": wire.PutGroupsWire}
-_BYTES_RESPONSES = {"GetPrompts", "LeaseBatch"}
+_BYTES_RESPONSES = {"GetPrompts", "GetEvalPrompts", "LeaseBatch"}
 
 
 def _redis_outage_is_unavailable(handler):

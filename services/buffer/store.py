@@ -37,7 +37,7 @@ from rlmesh.buffer.cache import GroupCache
 from rlmesh.buffer.datasets import epoch_order, load_dataset, record_to_samples
 from rlmesh.buffer.filters import BufferFilter, decode_meta, encode_meta
 from rlmesh.buffer.wire import repeated_messages
-from rlmesh.common.dataset_spec import dataset_defaults, dataset_from_proto
+from rlmesh.common.dataset_spec import dataset_defaults
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RlmeshError
 from rlmesh.common.run_config import DatasetConfig
 from rlmesh.common.sample import SampleGroup, group_to_proto, validate_group_proto
@@ -122,37 +122,36 @@ class BufferStore:
     # ---- runs ---------------------------------------------------------------------------
 
     @staticmethod
-    def _datasets(req: buffer_pb2.CreateRunRequest) -> list[DatasetConfig]:
-        out, names = [], set()
-        for d in req.datasets:
+    def _check_dataset_names(datasets: list[DatasetConfig]) -> None:
+        names = set()
+        for d in datasets:
             if not _NAME.fullmatch(d.name) or d.name == "__groups__":
                 raise InvalidArgument(f"dataset name must be 1-128 letters, digits, '_', '.' or '-' "
                                       f"(not '__groups__'), got {d.name!r}")
             if d.name in names:
                 raise InvalidArgument(f"dataset names must be unique; {d.name!r} appears twice")
             names.add(d.name)
-            out.append(dataset_from_proto(d, req))
-        return out
 
-    async def create_run(self, req: buffer_pb2.CreateRunRequest) -> bool:
+    async def create_run(self, run_id: str, datasets: list[DatasetConfig], n_samples_per_prompt: int,
+                         max_queued_groups: int = 0) -> bool:
         """Register a run and load its datasets into Redis. The same spec again is a no-op."""
-        k = self.keys(req.run_id)
-        if req.n_samples_per_prompt < 1:
+        k = self.keys(run_id)
+        if n_samples_per_prompt < 1:
             raise InvalidArgument("n_samples_per_prompt must be at least 1")
-        if req.max_queued_groups < 0:
+        if max_queued_groups < 0:
             raise InvalidArgument("max_queued_groups must not be negative (0 = unlimited)")
-        if not any(not d.eval for d in req.datasets):
+        if not any(not d.eval for d in datasets):
             raise InvalidArgument("a run needs at least one training dataset (eval = false)")
-        datasets = self._datasets(req)
-        spec = {"datasets": [d.model_dump() for d in datasets], "n_samples_per_prompt": req.n_samples_per_prompt,
-                "max_queued_groups": req.max_queued_groups}
+        self._check_dataset_names(datasets)
+        spec = {"datasets": [d.model_dump() for d in datasets], "n_samples_per_prompt": n_samples_per_prompt,
+                "max_queued_groups": max_queued_groups}
         existing = await self.redis.get(k.spec)
         if existing is not None:
             old = json.loads(existing)
             # runs created before a dataset option existed have its default
             old["datasets"] = [{**dataset_defaults(), **d} for d in old["datasets"]]
             if {kk: v for kk, v in old.items() if kk not in _SPEC_ONLY_AT_CREATION} != spec:
-                raise FailedPrecondition(f"run {req.run_id!r} exists with a different spec; delete it first")
+                raise FailedPrecondition(f"run {run_id!r} exists with a different spec; delete it first")
             return False
         sizes, skipped = {}, {}
         for dataset in datasets:
@@ -169,7 +168,7 @@ class BufferStore:
         # SET NX: of two replicas racing to create the same run, one wins (and with the same
         # spec wrote the same data); the other reports what it found.
         if not await self.redis.set(k.spec, json.dumps(spec), nx=True):
-            return await self.create_run(req)
+            return await self.create_run(run_id, datasets, n_samples_per_prompt, max_queued_groups)
         return True
 
     async def delete_run(self, run_id: str) -> int:
@@ -227,20 +226,21 @@ class BufferStore:
                   for (gi, name), rec in zip(wanted, records)]
         return [group_to_proto(g).SerializeToString() for g in groups]
 
-    async def get_eval_prompts(self, req: buffer_pb2.GetEvalPromptsRequest) -> list[sample_pb2.SampleGroup]:
-        spec = await self._spec(req.run_id)
+    async def get_eval_prompts(self, run_id: str, dataset: str, offset: int = 0, limit: int = 0,
+                               n_samples_per_prompt: int = 1) -> list[bytes]:
+        """Serialized groups of an eval dataset's prompts, rows offset.. (limit 0 = all); no lease."""
+        spec = await self._spec(run_id)
         by_name = {d["name"]: d for d in spec["datasets"]}
-        if req.dataset not in by_name:
-            raise NotFound(f"run {req.run_id!r} has no dataset {req.dataset!r}; it has {sorted(by_name)}")
-        if req.offset < 0 or req.limit < 0 or req.n_samples_per_prompt < 0:
-            raise InvalidArgument("offset, limit and n_samples_per_prompt must not be negative")
-        n = req.n_samples_per_prompt or 1
-        stop = -1 if req.limit <= 0 else req.offset + req.limit - 1
-        rows = await self.redis.lrange(self.keys(req.run_id).data(req.dataset), req.offset, stop)
+        if dataset not in by_name:
+            raise NotFound(f"run {run_id!r} has no dataset {dataset!r}; it has {sorted(by_name)}")
+        if offset < 0 or limit < 0 or n_samples_per_prompt < 1:
+            raise InvalidArgument("offset and limit must not be negative, n_samples_per_prompt must be positive")
+        stop = -1 if limit <= 0 else offset + limit - 1
+        rows = await self.redis.lrange(self.keys(run_id).data(dataset), offset, stop)
         groups = []
-        for i, raw in enumerate(rows, start=req.offset):
-            samples = record_to_samples(json.loads(raw), i, n, req.dataset)
-            groups.append(group_to_proto(SampleGroup(f"eval:{req.dataset}:{i}", i, samples, req.dataset)))
+        for i, raw in enumerate(rows, start=offset):
+            samples = record_to_samples(json.loads(raw), i, n_samples_per_prompt, dataset)
+            groups.append(group_to_proto(SampleGroup(f"eval:{dataset}:{i}", i, samples, dataset)).SerializeToString())
         return groups
 
     # ---- completed and partial groups ---------------------------------------------------
@@ -417,7 +417,8 @@ class BufferStore:
 
     # ---- stats --------------------------------------------------------------------------
 
-    async def stats(self, run_id: str) -> buffer_pb2.BufferStats:
+    async def stats(self, run_id: str) -> dict:
+        """The run's counters, by the field names of the BufferStats message."""
         spec = await self._spec(run_id)
         k = self.keys(run_id)
         pipe = self.redis.pipeline(transaction=False)
@@ -433,7 +434,7 @@ class BufferStore:
         epoch, offset = divmod(drawn, spec["sizes"][first["name"]])
         skipped = spec.get("skipped", {})
         rates, window = await self._rates(k, counters)
-        return buffer_pb2.BufferStats(
+        return dict(
             queued_groups=queued,
             leased_groups=stored - queued,
             partial_groups=partial,

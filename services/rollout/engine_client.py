@@ -27,6 +27,23 @@ class EngineError(Unavailable):
     pass
 
 
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of a weight-update bucket, by its Hugging Face name."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def weight_group_world_size(states: list[EngineState]) -> int:
+    """The trainer (rank 0) plus every engine's tensor-parallel ranks."""
+    return 1 + sum(s.tp_size for s in states)
+
+
 GENERATE_ATTEMPTS = 3
 # Idle pooled connections are dropped before servers (uvicorn: 5 s by default) close them.
 KEEPALIVE_EXPIRY_SECONDS = 2.0
@@ -192,6 +209,75 @@ class EnginePool:
 
     async def abort_all(self) -> None:
         await asyncio.gather(*(e.abort(abort_all=True) for e in self.engines), return_exceptions=True)
+
+    # ---- control and weight updates: every engine, at once ------------------------------
+
+    async def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise InvalidArgument(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        await asyncio.gather(*(e.pause(mode) for e in self.engines))
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(e.resume() for e in self.engines))
+
+    async def init_weight_group(self, master_address: str, master_port: int, world_size: int,
+                                group_name: str, backend: str) -> int:
+        """Every engine joins the trainer's weight-update group (the trainer is rank 0; an
+        engine's TP ranks follow the ranks of the engines before it). Returns how many joined."""
+        if world_size < 2:
+            raise InvalidArgument("world_size must count the trainer (rank 0) and every engine rank")
+        states = await self.states()
+        unhealthy = [s.url for s in states if not s.healthy]
+        if unhealthy:
+            raise Unavailable(f"engines not answering: {unhealthy}")
+        expected = weight_group_world_size(states)
+        if world_size != expected:
+            raise InvalidArgument(f"world_size {world_size} does not match the engines: 1 + TP sizes = {expected}")
+        offsets = itertools.accumulate((s.tp_size for s in states[:-1]), initial=1)
+        await asyncio.gather(*(
+            e.weight_call("/init_weights_update_group", {
+                "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend,
+            })
+            for e, rank_offset in zip(self.engines, offsets)
+        ))
+        return len(states)
+
+    async def update_weights(self, tensors: list[TensorMeta], group_name: str, weight_version: str,
+                             flush_cache: bool, load_format: str) -> None:
+        """Every engine receives one bucket of the trainer's broadcast (in `tensors` order)."""
+        if not tensors:
+            raise InvalidArgument("a weight update needs at least one tensor")
+        body = {
+            "names": [t.name for t in tensors],
+            "dtypes": [t.dtype for t in tensors],
+            "shapes": [list(t.shape) for t in tensors],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,
+            "weight_version": weight_version or None,  # None: unchanged (earlier buckets)
+            "load_format": load_format or None,
+        }
+
+        async def one(engine: SGLangClient) -> None:
+            await engine.begin_weight_update()
+            try:
+                await engine.weight_call("/update_weights_from_distributed", body)
+            finally:
+                await engine.end_weight_update()
+
+        await asyncio.gather(*(one(e) for e in self.engines))
+
+    async def destroy_weight_group(self, group_name: str) -> None:
+        await asyncio.gather(*(e.weight_call("/destroy_weights_update_group", {"group_name": group_name})
+                               for e in self.engines))
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        if not model_path:
+            raise InvalidArgument("model_path is required")
+        await asyncio.gather(*(e.weight_call("/update_weights_from_disk", {
+            "model_path": model_path, "weight_version": weight_version, "flush_cache": True})
+            for e in self.engines))
 
     async def close(self) -> None:
         await self.http.aclose()

@@ -8,17 +8,18 @@ import logging
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlmesh.common.plugins import load_plugin
 from rlmesh.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
-from rlmesh.common.sampling import sampling_to_sglang
 from rlmesh.rollout.config import Settings
 from rlmesh.rollout.engine_client import EnginePool
 from rlmesh.rollout.generation import GenerateContext, sft_sample
-from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2
+from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,49 @@ BUFFER_UNAVAILABLE_PATIENCE_SECONDS = 30.0
 MAX_FILTERED_PER_GROUP = 20
 
 GenerateFn = Callable[[GenerateContext, Sample, dict], Awaitable[Sample | list[Sample]]]
+GROUP_FILTERS = ("", "nonzero_std")
+
+
+@dataclass(frozen=True)
+class RewardChoice:
+    """Which reward components score the samples (passed on to the reward service)."""
+
+    components: dict[str, float] = field(default_factory=dict)  # empty: the reward service's defaults
+    reward_key: str = ""
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One rollout: generate, score and write `num_groups` groups of the run's prompts."""
+
+    run_id: str
+    num_groups: int
+    sampling: dict[str, Any]  # SGLang sampling params
+    reward: RewardChoice = RewardChoice()
+    group_filter: str = ""  # "nonzero_std": drop groups whose rewards are all equal
+    over_sampling_groups: int = 0
+    partial_rollout: bool = False
+    mode: str = "rl"  # "sft": each prompt's label becomes its response
+    max_concurrency: int = 0  # 0 = the service default
+    apply_chat_template: bool = False
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    groups_written: int
+    groups_filtered: int
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    run_id: str
+    dataset: str
+    n_samples_per_prompt: int
+    sampling: dict[str, Any]
+    reward: RewardChoice = RewardChoice()
+    limit: int = 0  # 0 = the whole dataset
+    apply_chat_template: bool = False
 
 
 def keep_group(group: SampleGroup, group_filter: str) -> bool:
@@ -100,7 +144,8 @@ class RolloutManager:
         group.samples = [s for batch in results for s in batch]
         return group
 
-    async def _score(self, groups: list[SampleGroup], spec: reward_pb2.RewardSpec) -> list[SampleGroup]:
+    async def _score(self, groups: list[SampleGroup], reward: RewardChoice) -> list[SampleGroup]:
+        spec = reward_pb2.RewardSpec(components=reward.components, reward_key=reward.reward_key)
         try:
             resp = await self.reward.ScoreGroups(reward_pb2.ScoreGroupsRequest(
                 groups=[group_to_proto(g) for g in groups], spec=spec))
@@ -130,18 +175,18 @@ class RolloutManager:
 
     # ---- a rollout ----------------------------------------------------------------------
 
-    async def generate_rollout(self, req: rollout_pb2.GenerateRolloutRequest) -> rollout_pb2.GenerateRolloutResponse:
+    async def generate_rollout(self, req: RolloutRequest) -> RolloutResult:
         if req.num_groups < 1:
             raise InvalidArgument("num_groups must be at least 1")
-        if req.mode not in ("", "rl", "sft"):
+        if req.mode not in ("rl", "sft"):
             raise InvalidArgument(f"mode must be 'rl' or 'sft', got {req.mode!r}")
-        if req.group_filter not in ("", "nonzero_std"):
+        if req.group_filter not in GROUP_FILTERS:
             raise InvalidArgument(f"unknown group_filter {req.group_filter!r}; known: 'nonzero_std'")
         start = time.monotonic()
         if req.mode == "sft":
             return await self._sft_rollout(req, start)
 
-        params = sampling_to_sglang(req.sampling)
+        params = req.sampling
         sem = asyncio.Semaphore(req.max_concurrency or self.settings.max_concurrency)
         written: list[SampleGroup] = []
         filtered = aborted = 0
@@ -192,7 +237,7 @@ class RolloutManager:
         metrics = rollout_metrics(written, "rollout/")
         metrics.update({"rollout/seconds": time.monotonic() - start, "rollout/groups_filtered": float(filtered),
                         "rollout/groups_aborted": float(aborted)})
-        return rollout_pb2.GenerateRolloutResponse(groups_written=len(written), groups_filtered=filtered, metrics=metrics)
+        return RolloutResult(groups_written=len(written), groups_filtered=filtered, metrics=metrics)
 
     async def _hand_back(self, run_id: str, prompts, done: set[str]) -> None:
         """A failed or cancelled rollout returns the prompts it had not finished (as they
@@ -206,7 +251,7 @@ class RolloutManager:
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             log.warning("could not hand %d prompts back to the buffer; their leases will expire", len(unfinished))
 
-    async def _abort_and_return(self, req, pending: set, inflight: dict) -> int:
+    async def _abort_and_return(self, req: RolloutRequest, pending: set, inflight: dict) -> int:
         """Over-sampling: enough groups are done; abort the rest and hand them back to the
         buffer (with their partial responses when partial_rollout is on, else reset)."""
         for engine, sample in list(inflight.values()):
@@ -228,7 +273,7 @@ class RolloutManager:
                 run_id=req.run_id, groups=[group_to_proto(g) for g in groups]))
         return len(groups)
 
-    async def _sft_rollout(self, req, start: float) -> rollout_pb2.GenerateRolloutResponse:
+    async def _sft_rollout(self, req: RolloutRequest, start: float) -> RolloutResult:
         tokenizer = await self.tokenizer()
         resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
             run_id=req.run_id, num_groups=req.num_groups))
@@ -237,22 +282,22 @@ class RolloutManager:
             # One supervised sample per prompt: the group's copies would all be identical.
             g.samples = [sft_sample(tokenizer, g.samples[0], req.apply_chat_template)]
         await self._put(req.run_id, groups)
-        return rollout_pb2.GenerateRolloutResponse(
-            groups_written=len(groups), metrics={"rollout/seconds": time.monotonic() - start})
+        return RolloutResult(groups_written=len(groups), groups_filtered=0,
+                             metrics={"rollout/seconds": time.monotonic() - start})
 
-    async def evaluate(self, req: rollout_pb2.EvaluateRequest) -> rollout_pb2.EvaluateResponse:
+    async def evaluate(self, req: EvalRequest) -> dict[str, float]:
+        """Generate and score responses to an eval dataset's prompts (nothing is written)."""
         start = time.monotonic()
         resp = await self.buffer.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
-            run_id=req.run_id, dataset=req.dataset, n_samples_per_prompt=req.n_samples_per_prompt or 1, limit=req.limit))
-        params = sampling_to_sglang(req.sampling)
+            run_id=req.run_id, dataset=req.dataset, n_samples_per_prompt=req.n_samples_per_prompt, limit=req.limit))
         sem = asyncio.Semaphore(self.settings.max_concurrency)
-        groups = await asyncio.gather(*(self._generate_group(group_from_proto(g), params, sem,
+        groups = await asyncio.gather(*(self._generate_group(group_from_proto(g), req.sampling, sem,
                                                              req.apply_chat_template, {})
                                         for g in resp.groups))
         scored = await self._score(list(groups), req.reward) if groups else []
         metrics = rollout_metrics(scored, f"eval/{req.dataset}/")
         metrics[f"eval/{req.dataset}/seconds"] = time.monotonic() - start
-        return rollout_pb2.EvaluateResponse(metrics=metrics)
+        return metrics
 
 
 def _done(value) -> asyncio.Future:

@@ -1,17 +1,19 @@
-"""gRPC transport for the rollout service: thin handlers over RolloutManager and the
-engine pool (weight-update calls are relayed to every engine with its rank offset)."""
+"""gRPC transport for the rollout service: requests become plain values for RolloutManager
+and the engine pool (which relays weight updates to every engine), results become replies."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 
-from rlmesh.common.errors import InvalidArgument, Unavailable, Unimplemented
+from rlmesh.common.errors import Unimplemented
 from rlmesh.common.grpc_server import Service, ServiceBinding, aio_channel, start_service
+from rlmesh.common.sampling import sampling_to_sglang
 from rlmesh.rollout.config import Settings
-from rlmesh.rollout.engine_client import EnginePool
-from rlmesh.rollout.rollout import RolloutManager
-from rlmesh.v1 import buffer_pb2_grpc, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from rlmesh.rollout.engine_client import EnginePool, TensorMeta, weight_group_world_size
+from rlmesh.rollout.rollout import EvalRequest, RewardChoice, RolloutManager, RolloutRequest
+from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+
+DEFAULT_GROUP = "weight_update_group"
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -20,10 +22,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.pool = pool
 
     async def GenerateRollout(self, request, context):
-        return await self.manager.generate_rollout(request)
+        result = await self.manager.generate_rollout(rollout_request_from_proto(request))
+        return rollout_pb2.GenerateRolloutResponse(groups_written=result.groups_written,
+                                                   groups_filtered=result.groups_filtered, metrics=result.metrics)
 
     async def Evaluate(self, request, context):
-        return await self.manager.evaluate(request)
+        return rollout_pb2.EvaluateResponse(metrics=await self.manager.evaluate(eval_request_from_proto(request)))
 
     async def StartAsyncRollout(self, request, context):
         raise Unimplemented("StartAsyncRollout is not implemented yet: it will keep generations in flight across steps")
@@ -36,84 +40,60 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.ListEnginesResponse(
             engines=[rollout_pb2.EngineInfo(url=s.url, tp_size=s.tp_size, weight_version=s.weight_version,
                                             healthy=s.healthy, model_path=s.model_path) for s in states],
-            weight_group_world_size=1 + sum(s.tp_size for s in states),
+            weight_group_world_size=weight_group_world_size(states),
         )
 
     async def PauseGeneration(self, request, context):
-        mode = request.mode or "abort"
-        if mode not in ("abort", "retract", "in_place"):
-            raise InvalidArgument(f"pause mode must be abort, retract or in_place, got {mode!r}")
-        await asyncio.gather(*(e.pause(mode) for e in self.pool.engines))
+        await self.pool.pause(request.mode or "abort")
         return self._done("paused")
 
     async def ContinueGeneration(self, request, context):
-        await asyncio.gather(*(e.resume() for e in self.pool.engines))
+        await self.pool.resume()
         return self._done("continued")
 
     async def InitWeightUpdateGroup(self, request, context):
-        if request.world_size < 2:
-            raise InvalidArgument("world_size must count the trainer (rank 0) and every engine rank")
-        states = await self.pool.states()
-        unhealthy = [s.url for s in states if not s.healthy]
-        if unhealthy:
-            raise Unavailable(f"engines not answering: {unhealthy}")
-        expected = 1 + sum(s.tp_size for s in states)
-        if request.world_size != expected:
-            raise InvalidArgument(f"world_size {request.world_size} does not match the engines: 1 + TP sizes = {expected}")
-        offsets, offset = [], 1
-        for s in states:
-            offsets.append(offset)
-            offset += s.tp_size
-        await asyncio.gather(*(
-            e.weight_call("/init_weights_update_group", {
-                "master_address": request.master_address, "master_port": request.master_port,
-                "rank_offset": rank_offset, "world_size": request.world_size,
-                "group_name": request.group_name or "weight_update_group", "backend": request.backend or "nccl",
-            })
-            for e, rank_offset in zip(self.pool.engines, offsets)
-        ))
-        return self._done(f"{len(states)} engines joined group {request.group_name!r}")
+        joined = await self.pool.init_weight_group(
+            request.master_address, request.master_port, request.world_size,
+            request.group_name or DEFAULT_GROUP, request.backend or "nccl")
+        return self._done(f"{joined} engines joined group {request.group_name!r}")
 
     async def UpdateWeights(self, request, context):
-        if not request.tensors:
-            raise InvalidArgument("UpdateWeights needs at least one tensor")
-        body = {
-            "names": [t.name for t in request.tensors],
-            "dtypes": [t.dtype for t in request.tensors],
-            "shapes": [list(t.shape) for t in request.tensors],
-            "group_name": request.group_name or "weight_update_group",
-            "flush_cache": request.flush_cache,
-            "abort_all_requests": False,
-            "weight_version": request.weight_version or None,  # None: unchanged (earlier buckets)
-            "load_format": request.load_format or None,
-        }
-
-        async def one(engine):
-            await engine.begin_weight_update()
-            try:
-                await engine.weight_call("/update_weights_from_distributed", body)
-            finally:
-                await engine.end_weight_update()
-
-        await asyncio.gather(*(one(e) for e in self.pool.engines))
+        await self.pool.update_weights(
+            [TensorMeta(t.name, t.dtype, tuple(t.shape)) for t in request.tensors],
+            request.group_name or DEFAULT_GROUP, request.weight_version, request.flush_cache, request.load_format)
         return self._done(f"{len(request.tensors)} tensors at version {request.weight_version}")
 
     async def DestroyWeightUpdateGroup(self, request, context):
-        await asyncio.gather(*(e.weight_call("/destroy_weights_update_group",
-                                             {"group_name": request.group_name or "weight_update_group"})
-                               for e in self.pool.engines))
+        await self.pool.destroy_weight_group(request.group_name or DEFAULT_GROUP)
         return self._done("destroyed")
 
     async def UpdateWeightsFromDisk(self, request, context):
-        if not request.model_path:
-            raise InvalidArgument("model_path is required")
-        await asyncio.gather(*(e.weight_call("/update_weights_from_disk", {
-            "model_path": request.model_path, "weight_version": request.weight_version, "flush_cache": True})
-            for e in self.pool.engines))
+        await self.pool.update_weights_from_disk(request.model_path, request.weight_version)
         return self._done(f"loaded {request.model_path}")
 
     def _done(self, message: str) -> rollout_pb2.EngineCallResponse:
         return rollout_pb2.EngineCallResponse(engines=[e.url for e in self.pool.engines], message=message)
+
+
+def rollout_request_from_proto(r: rollout_pb2.GenerateRolloutRequest) -> RolloutRequest:
+    return RolloutRequest(
+        run_id=r.run_id, num_groups=r.num_groups, sampling=sampling_to_sglang(r.sampling),
+        reward=reward_spec_from_proto(r.reward), group_filter=r.group_filter,
+        over_sampling_groups=r.over_sampling_groups, partial_rollout=r.partial_rollout, mode=r.mode or "rl",
+        max_concurrency=r.max_concurrency, apply_chat_template=r.apply_chat_template,
+    )
+
+
+def eval_request_from_proto(r: rollout_pb2.EvaluateRequest) -> EvalRequest:
+    return EvalRequest(
+        run_id=r.run_id, dataset=r.dataset, n_samples_per_prompt=r.n_samples_per_prompt or 1,
+        sampling=sampling_to_sglang(r.sampling), reward=reward_spec_from_proto(r.reward), limit=r.limit,
+        apply_chat_template=r.apply_chat_template,
+    )
+
+
+def reward_spec_from_proto(spec: reward_pb2.RewardSpec) -> RewardChoice:
+    return RewardChoice(components=dict(spec.components), reward_key=spec.reward_key)
 
 
 async def build(settings: Settings) -> Service:
