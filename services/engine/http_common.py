@@ -1,0 +1,108 @@
+"""Shared by the route modules: EngineState, SGLang-shaped error answers, JSON bodies, request listeners."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from rlmesh.engine.config import Settings
+from rlmesh.engine.errors import RequestError
+from rlmesh.engine.protocol import GenerationRequest, build_response
+from rlmesh.engine.runner import Engine
+from rlmesh.engine.weights import WeightGroups
+
+
+class ServerClosing(Exception):
+    """Answered with 503: the server is shutting down."""
+
+
+class EngineState:
+    """Everything the HTTP handlers share."""
+
+    def __init__(self, settings: Settings, model: torch.nn.Module, tokenizer: Any) -> None:
+        self.settings = settings
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_path = settings.model_path
+        self.tokenizer_path = settings.tokenizer_path or settings.model_path
+        self.port = settings.port
+        self.engine = Engine(
+            model,
+            tokenizer,
+            max_batch_size=settings.max_batch_size,
+            context_length=settings.context_length,
+            weight_version=settings.weight_version,
+            seed=settings.seed,
+        )
+        self.groups = WeightGroups(self.engine.device, settings.weight_group_timeout_s)
+        self.weight_lock = asyncio.Lock()
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
+        self.closing = False
+
+    def refuse_if_closing(self) -> None:
+        if self.closing:
+            raise ServerClosing("the engine server is shutting down")
+
+    async def in_engine(self, fn: Callable[[], Any]) -> Any:
+        """Run fn in the engine thread between decode steps and wait for its result."""
+        return await asyncio.wrap_future(self.engine.run_between_steps(fn))
+
+    def set_weight_version(self, version: Any) -> None:
+        if version not in (None, ""):  # an update's earlier buckets leave the version as it is
+            self.engine.weight_version = str(version)
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    """SGLang's error answer: {"error": {"message"}}."""
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def result_response(success: bool, message: str, **extra: Any) -> JSONResponse:
+    """SGLang's answer to weight and session operations: {"success", "message"}, 200 or 400."""
+    return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object; an empty body counts as {}."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise RequestError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def request_listener(
+    loop: asyncio.AbstractEventLoop, tokenizer: Any, deliver: Callable[[dict[str, Any], bool], None], stream: bool
+) -> Callable[[GenerationRequest, bool], None]:
+    """A request listener (called in the engine thread) that builds the answer there and
+    hands it to the event loop."""
+
+    def listen(req: GenerationRequest, finished: bool) -> None:
+        if not finished and not stream:
+            return
+        if req.error is not None:
+            response = {"error": {"message": f"generation failed: {req.error}"}}
+        else:
+            response = build_response(req, tokenizer)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting
+            loop.call_soon_threadsafe(deliver, response, finished)
+
+    return listen
+
+
+def set_once(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)

@@ -1,0 +1,113 @@
+"""Weight routes: update groups, updates from a broadcast or from disk, update sessions, weight reads."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from rlmesh.engine.errors import RequestError
+from rlmesh.engine.http_common import EngineState, error_response, json_body, result_response
+from rlmesh.engine.weights import (
+    WeightUpdateError,
+    check_against_model,
+    checkpoint_for_model,
+    load_into_model,
+    parse_specs,
+    read_checkpoint,
+    receive,
+    weights_by_name,
+)
+
+
+def weights_router(state: EngineState) -> APIRouter:
+    router = APIRouter()
+    engine, model = state.engine, state.model
+
+    @router.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        body = await json_body(request)
+        try:
+            address, port = str(body["master_address"]), int(body["master_port"])
+            rank_offset, world_size = int(body["rank_offset"]), int(body["world_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightUpdateError(
+                f"master_address, master_port, rank_offset and world_size are required ({type(e).__name__}: {e})"
+            ) from None
+        group_name = str(body.get("group_name") or "weight_update_group")
+        backend = str(body.get("backend") or "nccl")
+        async with state.weight_lock:
+            await asyncio.to_thread(state.groups.init, address, port, rank_offset, world_size, group_name, backend)
+        return result_response(True, "Succeeded to initialize custom process group.")
+
+    @router.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        body = await json_body(request)
+        async with state.weight_lock:
+            state.groups.destroy(str(body.get("group_name") or "weight_update_group"))
+        return result_response(True, "Succeeded to destroy custom process group.")
+
+    @router.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        body = await json_body(request)
+        specs = parse_specs(body.get("names"), body.get("dtypes"), body.get("shapes"))
+        load_format = body.get("load_format")
+        async with state.weight_lock:
+            group = state.groups.get(str(body.get("group_name") or "weight_update_group"))
+            if body.get("abort_all_requests"):
+                engine.abort(abort_all=True, message="Aborted for a weight update.")
+            # Receive everything before judging it, so rank 0's broadcasts never hang.
+            named = await asyncio.to_thread(receive, specs, group, load_format, engine.device)
+            check_against_model(model, named)
+
+            def apply() -> None:
+                load_into_model(model, named)
+                state.set_weight_version(body.get("weight_version"))
+
+            await state.in_engine(apply)
+        return result_response(True, "Succeeded to update parameter online.")
+
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        body = await json_body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise WeightUpdateError("model_path is required: a checkpoint directory on the engine's machine")
+        async with state.weight_lock:
+            if body.get("abort_all_requests"):
+                engine.abort(abort_all=True, message="Aborted for a weight update.")
+            tensors = await asyncio.to_thread(read_checkpoint, path)
+            named = checkpoint_for_model(model, tensors)
+
+            def apply() -> None:
+                load_into_model(model, named)
+                state.set_weight_version(body.get("weight_version"))
+
+            await state.in_engine(apply)
+            state.model_path = path
+        return result_response(True, "Succeeded to update model weights.", num_paused_requests=0)
+
+    @router.post("/begin_weight_update")
+    async def begin_weight_update(request: Request) -> JSONResponse:
+        await json_body(request)  # sessions need no bookkeeping here: updates apply between steps
+        return result_response(True, "Weight update session started.")
+
+    @router.post("/end_weight_update")
+    async def end_weight_update(request: Request) -> JSONResponse:
+        await json_body(request)
+        return result_response(True, "Weight update session ended.")
+
+    @router.post("/get_weights_by_name")
+    async def get_weights_by_name(request: Request) -> JSONResponse:
+        body = await json_body(request)
+        name, truncate = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str) or not isinstance(truncate, int) or truncate < 0:
+            raise RequestError("name (string) is required; truncate_size must be a non-negative integer")
+        try:
+            values = await state.in_engine(lambda: weights_by_name(model, name, truncate))
+        except WeightUpdateError as e:
+            return error_response(400, str(e))
+        return JSONResponse(values)
+
+    return router
