@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlmesh.trainer.config import AlgorithmConfig
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -80,54 +82,6 @@ class RewardConfig(_Strict):
         description="Reward component name -> weight; the sample's reward is the weighted sum.",
     )
     reward_key: str = Field("", description="Entry to use when a reward function returns a dict.")
-
-
-class AlgorithmConfig(_Strict):
-    advantage_estimator: Literal[
-        "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo"
-    ] = Field("grpo", description="How advantages are computed from rewards.")
-    normalize_advantage_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
-    eps_clip: float = Field(0.2, gt=0, description="Lower clip range of the ratio (1 - eps_clip).")
-    eps_clip_high: float | None = Field(None, gt=0, description="Upper clip range (DAPO clip-higher); default eps_clip.")
-    dual_clip_c: float | None = Field(None, gt=1, description="Dual clip for negative advantages (c > 1).")
-    loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"] = Field(
-        "seq_mean_token_mean", description="How per-token losses are averaged: per sequence then over the batch, "
-        "over all tokens of the batch, or summed per sequence (Dr. GRPO)."
-    )
-    kl_loss_coef: float = Field(0.0, ge=0, description="KL-to-reference loss term (needs a reference model).")
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
-        "low_var_kl", description="Estimator of the per-token KL (Schulman's k1/k2/k3; low_var_kl = k3 clipped)."
-    )
-    kl_coef: float = Field(0.0, ge=0, description="KL as reward shaping (REINFORCE++); not with kl_loss_coef.")
-    entropy_coef: float = Field(0.0, description="Weight of an entropy bonus in the loss (0 = off).")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount for REINFORCE++ returns.")
-    tis_cap: float | None = Field(
-        None, gt=0, description="Truncated importance sampling against the engine's log-probs: cap on the weight."
-    )
-
-    @model_validator(mode="after")
-    def _estimator_defaults(self):
-        """What the estimator's paper means unless set explicitly: Dr. GRPO does not divide
-        by the response length; GSPO clips its sequence-level ratio in a far smaller range."""
-        if "loss_aggregation" not in self.model_fields_set and self.advantage_estimator == "dr_grpo":
-            self.loss_aggregation = "seq_mean_token_sum"
-        if self.advantage_estimator == "gspo":
-            if "eps_clip" not in self.model_fields_set:
-                self.eps_clip = 3e-4
-            if "eps_clip_high" not in self.model_fields_set:
-                self.eps_clip_high = 4e-4
-        return self
-
-    @model_validator(mode="after")
-    def _one_kl(self):
-        if self.kl_loss_coef > 0 and self.kl_coef > 0:
-            raise ValueError("use KL either as a loss term (kl_loss_coef) or as reward shaping (kl_coef), not both")
-        if self.kl_coef > 0 and self.advantage_estimator != "reinforce_plus_plus":
-            raise ValueError(
-                f"kl_coef (KL as reward shaping) is only used by reinforce_plus_plus, not {self.advantage_estimator!r}; "
-                "use kl_loss_coef for a KL loss term"
-            )
-        return self
 
 
 class OptimizerConfig(_Strict):

@@ -4,21 +4,120 @@ Shapes: per-sequence values are [B]; per-token values are [B, T], response token
 only, right-padded, with a float `mask` [B, T] that is 1 where a token is trained
 (inside the response and loss_mask = 1) and 0 elsewhere. Nothing here knows about
 models, devices or samples; every formula is in the docstring and checked by
-tests/test_algorithms.py against numbers worked out by hand.
+tests/unit/test_algorithms.py against numbers worked out by hand.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-from rlmesh.common.run_config import AlgorithmConfig
+from rlmesh.trainer.config import AlgorithmConfig
 
 GRPO_EPS = 1e-6
 WHITEN_EPS = 1e-8
 KL_CLAMP = 10.0
+
+
+# --------------------------------------------------------------------------------------
+# Registries: adding an algorithm is one function under one register_* decorator; the
+# run config accepts exactly the names registered here.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator may use, for a batch laid out group after group."""
+
+    rewards: Tensor  # [B]
+    group_sizes: Sequence[int]  # consecutive samples per prompt
+    mask: Tensor  # [B, T]
+    kl: Tensor | None  # [B, T] KL to the reference; only for estimators with kl_reward_shaping
+
+    def per_group(self, group_advantages: Callable[[Tensor], Tensor]) -> Tensor:
+        """A one-group estimator (rewards [n] -> A [n]) applied to every group, each A_i
+        broadcast to the trained tokens of sample i."""
+        groups = torch.split(self.rewards, list(self.group_sizes))
+        sequence_advantages = torch.cat([group_advantages(r) for r in groups])
+        return sequence_advantages.unsqueeze(1).to(self.mask.dtype) * self.mask
+
+
+AdvantageFn = Callable[[AdvantageInputs, AlgorithmConfig], Tensor]
+# (log_probs, old_log_probs, advantages, mask, config) -> (per-token loss, clipped indicator)
+PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, AlgorithmConfig], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    name: str
+    compute: AdvantageFn  # -> per-token advantages [B, T]
+    # Shapes rewards with the per-token KL to the reference (kl_coef): the only estimators
+    # that accept kl_coef, and a reference model is loaded for them when it is set.
+    kl_reward_shaping: bool = False
+    # AlgorithmConfig fields the estimator's paper sets, applied unless the run sets them.
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    name: str
+    compute: PolicyLossFn
+    sequence_level: bool = False  # one importance ratio per sequence (GSPO), not per token
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+_Fn = TypeVar("_Fn", bound=Callable)
+
+
+def register_advantage_estimator(
+    name: str, *, kl_reward_shaping: bool = False, defaults: Mapping[str, Any] | None = None
+) -> Callable[[_Fn], _Fn]:
+    def register(compute: _Fn) -> _Fn:
+        _add(ADVANTAGE_ESTIMATORS, AdvantageEstimator(name, compute, kl_reward_shaping, dict(defaults or {})))
+        return compute
+
+    return register
+
+
+def register_policy_loss(
+    name: str, *, sequence_level: bool = False, defaults: Mapping[str, Any] | None = None
+) -> Callable[[_Fn], _Fn]:
+    def register(compute: _Fn) -> _Fn:
+        _add(POLICY_LOSSES, PolicyLoss(name, compute, sequence_level, dict(defaults or {})))
+        return compute
+
+    return register
+
+
+def _add(registry: dict, spec: AdvantageEstimator | PolicyLoss) -> None:
+    # Both checks catch a mistake at import rather than in the middle of a run.
+    if spec.name in registry:
+        raise ValueError(f"{spec.name!r} is already registered")
+    unknown = set(spec.defaults) - set(AlgorithmConfig.model_fields)
+    if unknown:
+        raise ValueError(f"{spec.name!r}: defaults for fields AlgorithmConfig does not have: {sorted(unknown)}")
+    registry[spec.name] = spec
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    return _lookup(ADVANTAGE_ESTIMATORS, "advantage_estimator", name)
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    return _lookup(POLICY_LOSSES, "policy_loss", name)
+
+
+def _lookup(registry: dict, setting: str, name: str):
+    if name not in registry:
+        raise ValueError(f"{setting} must be one of {', '.join(registry)}; got {name!r}")
+    return registry[name]
 
 
 # --------------------------------------------------------------------------------------
@@ -129,37 +228,46 @@ def compute_advantages(
     mask: Tensor,
     kl: Tensor | None = None,
 ) -> Tensor:
-    """Per-token advantages [B, T] for a batch whose samples are laid out group after
-    group (`group_sizes` consecutive samples per prompt):
-
-    - grpo, gspo:   grpo_advantages per group, broadcast to every trained token
-    - dr_grpo:      dr_grpo_advantages per group, broadcast
-    - rloo:         rloo_advantages per group, broadcast
-    - reinforce_plus_plus:          masked_whiten(discounted_returns(
-                                      reinforce_plus_plus_token_rewards(r, KL, kl_coef), gamma))
-    - reinforce_plus_plus_baseline: masked_whiten((r_i - mean(group)) broadcast to tokens)
-
-    `kl` (per token, against the reference model) is only used by reinforce_plus_plus.
-    """
+    """Per-token advantages [B, T] by the registered estimator `config.advantage_estimator`,
+    for a batch whose samples are laid out group after group (`group_sizes` consecutive
+    samples per prompt). `kl` (per token, against the reference model) is only used by
+    estimators with kl_reward_shaping."""
     if sum(group_sizes) != rewards.numel():
         raise ValueError(f"group sizes add up to {sum(group_sizes)} but there are {rewards.numel()} rewards")
-    estimator = config.advantage_estimator
-    if estimator == "reinforce_plus_plus":
-        token_rewards = reinforce_plus_plus_token_rewards(rewards, mask, kl, config.kl_coef)
-        return masked_whiten(discounted_returns(token_rewards, mask, config.gamma), mask)
+    estimator = get_advantage_estimator(config.advantage_estimator)
+    return estimator.compute(AdvantageInputs(rewards, group_sizes, mask, kl), config)
 
-    per_group = {
-        "grpo": lambda r: grpo_advantages(r, config.normalize_advantage_std),
-        "gspo": lambda r: grpo_advantages(r, config.normalize_advantage_std),
-        "dr_grpo": dr_grpo_advantages,
-        "rloo": rloo_advantages,
-        "reinforce_plus_plus_baseline": dr_grpo_advantages,
-    }[estimator]
-    sequence_advantages = torch.cat([per_group(r) for r in torch.split(rewards, list(group_sizes))])
-    token_advantages = sequence_advantages.unsqueeze(1).to(mask.dtype) * mask
-    if estimator == "reinforce_plus_plus_baseline":
-        return masked_whiten(token_advantages, mask)
-    return token_advantages
+
+@register_advantage_estimator("grpo")
+def _grpo(batch: AdvantageInputs, config: AlgorithmConfig) -> Tensor:
+    """grpo_advantages per group, broadcast to every trained token."""
+    return batch.per_group(lambda r: grpo_advantages(r, config.normalize_advantage_std))
+
+
+@register_advantage_estimator("dr_grpo", defaults={"loss_aggregation": "seq_mean_token_sum"})
+def _dr_grpo(batch: AdvantageInputs, config: AlgorithmConfig) -> Tensor:
+    """dr_grpo_advantages per group, broadcast; by default the loss is not divided by each
+    sequence's length, as Dr. GRPO means."""
+    return batch.per_group(dr_grpo_advantages)
+
+
+@register_advantage_estimator("rloo")
+def _rloo(batch: AdvantageInputs, config: AlgorithmConfig) -> Tensor:
+    """rloo_advantages per group, broadcast."""
+    return batch.per_group(rloo_advantages)
+
+
+@register_advantage_estimator("reinforce_plus_plus", kl_reward_shaping=True)
+def _reinforce_plus_plus(batch: AdvantageInputs, config: AlgorithmConfig) -> Tensor:
+    """masked_whiten(discounted_returns(reinforce_plus_plus_token_rewards(r, KL, kl_coef), gamma))"""
+    token_rewards = reinforce_plus_plus_token_rewards(batch.rewards, batch.mask, batch.kl, config.kl_coef)
+    return masked_whiten(discounted_returns(token_rewards, batch.mask, config.gamma), batch.mask)
+
+
+@register_advantage_estimator("reinforce_plus_plus_baseline")
+def _reinforce_plus_plus_baseline(batch: AdvantageInputs, config: AlgorithmConfig) -> Tensor:
+    """masked_whiten((r_i - mean(group)) broadcast to tokens)"""
+    return masked_whiten(batch.per_group(dr_grpo_advantages), batch.mask)
 
 
 # --------------------------------------------------------------------------------------
@@ -207,6 +315,25 @@ def policy_loss(
     if dual_clip_c is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip_c * advantages), loss)
     return loss, (clipped > unclipped).to(log_ratio.dtype)
+
+
+@register_policy_loss("ppo_clip")
+def _ppo_clip(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: AlgorithmConfig
+) -> tuple[Tensor, Tensor]:
+    """policy_loss with the per-token ratio logp - old_logp."""
+    log_ratio = log_probs - old_log_probs
+    return policy_loss(log_ratio, advantages, config.eps_clip, config.eps_clip_high, config.dual_clip_c)
+
+
+# GSPO's sequence-level ratio stays near 1, so its paper clips it in a far smaller range.
+@register_policy_loss("gspo", sequence_level=True, defaults={"eps_clip": 3e-4, "eps_clip_high": 4e-4})
+def _gspo(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: AlgorithmConfig
+) -> tuple[Tensor, Tensor]:
+    """policy_loss with gspo_log_ratio."""
+    log_ratio = gspo_log_ratio(log_probs, old_log_probs, mask)
+    return policy_loss(log_ratio, advantages, config.eps_clip, config.eps_clip_high, config.dual_clip_c)
 
 
 def aggregate_loss(

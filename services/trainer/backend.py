@@ -4,7 +4,8 @@ One RL step, for a batch of sample groups (FAILED samples left out):
 
 1. `old` log-probs of every response token with the current policy, before any update
    (and the reference model's, when KL is used), without gradients;
-2. per-token advantages for the whole batch (algorithms.compute_advantages);
+2. per-token advantages for the whole batch (algorithms.compute_advantages, by the
+   run's registered advantage estimator; the loss is its registered policy loss);
 3. the batch is cut into `num_steps_per_rollout` mini-batches (slime's meaning: the
    rollout batch holds num_steps_per_rollout global batches); each mini-batch is one
    optimizer step, run as micro-batches of `micro_batch_size` samples with gradient
@@ -196,6 +197,10 @@ class _Totals:
     def add_token_sum(self, name: str, value: float) -> None:
         self.per_token[name] = self.per_token.get(name, 0.0) + value
 
+    def add_token_mean(self, name: str, mean: float, tokens: float) -> None:
+        """A micro-batch's mean over its `tokens` trained tokens, weighted like add_token_sum."""
+        self.add_token_sum(name, mean * tokens)
+
     def metrics(self) -> dict[str, float]:
         out = {k: v / max(self.steps, 1) for k, v in self.per_step.items()}
         out.update({k: v / max(self.tokens, 1.0) for k, v in self.per_token.items()})
@@ -266,6 +271,8 @@ class TorchBackend:
     ) -> None:
         self.config = config
         self.algorithm = config.algorithm
+        self.estimator = algo.get_advantage_estimator(self.algorithm.advantage_estimator)
+        self.policy_loss = algo.get_policy_loss(self.algorithm.policy_loss)
         self.device = device
         self.temperature = config.rollout_temperature
         self.step = 0
@@ -299,7 +306,7 @@ class TorchBackend:
     @property
     def needs_reference(self) -> bool:
         a = self.algorithm
-        return a.kl_loss_coef > 0 or (a.kl_coef > 0 and a.advantage_estimator == "reinforce_plus_plus")
+        return a.kl_loss_coef > 0 or (a.kl_coef > 0 and self.estimator.kl_reward_shaping)
 
     # ---------------------------------------------------------------- forward helpers
 
@@ -377,7 +384,7 @@ class TorchBackend:
 
         # 2. Advantages for the whole batch.
         kl_for_reward = None
-        if ref is not None and a.advantage_estimator == "reinforce_plus_plus":
+        if ref is not None and self.estimator.kl_reward_shaping:
             kl_for_reward = algo.kl_penalty(old, ref, a.kl_estimator)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device)
         advantages = algo.compute_advantages(a, rewards, batch.group_sizes, masks, kl_for_reward)
@@ -419,11 +426,7 @@ class TorchBackend:
         # The entropy bonus needs the entropy's gradient; the metric alone does not.
         with nullcontext() if a.entropy_coef else torch.no_grad():
             entropy = algo.entropy_from_logits(logits)
-        if a.advantage_estimator == "gspo":
-            log_ratio = algo.gspo_log_ratio(log_probs, old, mask)
-        else:
-            log_ratio = log_probs - old
-        pg, clipped = algo.policy_loss(log_ratio, fixed.advantages, a.eps_clip, a.eps_clip_high, a.dual_clip_c)
+        pg, clipped = self.policy_loss.compute(log_probs, old, fixed.advantages, mask, a)
         if a.tis_cap is not None:
             tis = algo.tis_weights(old, fixed.rollout, a.tis_cap)
             weights = torch.where(fixed.has_rollout > 0, tis, 1.0)  # no engine log-probs: weight 1
@@ -448,7 +451,7 @@ class TorchBackend:
         totals.add_step_value("pg_loss", float(pg_loss.detach()))
         totals.tokens += float(mask.sum())
         totals.add_token_sum("clip_frac", float(algo.masked_sum(clipped, mask)))
-        totals.add_token_sum("approx_kl", float(algo.masked_sum(old - log_probs.detach(), mask)))
+        totals.add_token_mean("approx_kl", float(algo.approx_kl(log_probs.detach(), old, mask)), float(mask.sum()))
         totals.add_token_sum("entropy", float(algo.masked_sum(entropy.detach(), mask)))
 
     # ---------------------------------------------------------------- SFT step

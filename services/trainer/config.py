@@ -1,14 +1,121 @@
 """Settings of the trainer service (the process), as opposed to a run's settings
-(rlmesh.common.run_config.TrainerRunConfig, sent with InitRun)."""
+(rlmesh.common.run_config.TrainerRunConfig, sent with InitRun); and the trainer's
+section of a run, AlgorithmConfig, whose estimator and policy-loss names are those
+registered in rlmesh.trainer.algorithms."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlmesh.common.settings import ServiceSettings
+
+# Before policy losses were chosen on their own, GSPO was asked for as an advantage
+# estimator; that spelling still means GRPO's advantages with GSPO's loss.
+LEGACY_GSPO_ESTIMATOR = "gspo"
+
+
+def _algorithms():
+    # Imported on first use, not with this module: algorithms imports AlgorithmConfig from
+    # here, and services that never train import the run config without needing torch.
+    from rlmesh.trainer import algorithms
+
+    return algorithms
+
+
+def _registered_names(registry: str):
+    """json_schema_extra: list the names registered when the schema is built (the /docs enum)."""
+
+    def add_enum(schema: dict[str, Any]) -> None:
+        schema["enum"] = list(getattr(_algorithms(), registry))
+
+    return add_enum
+
+
+class AlgorithmConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    advantage_estimator: str = Field(
+        "grpo",
+        description="How advantages are computed from rewards: a name registered in rlmesh.trainer.algorithms "
+        "('gspo' is still accepted and means grpo with policy_loss 'gspo').",
+        json_schema_extra=_registered_names("ADVANTAGE_ESTIMATORS"),
+    )
+    policy_loss: str = Field(
+        "ppo_clip",
+        description="The policy-gradient loss: a name registered in rlmesh.trainer.algorithms "
+        "(ppo_clip: per-token ratio; gspo: sequence-level ratio).",
+        json_schema_extra=_registered_names("POLICY_LOSSES"),
+    )
+    normalize_advantage_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
+    eps_clip: float = Field(0.2, gt=0, description="Lower clip range of the ratio (1 - eps_clip).")
+    eps_clip_high: float | None = Field(None, gt=0, description="Upper clip range (DAPO clip-higher); default eps_clip.")
+    dual_clip_c: float | None = Field(None, gt=1, description="Dual clip for negative advantages (c > 1).")
+    loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"] = Field(
+        "seq_mean_token_mean", description="How per-token losses are averaged: per sequence then over the batch, "
+        "over all tokens of the batch, or summed per sequence (Dr. GRPO)."
+    )
+    kl_loss_coef: float = Field(0.0, ge=0, description="KL-to-reference loss term (needs a reference model).")
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "low_var_kl", description="Estimator of the per-token KL (Schulman's k1/k2/k3; low_var_kl = k3 clipped)."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="KL as reward shaping (REINFORCE++); not with kl_loss_coef.")
+    entropy_coef: float = Field(0.0, description="Weight of an entropy bonus in the loss (0 = off).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount for REINFORCE++ returns.")
+    tis_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling against the engine's log-probs: cap on the weight."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_gspo_estimator(cls, data: Any) -> Any:
+        if not (isinstance(data, dict) and data.get("advantage_estimator") == LEGACY_GSPO_ESTIMATOR):
+            return data
+        if data.get("policy_loss", "gspo") != "gspo":
+            raise ValueError(
+                f"advantage_estimator 'gspo' means advantage_estimator 'grpo' with policy_loss 'gspo', "
+                f"not policy_loss {data['policy_loss']!r}"
+            )
+        return {**data, "advantage_estimator": "grpo", "policy_loss": "gspo"}
+
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _registered_estimator(cls, value: str) -> str:
+        return _algorithms().get_advantage_estimator(value).name
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _registered_policy_loss(cls, value: str) -> str:
+        return _algorithms().get_policy_loss(value).name
+
+    @model_validator(mode="after")
+    def _algorithm_defaults(self):
+        """What the estimator's and the loss's papers mean unless the run sets it (say Dr.
+        GRPO's loss aggregation, GSPO's clip range): their specs' `defaults`."""
+        algorithms = _algorithms()
+        explicit = set(self.model_fields_set)
+        for spec in (algorithms.get_advantage_estimator(self.advantage_estimator),
+                     algorithms.get_policy_loss(self.policy_loss)):
+            for name, value in spec.defaults.items():
+                if name not in explicit:
+                    setattr(self, name, value)
+        return self
+
+    @model_validator(mode="after")
+    def _one_kl(self):
+        if self.kl_loss_coef > 0 and self.kl_coef > 0:
+            raise ValueError("use KL either as a loss term (kl_loss_coef) or as reward shaping (kl_coef), not both")
+        estimators = _algorithms().ADVANTAGE_ESTIMATORS
+        if self.kl_coef > 0 and not estimators[self.advantage_estimator].kl_reward_shaping:
+            users = ", ".join(name for name, spec in estimators.items() if spec.kl_reward_shaping)
+            raise ValueError(
+                f"kl_coef (KL as reward shaping) is only used by {users}, not {self.advantage_estimator!r}; "
+                "use kl_loss_coef for a KL loss term"
+            )
+        return self
 
 
 class Settings(ServiceSettings):

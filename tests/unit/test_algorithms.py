@@ -1,5 +1,6 @@
 """Every formula of rlmesh.trainer.algorithms against numbers worked out by hand
-(the arithmetic is in the comments)."""
+(the arithmetic is in the comments), and the registries that the run config's
+estimator and policy-loss names come from."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 
-from rlmesh.common.run_config import AlgorithmConfig
 from rlmesh.trainer import algorithms as algo
+from rlmesh.trainer.config import AlgorithmConfig
 
 
 def t(values) -> torch.Tensor:
@@ -18,6 +20,89 @@ def t(values) -> torch.Tensor:
 
 def close(actual: torch.Tensor, expected, atol: float = 1e-5) -> None:
     torch.testing.assert_close(actual, t(expected), atol=atol, rtol=0)
+
+
+# ------------------------------------------------------------------ registries and the config
+
+
+ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+LOSSES = ["ppo_clip", "gspo"]
+
+
+@pytest.fixture
+def registries(monkeypatch):
+    """Registries a test may add to; the module's own come back afterwards."""
+    monkeypatch.setattr(algo, "ADVANTAGE_ESTIMATORS", dict(algo.ADVANTAGE_ESTIMATORS))
+    monkeypatch.setattr(algo, "POLICY_LOSSES", dict(algo.POLICY_LOSSES))
+
+
+def test_the_registries_list_every_algorithm_with_its_flags():
+    assert list(algo.ADVANTAGE_ESTIMATORS) == ESTIMATORS
+    assert list(algo.POLICY_LOSSES) == LOSSES
+    assert [n for n, e in algo.ADVANTAGE_ESTIMATORS.items() if e.kl_reward_shaping] == ["reinforce_plus_plus"]
+    assert [n for n, loss in algo.POLICY_LOSSES.items() if loss.sequence_level] == ["gspo"]
+    schema = AlgorithmConfig.model_json_schema()["properties"]
+    assert schema["advantage_estimator"]["enum"] == ESTIMATORS
+    assert schema["policy_loss"]["enum"] == LOSSES
+
+
+@pytest.mark.parametrize(("setting", "names"), [("advantage_estimator", ESTIMATORS), ("policy_loss", LOSSES)])
+def test_the_config_refuses_an_unknown_name_and_lists_the_registered_ones(setting, names):
+    with pytest.raises(ValidationError, match=f"{setting} must be one of {', '.join(names)}; got 'ppo2'"):
+        AlgorithmConfig(**{setting: "ppo2"})
+
+
+def test_the_old_gspo_estimator_is_grpo_with_the_gspo_loss():
+    config = AlgorithmConfig(advantage_estimator="gspo")
+    assert (config.advantage_estimator, config.policy_loss) == ("grpo", "gspo")
+    assert (config.eps_clip, config.eps_clip_high) == (3e-4, 4e-4)  # GSPO's clip range ...
+    explicit = AlgorithmConfig(advantage_estimator="gspo", policy_loss="gspo", eps_clip=0.1)
+    assert (explicit.eps_clip, explicit.eps_clip_high) == (0.1, 4e-4)  # ... unless set
+    assert AlgorithmConfig.model_validate_json(config.model_dump_json()) == config
+    assert AlgorithmConfig(policy_loss="gspo") == config
+    with pytest.raises(ValidationError, match="means advantage_estimator 'grpo' with policy_loss 'gspo'"):
+        AlgorithmConfig(advantage_estimator="gspo", policy_loss="ppo_clip")
+
+
+def test_an_algorithms_defaults_apply_unless_the_run_sets_them():
+    assert AlgorithmConfig(advantage_estimator="dr_grpo").loss_aggregation == "seq_mean_token_sum"
+    assert AlgorithmConfig(advantage_estimator="dr_grpo", loss_aggregation="token_mean").loss_aggregation == "token_mean"
+    assert AlgorithmConfig().loss_aggregation == "seq_mean_token_mean"
+    assert (AlgorithmConfig().eps_clip, AlgorithmConfig().eps_clip_high) == (0.2, None)
+
+
+def test_kl_as_reward_only_with_an_estimator_that_shapes_rewards_with_it():
+    assert AlgorithmConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.1).kl_coef == 0.1
+    with pytest.raises(ValidationError, match="only used by reinforce_plus_plus, not 'rloo'"):
+        AlgorithmConfig(advantage_estimator="rloo", kl_coef=0.1)
+    with pytest.raises(ValidationError, match="not both"):
+        AlgorithmConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.1, kl_loss_coef=0.1)
+
+
+def test_a_newly_registered_estimator_and_loss_are_accepted_by_the_config(registries):
+    @algo.register_advantage_estimator("max_baseline", defaults={"loss_aggregation": "token_mean"})
+    def _max_baseline(batch, config):
+        return batch.per_group(lambda r: r - r.max())
+
+    @algo.register_policy_loss("vanilla_pg")
+    def _vanilla_pg(log_probs, old_log_probs, advantages, mask, config):
+        return -advantages * log_probs, torch.zeros_like(log_probs)
+
+    config = AlgorithmConfig(advantage_estimator="max_baseline", policy_loss="vanilla_pg")
+    assert config.loss_aggregation == "token_mean"
+    assert AlgorithmConfig.model_json_schema()["properties"]["advantage_estimator"]["enum"][-1] == "max_baseline"
+    # groups (1, 3) and (2,): r - max = -2, 0 | 0, broadcast under the mask
+    close(algo.compute_advantages(config, t([1, 3, 2]), [2, 1], t([[1, 1], [1, 0], [1, 1]])),
+          [[-2, -2], [0, 0], [0, 0]])
+    loss, _ = algo.get_policy_loss("vanilla_pg").compute(t([-1.0]), t([-1.0]), t([2.0]), t([1.0]), config)
+    close(loss, [2.0])
+
+
+def test_registration_refuses_a_taken_name_and_defaults_for_unknown_fields(registries):
+    with pytest.raises(ValueError, match="'grpo' is already registered"):
+        algo.register_advantage_estimator("grpo")(lambda batch, config: batch.rewards)
+    with pytest.raises(ValueError, match="fields AlgorithmConfig does not have: \\['clip'\\]"):
+        algo.register_policy_loss("clipped", defaults={"clip": 0.1})(lambda *args: args)
 
 
 # ------------------------------------------------------------------ advantages
@@ -124,6 +209,21 @@ def test_dual_clip_caps_negative_advantages():
     # A=-1, r=5: max(5, 1.2) = 5, capped at 3 * 1 = 3;  A=-1, r=2: 2 < 3 stays;
     # A=+1, r=5: max(-5, -1.2) = -1.2 (dual clip only touches A < 0)
     close(loss, [3.0, 2.0, -1.2])
+
+
+def test_registered_losses_differ_in_the_ratio_only():
+    log_probs, old, mask = t([[-1.0, -2.0, -3.0]]), t([[-1.5, -2.0, -2.5]]), t([[1, 1, 0]])
+    adv = t([[1, 1, 0]])
+    config = AlgorithmConfig(eps_clip=0.2)
+    # ppo_clip: ratios e^.5 = 1.6487 (clipped to 1.2), e^0 = 1; the untrained token has A = 0
+    loss, clipped = algo.get_policy_loss("ppo_clip").compute(log_probs, old, adv, mask, config)
+    close(loss, [[-1.2, -1.0, 0.0]])
+    close(clipped, [[1, 0, 0]])
+    # gspo: one ratio e^((.5 + 0) / 2) = 1.2840 on every token, clipped to 1.2 where A = 1
+    config = AlgorithmConfig(policy_loss="gspo", eps_clip=0.2, eps_clip_high=0.2)
+    loss, clipped = algo.get_policy_loss("gspo").compute(log_probs, old, adv, mask, config)
+    close(loss, [[-1.2, -1.2, 0.0]])
+    close(clipped, [[1, 1, 0]])
 
 
 def test_gspo_ratio_is_the_sequence_mean_with_per_token_gradient():
