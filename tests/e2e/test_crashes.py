@@ -77,7 +77,7 @@ import sys
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
 from rlmesh.common.grpc_server import sync_channel
 stub = buffer_pb2_grpc.BufferStub(sync_channel(sys.argv[1]))
-groups = stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r1", num_groups=2, worker_id="w1", lease_seconds=0.3)).groups
+groups = stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r1", num_groups=2, lease_seconds=0.3)).groups
 print(" ".join(g.group_id for g in groups), flush=True)
 sys.stdin.read()  # "generating" until killed
 """
