@@ -48,6 +48,7 @@ from pydantic import BaseModel
 from bench.wire import realistic_group
 from rlmesh.cli.embedded_redis import start_redis
 from rlmesh.cli.launcher import http_ready, wait_until_ready
+from rlmesh.common.auth import ensure_stack_token
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.net import free_port
 from rlmesh.common.sample import group_to_proto
@@ -283,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     opts = Options(args.groups, args.groups_per_call, args.writers, args.rounds, args.json_sequences,
                    args.json_concurrency)
+    ensure_stack_token()  # the buffer processes and the clients here share it
 
     work = tempfile.mkdtemp(prefix="rlmesh-bench-buffer-")
     procs: list[subprocess.Popen] = []

@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from rlmesh.common.auth import ensure_stack_token
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.net import free_port
 from rlmesh.common.sample import Sample, Status, sample_to_json, sample_to_proto
@@ -139,6 +140,7 @@ def direct_per_second(url: str, payloads: list[bytes], in_flight: int) -> float:
 
 
 def main() -> dict[str, float]:
+    ensure_stack_token()  # the reward service started here and its client share it
     samples = make_samples(512)
     results: dict[str, float] = {}
 

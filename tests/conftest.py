@@ -19,12 +19,15 @@ from rlmesh.buffer.server import start as start_buffer
 from rlmesh.cli.embedded_redis import start_redis
 from rlmesh.cli.launcher import http_ready, wait_until_ready
 from rlmesh.cli.tiny_model import build_tiny_model
+from rlmesh.common.auth import ensure_stack_token
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import buffer_pb2_grpc
 
 # Two cores: keep torch from oversubscribing them while servers run beside the tests.
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One token for every server the tests start (in-process or as subprocesses) and every client.
+ensure_stack_token()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -52,6 +52,7 @@ def _up(args: argparse.Namespace) -> None:
     print("starting rlmesh:")
     stack = start_stack(data_dir, model_path, redis_url=args.redis_url)
     print(f"rlmesh is up. REST API: {stack.coordinator_url} (docs: {stack.coordinator_url}/docs). Ctrl-C stops it.")
+    print(f"Every call needs 'Authorization: Bearer <token>'; the token is in {stack.token_file}.")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from rlmesh.common.auth import client_headers
 from rlmesh.common.run_config import RunConfig
 
 LETTERS = "abcdefgh"
@@ -128,7 +129,7 @@ def run_demo(args) -> int:
             url = stack.coordinator_url
     try:
         config = demo_config(str(model_path), train, held_out, args.sft_steps, args.rollouts)
-        with httpx.Client(base_url=url, timeout=60) as http:
+        with httpx.Client(base_url=url, timeout=60, headers=client_headers()) as http:
             r = http.post("/runs", json=config.model_dump(mode="json"))
             if r.status_code != 201:
                 print(f"could not start the run: {r.status_code} {r.text}")

@@ -1,5 +1,7 @@
 """`rlmesh up`: every service as a local process, wired together on free loopback ports,
-with an embedded Redis when no Redis URL is given. Logs go to <data_dir>/logs/."""
+with an embedded Redis when no Redis URL is given. Logs go to <data_dir>/logs/. The stack's
+token (RLMESH_TOKEN, generated when not set) reaches the services through their environment
+and other local clients through <data_dir>/token (readable by this user only)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlmesh.cli.embedded_redis import EmbeddedRedis, start_redis
+from rlmesh.common import auth
 from rlmesh.common.net import free_port
 
 # Start order: each service's dependencies come before it.
@@ -61,6 +64,10 @@ class Stack:
             "pid": os.getpid(), "redis_url": self.redis_url, "ports": self.ports,
             "coordinator_url": self.coordinator_url}))
 
+    @property
+    def token_file(self) -> Path:
+        return self.data_dir / "token"
+
     def stop(self) -> None:
         """SIGTERM in reverse start order (each service finishes in-flight work), then Redis."""
         for name in reversed(SERVICES):
@@ -74,6 +81,7 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
         (self.data_dir / "up.json").unlink(missing_ok=True)
+        self.token_file.unlink(missing_ok=True)
 
 
 def http_ready(url: str) -> bool:
@@ -117,7 +125,11 @@ def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", time
         echo(f"  redis        {redis_url} (embedded, append-only file in {data_dir / 'redis'})")
     ports = {n: free_port() for n in (*SERVICES, "buffer_metrics")}
     stack = Stack(data_dir=data_dir, redis_url=redis_url, ports=ports, redis=redis)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    token = auth.ensure_stack_token()
+    _write_private(stack.token_file, token)
+    # The engine demands the token as its API key, and the rollout service sends it.
+    env = {"RLMESH_ENGINE_API_KEY": token, "RLMESH_ROLLOUT_ENGINE_API_KEY": token,
+           **os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     try:
         for name in SERVICES:
             log = open(data_dir / "logs" / f"{name}.log", "ab")
@@ -137,8 +149,16 @@ def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", time
     return stack
 
 
+def _write_private(path: Path, text: str) -> None:
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def running_stack(data_dir: str | Path) -> dict | None:
-    """The state file of an `rlmesh up` that is still running, if any."""
+    """The state file of an `rlmesh up` that is still running, if any; its token file is
+    made this process's token (RLMESH_TOKEN_FILE) so that its clients are let in."""
     state_file = Path(data_dir) / "up.json"
     if not state_file.exists():
         return None
@@ -147,4 +167,6 @@ def running_stack(data_dir: str | Path) -> dict | None:
         os.kill(state["pid"], 0)
     except OSError:
         return None
+    if auth.stack_token() is None and (Path(data_dir) / "token").exists():
+        os.environ[auth.TOKEN_FILE_ENV] = str(Path(data_dir).resolve() / "token")
     return state

@@ -1,5 +1,7 @@
-"""One way to run a gRPC service: asyncio server, health checking, reflection, message
-size caps, errors mapped to status codes, graceful stop on SIGTERM/SIGINT."""
+"""One way to run a gRPC service: asyncio server, the stack's bearer token checked on every
+call (health excepted), health checking, reflection, message size caps, errors mapped to
+status codes, graceful stop on SIGTERM/SIGINT; and channels to rlmesh services that carry
+the token."""
 
 from __future__ import annotations
 
@@ -8,12 +10,13 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rlmesh.common import auth
 from rlmesh.common.errors import RlmeshError
 from rlmesh.common.sample import ConversionError
 from rlmesh.common.settings import ServiceSettings
@@ -30,12 +33,111 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _SyncCallDetails(_CallDetails, grpc.ClientCallDetails):
+    pass
+
+
+def _with_token(metadata, value: str) -> list[tuple[str, str]]:
+    return [*(metadata or ()), (auth.HEADER, value)]
+
+
+class _AioTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+                           grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def _details(self, d):
+        return grpc.aio.ClientCallDetails(d.method, d.timeout, _with_token(d.metadata, self.value),
+                                          d.credentials, d.wait_for_ready)
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+
+class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                            grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def _details(self, d):
+        return _SyncCallDetails(d.method, d.timeout, _with_token(d.metadata, self.value), d.credentials,
+                                d.wait_for_ready, getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
 def aio_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+    """A channel to an rlmesh service: every call carries the stack's token (when there is one)."""
+    value = auth.bearer(auth.stack_token())
+    interceptors = [_AioTokenInterceptor(value)] if value else None
+    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes), interceptors=interceptors)
 
 
 def sync_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+    channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+    value = auth.bearer(auth.stack_token())
+    return grpc.intercept_channel(channel, _SyncTokenInterceptor(value)) if value else channel
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call without the stack's token (UNAUTHENTICATED), health checks excepted:
+    orchestrators probe health without credentials, and health reveals nothing else."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(auth.OPEN_GRPC_PREFIXES):
+            return await continuation(handler_call_details)
+        header = dict(handler_call_details.invocation_metadata or ()).get(auth.HEADER)
+        if auth.token_matches(self.token, header):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        why = "no bearer token" if not header else "a wrong bearer token"
+        message = (f"{method} needs the stack's token and the call carried {why}: send 'authorization: Bearer "
+                   f"<token>' metadata (rlmesh clients read {auth.TOKEN_ENV} or {auth.TOKEN_FILE_ENV})")
+
+        async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
 
 
 class _StatusInterceptor(grpc.aio.ServerInterceptor):
@@ -99,7 +201,9 @@ async def start_server(
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start a server on `address` ("host:port", port 0 picks a free one); returns it,
     the bound port and its health servicer (all services marked SERVING)."""
-    server = grpc.aio.server(interceptors=[_StatusInterceptor()], options=channel_options(max_message_bytes))
+    token = auth.required_token()
+    interceptors = [_AuthInterceptor(token)] if token else []
+    server = grpc.aio.server(interceptors=[*interceptors, _StatusInterceptor()], options=channel_options(max_message_bytes))
     bindings = list(bindings)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -14,12 +14,16 @@ from fastapi.responses import JSONResponse
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, Field
 
+from rlmesh.common import auth
 from rlmesh.common.errors import HTTP_STATUS_BY_GRPC_CODE, RlmeshError
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.run_config import RunConfig
 from rlmesh.coordinator.config import Settings
 from rlmesh.coordinator.runs import Clients, RunDriver, RunStore
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
+
+# Probes and the API's own description need no token; they reveal nothing about runs.
+OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
 class RunCreated(BaseModel):
@@ -58,6 +62,8 @@ class RewardServiceSpec(BaseModel):
     max_concurrency: int = Field(0, ge=0, description="Calls in flight at once; 0 = the default.")
     weight: float = Field(0.0, description="Weight when a run names no components.")
     max_batch_size: int = Field(0, ge=0, description="Samples per call; 0 = the default.")
+    bearer_token: str = Field("", max_length=4096, description="The service's own credential, sent as "
+                              "'Authorization: Bearer <token>'; write-only (never listed back).")
 
 
 def _service_dict(msg) -> dict:
@@ -91,7 +97,15 @@ def create_app(settings: Settings) -> FastAPI:
         await redis.aclose()
 
     app = FastAPI(title="rlmesh coordinator", version="0.1.0", lifespan=lifespan,
-                  description="Start, stop and watch RL post-training runs.")
+                  description="Start, stop and watch RL post-training runs. Every route except /health and "
+                  "the API docs needs `Authorization: Bearer <token>` (the stack's token).",
+                  responses={401: {"description": "Missing or wrong bearer token."}})
+    token = auth.required_token()
+    if token:
+        auth.add_http_token_check(
+            app, token, lambda path: path in OPEN_PATHS,
+            lambda why: {"detail": f"this API needs the stack's token and the request carried {why}: send "
+                                   f"'Authorization: Bearer <token>' ({auth.TOKEN_ENV} of the stack)"})
 
     @app.exception_handler(RlmeshError)
     async def rlmesh_error(request: Request, exc: RlmeshError):

@@ -37,6 +37,11 @@ class Settings(ServiceSettings):
         30.0, ge=0, description="On SIGTERM, in-flight requests are aborted (answering with their partial output); "
         "this bounds how long the server then waits for their responses to be sent."
     )
+    api_key: str = Field(
+        "", description="As SGLang's --api-key: every route but /health* needs 'Authorization: Bearer <key>' "
+        "(empty = open). Best set through the environment (RLMESH_ENGINE_API_KEY), not a flag.",
+        repr=False,
+    )
     reported_version: str = Field(
         "0.5.23", description="SGLang version reported by /get_server_info (the API level this engine mimics)."
     )

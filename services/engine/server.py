@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from rlmesh.common import auth
 from rlmesh.engine.config import Settings
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, ServerClosing, error_response, result_response
@@ -72,6 +73,10 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="rlmesh reference engine (SGLang HTTP API)", lifespan=lifespan)
     app.state.engine_state = state
+    if settings.api_key:
+        # As SGLang's --api-key: every route but health and metrics needs the key.
+        auth.add_http_token_check(app, settings.api_key, lambda path: path.startswith(("/health", "/metrics")),
+                                  lambda why: {"error": {"message": f"Unauthorized: {why}"}})
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, e: RequestError) -> JSONResponse:

@@ -21,6 +21,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import grpc
 import httpx
@@ -187,18 +188,23 @@ class Suite:
             for body, what in ((b"this is not json", "a body that is not JSON"),
                                (b'{"samples": "nope"}', "a body without a samples list")):
                 try:
-                    reply = await client.post(self.config.url, content=body, headers={"content-type": "application/json"})
+                    reply = await client.post(self.config.url, content=body, headers=self._headers())
                 except httpx.HTTPError as e:
                     raise CheckFailed(f"{what}: no answer ({type(e).__name__}: {e})") from None
                 if not 400 <= reply.status_code < 500:
                     raise CheckFailed(f"{what} got HTTP {reply.status_code}; expected a 4xx refusal")
         return "malformed requests refused with 4xx"
 
+    def _headers(self) -> dict[str, str]:
+        credential = {"authorization": f"Bearer {self.config.bearer_token}"} if self.config.bearer_token else {}
+        return {"content-type": "application/json", **credential}
+
     async def _grpc_malformed(self) -> str:
         async with grpc.aio.insecure_channel(grpc_target(self.config.url)) as channel:
             stub = reward_pb2_grpc.RewardStub(channel)
             try:
-                await stub.ScoreGroups(reward_pb2.ScoreGroupsRequest(), timeout=self.config.timeout_seconds)
+                await stub.ScoreGroups(reward_pb2.ScoreGroupsRequest(), timeout=self.config.timeout_seconds,
+                                       metadata=list(self._headers().items())[1:])
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise CheckFailed(f"an empty ScoreGroups request got {e.code().name}: {e.details()}") from None
@@ -259,11 +265,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="samples in the latency check's batch [default: 32]")
     parser.add_argument("--latency-calls", type=int, default=10, help="sequential single-sample calls [default: 10]")
     parser.add_argument("--skip", action="append", default=[], choices=CHECKS, help="leave out a check (repeatable)")
+    parser.add_argument("--token-file", type=Path, help="a file holding the service's bearer token, sent as "
+                        "'Authorization: Bearer <token>' (a file, so the token stays out of `ps`)")
     args = parser.parse_args(argv)
     try:
+        token = args.token_file.read_text().strip() if args.token_file else ""
         config = resolve_config(
-            RemoteServiceConfig("check", args.url, timeout_seconds=args.timeout, max_batch_size=args.batch_size),
+            RemoteServiceConfig("check", args.url, timeout_seconds=args.timeout, max_batch_size=args.batch_size,
+                                bearer_token=token),
             RemoteDefaults(), reserved=set())
+    except OSError as e:
+        print(f"rlmesh reward check: cannot read --token-file {args.token_file}: {e.strerror}")
+        return 2
     except errors.RlmeshError as e:
         print(f"rlmesh reward check: {e}")
         return 2

@@ -102,6 +102,7 @@ class RemoteServiceConfig:
     max_concurrency: int = 0
     weight: float = 0.0
     max_batch_size: int = 0
+    bearer_token: str = field(default="", repr=False)  # the remote's credential; never listed or logged
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -151,7 +152,10 @@ def resolve_config(config: RemoteServiceConfig, defaults: RemoteDefaults, reserv
         raise errors.InvalidArgument(f"max_batch_size must be between 1 and 100000, got {config.max_batch_size}")
     if not math.isfinite(config.weight):
         raise errors.InvalidArgument(f"weight must be a finite number, got {config.weight}")
-    return RemoteServiceConfig(name, url, protocol, float(timeout), concurrency, float(config.weight), batch)
+    if len(config.bearer_token) > 4096 or any(c in config.bearer_token for c in "\r\n"):
+        raise errors.InvalidArgument("bearer_token must be one line of at most 4096 characters")
+    return RemoteServiceConfig(name, url, protocol, float(timeout), concurrency, float(config.weight), batch,
+                               config.bearer_token)
 
 
 def check_url(url: str) -> str:
@@ -280,9 +284,14 @@ def request_body(samples: Sequence[Sample]) -> bytes:
     return json.dumps({"samples": [sample_to_json(s) for s in samples]}).encode()
 
 
+def _credential(bearer_token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {bearer_token}")] if bearer_token else []
+
+
 class HttpJsonTransport:
-    def __init__(self, url: str, max_concurrency: int, max_reply_bytes: int) -> None:
+    def __init__(self, url: str, max_concurrency: int, max_reply_bytes: int, bearer_token: str = "") -> None:
         self.url = url
+        self.headers = {"content-type": "application/json", **dict(_credential(bearer_token))}
         self.max_reply_bytes = max_reply_bytes
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
         self.client = httpx.AsyncClient(limits=limits, follow_redirects=False)
@@ -292,7 +301,7 @@ class HttpJsonTransport:
         try:
             async with self.client.stream(
                 "POST", self.url, content=request_body(samples),
-                headers={"content-type": "application/json"}, timeout=httpx.Timeout(timeout),
+                headers=self.headers, timeout=httpx.Timeout(timeout),
             ) as reply:
                 body = await self._read_capped(reply)
         except httpx.TimeoutException:
@@ -339,8 +348,9 @@ def grpc_target(url: str) -> str:
 
 
 class GrpcTransport:
-    def __init__(self, url: str, max_reply_bytes: int) -> None:
+    def __init__(self, url: str, max_reply_bytes: int, bearer_token: str = "") -> None:
         self.url = url
+        self.metadata = _credential(bearer_token)
         self.max_reply_bytes = max_reply_bytes
         self.channel = grpc.aio.insecure_channel(
             grpc_target(url),
@@ -357,7 +367,7 @@ class GrpcTransport:
         ]
         request = reward_pb2.ScoreGroupsRequest(groups=[group_to_proto(g) for g in groups])
         try:
-            reply = await self.stub.ScoreGroups(request, timeout=timeout)
+            reply = await self.stub.ScoreGroups(request, timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
             code, details = e.code(), e.details() or ""
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -415,8 +425,8 @@ def _grpc_sample_result(sample: Sample) -> SampleResult:
 
 def make_transport(config: RemoteServiceConfig, max_reply_bytes: int) -> Transport:
     if config.protocol == "grpc":
-        return GrpcTransport(config.url, max_reply_bytes)
-    return HttpJsonTransport(config.url, config.max_concurrency, max_reply_bytes)
+        return GrpcTransport(config.url, max_reply_bytes, config.bearer_token)
+    return HttpJsonTransport(config.url, config.max_concurrency, max_reply_bytes, config.bearer_token)
 
 
 def probe_sample() -> Sample:

@@ -25,6 +25,7 @@ def remote_from_proto(msg: reward_pb2.RemoteService) -> RemoteServiceConfig:
     return RemoteServiceConfig(
         name=msg.name, url=msg.url, protocol=msg.protocol, timeout_seconds=msg.timeout_seconds,
         max_concurrency=msg.max_concurrency, weight=msg.weight, max_batch_size=msg.max_batch_size,
+        bearer_token=msg.bearer_token,
     )
 
 

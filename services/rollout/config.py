@@ -20,6 +20,10 @@ class Settings(ServiceSettings):
     router_url: str = Field(
         "", description="An SGLang router: generation goes through it; weight calls go to its workers (GET /workers)."
     )
+    engine_api_key: str = Field(
+        "", description="API key the engines demand (SGLang's --api-key), sent as a bearer token; "
+        "best set through the environment (RLMESH_ROLLOUT_ENGINE_API_KEY).", repr=False,
+    )
     tokenizer_path: str = Field("", description="Tokenizer directory; default: the engines' tokenizer_path.")
     max_concurrency: int = Field(256, ge=1, description="Default cap on in-flight /generate requests.")
     request_timeout_seconds: float = Field(600.0, gt=0, description="Timeout of one engine HTTP call.")

@@ -167,9 +167,12 @@ class EnginePool:
     """All engines of the rollout service: generation spread over them (or sent to the
     router), control and weight calls sent to every engine."""
 
-    def __init__(self, engine_urls: list[str], router_url: str, timeout: float, weight_timeout: float) -> None:
-        self.http = httpx.AsyncClient(limits=httpx.Limits(
-            max_connections=1024, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS))
+    def __init__(self, engine_urls: list[str], router_url: str, timeout: float, weight_timeout: float,
+                 api_key: str = "") -> None:
+        self.http = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS),
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
         self.timeout, self.weight_timeout = timeout, weight_timeout
         self.router = SGLangClient(router_url, self.http, timeout, weight_timeout) if router_url else None
         self.engines = [SGLangClient(u, self.http, timeout, weight_timeout) for u in engine_urls]

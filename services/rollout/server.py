@@ -99,7 +99,7 @@ def reward_spec_from_proto(spec: reward_pb2.RewardSpec) -> RewardChoice:
 async def build(settings: Settings) -> Service:
     """The servicer over an engine pool and clients of the buffer and reward services."""
     pool = EnginePool(settings.engine_urls, settings.router_url, settings.request_timeout_seconds,
-                      settings.weight_update_timeout_seconds)
+                      settings.weight_update_timeout_seconds, settings.engine_api_key)
     buffer_channel = aio_channel(settings.buffer_address, settings.max_message_bytes)
     reward_channel = aio_channel(settings.reward_address, settings.max_message_bytes)
     manager = RolloutManager(settings, pool, buffer_pb2_grpc.BufferStub(buffer_channel),

@@ -12,6 +12,7 @@ import httpx
 
 from rlmesh.buffer.config import Settings as BufferSettings
 from rlmesh.buffer.server import start as start_buffer
+from rlmesh.common.auth import client_headers
 from rlmesh.coordinator.app import start as start_coordinator
 from rlmesh.coordinator.config import Settings as CoordinatorSettings
 from rlmesh.reward.config import Settings as RewardSettings
@@ -46,7 +47,8 @@ def start_local_stack(start_in_loop, redis_url: str, engine_url: str, work_dir: 
     up("coordinator", start_coordinator, CoordinatorSettings(
         port=0, redis_url=redis_url, buffer_address=addr["buffer"], rollout_address=addr["rollout"],
         reward_address=addr["reward"], trainer_address=addr["trainer"]))
-    return LocalStack(httpx.Client(base_url=f"http://{addr['coordinator']}", timeout=30), addr)
+    api = httpx.Client(base_url=f"http://{addr['coordinator']}", timeout=30, headers=client_headers())
+    return LocalStack(api, addr)
 
 
 def wait_for_run(api: httpx.Client, run_id: str, done: Callable[[dict], bool] = lambda run: run["status"] in FINAL,

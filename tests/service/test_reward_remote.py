@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from rlmesh.common import auth
 from rlmesh.common.grpc_server import ServiceBinding, start_server, sync_channel
 from rlmesh.common.net import free_port
 from rlmesh.common.sample import (
@@ -54,6 +55,8 @@ def remote_app(state: RemoteState) -> FastAPI:
 
     @app.post("/{behaviour}")
     async def score(behaviour: str, request: Request):
+        if behaviour == "authed" and request.headers.get("authorization") != "Bearer s3cret":
+            return PlainTextResponse("who are you?", status_code=401)
         try:
             samples = json.loads(await request.body())["samples"]
             assert isinstance(samples, list)
@@ -218,6 +221,18 @@ def test_register_list_unregister(reward, remote):
     assert not reward.stub.UnregisterService(reward_pb2.UnregisterServiceRequest(name="judge")).removed
     code, message = rpc_error(lambda: reward.score([make_sample(0)], {"judge": 1.0}))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "unknown reward component 'judge'" in message
+
+
+def test_a_remote_with_its_own_credential(reward, remote):
+    _, url = remote
+    code, message = rpc_error(lambda: reward.register("judge", f"{url}/authed", timeout_seconds=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "HTTP 401" in message
+    reward.register("judge", f"{url}/authed", timeout_seconds=5, bearer_token="s3cret")
+    [scored] = reward.score([make_sample(0)], {"judge": 1.0})
+    assert scored.status == Status.COMPLETED and scored.reward == 1.0
+    # the credential is write-only
+    [listed] = reward.stub.ListServices(reward_pb2.ListServicesRequest(), timeout=10).services
+    assert listed.bearer_token == ""
 
 
 def test_registration_is_refused_when_the_service_does_not_answer(reward, remote):
@@ -463,7 +478,9 @@ class ReorderingReward(reward_pb2_grpc.RewardServicer):
 def test_grpc_remote(start_in_loop, redis_url, reward):
     # another rlmesh reward service is a valid remote
     _, remote_port = start_in_loop(lambda: start_reward(Settings(port=0, default_components={"math": 1.0, "format": 0.5})))
-    registered = reward.register("upstream", f"grpc://127.0.0.1:{remote_port}", timeout_seconds=5)
+    # it wants the stack's token: the registration carries it as the remote's credential
+    registered = reward.register("upstream", f"grpc://127.0.0.1:{remote_port}", timeout_seconds=5,
+                                bearer_token=auth.stack_token())
     assert registered.protocol == "grpc"
     right, wrong, unlabeled = make_sample(0, r"\boxed{42}", "42"), make_sample(1, r"\boxed{41}", "42"), make_sample(2, "x", "")
     groups = [SampleGroup("g", 0, [right, wrong, unlabeled])]
@@ -479,7 +496,8 @@ def test_grpc_remote(start_in_loop, redis_url, reward):
         return server, port
 
     _, bad_port = start_in_loop(start_reordering)
-    reward.register("reorders", f"grpc://127.0.0.1:{bad_port}", timeout_seconds=5)  # one sample: order is fine
+    reward.register("reorders", f"grpc://127.0.0.1:{bad_port}", timeout_seconds=5,  # one sample: order is fine
+                    bearer_token=auth.stack_token())
     [scored] = reward.score_groups([SampleGroup("g", 0, [make_sample(0), make_sample(1)])], {"reorders": 1.0})
     assert "the reply has sample 1 where sample 0 was sent (order must be kept)" in scored.samples[0].metadata["reward_error"]
 
@@ -555,9 +573,14 @@ def test_check_passes_a_good_service(remote, capsys):
         assert f"{name}" in out and "FAIL" not in out
 
 
-def test_check_passes_an_rlmesh_grpc_service(start_in_loop, capsys):
+def test_check_passes_an_rlmesh_grpc_service(start_in_loop, capsys, tmp_path):
     _, port = start_in_loop(lambda: start_reward(Settings(port=0, default_components={"math": 1.0})))
-    assert check.main([f"grpc://127.0.0.1:{port}", "--latency-calls", "2", "--batch-size", "4"]) == 0
+    token_file = tmp_path / "token"
+    token_file.write_text(auth.stack_token())
+    assert check.main([f"grpc://127.0.0.1:{port}", "--latency-calls", "2", "--batch-size", "4"]) == 1  # no token
+    assert "UNAUTHENTICATED" in capsys.readouterr().out
+    assert check.main([f"grpc://127.0.0.1:{port}", "--latency-calls", "2", "--batch-size", "4",
+                       "--token-file", str(token_file)]) == 0
     assert "6 passed, 0 failed" in capsys.readouterr().out
 
 

@@ -51,7 +51,7 @@ class ScoreGroupsResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ...) -> None: ...
 
 class RemoteService(_message.Message):
-    __slots__ = ("name", "url", "protocol", "timeout_seconds", "max_concurrency", "weight", "max_batch_size")
+    __slots__ = ("name", "url", "protocol", "timeout_seconds", "max_concurrency", "weight", "max_batch_size", "bearer_token")
     NAME_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class RemoteService(_message.Message):
     MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BEARER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     url: str
     protocol: str
@@ -66,7 +67,8 @@ class RemoteService(_message.Message):
     max_concurrency: int
     weight: float
     max_batch_size: int
-    def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., protocol: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., max_concurrency: _Optional[int] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    bearer_token: str
+    def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., protocol: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., max_concurrency: _Optional[int] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., bearer_token: _Optional[str] = ...) -> None: ...
 
 class RegisterServiceRequest(_message.Message):
     __slots__ = ("service",)
