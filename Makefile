@@ -45,7 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.reward
 
 compose-check:
-	docker-compose -f deploy/docker-compose.yml config -q
+	MODEL_DIR=/tmp DATA_DIR=/tmp RLMESH_TOKEN=check REDIS_PASSWORD=check docker-compose -f deploy/docker-compose.yml config -q
 
 clean:
 	rm -rf $(VENV) .rlmesh

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         buffer_log = open(os.path.join(work, "buffer.log"), "wb")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "rlmesh.cli", "serve", "buffer", "--redis-url", server.url,
-             "--port", str(port), "--log-level", "WARNING",
+             "--port", str(port), "--log-level", "WARNING", "--data-roots", json.dumps([work]),
              *([] if args.cache_megabytes is None else ["--cache-megabytes", str(args.cache_megabytes)])],
             stdout=buffer_log, stderr=subprocess.STDOUT))
         json_port = free_port()

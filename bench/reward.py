@@ -86,7 +86,8 @@ def wait_until(ready: Callable[[], bool], proc: subprocess.Popen, what: str, tim
 def start_reward_service(port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlmesh.cli", "serve", "reward", "--port", str(port),
-         "--default-components", json.dumps({"math": 1.0}), "--log-level", "WARNING"])
+         "--default-components", json.dumps({"math": 1.0}), "--log-level", "WARNING",
+         "--remote-allowed-networks", json.dumps(["127.0.0.0/8"])])  # the benchmark's remote is on loopback
     channel = sync_channel(f"127.0.0.1:{port}")
 
     def ready() -> bool:

@@ -40,6 +40,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def buffer_files_under_pytest_tmp(tmp_path_factory):
+    """Every buffer the tests start (in-process or as a process) reads datasets and
+    writes exports under pytest's temporary directory, where each test's tmp_path lies:
+    its data_roots and export_dir, by environment. Tests of the roots set their own."""
+    base = str(tmp_path_factory.getbasetemp())
+    os.environ["RLMESH_BUFFER_DATA_ROOTS"] = json.dumps([base])
+    os.environ["RLMESH_BUFFER_EXPORT_DIR"] = base
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     server = start_redis(tmp_path_factory.mktemp("redis"))

@@ -1,5 +1,7 @@
 """Buffer service settings (flags, RLMESH_BUFFER_* environment variables, or YAML)."""
 
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -15,6 +17,11 @@ class Settings(ServiceSettings):
     key_prefix: str = Field("rlmesh", description="Prefix of every Redis key (runs live under <prefix>:run:<id>:).")
     prompt_lease_seconds: float = Field(600.0, gt=0, description="Default lease on prompts handed to a rollout worker.")
     batch_lease_seconds: float = Field(600.0, gt=0, description="Default lease on a training batch until its ack.")
+    max_deliveries: int = Field(
+        5, ge=1, description="Times a group may be leased to trainers without an acknowledgment: when its last "
+        "lease expires too it goes to the run's dead-letter list (exported by ExportGroups with dead_letters) "
+        "instead of being redelivered forever."
+    )
     poll_interval_seconds: float = Field(0.02, gt=0, description="How often a waiting LeaseBatch checks the queue.")
     buffer_filter: PluginPath = Field(
         "rlmesh.buffer.filters:fifo",
@@ -29,3 +36,21 @@ class Settings(ServiceSettings):
         "from Redis (0 = off; Redis stays the only state)."
     )
     rate_window_seconds: float = Field(60.0, gt=0, description="Window of the per-second rates in the stats.")
+    data_roots: list[Path] = Field(
+        [Path("data")],
+        min_length=1,
+        description="Directories dataset files may be read from (a run's dataset path must lie under one; a "
+        "relative path is taken under the first). Relative roots are from the working directory.",
+    )
+    dataset_max_files: int = Field(
+        10_000, ge=1, description="Most directory entries a dataset directory may hold (counted recursively), "
+        "so a dataset path cannot make the buffer walk a whole tree."
+    )
+    dataset_max_bytes: int = Field(
+        8 * 1024**3, ge=1, description="Most bytes of files one dataset may read."
+    )
+    export_dir: Path = Field(
+        Path(".rlmesh/buffer/exports"),
+        description="The only directory ExportGroups writes to and ImportGroups reads from (relative request "
+        "paths are taken under it); created on first export. An export never replaces an existing file.",
+    )

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from rlmesh.buffer.sources import read_rows
+from rlmesh.buffer.sources import DataFiles, read_rows
 from rlmesh.common.errors import InvalidArgument
 from rlmesh.common.run_config import DatasetConfig
 from rlmesh.common.sample import Sample, Status
@@ -28,9 +28,10 @@ class LoadedDataset:
     skipped: int  # longer than max_prompt_length
 
 
-def load_dataset(opts: DatasetConfig) -> LoadedDataset:
+def load_dataset(opts: DatasetConfig, files: DataFiles) -> LoadedDataset:
+    """The dataset's records; its files are read only under files.roots (see rlmesh.buffer.sources)."""
     columns = [c for c in (opts.prompt_key, opts.label_key, opts.metadata_key, opts.tools_key) if c]
-    rows = read_rows(opts.name, opts.path, columns, opts.split)
+    rows = read_rows(opts.name, opts.path, columns, opts.split, files)
     records = [_record(opts, i, row) for i, row in enumerate(rows, 1)]
     if not records:
         raise InvalidArgument(f"dataset {opts.name!r}: {opts.path} has no records")
@@ -106,7 +107,7 @@ def load_tokenizer(path: str):
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)  # never a download
     except Exception as e:
         raise InvalidArgument(f"cannot load a tokenizer from {path!r} (tokenizer_path): {e}") from None
 

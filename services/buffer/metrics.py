@@ -26,6 +26,8 @@ _METRICS = [
     ("stale_groups_dropped", "stale_groups_dropped_total", "counter", "Groups dropped as older than a lease's bound."),
     ("stale_groups_kept", "stale_groups_kept_total", "counter", "Groups delivered although older than a lease's bound."),
     ("redelivered_groups", "redelivered_groups_total", "counter", "Groups redelivered after a batch lease expired."),
+    ("dead_letter_groups", "dead_letter_groups", "gauge",
+     "Groups in the dead-letter list (rejected by a trainer, or delivered max_deliveries times); never delivered."),
     ("prompts_handed_out", "prompts_handed_out_total", "counter", "Prompt groups handed to rollout workers."),
     ("prompts_reissued", "prompts_reissued_total", "counter", "Prompts handed out again after their lease expired."),
     ("partial_groups_returned", "partial_groups_returned_total", "counter", "Aborted groups handed back to resume."),

@@ -29,20 +29,42 @@ local function push_all(key, ids)
   end
 end
 
--- Expired batch leases go back to the front of the queue, in their original order.
-local function requeue_expired(k, now, batch_prefix)
+-- A group that can never be trained: its bytes and reason go to the dead-letter list,
+-- and its id to `discarded`, so neither a lease nor a retried write brings it back.
+local function dead_letter(k, id, reason)
+  local raw = redis.call('HGET', k.groups, id)
+  if raw then redis.call('HSET', k.dead_groups, id, raw) end
+  redis.call('HSET', k.dead_reasons, id, reason)
+  redis.call('RPUSH', k.dead_letters, id)
+  redis.call('HDEL', k.groups, id)
+  redis.call('HDEL', k.meta, id)
+  redis.call('HDEL', k.deliveries, id)
+  redis.call('SADD', k.discarded, id)
+end
+
+-- Expired batch leases go back to the front of the queue, in their original order;
+-- a group already delivered max_deliveries times goes to the dead-letter list instead
+-- (a batch that kills every trainer that takes it must not come back forever).
+local function requeue_expired(k, now, batch_prefix, max_deliveries)
   local expired = redis.call('ZRANGEBYSCORE', k.leases, '-inf', now)
   for _, lease_id in ipairs(expired) do
     local list = batch_prefix .. lease_id
     local ids = redis.call('LRANGE', list, 0, -1)
-    local samples = 0
+    local samples, requeued = 0, 0
     for i = #ids, 1, -1 do
-      redis.call('LPUSH', k.queue, ids[i])
-      samples = samples + (meta_of(k.meta, ids[i]))
+      local delivered = tonumber(redis.call('HGET', k.deliveries, ids[i]) or '0')
+      if delivered >= max_deliveries then
+        dead_letter(k, ids[i], 'delivered ' .. delivered .. ' times and never acknowledged (every lease expired; '
+          .. 'the buffer setting max_deliveries is ' .. max_deliveries .. ')')
+      else
+        redis.call('LPUSH', k.queue, ids[i])
+        samples = samples + (meta_of(k.meta, ids[i]))
+        requeued = requeued + 1
+      end
     end
     redis.call('DEL', list)
     redis.call('ZREM', k.leases, lease_id)
-    redis.call('HINCRBY', k.stats, 'redelivered_groups', #ids)
+    redis.call('HINCRBY', k.stats, 'redelivered_groups', requeued)
     redis.call('HINCRBY', k.stats, 'queued_samples', samples)
   end
 end
@@ -55,6 +77,7 @@ local function discard(k, ids)
     samples = samples + (meta_of(k.meta, id))
     redis.call('HDEL', k.groups, id)
     redis.call('HDEL', k.meta, id)
+    redis.call('HDEL', k.deliveries, id)
     redis.call('SADD', k.discarded, id)
   end
   redis.call('HINCRBY', k.stats, 'stale_groups_dropped', #ids)
@@ -67,7 +90,10 @@ end
 -- cache of groups it stored, else from the groups hash).
 local function leased(k, ids, lease_id, expiry, stale_kept, stale_dropped)
   local samples = 0
-  for _, id in ipairs(ids) do samples = samples + (meta_of(k.meta, id)) end
+  for _, id in ipairs(ids) do
+    samples = samples + (meta_of(k.meta, id))
+    redis.call('HINCRBY', k.deliveries, id, 1)
+  end
   push_all(k.lease_list, ids)
   redis.call('ZADD', k.leases, expiry, lease_id)
   redis.call('HINCRBY', k.stats, 'queued_samples', -samples)
@@ -79,14 +105,16 @@ end
 
 local function lease_keys()
   return {spec = KEYS[1], queue = KEYS[2], leases = KEYS[3], groups = KEYS[4], meta = KEYS[5],
-          stats = KEYS[6], discarded = KEYS[7], lease_list = KEYS[8]}
+          stats = KEYS[6], discarded = KEYS[7], lease_list = KEYS[8], deliveries = KEYS[9],
+          dead_letters = KEYS[10], dead_groups = KEYS[11], dead_reasons = KEYS[12]}
 end
 """
 
-# KEYS and ARGV of both lease scripts (see BufferStore._lease_keys):
-#   KEYS: spec queue batch_leases groups meta stats discarded batch:<lease_id>
-#   ARGV: now batch_prefix lease_id expiry ...
-# Returns {-1} for an unknown run, {0, stale_dropped} when no batch, else
+# KEYS and ARGV of the lease scripts and REJECT_GROUPS (see BufferStore.lease_batch):
+#   KEYS: spec queue batch_leases groups meta stats discarded batch:<lease_id> deliveries
+#         dead_letters dead_groups dead_reasons
+#   ARGV: now batch_prefix lease_id expiry max_deliveries ...
+# Lease scripts return {-1} for an unknown run, {0, stale_dropped} when no batch, else
 # {n, stale_dropped, stale_kept, run token, group ids...}.
 
 # First in, first out: the default. Fast path (no staleness bound, counted in groups):
@@ -94,9 +122,9 @@ end
 LEASE_FIFO = _HELPERS + r"""
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-1} end
-requeue_expired(k, ARGV[1], ARGV[2])
-local want_groups, want_samples = tonumber(ARGV[5]), tonumber(ARGV[6])
-local min_v, keep = tonumber(ARGV[7]), ARGV[8] == '1'
+requeue_expired(k, ARGV[1], ARGV[2], tonumber(ARGV[5]))
+local want_groups, want_samples = tonumber(ARGV[6]), tonumber(ARGV[7])
+local min_v, keep = tonumber(ARGV[8]), ARGV[9] == '1'
 local take, drop, stale_kept = {}, {}, 0
 if min_v <= 0 and want_samples <= 0 then
   if redis.call('LLEN', k.queue) < want_groups then return {0, 0} end
@@ -138,18 +166,18 @@ return leased(k, take, ARGV[3], ARGV[4], stale_kept, #drop)
 
 # A buffer filter chose the groups (from a snapshot of the queue): claim exactly those,
 # or nothing if another replica took one meanwhile ({-2}: choose again).
-#   ARGV: now batch_prefix lease_id expiry n_take n_drop stale_kept take_ids... drop_ids...
+#   ARGV: now batch_prefix lease_id expiry max_deliveries n_take n_drop stale_kept take_ids... drop_ids...
 LEASE_CHOSEN = _HELPERS + r"""
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-1} end
-local n_take, n_drop, stale_kept = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local n_take, n_drop, stale_kept = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local take, drop = {}, {}
 for i = 1, n_take do
-  take[i] = ARGV[7 + i]
+  take[i] = ARGV[8 + i]
   if not redis.call('LPOS', k.queue, take[i]) then return {-2} end
 end
 for i = 1, n_drop do
-  local id = ARGV[7 + n_take + i]
+  local id = ARGV[8 + n_take + i]
   if redis.call('LREM', k.queue, 1, id) == 1 then drop[#drop + 1] = id end
 end
 discard(k, drop)
@@ -160,8 +188,27 @@ return leased(k, take, ARGV[3], ARGV[4], stale_kept, #drop)
 
 REQUEUE_EXPIRED = _HELPERS + r"""
 local k = lease_keys()
-requeue_expired(k, ARGV[1], ARGV[2])
+requeue_expired(k, ARGV[1], ARGV[2], tonumber(ARGV[5]))
 return 0
+"""
+
+# Groups of a live lease that can never be trained go to the dead-letter list with their
+# reasons; all or nothing. The lease keeps its other groups.
+#   KEYS: as the lease scripts (batch:<lease_id> of this lease);  ARGV: lease_id (id, reason)...
+# Returns {-2} unknown run, {-1} unknown or expired lease, {-3, id} a group not in the
+# lease, else {groups rejected}.
+REJECT_GROUPS = _HELPERS + r"""
+local k = lease_keys()
+if redis.call('EXISTS', k.spec) == 0 then return {-2} end
+if not redis.call('ZSCORE', k.leases, ARGV[1]) then return {-1} end
+for i = 2, #ARGV, 2 do
+  if not redis.call('LPOS', k.lease_list, ARGV[i]) then return {-3, ARGV[i]} end
+end
+for i = 2, #ARGV, 2 do
+  redis.call('LREM', k.lease_list, 1, ARGV[i])
+  dead_letter(k, ARGV[i], ARGV[i + 1])
+end
+return {(#ARGV - 1) / 2}
 """
 
 # Store completed groups all-or-nothing: skip duplicates (already stored, leased,
@@ -203,7 +250,7 @@ for _, i in ipairs(fresh) do out[#out + 1] = (i - 1) / 3 end
 return out
 """
 
-#   KEYS: spec batch_leases batch:<lease_id> groups acked stats meta;  ARGV: lease_id
+#   KEYS: spec batch_leases batch:<lease_id> groups acked stats meta deliveries;  ARGV: lease_id
 # Returns -2 unknown run, -1 unknown or redelivered lease, else groups acknowledged.
 ACK_BATCH = r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -2 end
@@ -212,6 +259,7 @@ local ids = redis.call('LRANGE', KEYS[3], 0, -1)
 for _, id in ipairs(ids) do
   redis.call('HDEL', KEYS[4], id)
   redis.call('HDEL', KEYS[7], id)
+  redis.call('HDEL', KEYS[8], id)
   redis.call('SADD', KEYS[5], id)
 end
 redis.call('ZREM', KEYS[2], ARGV[1])

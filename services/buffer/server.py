@@ -17,10 +17,12 @@ from google.protobuf import message_factory
 from rlmesh.buffer import metrics, transfer, wire
 from rlmesh.buffer.config import Settings
 from rlmesh.buffer.filters import load_filter
+from rlmesh.buffer.sources import DataFiles
 from rlmesh.buffer.store import BufferStore
 from rlmesh.common.dataset_spec import dataset_from_proto
 from rlmesh.common.errors import InvalidArgument, Unavailable
 from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
+from rlmesh.common.limits import MAX_DATASETS, Limits, at_most, within
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -38,39 +40,55 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         self.settings = settings
 
     async def CreateRun(self, request, context):
+        within([(len(request.datasets), MAX_DATASETS, "datasets of a run", ""),
+                (request.n_samples_per_prompt, self.settings.limits.max_samples_per_prompt, "n_samples_per_prompt",
+                 "max_samples_per_prompt")])
         datasets = [dataset_from_proto(d, request) for d in request.datasets]
         created = await self.store.create_run(request.run_id, datasets, request.n_samples_per_prompt,
-                                              request.max_queued_groups)
+                                              request.max_queued_groups, request.vocab_size)
         return buffer_pb2.CreateRunResponse(created=created)
 
     async def DeleteRun(self, request, context):
         return buffer_pb2.DeleteRunResponse(keys_deleted=await self.store.delete_run(request.run_id))
 
     async def GetPrompts(self, request, context) -> bytes:
+        at_most(request.num_groups, self.settings.limits.max_groups_per_call, "num_groups", "max_groups_per_call")
         lease = request.lease_seconds or self.settings.prompt_lease_seconds
         groups = await self.store.get_prompts(request.run_id, request.num_groups, lease)
         return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 
     async def GetEvalPrompts(self, request, context) -> bytes:
+        limits = self.settings.limits
+        n = request.n_samples_per_prompt or 1
+        within([(n, limits.max_samples_per_prompt, "n_samples_per_prompt", "max_samples_per_prompt"),
+                (request.limit * n, limits.max_samples_per_call, "samples asked for (limit x n_samples_per_prompt)",
+                 "max_samples_per_call")])
         groups = await self.store.get_eval_prompts(request.run_id, request.dataset, request.offset, request.limit,
                                                    request.n_samples_per_prompt or 1)
         return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 
     async def PutGroups(self, request: wire.PutGroupsWire, context):
+        _check_counts(request.groups, self.settings.limits)
         stored, duplicates = await self.store.put_groups(request.run_id, request.groups, request.raw_groups)
         return buffer_pb2.PutGroupsResponse(stored=stored, duplicates=duplicates)
 
     async def ReturnPartialGroups(self, request: wire.PutGroupsWire, context):
+        _check_counts(request.groups, self.settings.limits)
         stored = await self.store.return_partial_groups(request.run_id, request.groups, request.raw_groups)
         return buffer_pb2.PutGroupsResponse(stored=stored)
 
     async def DropGroups(self, request, context):
+        at_most(len(request.group_ids), self.settings.limits.max_groups_per_call, "group ids in one call",
+                "max_groups_per_call")
         dropped = await self.store.drop_groups(request.run_id, request.group_ids, request.reason)
         return buffer_pb2.DropGroupsResponse(dropped=dropped)
 
     async def LeaseBatch(self, request, context) -> bytes:
         if request.stale_policy not in _STALE_POLICIES:
             raise InvalidArgument(f"unknown stale_policy {request.stale_policy}; use DROP (0) or KEEP (1)")
+        limits = self.settings.limits
+        within([(request.num_groups, limits.max_groups_per_call, "num_groups", "max_groups_per_call"),
+                (request.num_samples, limits.max_samples_per_call, "num_samples", "max_samples_per_call")])
         batch = await self.store.lease_batch(
             request.run_id,
             num_groups=request.num_groups,
@@ -86,16 +104,37 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def AckBatch(self, request, context):
         return buffer_pb2.AckBatchResponse(acknowledged=await self.store.ack_batch(request.run_id, request.lease_id))
 
+    async def RejectGroups(self, request, context):
+        at_most(len(request.groups), self.settings.limits.max_groups_per_call, "groups in one call",
+                "max_groups_per_call")
+        reasons = {g.group_id: g.reason for g in request.groups}
+        return buffer_pb2.RejectGroupsResponse(
+            rejected=await self.store.reject_groups(request.run_id, request.lease_id, reasons))
+
     async def GetStats(self, request, context):
         return buffer_pb2.BufferStats(**await self.store.stats(request.run_id))
 
     async def ExportGroups(self, request, context):
-        exported = await transfer.export_groups(self.store, request.run_id, request.path)
+        exported = await transfer.export_groups(self.store, request.run_id, request.path, self.settings.export_dir,
+                                                dead_letters=request.dead_letters)
         return buffer_pb2.ExportGroupsResponse(groups=exported)
 
     async def ImportGroups(self, request, context):
-        stored, duplicates = await transfer.import_groups(self.store, request.run_id, request.path)
+        stored, duplicates = await transfer.import_groups(self.store, request.run_id, request.path,
+                                                          self.settings.export_dir)
         return buffer_pb2.ImportGroupsResponse(groups=stored, duplicates=duplicates)
+
+
+def _check_counts(groups, limits: Limits) -> None:
+    """A write's counts within the operator's limits (each group's own invariants are the
+    store's to check)."""
+    within([
+        (len(groups), limits.max_groups_per_call, "groups in one write", "max_groups_per_call"),
+        (max((len(g.samples) for g in groups), default=0), limits.max_samples_per_prompt, "samples in one group",
+         "max_samples_per_prompt"),
+        (sum(len(g.samples) for g in groups), limits.max_samples_per_call, "samples in one write",
+         "max_samples_per_call"),
+    ])
 
 
 # Requests parsed with their raw group bytes kept; responses that may arrive as bytes.
@@ -141,6 +180,8 @@ def make_store(settings: Settings) -> BufferStore:
         filter_window=settings.filter_window,
         rate_window_seconds=settings.rate_window_seconds,
         cache_bytes=settings.cache_megabytes * 1024 * 1024,
+        data_files=DataFiles.of(settings.data_roots, settings.dataset_max_files, settings.dataset_max_bytes),
+        max_deliveries=settings.max_deliveries,
     )
 
 

@@ -13,8 +13,12 @@ Keys of a run live under `<prefix>:run:<run_id>:`:
   meta            hash: group_id -> summary (samples, oldest weight version, rewards...)
   queue           list of completed group ids waiting for training (oldest first)
   batch_leases    zset: lease_id -> expiry;  batch:<lease_id>  list of its group ids
+  deliveries      hash: group_id -> times leased (bounded by max_deliveries), until acknowledged
   acked           set of acknowledged group ids (never delivered or stored again)
-  discarded       set of dropped group ids (stale, or filtered out by the rollout)
+  discarded       set of dropped or dead-lettered group ids (stale, filtered out by the
+                  rollout, rejected by a trainer, delivered max_deliveries times)
+  dead_letters    list of dead-lettered group ids (oldest first) + dead_groups hash
+                  (group_id -> bytes) + dead_reasons hash (group_id -> why)
   stats           hash of counters;  rate_snapshots  zset of counter snapshots (rates)
 
 Groups stay serialized protobuf bytes from the writer to the trainer: the buffer checks
@@ -36,11 +40,13 @@ from rlmesh.buffer import scripts
 from rlmesh.buffer.cache import GroupCache
 from rlmesh.buffer.datasets import epoch_order, load_dataset, record_to_samples
 from rlmesh.buffer.filters import BufferFilter, decode_meta, encode_meta
+from rlmesh.buffer.sources import DataFiles
 from rlmesh.buffer.wire import repeated_messages
 from rlmesh.common.dataset_spec import dataset_defaults
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RlmeshError
+from rlmesh.common.paths import validate_run_id
 from rlmesh.common.run_config import DatasetConfig
-from rlmesh.common.sample import SampleGroup, group_to_proto, validate_group_proto
+from rlmesh.common.sample import ConversionError, SampleGroup, group_to_proto, validate_group_proto
 from rlmesh.v1 import buffer_pb2, sample_pb2
 
 _RATE_COUNTERS = ("groups_written", "acknowledged_groups", "prompts_handed_out")
@@ -69,7 +75,14 @@ class LeasedBatch:
     response: bytes  # a serialized LeaseBatchResponse
 
 
+@dataclass
+class DeadLetter:
+    group: bytes  # the SampleGroup as it was written
+    reason: str
+
+
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_MAX_REASON = 4096  # characters of a rejection's reason that are kept
 
 
 class BufferStore:
@@ -81,6 +94,8 @@ class BufferStore:
         filter_window: int = 4096,
         rate_window_seconds: float = 60.0,
         cache_bytes: int = 0,
+        data_files: DataFiles | None = None,
+        max_deliveries: int = 5,
     ) -> None:
         self.redis = redis
         self.key_prefix = key_prefix
@@ -88,21 +103,22 @@ class BufferStore:
         self.filter_window = filter_window
         self.rate_window_seconds = rate_window_seconds
         self.cache = GroupCache(cache_bytes)
+        self.data_files = data_files or DataFiles((), 1, 1)  # none: no dataset file can be read
+        self.max_deliveries = max_deliveries
         self._put = redis.register_script(scripts.PUT_GROUPS)
         self._lease_fifo = redis.register_script(scripts.LEASE_FIFO)
         self._lease_chosen = redis.register_script(scripts.LEASE_CHOSEN)
         self._requeue = redis.register_script(scripts.REQUEUE_EXPIRED)
         self._ack = redis.register_script(scripts.ACK_BATCH)
+        self._reject = redis.register_script(scripts.REJECT_GROUPS)
         self._get_prompts = redis.register_script(scripts.GET_PROMPTS)
         self._materialize = redis.register_script(scripts.MATERIALIZE)
         self._return_partial = redis.register_script(scripts.RETURN_PARTIAL)
         self._drop = redis.register_script(scripts.DROP_GROUPS)
 
     def keys(self, run_id: str) -> RunKeys:
-        if not _NAME.fullmatch(run_id):
-            # ':' or '*' in an id would reach into another run's keys (DeleteRun scans by prefix).
-            raise InvalidArgument(f"run_id must be 1-128 letters, digits, '_', '.' or '-', got {run_id!r}")
-        return RunKeys(f"{self.key_prefix}:run:{run_id}:")
+        # ':' or '*' in an id would reach into another run's keys (DeleteRun scans by prefix).
+        return RunKeys(f"{self.key_prefix}:run:{validate_run_id(run_id)}:")
 
     @staticmethod
     def _unknown_run(run_id: str) -> NotFound:
@@ -133,30 +149,33 @@ class BufferStore:
             names.add(d.name)
 
     async def create_run(self, run_id: str, datasets: list[DatasetConfig], n_samples_per_prompt: int,
-                         max_queued_groups: int = 0) -> bool:
+                         max_queued_groups: int = 0, vocab_size: int = 0) -> bool:
         """Register a run and load its datasets into Redis. The same spec again is a no-op."""
         k = self.keys(run_id)
         if n_samples_per_prompt < 1:
             raise InvalidArgument("n_samples_per_prompt must be at least 1")
         if max_queued_groups < 0:
             raise InvalidArgument("max_queued_groups must not be negative (0 = unlimited)")
+        if vocab_size < 0:
+            raise InvalidArgument("vocab_size must not be negative (0 = unknown)")
         if not any(not d.eval for d in datasets):
             raise InvalidArgument("a run needs at least one training dataset (eval = false)")
         self._check_dataset_names(datasets)
         spec = {"datasets": [d.model_dump() for d in datasets], "n_samples_per_prompt": n_samples_per_prompt,
-                "max_queued_groups": max_queued_groups}
+                "max_queued_groups": max_queued_groups, "vocab_size": vocab_size}
         existing = await self.redis.get(k.spec)
         if existing is not None:
             old = json.loads(existing)
             # runs created before a dataset option existed have its default
             old["datasets"] = [{**dataset_defaults(), **d} for d in old["datasets"]]
+            old.setdefault("vocab_size", 0)
             if {kk: v for kk, v in old.items() if kk not in _SPEC_ONLY_AT_CREATION} != spec:
                 raise FailedPrecondition(f"run {run_id!r} exists with a different spec; delete it first")
             return False
         sizes, skipped = {}, {}
         for dataset in datasets:
             # Reading, templating and measuring prompts is CPU work: keep the event loop free.
-            loaded = await asyncio.to_thread(load_dataset, dataset)
+            loaded = await asyncio.to_thread(load_dataset, dataset, self.data_files)
             pipe = self.redis.pipeline(transaction=True)
             pipe.delete(k.data(dataset.name))
             for start in range(0, len(loaded.records), 1000):
@@ -168,7 +187,7 @@ class BufferStore:
         # SET NX: of two replicas racing to create the same run, one wins (and with the same
         # spec wrote the same data); the other reports what it found.
         if not await self.redis.set(k.spec, json.dumps(spec), nx=True):
-            return await self.create_run(run_id, datasets, n_samples_per_prompt, max_queued_groups)
+            return await self.create_run(run_id, datasets, n_samples_per_prompt, max_queued_groups, vocab_size)
         return True
 
     async def delete_run(self, run_id: str) -> int:
@@ -251,10 +270,10 @@ class BufferStore:
         if not groups:
             raise InvalidArgument("PutGroups needs at least one group")
         k = self.keys(run_id)
+        await self._validate(run_id, groups)
         args: list = []
         raw_groups = raw_groups or [g.SerializeToString() for g in groups]
         for g, raw in zip(groups, raw_groups):
-            validate_group_proto(g)
             args += [g.group_id, raw, _meta(g)]
         keys = [k.spec, k.groups, k.queue, k.acked, k.discarded, k.prompt_leases, k.prompts, k.stats, k.meta]
         result = await self._put(keys=keys, args=args)
@@ -279,9 +298,9 @@ class BufferStore:
         if not groups:
             raise InvalidArgument("ReturnPartialGroups needs at least one group")
         k = self.keys(run_id)
+        await self._validate(run_id, groups)
         args: list = []
         for g, raw in zip(groups, raw_groups or [g.SerializeToString() for g in groups]):
-            validate_group_proto(g)
             args += [g.group_id, raw]
         keys = [k.spec, k.partial, k.partial_groups, k.prompt_leases, k.prompts, k.stats,
                 k.groups, k.acked, k.discarded]
@@ -289,6 +308,17 @@ class BufferStore:
         if n < 0:
             raise self._unknown_run(run_id)
         return n
+
+    async def _validate(self, run_id: str, groups) -> None:
+        """Refuse a whole write whose groups a trainer could never use (see
+        validate_group_proto): the writer gets the error, so nothing is lost silently."""
+        vocab_size = (await self._spec(run_id)).get("vocab_size", 0)
+        for g in groups:
+            try:
+                validate_group_proto(g, vocab_size)
+            except ConversionError as e:
+                raise InvalidArgument(f"run {run_id!r}: {e}; the write was refused whole: none of its groups "
+                                      "was stored") from None
 
     async def drop_groups(self, run_id: str, group_ids, reason: str) -> int:
         if not group_ids:
@@ -309,6 +339,19 @@ class BufferStore:
             ids += await self.redis.lrange(k.batch(lease_id.decode()), 0, -1)
         raws = await self.redis.hmget(k.groups, ids) if ids else []
         return [r for r in raws if r is not None]
+
+    async def dead_letters(self, run_id: str) -> list[DeadLetter]:
+        """The run's dead-letter list, oldest first."""
+        await self._spec(run_id)
+        k = self.keys(run_id)
+        ids = await self.redis.lrange(k.dead_letters, 0, -1)
+        if not ids:
+            return []
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hmget(k.dead_groups, ids)
+        pipe.hmget(k.dead_reasons, ids)
+        raws, reasons = await pipe.execute()
+        return [DeadLetter(raw, (reason or b"").decode()) for raw, reason in zip(raws, reasons) if raw is not None]
 
     # ---- training batches ---------------------------------------------------------------
 
@@ -335,11 +378,11 @@ class BufferStore:
         k = self.keys(run_id)
         deadline = time.monotonic() + max(wait_seconds, 0.0)
         lease_id = uuid.uuid4().hex
-        keys = [k.spec, k.queue, k.batch_leases, k.groups, k.meta, k.stats, k.discarded, k.batch(lease_id)]
+        keys = self._lease_keys(k, lease_id)
         dropped = 0
         while True:
             now = time.time()
-            head = [now, k.batch(""), lease_id, now + lease_seconds]
+            head = [now, k.batch(""), lease_id, now + lease_seconds, self.max_deliveries]
             if self.buffer_filter is None:
                 result = await self._lease_fifo(
                     keys=keys, args=[*head, num_groups, num_samples, min_weight_version, int(keep_stale)])
@@ -354,6 +397,12 @@ class BufferStore:
             if time.monotonic() >= deadline:
                 return LeasedBatch(0, lease_response("", [], 0, dropped))
             await asyncio.sleep(poll_seconds)
+
+    @staticmethod
+    def _lease_keys(k: RunKeys, lease_id: str) -> list[str]:
+        """KEYS of the lease scripts and REJECT_GROUPS (see rlmesh.buffer.scripts)."""
+        return [k.spec, k.queue, k.batch_leases, k.groups, k.meta, k.stats, k.discarded, k.batch(lease_id),
+                k.deliveries, k.dead_letters, k.dead_groups, k.dead_reasons]
 
     async def _group_bytes(self, k: RunKeys, token: str, ids: list[str]) -> list:
         """The leased groups' bytes, in order: from this replica's cache, else Redis."""
@@ -371,7 +420,7 @@ class BufferStore:
         queue, meta = keys[1], keys[4]
         result: list = [0, 0]
         for _ in range(8):
-            await self._requeue(keys=keys, args=head[:2])
+            await self._requeue(keys=keys, args=head)
             ids = [i.decode() for i in await self.redis.lrange(queue, 0, self.filter_window - 1)]
             metas = await self.redis.hmget(meta, ids) if ids else []
             queued = [decode_meta(gid, raw, pos) for pos, (gid, raw) in enumerate(zip(ids, metas))]
@@ -406,14 +455,35 @@ class BufferStore:
         if not lease_id:
             raise InvalidArgument("lease_id is required")
         k = self.keys(run_id)
-        n = await self._ack(keys=[k.spec, k.batch_leases, k.batch(lease_id), k.groups, k.acked, k.stats, k.meta],
-                            args=[lease_id])
+        n = await self._ack(keys=[k.spec, k.batch_leases, k.batch(lease_id), k.groups, k.acked, k.stats, k.meta,
+                                  k.deliveries], args=[lease_id])
         if n == -2:
             raise self._unknown_run(run_id)
         if n == -1:
             raise NotFound(
                 f"lease {lease_id!r} of run {run_id!r} is unknown or has expired (its groups were redelivered)")
         return n
+
+    async def reject_groups(self, run_id: str, lease_id: str, reasons: dict[str, str]) -> int:
+        """Move groups of a live lease to the dead-letter list ({group_id: reason}); all or nothing."""
+        if not lease_id:
+            raise InvalidArgument("lease_id is required")
+        if not reasons:
+            raise InvalidArgument("RejectGroups needs at least one group")
+        k = self.keys(run_id)
+        args: list = [lease_id]
+        for group_id, reason in reasons.items():
+            args += [group_id, (reason or "unspecified")[:_MAX_REASON]]
+        result = await self._reject(keys=self._lease_keys(k, lease_id), args=args)
+        if result[0] == -2:
+            raise self._unknown_run(run_id)
+        if result[0] == -1:
+            raise NotFound(
+                f"lease {lease_id!r} of run {run_id!r} is unknown or has expired (its groups were redelivered)")
+        if result[0] == -3:
+            raise InvalidArgument(f"group {result[1].decode()!r} is not in lease {lease_id!r} of run {run_id!r}; "
+                                  "nothing was rejected")
+        return result[0]
 
     # ---- stats --------------------------------------------------------------------------
 
@@ -427,7 +497,8 @@ class BufferStore:
         pipe.llen(k.partial)
         pipe.hgetall(k.stats)
         pipe.hgetall(k.cursor)
-        queued, stored, partial, raw_counters, cursor = await pipe.execute()
+        pipe.llen(k.dead_letters)
+        queued, stored, partial, raw_counters, cursor, dead = await pipe.execute()
         counters = {kk.decode(): int(v) for kk, v in raw_counters.items()}
         first = next(d for d in spec["datasets"] if not d["eval"])
         drawn = int(cursor.get(first["name"].encode(), 0))
@@ -458,6 +529,7 @@ class BufferStore:
             prompts_handed_out_per_second=rates["prompts_handed_out"],
             rate_window_seconds=window,
             queued_samples=counters.get("queued_samples", 0),
+            dead_letter_groups=dead,
         )
 
     async def _rates(self, k: RunKeys, counters: dict[str, int]) -> tuple[dict[str, float], float]:

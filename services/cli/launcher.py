@@ -21,7 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlmesh.cli.embedded_redis import EmbeddedRedis, start_redis
 from rlmesh.common import auth
-from rlmesh.common.net import free_port
+from rlmesh.common.grpc_server import sync_channel
+from rlmesh.common.net import free_port, redacted
 
 # Start order: each service's dependencies come before it.
 SERVICES = ("engine", "reward", "buffer", "rollout", "trainer", "coordinator")
@@ -48,19 +49,30 @@ class Stack:
         common = ["--host", "127.0.0.1", "--port", str(self.ports[name])]
         return common + {
             "engine": ["--model-path", model_path],
-            "reward": ["--redis-url", self.redis_url],
-            "buffer": ["--redis-url", self.redis_url, "--metrics-port", str(self.ports["buffer_metrics"])],
+            # A local stack's judges run on this machine: let the reward service call loopback.
+            "reward": ["--remote-allowed-networks", json.dumps(["127.0.0.0/8", "::1"])],
+            "buffer": ["--metrics-port", str(self.ports["buffer_metrics"]),
+                       "--data-roots", json.dumps([str(Path("data").resolve()), str(datasets_dir(self.data_dir))]),
+                       "--export-dir", str(self.data_dir / "buffer" / "exports")],
             "rollout": ["--buffer-address", a("buffer"), "--reward-address", a("reward"),
                         "--engine-urls", json.dumps([f"http://{a('engine')}"])],
             "trainer": ["--buffer-address", a("buffer"), "--rollout-address", a("rollout"),
                         "--work-dir", str(self.data_dir / "trainer")],
-            "coordinator": ["--redis-url", self.redis_url, "--buffer-address", a("buffer"),
+            "coordinator": ["--buffer-address", a("buffer"),
                             "--rollout-address", a("rollout"), "--reward-address", a("reward"),
                             "--trainer-address", a("trainer")],
         }[name]
 
+    def env(self) -> dict[str, str]:
+        """Secrets reach the services by environment (flags show in `ps`): the Redis URL, which
+        may hold a password, and the stack's token, which the engine demands as its API key."""
+        token = auth.ensure_stack_token()
+        redis = {f"RLMESH_{name.upper()}_REDIS_URL": self.redis_url for name in ("buffer", "reward", "coordinator")}
+        return {**os.environ, **redis, "RLMESH_ENGINE_API_KEY": token, "RLMESH_ROLLOUT_ENGINE_API_KEY": token,
+                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
     def write_state(self) -> None:
-        (self.data_dir / "up.json").write_text(json.dumps({
+        _write_private(self.data_dir / "up.json", json.dumps({
             "pid": os.getpid(), "redis_url": self.redis_url, "ports": self.ports,
             "coordinator_url": self.coordinator_url}))
 
@@ -82,6 +94,11 @@ class Stack:
             self.redis.stop()
         (self.data_dir / "up.json").unlink(missing_ok=True)
         self.token_file.unlink(missing_ok=True)
+
+
+def datasets_dir(data_dir: Path) -> Path:
+    """The stack's buffer reads datasets from here and from ./data (its data_roots); the demo's are here."""
+    return data_dir / "datasets"
 
 
 def http_ready(url: str) -> bool:
@@ -106,7 +123,7 @@ def wait_until_ready(ready: Callable[[], bool], process: subprocess.Popen, what:
 def _ready(name: str, address: str) -> bool:
     if name in HTTP_SERVICES:
         return http_ready(f"http://{address}")
-    with grpc.insecure_channel(address) as ch:
+    with sync_channel(address) as ch:
         try:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
             return r.status == health_pb2.HealthCheckResponse.SERVING
@@ -122,14 +139,11 @@ def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", time
     if not redis_url:
         redis = start_redis(data_dir / "redis")
         redis_url = redis.url
-        echo(f"  redis        {redis_url} (embedded, append-only file in {data_dir / 'redis'})")
+        echo(f"  redis        {redacted(redis_url)} (embedded, append-only file in {data_dir / 'redis'})")
     ports = {n: free_port() for n in (*SERVICES, "buffer_metrics")}
     stack = Stack(data_dir=data_dir, redis_url=redis_url, ports=ports, redis=redis)
-    token = auth.ensure_stack_token()
-    _write_private(stack.token_file, token)
-    # The engine demands the token as its API key, and the rollout service sends it.
-    env = {"RLMESH_ENGINE_API_KEY": token, "RLMESH_ROLLOUT_ENGINE_API_KEY": token,
-           **os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    _write_private(stack.token_file, auth.ensure_stack_token())
+    env = stack.env()
     try:
         for name in SERVICES:
             log = open(data_dir / "logs" / f"{name}.log", "ab")

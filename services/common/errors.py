@@ -27,6 +27,11 @@ class FailedPrecondition(RlmeshError):
     http_status = 409
 
 
+class AlreadyExists(RlmeshError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+    http_status = 409
+
+
 class ResourceExhausted(RlmeshError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 429
@@ -50,7 +55,7 @@ class Unimplemented(RlmeshError):
 
 ERROR_BY_GRPC_CODE = {
     cls.code: cls
-    for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded, Unimplemented)
+    for cls in (InvalidArgument, NotFound, FailedPrecondition, AlreadyExists, ResourceExhausted, Unavailable, DeadlineExceeded, Unimplemented)
 }
 # For HTTP front ends (the coordinator) relaying a failed gRPC call to another service.
 HTTP_STATUS_BY_GRPC_CODE = {code: cls.http_status for code, cls in ERROR_BY_GRPC_CODE.items()}

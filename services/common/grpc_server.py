@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rlmesh.common import auth
+from rlmesh.common import auth, tls
 from rlmesh.common.errors import RlmeshError
 from rlmesh.common.sample import ConversionError
 from rlmesh.common.settings import ServiceSettings
@@ -95,14 +95,20 @@ class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCl
 
 
 def aio_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    """A channel to an rlmesh service: every call carries the stack's token (when there is one)."""
+    """A channel to an rlmesh service: every call carries the stack's token (when there is
+    one), over mutual TLS when it is configured."""
     value = auth.bearer(auth.stack_token())
     interceptors = [_AioTokenInterceptor(value)] if value else None
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes), interceptors=interceptors)
+    options, files = channel_options(max_message_bytes), tls.tls_files()
+    if files is not None:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(files), options=options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 def sync_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+    options, files = channel_options(max_message_bytes), tls.tls_files()
+    channel = (grpc.secure_channel(address, tls.channel_credentials(files), options=options) if files is not None
+               else grpc.insecure_channel(address, options=options))
     value = auth.bearer(auth.stack_token())
     return grpc.intercept_channel(channel, _SyncTokenInterceptor(value)) if value else channel
 
@@ -184,11 +190,13 @@ class ServiceBinding:
 
 @dataclass
 class Service:
-    """What a service's `build(settings)` returns: its servicers, and what to close after
-    the server stops (clients, channels, side servers)."""
+    """What a service's `build(settings)` returns: its servicers, what to start once the
+    server runs (given its health servicer, to report the service's own state), and what to
+    close after the server stops (clients, channels, side servers)."""
 
     bindings: list[ServiceBinding]
     on_shutdown: Callable[[], Awaitable[None]] | None = None
+    on_start: Callable[[health.aio.HealthServicer], Awaitable[None]] | None = None
 
 
 Builder = Callable[[Any], Awaitable[Service]]
@@ -211,7 +219,9 @@ async def start_server(
         b.add_to_server(b.servicer, server)
     names = [b.full_name for b in bindings]
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    files = tls.tls_files()
+    port = (server.add_secure_port(address, tls.server_credentials(files)) if files is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     await server.start()
@@ -224,7 +234,11 @@ async def start_service(build: Builder, settings: ServiceSettings) -> tuple[grpc
     """Build a service from its settings and start it in the running loop (tests and
     embedding); returns the server and its bound port."""
     service = await build(settings)
-    server, port, _ = await start_server(service.bindings, f"{settings.host}:{settings.port}", settings.max_message_bytes)
+    server, port, health_servicer = await start_server(
+        service.bindings, f"{settings.host}:{settings.port}", settings.max_message_bytes
+    )
+    if service.on_start is not None:
+        await service.on_start(health_servicer)
     return server, port
 
 
@@ -235,6 +249,8 @@ async def serve_service(build: Builder, settings: ServiceSettings, grace_seconds
     server, port, health_servicer = await start_server(
         service.bindings, f"{settings.host}:{settings.port}", settings.max_message_bytes
     )
+    if service.on_start is not None:
+        await service.on_start(health_servicer)
     log.info("serving gRPC on port %d", port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

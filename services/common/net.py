@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from urllib.parse import urlsplit, urlunsplit
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -10,3 +11,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def redacted(url: str) -> str:
+    """`url` with its password (if any) replaced by ***, for messages and logs."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))

@@ -4,15 +4,44 @@ once here. The coordinator hands each service its section (the trainer gets
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from rlmesh.common.limits import INT32_MAX, INT64_MAX, MAX_DATASETS, Limits
 from rlmesh.trainer.config import AlgorithmConfig
+
+Key = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Refuses unknown fields, NaN and infinities, text that is not valid Unicode (lone
+    surrogates cannot be stored or sent on) and text longer than 4096 characters."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, str_max_length=4096)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _refuse_surrogates(data, ())
+        return data
+
+
+def _refuse_surrogates(value: Any, where: tuple) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            at = ".".join(map(str, where)) or "a text"
+            raise ValueError(f"{at} is not valid Unicode (it holds a lone surrogate)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _refuse_surrogates(k, where)
+            _refuse_surrogates(v, (*where, k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _refuse_surrogates(v, (*where, i))
 
 
 class DatasetConfig(_Strict):
@@ -20,41 +49,42 @@ class DatasetConfig(_Strict):
         pattern=r"^[A-Za-z0-9_.-]{1,128}$", description="Name used in metrics and to pick eval datasets."
     )
     path: str = Field(
-        description="Local file or directory on the buffer's machine: JSONL, Parquet (file or directory), "
-        "or a Hugging Face datasets directory written by save_to_disk."
+        description="Local file or directory on the buffer's machine, under the buffer's data_roots (relative "
+        "to the first): JSONL, Parquet (file or directory), or a Hugging Face datasets directory written by "
+        "save_to_disk."
     )
-    prompt_key: str = Field("prompt", description="Key of the prompt: text, or a list of chat messages.")
-    label_key: str = Field("label", description="Key of the label the verifiers compare against.")
-    metadata_key: str = Field("", description="Key of a per-record dict (or JSON text) kept as sample metadata.")
-    tools_key: str = Field("", description="Tool definitions per record (land in sample metadata['tools']).")
+    prompt_key: Key = Field("prompt", description="Key of the prompt: text, or a list of chat messages.")
+    label_key: Key = Field("label", description="Key of the label the verifiers compare against.")
+    metadata_key: str = Field("", max_length=128, description="Key of a per-record dict (or JSON text) kept as sample metadata.")
+    tools_key: str = Field("", max_length=128, description="Tool definitions per record (land in sample metadata['tools']).")
     tokenizer_path: str = Field("", description="Tokenizer for chat templates and token lengths; default the run's model.")
     apply_chat_template: bool = Field(False, description="Template prompts with the tokenizer's chat template.")
-    max_prompt_length: int = Field(0, ge=0, description="Skip (and count) longer prompts; tokens, 0 = no limit.")
-    split: str = Field("", description="Split of a saved DatasetDict directory (default 'train').")
+    max_prompt_length: int = Field(0, ge=0, le=INT32_MAX, description="Skip (and count) longer prompts; tokens, 0 = no limit.")
+    split: str = Field("", max_length=128, description="Split of a saved DatasetDict directory (default 'train').")
     weight: float = Field(1.0, gt=0, description="Mixing weight among training datasets.")
     shuffle: bool = Field(True, description="Shuffle each epoch (the order depends only on seed and epoch).")
-    seed: int = Field(0, description="Seed of the per-epoch shuffle.")
+    seed: int = Field(0, ge=0, le=INT64_MAX, description="Seed of the per-epoch shuffle.")
     eval: bool = Field(False, description="An evaluation dataset (held out, handed out separately).")
 
 
 class SamplingConfig(_Strict):
     """SGLang sampling parameters (same names and meaning)."""
 
-    max_new_tokens: int = Field(128, ge=1, description="Most tokens generated per response.")
+    max_new_tokens: int = Field(128, ge=1, description="Most tokens generated per response (at most limits.max_new_tokens).")
     temperature: float = Field(1.0, ge=0, description="Softmax temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: smallest token set with this probability.")
-    top_k: int = Field(-1, description="Sample among the k most likely tokens (-1 = all).")
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX, description="Sample among the k most likely tokens (-1 = all).")
     min_p: float = Field(0.0, ge=0, le=1, description="Drop tokens less likely than min_p times the most likely one.")
     stop: list[str] = Field(default_factory=list, max_length=32, description="Stop when any of these texts appears.")
-    stop_token_ids: list[int] = Field(
+    stop_token_ids: list[TokenId] = Field(
         default_factory=list, max_length=32, description="Stop when any of these tokens is generated."
     )
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     no_stop_trim: bool = Field(False, description="Keep the stop text at the end of the response.")
-    repetition_penalty: float = Field(1.0, gt=0, description="Divides logits of tokens already seen (1 = off).")
-    frequency_penalty: float = Field(0.0, description="Subtracted per earlier occurrence of a token.")
-    presence_penalty: float = Field(0.0, description="Subtracted once from every token already generated.")
-    min_new_tokens: int = Field(0, ge=0, description="Do not stop before this many tokens.")
+    repetition_penalty: float = Field(1.0, gt=0, le=2, description="Divides logits of tokens already seen (1 = off).")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="Subtracted per earlier occurrence of a token.")
+    presence_penalty: float = Field(0.0, ge=-2, le=2, description="Subtracted once from every token already generated.")
+    min_new_tokens: int = Field(0, ge=0, le=INT32_MAX, description="Do not stop before this many tokens.")
 
 
 class RolloutConfig(_Strict):
@@ -77,23 +107,24 @@ class RolloutConfig(_Strict):
 
 
 class RewardConfig(_Strict):
-    components: dict[str, float] = Field(
-        default_factory=lambda: {"exact_match": 1.0},
+    components: dict[Key, float] = Field(
+        default_factory=lambda: {"exact_match": 1.0}, max_length=64,
         description="Reward component name -> weight; the sample's reward is the weighted sum.",
     )
-    reward_key: str = Field("", description="Entry to use when a reward function returns a dict.")
+    reward_key: str = Field("", max_length=128, description="Entry to use when a reward function returns a dict.")
 
 
 class OptimizerConfig(_Strict):
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up over this many optimizer steps.")
+    warmup_steps: int = Field(0, ge=0, le=INT32_MAX, description="Linear learning-rate warm-up over this many optimizer steps.")
 
 
 class WeightSyncConfig(_Strict):
-    bucket_bytes: int = Field(64 * 1024 * 1024, ge=1, description="Parameters per broadcast bucket, in bytes.")
+    bucket_bytes: int = Field(64 * 1024 * 1024, ge=1, le=2**40, description="Parameters per broadcast bucket, in bytes.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on GPU, gloo on CPU.")
     load_format: Literal["", "flattened_bucket"] = Field(
         "", description="'flattened_bucket' sends each bucket as one flat tensor (fewer collectives)."
@@ -117,9 +148,10 @@ class TrainingConfig(_Strict):
         default_factory=WeightSyncConfig, description="How new weights reach the engines."
     )
     checkpoint_dir: str = Field(
-        "", description="Where the trainer saves checkpoints (default <trainer work_dir>/<run>/checkpoints)."
+        "", description="Where the trainer saves checkpoints, under the trainer's work_dir (relative to it; "
+        "default <work_dir>/<run>/checkpoints)."
     )
-    seed: int = Field(0, description="Seed of the trainer's random state.")
+    seed: int = Field(0, ge=0, le=INT64_MAX, description="Seed of the trainer's random state.")
 
 
 class TrainerRunConfig(TrainingConfig):
@@ -133,12 +165,13 @@ class TrainerRunConfig(TrainingConfig):
 
 
 class EvalConfig(_Strict):
-    interval: int = Field(0, ge=0, description="Evaluate every this many rollouts (0 = only before and after).")
+    interval: int = Field(0, ge=0, le=INT32_MAX, description="Evaluate every this many rollouts (0 = only before and after).")
     n_samples_per_prompt: int = Field(1, ge=1, description="Responses per eval prompt (pass@k style metrics).")
     sampling: SamplingConfig = Field(
         default_factory=lambda: SamplingConfig(temperature=0.0), description="Sampling of eval responses (greedy)."
     )
-    limit: int = Field(0, ge=0, description="Prompts per eval dataset (0 = all).")
+    limit: int = Field(0, ge=0, le=INT32_MAX, description="Prompts per eval dataset (0 = all, up to "
+                       "limits.max_samples_per_call / n_samples_per_prompt).")
 
 
 class SftWarmupConfig(_Strict):
@@ -150,14 +183,14 @@ class RunConfig(TrainingConfig):
     """The body of `POST /runs`: the run's own fields, the services' sections, and the
     trainer's fields (TrainingConfig) at the top level."""
 
-    name: str = Field("", description="A name for people; the run id is generated.")
-    datasets: list[DatasetConfig] = Field(min_length=1, description="Training and evaluation datasets.")
+    name: str = Field("", max_length=256, description="A name for people; the run id is generated.")
+    datasets: list[DatasetConfig] = Field(min_length=1, max_length=MAX_DATASETS, description="Training and evaluation datasets.")
     num_rollouts: int = Field(10, ge=1, description="RL iterations: generate -> train -> push weights.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation of training samples.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="How samples are scored.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on the eval datasets.")
     sft_warmup: SftWarmupConfig = Field(default_factory=SftWarmupConfig, description="Supervised steps before RL.")
-    max_queued_groups: int = Field(0, ge=0, description="Buffer backpressure cap (0 = unlimited).")
+    max_queued_groups: int = Field(0, ge=0, le=2**40, description="Buffer backpressure cap (0 = unlimited).")
 
     @model_validator(mode="after")
     def _has_training_data(self):
@@ -179,3 +212,36 @@ class RunConfig(TrainingConfig):
             # Greedy sampling (0) has no temperature to divide by.
             rollout_temperature=self.rollout.sampling.temperature or 1.0,
         )
+
+
+def limit_violations(config: RunConfig, limits: Limits) -> list[tuple[tuple[str, ...], str]]:
+    """Where `config` asks for more than the operator's limits allow: (field path, message)."""
+    ro, ev, sft = config.rollout, config.eval, config.sft_warmup
+    groups = ro.rollout_batch_size + ro.over_sampling_groups
+    checks = [
+        (("rollout", "rollout_batch_size"), groups, limits.max_groups_per_call, "max_groups_per_call",
+         "rollout_batch_size + over_sampling_groups"),
+        (("sft_warmup", "batch_groups"), sft.batch_groups, limits.max_groups_per_call, "max_groups_per_call", ""),
+        (("rollout", "n_samples_per_prompt"), ro.n_samples_per_prompt, limits.max_samples_per_prompt,
+         "max_samples_per_prompt", ""),
+        (("eval", "n_samples_per_prompt"), ev.n_samples_per_prompt, limits.max_samples_per_prompt,
+         "max_samples_per_prompt", ""),
+        (("rollout", "rollout_batch_size"), groups * ro.n_samples_per_prompt, limits.max_samples_per_call,
+         "max_samples_per_call", "samples per rollout ((rollout_batch_size + over_sampling_groups) x n_samples_per_prompt)"),
+        (("sft_warmup", "batch_groups"), sft.batch_groups * ro.n_samples_per_prompt, limits.max_samples_per_call,
+         "max_samples_per_call", "samples per SFT step (batch_groups x n_samples_per_prompt)"),
+        (("eval", "limit"), ev.limit * ev.n_samples_per_prompt, limits.max_samples_per_call,
+         "max_samples_per_call", "samples per evaluation (limit x n_samples_per_prompt)"),
+        (("rollout", "sampling", "max_new_tokens"), ro.sampling.max_new_tokens, limits.max_new_tokens, "max_new_tokens", ""),
+        (("eval", "sampling", "max_new_tokens"), ev.sampling.max_new_tokens, limits.max_new_tokens, "max_new_tokens", ""),
+        (("num_rollouts",), config.num_rollouts, limits.max_num_rollouts, "max_num_rollouts", ""),
+        (("sft_warmup", "steps"), sft.steps, limits.max_steps, "max_steps", ""),
+        (("num_steps_per_rollout",), config.num_steps_per_rollout, limits.max_steps, "max_steps", ""),
+        (("micro_batch_size",), config.micro_batch_size, limits.max_micro_batch_size, "max_micro_batch_size", ""),
+        (("rollout", "max_concurrency"), ro.max_concurrency, limits.max_concurrency, "max_concurrency", ""),
+    ]
+    return [
+        (loc, f"{what or loc[-1]} is {value}, more than the limit of {limit} (the coordinator's limits.{setting}; "
+              "an operator can raise it)")
+        for loc, value, limit, setting, what in checks if value > limit
+    ]

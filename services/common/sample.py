@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import enum
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,29 +219,40 @@ def sample_from_json(d: dict[str, Any]) -> Sample:
     return sample
 
 
-def validate_group_proto(msg: sample_pb2.SampleGroup) -> None:
-    """Check a group's invariants on the wire form without decoding its arrays (the
-    buffer stores groups as bytes and never needs the Python objects)."""
+def validate_group_proto(msg: sample_pb2.SampleGroup, vocab_size: int = 0) -> None:
+    """Check a group's invariants on the wire form without building Python objects (the
+    buffer stores groups as bytes and never needs them): what a trainer would trip on at
+    every delivery is refused at the door. vocab_size (0 = unknown) bounds token ids."""
     if not msg.group_id:
         raise ConversionError("group has no group_id (writes are idempotent on it)")
     if not msg.samples:
         raise ConversionError(f"group {msg.group_id!r} has no samples")
-    for s in msg.samples:
-        for data, dtype, what in (
-            (s.tokens, _TOKEN_DTYPE, "tokens"),
-            (s.rollout_log_probs, _LOGPROB_DTYPE, "rollout_log_probs"),
-        ):
-            if len(data) % dtype.itemsize:
-                raise ConversionError(
-                    f"sample {s.index}: {what} has {len(data)} bytes, not a multiple of {dtype.itemsize}"
-                )
-        validate_arrays(
-            s.index,
-            len(s.tokens) // _TOKEN_DTYPE.itemsize,
-            s.response_length,
-            len(s.loss_mask),
-            len(s.rollout_log_probs) // _LOGPROB_DTYPE.itemsize,
-        )
-        # What a reader would trip on later (every delivery): refuse it at the door.
-        _status(s)
-        _metadata(s)
+    try:
+        for s in msg.samples:
+            _validate_sample_proto(s, vocab_size)
+    except ConversionError as e:
+        raise ConversionError(f"group {msg.group_id!r}, {e}") from None
+
+
+def _validate_sample_proto(s: sample_pb2.Sample, vocab_size: int) -> None:
+    arrays = ((s.tokens, _TOKEN_DTYPE, "tokens"), (s.rollout_log_probs, _LOGPROB_DTYPE, "rollout_log_probs"))
+    for data, dtype, what in arrays:
+        if len(data) % dtype.itemsize:
+            raise ConversionError(f"sample {s.index}: {what} has {len(data)} bytes, not a multiple of {dtype.itemsize}")
+    tokens = np.frombuffer(s.tokens, dtype=_TOKEN_DTYPE)
+    log_probs = np.frombuffer(s.rollout_log_probs, dtype=_LOGPROB_DTYPE)
+    validate_arrays(s.index, len(tokens), s.response_length, len(s.loss_mask), len(log_probs))
+    _status(s)
+    _metadata(s)
+    if len(tokens) and (tokens.min() < 0 or (vocab_size and tokens.max() >= vocab_size)):
+        where = int(np.argmax((tokens < 0) | (tokens >= vocab_size) if vocab_size else tokens < 0))
+        bound = f"the vocabulary [0, {vocab_size - 1}]" if vocab_size else "0.. (token ids are never negative)"
+        raise ConversionError(f"sample {s.index}: tokens holds id {tokens[where]} at position {where}, outside {bound}")
+    if not np.isfinite(log_probs).all():
+        where = int(np.argmin(np.isfinite(log_probs)))
+        raise ConversionError(f"sample {s.index}: rollout_log_probs holds {log_probs[where]} at position {where}, "
+                              "not a finite number")
+    rewards = [("reward", s.reward), *((f"reward_components[{k!r}]", v) for k, v in s.reward_components.items())]
+    for name, value in rewards:
+        if not math.isfinite(value):
+            raise ConversionError(f"sample {s.index}: {name} is {value}, not a finite number")

@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from rlmesh.common.limits import Limits
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -24,6 +26,8 @@ class ServiceSettings(BaseSettings):
     port: int = 0
     max_message_bytes: int = 256 * 1024 * 1024
     log_level: str = "INFO"
+    limits: Limits = Field(default_factory=Limits, description="Upper bounds on every count a caller can ask "
+                           "for (see rlmesh.common.limits), e.g. {\"max_groups_per_call\": 8192}.")
 
 
 def _is_scalar(annotation: Any) -> bool:

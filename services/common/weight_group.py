@@ -8,6 +8,7 @@ own parallelism is unaffected."""
 from __future__ import annotations
 
 import inspect
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -25,10 +26,14 @@ def init_weight_group(
     rank: int,
     group_name: str,
     timeout_seconds: float = 300.0,
+    listen_fd: int | None = None,
 ) -> dist.ProcessGroup:
+    """Join (rank 0: host) the group. Rank 0 passes `listen_fd` from rendezvous_socket so
+    that its store listens on one interface only."""
     timeout = timedelta(seconds=timeout_seconds)
     store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
+        master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False,
+        master_listen_fd=listen_fd,
     )
     prefixed = PrefixStore(group_name, store)
     # torch renamed pg_options -> backend_options; accept either.
@@ -39,6 +44,24 @@ def init_weight_group(
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     _stores[group_name] = store
     return group
+
+
+def rendezvous_socket(bind_address: str) -> tuple[int, int]:
+    """A listening socket on `bind_address` (a free port) for rank 0's store, which would
+    otherwise listen on every interface. Returns (port, fd); the store takes the fd over."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(bind_address, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.bind(address)
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as e:
+        raise OSError(f"cannot listen for the weight group's rendezvous on {bind_address!r}: {e}; set the trainer's "
+                      "weight_sync_bind_address to an address of this machine") from None
+    return sock.getsockname()[1], sock.detach()
 
 
 def destroy_weight_group(group: dist.ProcessGroup, group_name: str) -> None:

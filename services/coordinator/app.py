@@ -9,7 +9,8 @@ from contextlib import asynccontextmanager
 import grpc
 import redis.asyncio as aioredis
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, Field
@@ -17,18 +18,51 @@ from pydantic import BaseModel, Field
 from rlmesh.common import auth
 from rlmesh.common.errors import HTTP_STATUS_BY_GRPC_CODE, RlmeshError
 from rlmesh.common.grpc_server import aio_channel
-from rlmesh.common.run_config import RunConfig
+from rlmesh.common.http_guard import guard
+from rlmesh.common.paths import RUN_ID_PATTERN
+from rlmesh.common.run_config import RunConfig, limit_violations
 from rlmesh.coordinator.config import Settings
-from rlmesh.coordinator.runs import Clients, RunDriver, RunStore
+from rlmesh.coordinator.runs import Clients, RunDriver, RunStore, check_reward_service_change
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
 
 # Probes and the API's own description need no token; they reveal nothing about runs.
 OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+RUN_ID = Path(pattern=RUN_ID_PATTERN, description="The run's id (from POST /runs).")
+
+
+class Problem(BaseModel):
+    detail: str = Field(description="What went wrong and what to do about it.")
+    code: str = Field("", description="The gRPC status of a service the coordinator relayed to, if one failed.")
+
+
+def _errors(*statuses: int) -> dict:
+    """OpenAPI entries for the error statuses a route can answer (each with a JSON body)."""
+    meaning = {
+        400: "The request is well-formed but a service refused its values.",
+        404: "No such run or reward service.",
+        409: "Conflicts with the current state (e.g. another run is active, or the run is not finished).",
+        413: "The request body is larger than max_request_bytes.",
+        429: "A service is out of capacity; retry later.",
+        501: "A service does not implement this.",
+        502: "A service answered with an unexpected error.",
+        503: "A service the coordinator relays to is unavailable (restarting?); retry later.",
+        504: "A service did not answer in time.",
+    }
+    return {status: {"model": Problem, "description": meaning[status]} for status in statuses}
+
+
+# What a route that relays to a service can answer besides its own statuses.
+RELAYED = (400, 404, 409, 429, 501, 502, 503, 504)
 
 
 class RunCreated(BaseModel):
     id: str
     status: str
+
+
+class RunDeleted(BaseModel):
+    id: str
+    deleted: bool
 
 
 class RunSummary(BaseModel):
@@ -64,6 +98,8 @@ class RewardServiceSpec(BaseModel):
     max_batch_size: int = Field(0, ge=0, description="Samples per call; 0 = the default.")
     bearer_token: str = Field("", max_length=4096, description="The service's own credential, sent as "
                               "'Authorization: Bearer <token>'; write-only (never listed back).")
+    replace: bool = Field(False, description="Replace a service registered under this name (409 otherwise); "
+                          "refused (409) while the active run uses it.")
 
 
 def _service_dict(msg) -> dict:
@@ -87,7 +123,7 @@ def create_app(settings: Settings) -> FastAPI:
             trainer=trainer_pb2_grpc.TrainerStub(channels["trainer"]),
         )
         app.state.store = RunStore(redis, settings.key_prefix)
-        app.state.driver = RunDriver(app.state.store, clients, settings.train_wait_seconds)
+        app.state.driver = RunDriver(app.state.store, clients, settings.train_wait_seconds, settings.max_finished_runs)
         app.state.reward = reward_pb2_grpc.RewardStub(channels["reward"])
         await app.state.driver.resume_active()
         yield
@@ -99,7 +135,8 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="rlmesh coordinator", version="0.1.0", lifespan=lifespan,
                   description="Start, stop and watch RL post-training runs. Every route except /health and "
                   "the API docs needs `Authorization: Bearer <token>` (the stack's token).",
-                  responses={401: {"description": "Missing or wrong bearer token."}})
+                  responses={401: {"model": Problem, "description": "Missing or wrong bearer token."}})
+    guard(app, settings.max_request_bytes)
     token = auth.required_token()
     if token:
         auth.add_http_token_check(
@@ -116,31 +153,55 @@ def create_app(settings: Settings) -> FastAPI:
         status = HTTP_STATUS_BY_GRPC_CODE.get(exc.code(), 502)
         return JSONResponse(status_code=status, content={"detail": exc.details(), "code": exc.code().name})
 
-    @app.post("/runs", status_code=201, response_model=RunCreated)
+    @app.post("/runs", status_code=201, response_model=RunCreated, responses=_errors(409, 413))
     async def create_run(config: RunConfig, request: Request):
+        """Start a run; 409 while another run is active (one run trains at a time)."""
+        violations = limit_violations(config, settings.limits)
+        if violations:
+            raise RequestValidationError([{"loc": ("body", *loc), "msg": msg, "type": "limit"} for loc, msg in violations])
         run_id = await request.app.state.driver.submit(config)
         return RunCreated(id=run_id, status="pending")
 
     @app.get("/runs", response_model=list[RunSummary])
     async def list_runs(request: Request):
+        """Every kept run, oldest first (max_finished_runs finished ones, and the active one)."""
         return [_summary(r) for r in await request.app.state.store.list()]
 
-    @app.get("/runs/{run_id}", response_model=RunDetail)
-    async def get_run(run_id: str, request: Request):
+    @app.get("/runs/{run_id}", response_model=RunDetail, responses=_errors(404))
+    async def get_run(request: Request, run_id: str = RUN_ID):
         store: RunStore = request.app.state.store
         rec = await store.get(run_id)
         metrics = await store.metrics(run_id)
         return {**rec, **_summary(rec), "metrics": metrics, "latest_metrics": metrics[-1] if metrics else {}}
 
-    @app.post("/runs/{run_id}/stop", response_model=RunCreated)
-    async def stop_run(run_id: str, request: Request):
+    @app.post("/runs/{run_id}/stop", response_model=RunCreated, responses=_errors(404))
+    async def stop_run(request: Request, run_id: str = RUN_ID):
+        """Ask a run to stop at its next step; a finished run answers its final status."""
         return RunCreated(id=run_id, status=await request.app.state.driver.stop(run_id))
 
-    @app.post("/reward-services", status_code=201)
+    @app.delete("/runs/{run_id}", response_model=RunDeleted, responses=_errors(*RELAYED))
+    async def delete_run(request: Request, run_id: str = RUN_ID):
+        """Forget a finished run: its record, metrics and buffer data; checkpoints stay on disk.
+        409 while it is active: stop it first."""
+        await request.app.state.driver.delete(run_id)
+        return RunDeleted(id=run_id, deleted=True)
+
+    async def refuse_if_the_active_run_uses(request: Request, name: str, removes: bool, new_weight: float = 0.0):
+        """409 when the change would swap the rewards of the run training now (the reward service
+        knows no runs). Checked just before the change, not atomically with it."""
+        active = await request.app.state.store.active()
+        if active is not None:
+            listed = await request.app.state.reward.ListServices(reward_pb2.ListServicesRequest())
+            check_reward_service_change(*active, name, {s.name: s.weight for s in listed.services}, removes, new_weight)
+
+    @app.post("/reward-services", status_code=201, responses=_errors(*RELAYED))
     async def register_reward_service(spec: RewardServiceSpec, request: Request):
-        """Register (or replace) a remote reward service by URL; refused if it does not answer."""
-        msg = await request.app.state.reward.RegisterService(
-            reward_pb2.RegisterServiceRequest(service=reward_pb2.RemoteService(**spec.model_dump())))
+        """Register a remote reward service by URL; refused (400) when its host is not allowed by the
+        reward service's address policy, 409 when it does not answer the probe, when the name is taken
+        and replace is not set, or when the active run uses the name."""
+        await refuse_if_the_active_run_uses(request, spec.name, removes=spec.replace, new_weight=spec.weight)
+        msg = await request.app.state.reward.RegisterService(reward_pb2.RegisterServiceRequest(
+            service=reward_pb2.RemoteService(**spec.model_dump(exclude={"replace"})), replace=spec.replace))
         return _service_dict(msg)
 
     @app.get("/reward-services")
@@ -148,8 +209,10 @@ def create_app(settings: Settings) -> FastAPI:
         resp = await request.app.state.reward.ListServices(reward_pb2.ListServicesRequest())
         return [_service_dict(s) for s in resp.services]
 
-    @app.delete("/reward-services/{name}")
+    @app.delete("/reward-services/{name}", responses=_errors(*RELAYED))
     async def unregister_reward_service(name: str, request: Request):
+        """Unregister a remote reward service; 409 while the active run uses it."""
+        await refuse_if_the_active_run_uses(request, name, removes=True)
         resp = await request.app.state.reward.UnregisterService(reward_pb2.UnregisterServiceRequest(name=name))
         return {"removed": resp.removed}
 

@@ -17,3 +17,7 @@ class Settings(ServiceSettings):
     reward_address: str = Field("127.0.0.1:50053", description="host:port of the reward service.")
     trainer_address: str = Field("127.0.0.1:50054", description="host:port of the trainer service.")
     train_wait_seconds: float = Field(600.0, gt=0, description="How long a train step waits for its batch.")
+    max_request_bytes: int = Field(1024 * 1024, ge=1024, description="Largest request body the REST API reads "
+                                   "(larger ones get 413).")
+    max_finished_runs: int = Field(100, ge=1, description="Finished runs kept (records, metrics and buffer data); "
+                                   "the oldest beyond this are deleted when a run ends. Checkpoints stay on disk.")

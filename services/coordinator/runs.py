@@ -34,27 +34,73 @@ ACTIVE = ("pending", "running", "stopping")
 FINAL = ("completed", "stopped", "failed")
 
 
+# Compare-and-delete: release the active-run claim only if this run holds it.
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
 class RunStore:
-    """Run records: hash <prefix>:coord:run:<id>, metric history list ...:metrics, and an
-    index zset <prefix>:coord:runs (by creation time)."""
+    """Run records: hash <prefix>:coord:run:<id>, metric history list ...:metrics, an
+    index zset <prefix>:coord:runs (by creation time), and <prefix>:coord:active, the id of
+    the one run that may train (claimed atomically, so concurrent submissions cannot both win)."""
 
     def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
         self.redis = redis
         self.prefix = f"{prefix}:coord:"
+        self.active_key = self.prefix + "active"
 
     def _key(self, run_id: str) -> str:
         return f"{self.prefix}run:{run_id}"
 
     async def create(self, config: RunConfig) -> str:
+        """A new pending run, if no other run is active (else FailedPrecondition, 409)."""
         run_id = uuid.uuid4().hex[:12]
         now = time.time()
+        # The record exists before its claim, so a claim whose record is gone is surely stale.
         await self.redis.hset(self._key(run_id), mapping={
             "id": run_id, "name": config.name, "config": config.model_dump_json(), "status": "pending",
             "phase": "setup", "rollout_id": 0, "weight_version": 0, "created_at": now, "updated_at": now,
             "error": "", "eval_before": "{}", "eval_after": "{}",
         })
+        try:
+            await self._claim(run_id)
+        except BaseException:
+            await self.redis.delete(self._key(run_id))
+            raise
         await self.redis.zadd(self.prefix + "runs", {run_id: now})
         return run_id
+
+    async def _claim(self, run_id: str) -> None:
+        for _ in range(2):
+            if await self.redis.set(self.active_key, run_id, nx=True):
+                return
+            holder = (await self.redis.get(self.active_key) or b"").decode()
+            status = (await self.redis.hget(self._key(holder), "status") or b"").decode()
+            if status in ACTIVE:
+                raise FailedPrecondition(f"run {holder} is still active; stop it first (one run trains at a time)")
+            await self.release(holder)  # a claim left by a coordinator that died as its run ended
+        raise FailedPrecondition("another run was submitted at the same moment; try again")
+
+    async def release(self, run_id: str) -> None:
+        await self.redis.eval(_RELEASE, 1, self.active_key, run_id)
+
+    async def reclaim(self, run_id: str) -> None:
+        """An active run found after a restart holds the claim (state written before claims existed)."""
+        await self.redis.set(self.active_key, run_id, nx=True)
+
+    async def active(self) -> tuple[str, RunConfig] | None:
+        """The active run (the claim's holder, if still active) and its configuration."""
+        holder = (await self.redis.get(self.active_key) or b"").decode()
+        if not holder:
+            return None
+        try:
+            rec = await self.get(holder)
+        except NotFound:
+            return None
+        return (holder, RunConfig.model_validate(rec["config"])) if rec["status"] in ACTIVE else None
+
+    async def delete(self, run_id: str) -> None:
+        await self.redis.delete(self._key(run_id), self._key(run_id) + ":metrics")
+        await self.redis.zrem(self.prefix + "runs", run_id)
 
     async def get(self, run_id: str) -> dict:
         raw = await self.redis.hgetall(self._key(run_id))
@@ -87,7 +133,13 @@ class RunStore:
 
     async def list(self) -> list[dict]:
         ids = [r.decode() for r in await self.redis.zrange(self.prefix + "runs", 0, -1)]
-        return [await self.get(i) for i in ids]
+        records = []
+        for run_id in ids:
+            try:
+                records.append(await self.get(run_id))
+            except NotFound:  # deleted between the two reads
+                pass
+        return records
 
 
 @dataclass
@@ -104,19 +156,39 @@ class StopRequested(Exception):
 class RunDriver:
     """Drives runs; one run trains at a time (the trainer holds one policy)."""
 
-    def __init__(self, store: RunStore, clients: Clients, train_wait_seconds: float) -> None:
+    def __init__(self, store: RunStore, clients: Clients, train_wait_seconds: float,
+                 max_finished_runs: int = 100) -> None:
         self.store = store
         self.clients = clients
         self.train_wait_seconds = train_wait_seconds
+        self.max_finished_runs = max_finished_runs
         self.tasks: dict[str, asyncio.Task] = {}
 
     async def submit(self, config: RunConfig) -> str:
-        active = [r["id"] for r in await self.store.list() if r["status"] in ACTIVE]
-        if active:
-            raise FailedPrecondition(f"run {active[0]} is still active; stop it first (one run trains at a time)")
         run_id = await self.store.create(config)
         self.start(run_id)
         return run_id
+
+    async def delete(self, run_id: str) -> None:
+        """Forget a finished run: its record, metrics and buffer data (checkpoints stay on disk)."""
+        status = await self.store.status(run_id)
+        if status not in FINAL:
+            raise FailedPrecondition(f"run {run_id} is {status}; stop it first (POST /runs/{run_id}/stop), then delete it")
+        try:
+            await self.clients.buffer.DeleteRun(buffer_pb2.DeleteRunRequest(run_id=run_id), timeout=30)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        await self.store.delete(run_id)
+
+    async def _prune(self) -> None:
+        """Keep the newest max_finished_runs finished runs."""
+        finished = [r["id"] for r in await self.store.list() if r["status"] in FINAL]
+        for run_id in finished[:max(len(finished) - self.max_finished_runs, 0)]:
+            try:
+                await self.delete(run_id)
+            except (grpc.aio.AioRpcError, FailedPrecondition, NotFound) as e:
+                log.warning("could not delete old run %s: %s", run_id, e)
 
     def start(self, run_id: str) -> None:
         self.tasks[run_id] = asyncio.create_task(self._drive(run_id), name=f"run-{run_id}")
@@ -126,6 +198,7 @@ class RunDriver:
         for rec in await self.store.list():
             if rec["status"] in ACTIVE and rec["id"] not in self.tasks:
                 log.info("resuming run %s at rollout %d", rec["id"], rec["rollout_id"])
+                await self.store.reclaim(rec["id"])
                 self.start(rec["id"])
 
     async def stop(self, run_id: str) -> str:
@@ -204,6 +277,8 @@ class RunDriver:
             await self.clients.trainer.EndRun(trainer_pb2.EndRunRequest(run_id=run_id))
         except grpc.aio.AioRpcError as e:
             log.warning("EndRun for %s: %s", run_id, e.details())
+        await self.store.release(run_id)
+        await self._prune()
 
     async def _publish(self, run_id: str) -> dict:
         version = (await self.store.get(run_id))["weight_version"] + 1
@@ -260,6 +335,25 @@ class RunDriver:
         return {"rollout_id": rollout_id + 1, "time": time.time(), "step": t.step,
                 **dict(g.metrics), **{f"train/{k}": v for k, v in t.metrics.items()}, **w,
                 "iteration/seconds": time.monotonic() - t0}
+
+
+def check_reward_service_change(run_id: str, config: RunConfig, name: str, registered: dict[str, float],
+                                removes: bool, new_weight: float = 0.0) -> None:
+    """FailedPrecondition (409) when a change to the registered reward services would change
+    the rewards of the active run `run_id`: deleting or replacing (`removes`) a registered
+    service that its reward spec names ("judge" or "judge/<score>"); for a spec without
+    components (it takes every service registered with a weight), deleting or replacing one
+    with a weight, or registering one with a weight. registered: name -> weight."""
+    removes = removes and name in registered
+    components = config.reward.components
+    if components:
+        uses = removes and name in {c.split("/", 1)[0] for c in components}
+    else:
+        uses = (removes and bool(registered[name])) or bool(new_weight)
+    if uses:
+        raise FailedPrecondition(
+            f"run {run_id} is active and its reward uses the reward service '{name}' (or would take it in); "
+            f"stop the run first (POST /runs/{run_id}/stop), or register the new service under another name")
 
 
 def _reward_spec(cfg: RunConfig) -> reward_pb2.RewardSpec:

@@ -37,6 +37,9 @@ class Settings(ServiceSettings):
         30.0, ge=0, description="On SIGTERM, in-flight requests are aborted (answering with their partial output); "
         "this bounds how long the server then waits for their responses to be sent."
     )
+    max_request_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Largest request body read (larger ones get 413): batches of token "
+        "ids and weight-update bodies fit well under the default.")
     api_key: str = Field(
         "", description="As SGLang's --api-key: every route but /health* needs 'Authorization: Bearer <key>' "
         "(empty = open). Best set through the environment (RLMESH_ENGINE_API_KEY), not a flag.",

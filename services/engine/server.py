@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rlmesh.common import auth
+from rlmesh.common.http_guard import BodyLimit
 from rlmesh.engine.config import Settings
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, ServerClosing, error_response, result_response
@@ -45,10 +46,10 @@ def load_model(settings: Settings) -> tuple[torch.nn.Module, Any]:
     hf_logging.disable_progress_bar()
     dtype = "auto" if settings.dtype == "auto" else parse_dtype(settings.dtype)
     model = AutoModelForCausalLM.from_pretrained(
-        settings.model_path, dtype=dtype, attn_implementation=settings.attn_implementation
+        settings.model_path, dtype=dtype, attn_implementation=settings.attn_implementation, local_files_only=True
     )
     model.to(settings.device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or settings.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or settings.model_path, local_files_only=True)
     return model, tokenizer
 
 
@@ -97,6 +98,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     for router in (generation_router(state), control_router(state), info_router(state), weights_router(state)):
         app.include_router(router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     return app
 
 

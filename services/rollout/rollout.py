@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.common.limits import within
 from rlmesh.common.plugins import load_plugin
 from rlmesh.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
 from rlmesh.rollout.config import Settings
@@ -117,7 +118,7 @@ class RolloutManager:
                     path = states[0].tokenizer_path
                 from transformers import AutoTokenizer
 
-                self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+                self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path, local_files_only=True)
             return self._tokenizer
 
     # ---- one sample / one group ---------------------------------------------------------
@@ -182,6 +183,13 @@ class RolloutManager:
             raise InvalidArgument(f"mode must be 'rl' or 'sft', got {req.mode!r}")
         if req.group_filter not in GROUP_FILTERS:
             raise InvalidArgument(f"unknown group_filter {req.group_filter!r}; known: 'nonzero_std'")
+        limits = self.settings.limits
+        within([
+            (req.num_groups + req.over_sampling_groups, limits.max_groups_per_call,
+             "groups of a rollout (num_groups + over_sampling_groups)", "max_groups_per_call"),
+            (req.sampling.get("max_new_tokens") or 0, limits.max_new_tokens, "max_new_tokens", "max_new_tokens"),
+            (req.max_concurrency, limits.max_concurrency, "max_concurrency", "max_concurrency"),
+        ])
         start = time.monotonic()
         if req.mode == "sft":
             return await self._sft_rollout(req, start)
@@ -286,10 +294,19 @@ class RolloutManager:
                              metrics={"rollout/seconds": time.monotonic() - start})
 
     async def evaluate(self, req: EvalRequest) -> dict[str, float]:
-        """Generate and score responses to an eval dataset's prompts (nothing is written)."""
+        """Generate and score responses to an eval dataset's prompts (nothing is written). A
+        whole dataset (limit 0) means its first limits.max_samples_per_call / n prompts."""
+        limits = self.settings.limits
+        within([
+            (req.n_samples_per_prompt, limits.max_samples_per_prompt, "n_samples_per_prompt", "max_samples_per_prompt"),
+            (req.limit * req.n_samples_per_prompt, limits.max_samples_per_call,
+             "samples of an evaluation (limit x n_samples_per_prompt)", "max_samples_per_call"),
+            (req.sampling.get("max_new_tokens") or 0, limits.max_new_tokens, "max_new_tokens", "max_new_tokens"),
+        ])
+        limit = req.limit or max(limits.max_samples_per_call // max(req.n_samples_per_prompt, 1), 1)
         start = time.monotonic()
         resp = await self.buffer.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
-            run_id=req.run_id, dataset=req.dataset, n_samples_per_prompt=req.n_samples_per_prompt, limit=req.limit))
+            run_id=req.run_id, dataset=req.dataset, n_samples_per_prompt=req.n_samples_per_prompt, limit=limit))
         sem = asyncio.Semaphore(self.settings.max_concurrency)
         groups = await asyncio.gather(*(self._generate_group(group_from_proto(g), req.sampling, sem,
                                                              req.apply_chat_template, {})

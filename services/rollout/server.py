@@ -7,6 +7,7 @@ import functools
 
 from rlmesh.common.errors import Unimplemented
 from rlmesh.common.grpc_server import Service, ServiceBinding, aio_channel, start_service
+from rlmesh.common.paths import validate_run_id
 from rlmesh.common.sampling import sampling_to_sglang
 from rlmesh.rollout.config import Settings
 from rlmesh.rollout.engine_client import EnginePool, TensorMeta, weight_group_world_size
@@ -77,7 +78,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
 def rollout_request_from_proto(r: rollout_pb2.GenerateRolloutRequest) -> RolloutRequest:
     return RolloutRequest(
-        run_id=r.run_id, num_groups=r.num_groups, sampling=sampling_to_sglang(r.sampling),
+        run_id=validate_run_id(r.run_id), num_groups=r.num_groups, sampling=sampling_to_sglang(r.sampling),
         reward=reward_spec_from_proto(r.reward), group_filter=r.group_filter,
         over_sampling_groups=r.over_sampling_groups, partial_rollout=r.partial_rollout, mode=r.mode or "rl",
         max_concurrency=r.max_concurrency, apply_chat_template=r.apply_chat_template,
@@ -86,7 +87,7 @@ def rollout_request_from_proto(r: rollout_pb2.GenerateRolloutRequest) -> Rollout
 
 def eval_request_from_proto(r: rollout_pb2.EvaluateRequest) -> EvalRequest:
     return EvalRequest(
-        run_id=r.run_id, dataset=r.dataset, n_samples_per_prompt=r.n_samples_per_prompt or 1,
+        run_id=validate_run_id(r.run_id), dataset=r.dataset, n_samples_per_prompt=r.n_samples_per_prompt or 1,
         sampling=sampling_to_sglang(r.sampling), reward=reward_spec_from_proto(r.reward), limit=r.limit,
         apply_chat_template=r.apply_chat_template,
     )

@@ -83,23 +83,40 @@ class PreparedBatch:
     truncated: int
 
 
-def prepare_batch(groups: Sequence[SampleGroup]) -> PreparedBatch:
-    """Drop FAILED samples (counted), check the arrays, make tensors."""
+def check_group(group: SampleGroup, vocab_size: int) -> None:
+    """Raise what makes a group untrainable, whoever tries: broken arrays
+    (ConversionError), no prompt tokens or token ids outside the model's vocabulary
+    (InvalidArgument; the embedding lookup would fail on the device with no useful message).
+    FAILED samples are not trained, so not checked."""
+    for s in group.samples:
+        if s.status == Status.FAILED:
+            continue
+        validate_arrays(s.index, len(s.tokens), s.response_length, len(s.loss_mask), len(s.rollout_log_probs))
+        where = f"group {group.group_id!r}, sample {s.index}"
+        if len(s.tokens) - s.response_length < 1:
+            raise errors.InvalidArgument(
+                f"{where}: no prompt tokens, so the first response token has nothing to be predicted from"
+            )
+        low, high = min(s.tokens), max(s.tokens)
+        if low < 0 or high >= vocab_size:
+            raise errors.InvalidArgument(
+                f"{where}: tokens holds id {low if low < 0 else high}, outside the model's vocabulary "
+                f"[0, {vocab_size - 1}] (was it generated with another model or tokenizer?)"
+            )
+
+
+def prepare_batch(groups: Sequence[SampleGroup], vocab_size: int) -> PreparedBatch:
+    """Drop FAILED samples (counted), check the groups, make tensors."""
     samples: list[TrainSample] = []
     group_sizes: list[int] = []
     failed = truncated = 0
     for group in groups:
+        check_group(group, vocab_size)
         kept = 0
         for s in group.samples:
             if s.status == Status.FAILED:
                 failed += 1
                 continue
-            validate_arrays(s.index, len(s.tokens), s.response_length, len(s.loss_mask), len(s.rollout_log_probs))
-            if len(s.tokens) - s.response_length < 1:
-                raise errors.InvalidArgument(
-                    f"group {group.group_id!r}, sample {s.index}: no prompt tokens, so the first response "
-                    "token has nothing to be predicted from"
-                )
             truncated += s.status == Status.TRUNCATED
             r = s.response_length
             samples.append(
@@ -256,7 +273,7 @@ def _load_model(path: str, device: torch.device) -> PreTrainedModel:
     if not Path(path).is_dir():
         raise errors.InvalidArgument(f"model_path: {path!r} is not a directory (a local Hugging Face checkpoint)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
     except (OSError, ValueError) as e:
         raise errors.InvalidArgument(f"model_path: cannot load a causal LM from {path!r}: {e}") from None
     return model.to(device).eval()
@@ -283,6 +300,8 @@ class TorchBackend:
         self.policy = _load_model(config.model_path, device)
         pad = self.policy.config.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else 0
+        # The rows of the input embedding: token ids must be below it.
+        self.vocab_size = int(self.policy.get_input_embeddings().num_embeddings)
 
         # Starting from one of our checkpoints resumes it (see _resume); its reference
         # is still the model the run began from, not the checkpoint.
@@ -358,7 +377,7 @@ class TorchBackend:
 
     def train_step(self, groups: Sequence[SampleGroup]) -> dict[str, float]:
         with self._lock:
-            return self._train_rl(prepare_batch(groups))
+            return self._train_rl(prepare_batch(groups, self.vocab_size))
 
     def _train_rl(self, batch: PreparedBatch) -> dict[str, float]:
         a = self.algorithm
@@ -459,7 +478,7 @@ class TorchBackend:
     def sft_step(self, groups: Sequence[SampleGroup]) -> dict[str, float]:
         """One optimizer step of plain NLL over the trained response tokens."""
         with self._lock:
-            batch = prepare_batch(groups)
+            batch = prepare_batch(groups, self.vocab_size)
             metrics = _batch_metrics(batch)
             if not batch.samples:
                 return metrics

@@ -36,7 +36,7 @@ def _registered_names(registry: str):
 
 
 class AlgorithmConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, str_max_length=128)
 
     advantage_estimator: str = Field(
         "grpo",
@@ -128,7 +128,10 @@ class Settings(ServiceSettings):
     )
     work_dir: Path = Field(
         Path(".rlmesh/trainer"),
-        description="Where default checkpoints (<run>/checkpoints) and disk weight pushes (<run>/weights) go.",
+        description="The only directory the trainer writes to: default checkpoints (<run>/checkpoints), disk "
+        "weight pushes (<run>/weights), and any checkpoint path a request or run config names (relative paths "
+        "are taken under it). A save replaces only a checkpoint rlmesh wrote; a run resumes only from a "
+        "checkpoint under it.",
     )
     # Plain str (checked below), not Literal: the CLI flag helper parses non-scalar types as JSON.
     device: str = Field("auto", description="Device when the run config says 'auto': auto, cpu or cuda.")
@@ -145,6 +148,9 @@ class Settings(ServiceSettings):
         "127.0.0.1",
         description="Address the engines use to reach this trainer's rendezvous store when joining the weight group.",
     )
+    weight_sync_bind_address: str = Field(
+        "", description="Interface the weight group's rendezvous store listens on ('' = weight_sync_master_address); "
+        "never all interfaces.")
     weight_sync_dtype: str = Field(
         "", description="Dtype weights are sent in: float32, bfloat16, float16 ('' = the parameters' own)."
     )

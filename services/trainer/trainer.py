@@ -6,7 +6,10 @@ model work runs on a worker thread so the event loop stays responsive."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import shutil
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,12 +20,14 @@ from pydantic import ValidationError
 
 from rlmesh.common import errors
 from rlmesh.common.grpc_server import aio_channel
+from rlmesh.common.limits import at_most
+from rlmesh.common.paths import resolve_roots, resolve_under, validate_run_id
 from rlmesh.common.run_config import TrainerRunConfig
-from rlmesh.common.sample import SampleGroup, group_from_proto
-from rlmesh.trainer.backend import TorchBackend, resolve_device
+from rlmesh.common.sample import ConversionError, SampleGroup, group_from_proto
+from rlmesh.trainer.backend import OPTIMIZER_FILE, STATE_FILE, TorchBackend, check_group, resolve_device
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.weight_sync import PushResult, WeightPusher
-from rlmesh.v1 import buffer_pb2
+from rlmesh.v1 import buffer_pb2, sample_pb2
 from rlmesh.v1.buffer_pb2_grpc import BufferStub
 
 log = logging.getLogger(__name__)
@@ -30,6 +35,9 @@ log = logging.getLogger(__name__)
 LOSSES = ("", "sft")
 PUBLISH_METHODS = ("distributed", "disk")
 ACK_ATTEMPTS = 3
+# In trainer_state.json of every checkpoint this trainer writes: only such a directory is
+# ever replaced by a save (a Hugging Face Trainer checkpoint has the same file names).
+WRITTEN_BY = "rlmesh"
 
 
 def parse_run_config(config_json: str) -> TrainerRunConfig:
@@ -75,6 +83,8 @@ class _Run:
 class Trainer:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        # work_dir resolved: the one directory the trainer writes under (and resumes from).
+        self._roots = resolve_roots([settings.work_dir])
         self._run: _Run | None = None
         self._lock = asyncio.Lock()  # one user of the model at a time (steps, pushes, saves)
         self._buffer_channel: grpc.aio.Channel | None = None
@@ -82,6 +92,7 @@ class Trainer:
     # ---------------------------------------------------------------- runs
 
     def _get(self, run_id: str) -> _Run:
+        validate_run_id(run_id)
         run = self._run
         if run is None or run.run_id != run_id:
             holding = f"it holds run {run.run_id!r}" if run else "it holds no run"
@@ -89,8 +100,9 @@ class Trainer:
         return run
 
     async def init_run(self, run_id: str, config: TrainerRunConfig) -> RunStatus:
-        if not run_id:
-            raise errors.InvalidArgument("run_id is required")
+        validate_run_id(run_id)
+        self._checkpoint_dir(run_id, config)  # refused now rather than at the first save
+        self._check_resume(config)
         async with self._lock:
             if self._run is not None:
                 if self._run.run_id == run_id and self._run.config == config:
@@ -146,6 +158,7 @@ class Trainer:
         run = self._get(run_id)
         if num_groups < 1:
             raise errors.InvalidArgument(f"num_groups must be at least 1, got {num_groups}")
+        at_most(num_groups, self.settings.limits.max_groups_per_call, "num_groups", "max_groups_per_call")
         if wait_seconds < 0:
             raise errors.InvalidArgument(f"wait_seconds must not be negative, got {wait_seconds}")
         _check_loss(loss)
@@ -153,9 +166,18 @@ class Trainer:
 
     async def _lease_train_ack(self, run: _Run, num_groups: int, wait_seconds: float, loss: str) -> StepResult:
         async with self._holding(run):
-            lease_id, groups = await self._lease(run.run_id, num_groups, wait_seconds)
+            lease_id, leased = await self._lease(run.run_id, num_groups, wait_seconds)
+            groups, rejected = _trainable(leased, run.backend.vocab_size)
+            if rejected:
+                # Failing the step would only have these redelivered, again and again: the
+                # buffer keeps them (and why) in its dead-letter list; the rest trains.
+                await self._reject(run.run_id, lease_id, rejected)
+                log.warning("run %s: %d of %d leased groups cannot be trained and went to the buffer's dead-letter "
+                            "list%s; first reason: %s", run.run_id, len(rejected), len(leased),
+                            " (this step trains nothing)" if not groups else "", next(iter(rejected.values())))
             result = await self._train(run, groups, loss)
             await self._ack(run.run_id, lease_id, result.step)
+            result.metrics["rejected_groups"] = float(len(rejected))
             return result
 
     async def train_on_groups(self, run_id: str, groups: list[SampleGroup], loss: str = "") -> StepResult:
@@ -186,7 +208,9 @@ class Trainer:
             self._buffer_channel = aio_channel(self.settings.buffer_address, self.settings.max_message_bytes)
         return BufferStub(self._buffer_channel)
 
-    async def _lease(self, run_id: str, num_groups: int, wait_seconds: float) -> tuple[str, list[SampleGroup]]:
+    async def _lease(
+        self, run_id: str, num_groups: int, wait_seconds: float
+    ) -> tuple[str, list[sample_pb2.SampleGroup]]:
         request = buffer_pb2.LeaseBatchRequest(
             run_id=run_id,
             num_groups=num_groups,
@@ -205,23 +229,37 @@ class Trainer:
             )
         if len(response.groups) < num_groups:
             log.warning("buffer leased %d of %d groups; training on those", len(response.groups), num_groups)
-        return response.lease_id, [group_from_proto(g) for g in response.groups]
+        return response.lease_id, list(response.groups)
 
     async def _ack(self, run_id: str, lease_id: str, step: int) -> None:
         request = buffer_pb2.AckBatchRequest(run_id=run_id, lease_id=lease_id)
+        try:
+            await self._call_buffer("AckBatch", request)
+        except errors.RlmeshError as error:
+            raise type(error)(
+                f"step {step} was taken but lease {lease_id!r} was not acknowledged ({error}); "
+                "the buffer will redeliver those groups when the lease expires"
+            ) from None
+
+    async def _reject(self, run_id: str, lease_id: str, reasons: dict[str, str]) -> None:
+        """Before the step: if this fails, so does the step, and the whole lease is
+        redelivered (acknowledging it would drop the rejected groups unrecorded)."""
+        request = buffer_pb2.RejectGroupsRequest(run_id=run_id, lease_id=lease_id, groups=[
+            buffer_pb2.RejectGroupsRequest.Rejection(group_id=gid, reason=reason) for gid, reason in reasons.items()
+        ])
+        await self._call_buffer("RejectGroups", request)
+
+    async def _call_buffer(self, method: str, request) -> None:
+        """A buffer call that changes state, retried while the buffer is unavailable."""
         for attempt in range(1, ACK_ATTEMPTS + 1):
             try:
-                await self._buffer().AckBatch(request, timeout=self.settings.buffer_timeout_seconds)
+                await getattr(self._buffer(), method)(request, timeout=self.settings.buffer_timeout_seconds)
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE and attempt < ACK_ATTEMPTS:
                     await asyncio.sleep(0.5 * attempt)
                     continue
-                error = errors.upstream_error("buffer (AckBatch)", self.settings.buffer_address, e)
-                raise type(error)(
-                    f"step {step} was taken but lease {lease_id!r} was not acknowledged ({error}); "
-                    "the buffer will redeliver those groups when the lease expires"
-                ) from None
+                raise errors.upstream_error(f"buffer ({method})", self.settings.buffer_address, e) from None
 
     # ---------------------------------------------------------------- weights and checkpoints
 
@@ -239,6 +277,7 @@ class Trainer:
                     run.run_id,
                     self.settings.weight_sync_master_address,
                     self.settings.weight_sync_timeout_seconds,
+                    self.settings.weight_sync_bind_address,
                 )
             if method == "distributed":
                 wire_dtype = getattr(torch, self.settings.weight_sync_dtype) if self.settings.weight_sync_dtype else None
@@ -256,19 +295,88 @@ class Trainer:
             return result
 
     async def save_checkpoint(self, run_id: str, path: str = "") -> Path:
-        """Save to `path`, or by default <checkpoint_dir or work_dir/<run>/checkpoints>/step_<n>."""
+        """Save to `path`, or by default <checkpoint_dir or <run>/checkpoints>/step_<n>, all
+        under work_dir (relative paths are taken under it). What is there already is
+        replaced only if it is a checkpoint this trainer wrote."""
         run = self._get(run_id)
         async with self._holding(run):
+            target = self._checkpoint_dir(run.run_id, run.config) / f"step_{run.backend.step}"
             if path:
-                target = Path(path)
-            else:
-                root = Path(run.config.checkpoint_dir) if run.config.checkpoint_dir else self.settings.work_dir / run.run_id / "checkpoints"
-                target = root / f"step_{run.backend.step}"
-            extra = {"run_id": run.run_id, "weight_version": run.weight_version}
+                target = self._under_work_dir(path, "path")
+            extra = {"run_id": run.run_id, "weight_version": run.weight_version, "written_by": WRITTEN_BY}
             try:
-                return await asyncio.to_thread(run.backend.save_checkpoint, target, extra)
+                return await asyncio.to_thread(_save_checkpoint, run.backend, target, extra)
             except OSError as e:
                 raise errors.FailedPrecondition(f"cannot write checkpoint to {str(target)!r}: {e}") from None
+
+    def _under_work_dir(self, path: str | Path, what: str) -> Path:
+        return resolve_under(path, self._roots, what, "the trainer's work_dir")
+
+    def _checkpoint_dir(self, run_id: str, config: TrainerRunConfig) -> Path:
+        if config.checkpoint_dir:
+            return self._under_work_dir(config.checkpoint_dir, "checkpoint_dir")
+        return self._under_work_dir(self._roots[0] / run_id / "checkpoints", "checkpoint_dir")
+
+    def _check_resume(self, config: TrainerRunConfig) -> None:
+        """A model_path that is one of our checkpoints resumes it (optimizer state, step):
+        only checkpoints under work_dir, where this trainer writes them, are resumed."""
+        model = Path(config.model_path).absolute()
+        if (model / STATE_FILE).exists() and (model / OPTIMIZER_FILE).exists():
+            self._under_work_dir(model, "model_path (a checkpoint to resume)")
+
+
+def is_own_checkpoint(path: Path) -> bool:
+    """A checkpoint directory this trainer wrote (see WRITTEN_BY)."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("written_by") == WRITTEN_BY and (path / OPTIMIZER_FILE).is_file()
+
+
+def _save_checkpoint(backend: TorchBackend, target: Path, extra: dict) -> Path:
+    """The checkpoint is written under a fresh hidden name beside `target` and then moved
+    into place, so the backend never deletes anything, and an existing `target` is
+    replaced only when it is a checkpoint of ours: a save never deletes a directory
+    rlmesh did not write."""
+    if target.exists() and not is_own_checkpoint(target):
+        raise errors.FailedPrecondition(
+            f"{str(target)!r} exists and is not a checkpoint rlmesh wrote; a save replaces only rlmesh's own "
+            "checkpoints: choose another path or remove it"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fresh = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}")
+    try:
+        backend.save_checkpoint(fresh, extra)
+        if target.exists():
+            old = fresh.with_name(fresh.name + ".old")
+            target.rename(old)
+            try:
+                fresh.rename(target)
+            except OSError:
+                old.rename(target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            fresh.rename(target)
+    finally:
+        for leftover in (fresh, fresh.with_name(fresh.name + ".partial")):
+            shutil.rmtree(leftover, ignore_errors=True)
+    return target
+
+
+def _trainable(leased: list[sample_pb2.SampleGroup], vocab_size: int) -> tuple[list[SampleGroup], dict[str, str]]:
+    """The leased groups that can be trained, and why each other one cannot (by group id)."""
+    groups, rejected = [], {}
+    for msg in leased:
+        try:
+            group = group_from_proto(msg)
+            check_group(group, vocab_size)
+        except (ConversionError, errors.InvalidArgument) as e:
+            rejected[msg.group_id] = f"the trainer cannot train on it: {e}"
+            continue
+        groups.append(group)
+    return groups, rejected
 
 
 def _check_loss(loss: str) -> None:

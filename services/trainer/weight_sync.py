@@ -34,9 +34,8 @@ from torch import Tensor
 
 from rlmesh.common import errors
 from rlmesh.common.grpc_server import aio_channel
-from rlmesh.common.net import free_port
 from rlmesh.common.run_config import WeightSyncConfig
-from rlmesh.common.weight_group import destroy_weight_group, init_weight_group
+from rlmesh.common.weight_group import destroy_weight_group, init_weight_group, rendezvous_socket
 from rlmesh.v1 import rollout_pb2
 from rlmesh.v1.rollout_pb2_grpc import RolloutStub
 
@@ -127,6 +126,7 @@ class WeightPusher:
         run_id: str,
         master_address: str = "127.0.0.1",
         timeout_seconds: float = 300.0,
+        bind_address: str = "",
     ) -> None:
         if not rollout_address:
             raise errors.FailedPrecondition(
@@ -135,6 +135,7 @@ class WeightPusher:
         self.rollout_address = rollout_address
         self.run_id = run_id
         self.master_address = master_address
+        self.bind_address = bind_address or master_address  # the rendezvous listens here only
         self.timeout = timeout_seconds
         self._channel: grpc.aio.Channel | None = None  # made on first use, inside the event loop
         self._group: _Group | None = None
@@ -201,7 +202,7 @@ class WeightPusher:
 
         # Unique across restarts: an engine may still hold a group a dead trainer opened.
         name = f"rlmesh-{self.run_id}-{uuid.uuid4().hex[:8]}"
-        port = free_port("")
+        port, listen_fd = rendezvous_socket(self.bind_address)
         request = rollout_pb2.InitWeightUpdateGroupRequest(
             master_address=self.master_address,
             master_port=port,
@@ -212,7 +213,7 @@ class WeightPusher:
         _, group = await self._together(
             "InitWeightUpdateGroup",
             self._stub.InitWeightUpdateGroup(request, timeout=self.timeout),
-            lambda: init_weight_group(backend, self.master_address, port, world_size, 0, name, self.timeout),
+            lambda: init_weight_group(backend, self.master_address, port, world_size, 0, name, self.timeout, listen_fd),
             abandon=lambda pending: pending.add_done_callback(_destroy_if_created(name)),
         )
         self._group = _Group(group=group, name=name, key=key)

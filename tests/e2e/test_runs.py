@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 
 from rlmesh.common.grpc_server import sync_channel
@@ -57,15 +58,23 @@ def test_run_completes_and_trains_every_group_exactly_once(services, tmp_path, t
 
 
 @pytest.mark.slow
-def test_a_run_can_be_stopped(services, tmp_path, tiny_model_dir):
-    api, _ = services
+def test_a_run_can_be_stopped_and_deleted(services, tmp_path, tiny_model_dir):
+    api, buffer = services
     run_id = api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1000)).json()["id"]
     wait_for_run(api, run_id, lambda run: run["status"] == "running")
-    # one run trains at a time
+    # one run trains at a time, and an active run is not deleted
     assert api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1)).status_code == 409
+    assert api.delete(f"/runs/{run_id}").status_code == 409
     assert api.post(f"/runs/{run_id}/stop").json()["status"] == "stopping"
     run = wait_for_run(api, run_id)
     assert run["status"] == "stopped" and run["rollout_id"] < 1000
+    assert api.delete(f"/runs/{run_id}").json() == {"id": run_id, "deleted": True}
+    assert api.get(f"/runs/{run_id}").status_code == 404
+    with pytest.raises(grpc.RpcError) as e:  # its samples and prompts are gone from the buffer too
+        buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id), timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    # the next run may start
+    assert api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1)).status_code == 201
 
 
 @pytest.mark.slow

@@ -39,7 +39,9 @@ def start_local_stack(start_in_loop, redis_url: str, engine_url: str, work_dir: 
         addr[name] = f"127.0.0.1:{port}"
 
     up("buffer", start_buffer, BufferSettings(redis_url=redis_url, port=0))
-    up("reward", start_reward, RewardSettings(port=0, redis_url=redis_url, **reward_settings))
+    # The tests' remote reward services listen on loopback (as `rlmesh up` allows).
+    up("reward", start_reward, RewardSettings(
+        port=0, redis_url=redis_url, **{"remote_allowed_networks": ["127.0.0.0/8"], **reward_settings}))
     up("rollout", start_rollout, RolloutSettings(
         port=0, buffer_address=addr["buffer"], reward_address=addr["reward"], engine_urls=[engine_url]))
     up("trainer", start_trainer, TrainerSettings(

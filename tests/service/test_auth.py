@@ -4,6 +4,9 @@ servers on loopback. Health stays open for probes."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import grpc
 import httpx
 import pytest
@@ -12,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlmesh.buffer.config import Settings as BufferSettings
 from rlmesh.buffer.server import start as start_buffer
-from rlmesh.common import auth
+from rlmesh.common import auth, tls
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.coordinator.app import start as start_coordinator
 from rlmesh.coordinator.config import Settings as CoordinatorSettings
@@ -87,3 +90,47 @@ def test_no_token_means_no_start_unless_running_open_is_asked_for(monkeypatch, t
     monkeypatch.setenv(auth.TOKEN_FILE_ENV, str(tmp_path / "missing"))
     with pytest.raises(auth.AuthConfigError, match="cannot be read"):
         auth.stack_token()
+
+
+def _openssl(*args: str, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture
+def certificates(tmp_path):
+    """A CA, and a certificate for 127.0.0.1 that it signed (serves and calls)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make test certificates")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+             "-subj", "/CN=rlmesh test CA", cwd=tmp_path)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "svc.key", "-out", "svc.csr", "-subj", "/CN=svc",
+             cwd=tmp_path)
+    (tmp_path / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl("x509", "-req", "-in", "svc.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+             "svc.pem", "-days", "1", "-extfile", "san.cnf", cwd=tmp_path)
+    return tmp_path
+
+
+def test_mutual_tls_between_services(certificates, monkeypatch, redis_url, start_in_loop):
+    monkeypatch.setenv(tls.CERT_ENV, str(certificates / "svc.pem"))
+    monkeypatch.setenv(tls.KEY_ENV, str(certificates / "svc.key"))
+    monkeypatch.setenv(tls.CA_ENV, str(certificates / "ca.pem"))
+    _, port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
+    address = f"127.0.0.1:{port}"
+    request = buffer_pb2.GetStatsRequest(run_id="r1")
+    # rlmesh's channels present their certificate: the call reaches the service.
+    code, _ = _code(lambda: buffer_pb2_grpc.BufferStub(sync_channel(address)).GetStats(request, timeout=10))
+    assert code == grpc.StatusCode.NOT_FOUND
+    token = [("authorization", auth.bearer(auth.stack_token()))]
+    with grpc.insecure_channel(address) as plaintext:  # not even a TLS handshake
+        code, _ = _code(lambda: buffer_pb2_grpc.BufferStub(plaintext).GetStats(request, timeout=5, metadata=token))
+        assert code == grpc.StatusCode.UNAVAILABLE
+    anonymous = grpc.ssl_channel_credentials(root_certificates=(certificates / "ca.pem").read_bytes())
+    with grpc.secure_channel(address, anonymous) as no_client_certificate:
+        code, _ = _code(lambda: buffer_pb2_grpc.BufferStub(no_client_certificate).GetStats(
+            request, timeout=5, metadata=token))
+        assert code == grpc.StatusCode.UNAVAILABLE
+    # Half a configuration is an error, not plaintext.
+    monkeypatch.delenv(tls.CA_ENV)
+    with pytest.raises(tls.TlsConfigError, match="RLMESH_TLS_CA_FILE"):
+        tls.tls_files()

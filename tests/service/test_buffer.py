@@ -356,12 +356,12 @@ def test_export_and_import_jsonl(buffer, dataset, tmp_path):
 
 def test_export_and_import_errors(buffer, dataset, tmp_path):
     stub = buffer()
-    code, _ = code_of(lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="nope", path=str(tmp_path / "x"))))
+    code, _ = code_of(lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="nope", path=str(tmp_path / "x.jsonl"))))
     assert code == NOT_FOUND
     create(stub, dataset, cap=1)
     code, details = code_of(lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="r1")))
     assert code == INVALID and "path" in details
-    code, details = code_of(lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="r1", path=str(tmp_path / "no" / "x"))))
+    code, details = code_of(lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="r1", path=str(tmp_path / "no" / "x.jsonl"))))
     assert code == INVALID and "does not exist" in details
     code, details = code_of(lambda: stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="r1", path=str(tmp_path / "none.jsonl"))))
     assert code == NOT_FOUND and "none.jsonl" in details

@@ -156,6 +156,45 @@ def test_format():
     assert verifiers.format("3", "", {}) == 0.0
 
 
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (r"\boxed{5}", "5"),
+        (r"\boxed{ \frac{1}{2} }", r"\frac{1}{2}"),
+        (r"\boxed{a{b{c}}d}", "a{b{c}}d"),  # nested braces
+        (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),  # escaped braces are literal
+        (r"\boxed{x \\} y}", r"x \\"),  # an escaped backslash escapes nothing
+        (r"\boxed{1} then \boxed{2}", "2"),  # the last box
+        (r"\boxed{2} then \boxed{3", "2"),  # an unclosed last box: the one before it
+        (r"\fbox{4}", "4"),
+        (r"\boxed{\boxed{7}}", "7"),
+        (r"\boxed 9 apples", "9"),
+        (r"\boxed {6}", "6"),
+        (r"\boxedx{1}", None),
+        ("no box", None),
+    ],
+)
+def test_last_boxed(text, expected):
+    assert verifiers.last_boxed(text) == expected
+
+
+def test_adversarial_answers_are_read_in_linear_time():
+    """Each of these took minutes or hours (a scan per box, or regex backtracking over every
+    split of a run of spaces) before extraction was made linear."""
+    unclosed = "\\boxed{" * 50_000
+    assert verifiers.last_boxed(unclosed) is None
+    assert verifiers.last_boxed(r"\boxed{7}" + unclosed) == "7"
+    assert verifiers.math(unclosed, "1", {}) == 0.0
+    assert verifiers.last_boxed("\\boxed{" + "{" * 50_000 + "7" + "}" * 50_001) == "{" * 50_000 + "7" + "}" * 50_000
+    assert verifiers.math("\\boxed{" + "\\text{" * 50_000 + "7" + "}" * 50_001, "7", {}) == 1.0
+    assert verifiers.math(r"\boxed{5." + "0" * 100_000 + "}", "5", {}) == 1.0
+    assert verifiers.math(r"\boxed{90^" + " " * 100_000 + "x}", "90", {}) == 0.0
+    assert verifiers.multiple_choice("The answer" + " " * 100_000 + "is (B)", "B", {}) == 1.0
+    assert verifiers.multiple_choice("answer" + " " * 100_000 + "x", "B", {}) == 0.0
+    assert verifiers.exact_match("Answer:" + "\n" * 100_000, "x", {}) == 0.0
+    assert verifiers.f1("x", "[" * 100_000, {}) == 0.0  # too deep for JSON: a plain label
+
+
 def test_missing_label_is_an_error_not_a_zero():
     for name in ("math", "gsm8k", "exact_match", "f1", "multiple_choice"):
         with pytest.raises(ValueError, match="no label"):

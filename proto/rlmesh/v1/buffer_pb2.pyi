@@ -41,7 +41,7 @@ class DatasetSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., prompt_key: _Optional[str] = ..., label_key: _Optional[str] = ..., metadata_key: _Optional[str] = ..., weight: _Optional[float] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., eval: _Optional[bool] = ..., tools_key: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., split: _Optional[str] = ...) -> None: ...
 
 class CreateRunRequest(_message.Message):
-    __slots__ = ("run_id", "datasets", "n_samples_per_prompt", "max_queued_groups", "tokenizer_path", "apply_chat_template", "max_prompt_length")
+    __slots__ = ("run_id", "datasets", "n_samples_per_prompt", "max_queued_groups", "tokenizer_path", "apply_chat_template", "max_prompt_length", "vocab_size")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DATASETS_FIELD_NUMBER: _ClassVar[int]
     N_SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class CreateRunRequest(_message.Message):
     TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
     APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     datasets: _containers.RepeatedCompositeFieldContainer[DatasetSpec]
     n_samples_per_prompt: int
@@ -56,7 +57,8 @@ class CreateRunRequest(_message.Message):
     tokenizer_path: str
     apply_chat_template: bool
     max_prompt_length: int
-    def __init__(self, run_id: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetSpec, _Mapping]]] = ..., n_samples_per_prompt: _Optional[int] = ..., max_queued_groups: _Optional[int] = ..., tokenizer_path: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ...) -> None: ...
+    vocab_size: int
+    def __init__(self, run_id: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[DatasetSpec, _Mapping]]] = ..., n_samples_per_prompt: _Optional[int] = ..., max_queued_groups: _Optional[int] = ..., tokenizer_path: _Optional[str] = ..., apply_chat_template: _Optional[bool] = ..., max_prompt_length: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class CreateRunResponse(_message.Message):
     __slots__ = ("created",)
@@ -190,6 +192,29 @@ class AckBatchResponse(_message.Message):
     acknowledged: int
     def __init__(self, acknowledged: _Optional[int] = ...) -> None: ...
 
+class RejectGroupsRequest(_message.Message):
+    __slots__ = ("run_id", "lease_id", "groups")
+    class Rejection(_message.Message):
+        __slots__ = ("group_id", "reason")
+        GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+        REASON_FIELD_NUMBER: _ClassVar[int]
+        group_id: str
+        reason: str
+        def __init__(self, group_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    lease_id: str
+    groups: _containers.RepeatedCompositeFieldContainer[RejectGroupsRequest.Rejection]
+    def __init__(self, run_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[RejectGroupsRequest.Rejection, _Mapping]]] = ...) -> None: ...
+
+class RejectGroupsResponse(_message.Message):
+    __slots__ = ("rejected",)
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    rejected: int
+    def __init__(self, rejected: _Optional[int] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -197,7 +222,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("queued_groups", "leased_groups", "partial_groups", "acknowledged_groups", "dropped_groups", "prompts_handed_out", "epoch", "offset", "next_sample_index", "groups_written", "redelivered_groups", "stale_groups_dropped", "stale_groups_kept", "prompts_skipped", "prompts_skipped_by_dataset", "prompts_reissued", "partial_groups_returned", "dropped_by_reason", "groups_written_per_second", "groups_acknowledged_per_second", "prompts_handed_out_per_second", "rate_window_seconds", "queued_samples")
+    __slots__ = ("queued_groups", "leased_groups", "partial_groups", "acknowledged_groups", "dropped_groups", "prompts_handed_out", "epoch", "offset", "next_sample_index", "groups_written", "redelivered_groups", "stale_groups_dropped", "stale_groups_kept", "prompts_skipped", "prompts_skipped_by_dataset", "prompts_reissued", "partial_groups_returned", "dropped_by_reason", "groups_written_per_second", "groups_acknowledged_per_second", "prompts_handed_out_per_second", "rate_window_seconds", "queued_samples", "dead_letter_groups")
     class PromptsSkippedByDatasetEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +260,7 @@ class BufferStats(_message.Message):
     PROMPTS_HANDED_OUT_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     RATE_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTER_GROUPS_FIELD_NUMBER: _ClassVar[int]
     queued_groups: int
     leased_groups: int
     partial_groups: int
@@ -258,15 +284,18 @@ class BufferStats(_message.Message):
     prompts_handed_out_per_second: float
     rate_window_seconds: float
     queued_samples: int
-    def __init__(self, queued_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., partial_groups: _Optional[int] = ..., acknowledged_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., prompts_handed_out: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., next_sample_index: _Optional[int] = ..., groups_written: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., stale_groups_dropped: _Optional[int] = ..., stale_groups_kept: _Optional[int] = ..., prompts_skipped: _Optional[int] = ..., prompts_skipped_by_dataset: _Optional[_Mapping[str, int]] = ..., prompts_reissued: _Optional[int] = ..., partial_groups_returned: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_written_per_second: _Optional[float] = ..., groups_acknowledged_per_second: _Optional[float] = ..., prompts_handed_out_per_second: _Optional[float] = ..., rate_window_seconds: _Optional[float] = ..., queued_samples: _Optional[int] = ...) -> None: ...
+    dead_letter_groups: int
+    def __init__(self, queued_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., partial_groups: _Optional[int] = ..., acknowledged_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., prompts_handed_out: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., next_sample_index: _Optional[int] = ..., groups_written: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., stale_groups_dropped: _Optional[int] = ..., stale_groups_kept: _Optional[int] = ..., prompts_skipped: _Optional[int] = ..., prompts_skipped_by_dataset: _Optional[_Mapping[str, int]] = ..., prompts_reissued: _Optional[int] = ..., partial_groups_returned: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_written_per_second: _Optional[float] = ..., groups_acknowledged_per_second: _Optional[float] = ..., prompts_handed_out_per_second: _Optional[float] = ..., rate_window_seconds: _Optional[float] = ..., queued_samples: _Optional[int] = ..., dead_letter_groups: _Optional[int] = ...) -> None: ...
 
 class ExportGroupsRequest(_message.Message):
-    __slots__ = ("run_id", "path")
+    __slots__ = ("run_id", "path", "dead_letters")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTERS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     path: str
-    def __init__(self, run_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    dead_letters: bool
+    def __init__(self, run_id: _Optional[str] = ..., path: _Optional[str] = ..., dead_letters: _Optional[bool] = ...) -> None: ...
 
 class ExportGroupsResponse(_message.Message):
     __slots__ = ("groups",)

@@ -79,6 +79,11 @@ class BufferStub:
                 request_serializer=rlmesh_dot_v1_dot_buffer__pb2.AckBatchRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.AckBatchResponse.FromString,
                 _registered_method=True)
+        self.RejectGroups = channel.unary_unary(
+                '/rlmesh.v1.Buffer/RejectGroups',
+                request_serializer=rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/rlmesh.v1.Buffer/GetStats',
                 request_serializer=rlmesh_dot_v1_dot_buffer__pb2.GetStatsRequest.SerializeToString,
@@ -153,7 +158,9 @@ class BufferServicer:
 
     def LeaseBatch(self, request, context):
         """Lease a training batch; acknowledge it after the optimizer step. An expired lease
-        is redelivered; an acknowledged group is never delivered again.
+        is redelivered; an acknowledged group is never delivered again. A group delivered
+        max_deliveries times (a buffer setting) whose last lease expires too goes to the
+        run's dead-letter list instead of being redelivered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -165,6 +172,17 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RejectGroups(self, request, context):
+        """Groups of a leased batch that can never be trained (say, token ids outside the
+        model's vocabulary): moved to the run's dead-letter list with their reasons. They
+        are FAILED: counted in the stats, never delivered or stored again, exported by
+        ExportGroups with dead_letters. The lease keeps its other groups: acknowledge it
+        after the step as usual.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -172,9 +190,9 @@ class BufferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExportGroups(self, request, context):
-        """Debugging: dump a run's completed, unacknowledged groups (queued, then leased) to a
-        JSONL file on the buffer's machine, or load such a file into a run (idempotent on
-        group_id, all-or-nothing under the backpressure cap).
+        """Debugging: dump a run's completed, unacknowledged groups (queued, then leased), or
+        its dead-letter list, to a JSONL file on the buffer's machine, or load such a file
+        into a run (idempotent on group_id, all-or-nothing under the backpressure cap).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -233,6 +251,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.AckBatch,
                     request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.AckBatchRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_buffer__pb2.AckBatchResponse.SerializeToString,
+            ),
+            'RejectGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.RejectGroups,
+                    request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -493,6 +516,33 @@ class Buffer:
             '/rlmesh.v1.Buffer/AckBatch',
             rlmesh_dot_v1_dot_buffer__pb2.AckBatchRequest.SerializeToString,
             rlmesh_dot_v1_dot_buffer__pb2.AckBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RejectGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Buffer/RejectGroups',
+            rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsRequest.SerializeToString,
+            rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsResponse.FromString,
             options,
             channel_credentials,
             insecure,

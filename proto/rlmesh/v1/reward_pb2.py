@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlmesh.v1 import sample_pb2 as rlmesh_dot_v1_dot_sample__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/reward.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/sample.proto\"\x8e\x01\n\nRewardSpec\x12\x39\n\ncomponents\x18\x01 \x03(\x0b\x32%.rlmesh.v1.RewardSpec.ComponentsEntry\x12\x12\n\nreward_key\x18\x02 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"W\n\x0cScoreRequest\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.rlmesh.v1.Sample\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.rlmesh.v1.RewardSpec\"3\n\rScoreResponse\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.rlmesh.v1.Sample\"a\n\x12ScoreGroupsRequest\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.rlmesh.v1.RewardSpec\"=\n\x13ScoreGroupsResponse\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\"\xac\x01\n\rRemoteService\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fmax_concurrency\x18\x05 \x01(\x05\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\x05\x12\x14\n\x0c\x62\x65\x61rer_token\x18\x08 \x01(\t\"C\n\x16RegisterServiceRequest\x12)\n\x07service\x18\x01 \x01(\x0b\x32\x18.rlmesh.v1.RemoteService\"\x15\n\x13ListServicesRequest\"B\n\x14ListServicesResponse\x12*\n\x08services\x18\x01 \x03(\x0b\x32\x18.rlmesh.v1.RemoteService\"(\n\x18UnregisterServiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\",\n\x19UnregisterServiceResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\x17\n\x15GetRewardStatsRequest\"\x90\x02\n\x12RemoteServiceStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x15\n\rbreaker_state\x18\x03 \x01(\t\x12\r\n\x05\x63\x61lls\x18\x04 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x05 \x01(\x03\x12\x0f\n\x07retries\x18\x06 \x01(\x03\x12\x1c\n\x14\x63onsecutive_failures\x18\x07 \x01(\x03\x12\x16\n\x0esamples_scored\x18\x08 \x01(\x03\x12\x16\n\x0esamples_failed\x18\t \x01(\x03\x12\x12\n\nlast_error\x18\n \x01(\t\x12\x1c\n\x14mean_latency_seconds\x18\x0b \x01(\x01\x12\x16\n\x0e\x62reaker_opened\x18\x0c \x01(\x03\"\xfa\x01\n\x0bRewardStats\x12\x16\n\x0esamples_scored\x18\x01 \x01(\x03\x12\x16\n\x0esamples_failed\x18\x02 \x01(\x03\x12N\n\x15\x66\x61ilures_by_component\x18\x03 \x03(\x0b\x32/.rlmesh.v1.RewardStats.FailuresByComponentEntry\x12/\n\x08services\x18\x04 \x03(\x0b\x32\x1d.rlmesh.v1.RemoteServiceStats\x1a:\n\x18\x46\x61iluresByComponentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xd9\x03\n\x06Reward\x12:\n\x05Score\x12\x17.rlmesh.v1.ScoreRequest\x1a\x18.rlmesh.v1.ScoreResponse\x12L\n\x0bScoreGroups\x12\x1d.rlmesh.v1.ScoreGroupsRequest\x1a\x1e.rlmesh.v1.ScoreGroupsResponse\x12N\n\x0fRegisterService\x12!.rlmesh.v1.RegisterServiceRequest\x1a\x18.rlmesh.v1.RemoteService\x12O\n\x0cListServices\x12\x1e.rlmesh.v1.ListServicesRequest\x1a\x1f.rlmesh.v1.ListServicesResponse\x12^\n\x11UnregisterService\x12#.rlmesh.v1.UnregisterServiceRequest\x1a$.rlmesh.v1.UnregisterServiceResponse\x12\x44\n\x08GetStats\x12 .rlmesh.v1.GetRewardStatsRequest\x1a\x16.rlmesh.v1.RewardStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/reward.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/sample.proto\"\x8e\x01\n\nRewardSpec\x12\x39\n\ncomponents\x18\x01 \x03(\x0b\x32%.rlmesh.v1.RewardSpec.ComponentsEntry\x12\x12\n\nreward_key\x18\x02 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"W\n\x0cScoreRequest\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.rlmesh.v1.Sample\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.rlmesh.v1.RewardSpec\"3\n\rScoreResponse\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.rlmesh.v1.Sample\"a\n\x12ScoreGroupsRequest\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.rlmesh.v1.RewardSpec\"=\n\x13ScoreGroupsResponse\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\"\xac\x01\n\rRemoteService\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fmax_concurrency\x18\x05 \x01(\x05\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\x05\x12\x14\n\x0c\x62\x65\x61rer_token\x18\x08 \x01(\t\"T\n\x16RegisterServiceRequest\x12)\n\x07service\x18\x01 \x01(\x0b\x32\x18.rlmesh.v1.RemoteService\x12\x0f\n\x07replace\x18\x02 \x01(\x08\"\x15\n\x13ListServicesRequest\"B\n\x14ListServicesResponse\x12*\n\x08services\x18\x01 \x03(\x0b\x32\x18.rlmesh.v1.RemoteService\"(\n\x18UnregisterServiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\",\n\x19UnregisterServiceResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\x17\n\x15GetRewardStatsRequest\"\x90\x02\n\x12RemoteServiceStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x15\n\rbreaker_state\x18\x03 \x01(\t\x12\r\n\x05\x63\x61lls\x18\x04 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x05 \x01(\x03\x12\x0f\n\x07retries\x18\x06 \x01(\x03\x12\x1c\n\x14\x63onsecutive_failures\x18\x07 \x01(\x03\x12\x16\n\x0esamples_scored\x18\x08 \x01(\x03\x12\x16\n\x0esamples_failed\x18\t \x01(\x03\x12\x12\n\nlast_error\x18\n \x01(\t\x12\x1c\n\x14mean_latency_seconds\x18\x0b \x01(\x01\x12\x16\n\x0e\x62reaker_opened\x18\x0c \x01(\x03\"\xfa\x01\n\x0bRewardStats\x12\x16\n\x0esamples_scored\x18\x01 \x01(\x03\x12\x16\n\x0esamples_failed\x18\x02 \x01(\x03\x12N\n\x15\x66\x61ilures_by_component\x18\x03 \x03(\x0b\x32/.rlmesh.v1.RewardStats.FailuresByComponentEntry\x12/\n\x08services\x18\x04 \x03(\x0b\x32\x1d.rlmesh.v1.RemoteServiceStats\x1a:\n\x18\x46\x61iluresByComponentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xd9\x03\n\x06Reward\x12:\n\x05Score\x12\x17.rlmesh.v1.ScoreRequest\x1a\x18.rlmesh.v1.ScoreResponse\x12L\n\x0bScoreGroups\x12\x1d.rlmesh.v1.ScoreGroupsRequest\x1a\x1e.rlmesh.v1.ScoreGroupsResponse\x12N\n\x0fRegisterService\x12!.rlmesh.v1.RegisterServiceRequest\x1a\x18.rlmesh.v1.RemoteService\x12O\n\x0cListServices\x12\x1e.rlmesh.v1.ListServicesRequest\x1a\x1f.rlmesh.v1.ListServicesResponse\x12^\n\x11UnregisterService\x12#.rlmesh.v1.UnregisterServiceRequest\x1a$.rlmesh.v1.UnregisterServiceResponse\x12\x44\n\x08GetStats\x12 .rlmesh.v1.GetRewardStatsRequest\x1a\x16.rlmesh.v1.RewardStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,23 +51,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REMOTESERVICE']._serialized_start=511
   _globals['_REMOTESERVICE']._serialized_end=683
   _globals['_REGISTERSERVICEREQUEST']._serialized_start=685
-  _globals['_REGISTERSERVICEREQUEST']._serialized_end=752
-  _globals['_LISTSERVICESREQUEST']._serialized_start=754
-  _globals['_LISTSERVICESREQUEST']._serialized_end=775
-  _globals['_LISTSERVICESRESPONSE']._serialized_start=777
-  _globals['_LISTSERVICESRESPONSE']._serialized_end=843
-  _globals['_UNREGISTERSERVICEREQUEST']._serialized_start=845
-  _globals['_UNREGISTERSERVICEREQUEST']._serialized_end=885
-  _globals['_UNREGISTERSERVICERESPONSE']._serialized_start=887
-  _globals['_UNREGISTERSERVICERESPONSE']._serialized_end=931
-  _globals['_GETREWARDSTATSREQUEST']._serialized_start=933
-  _globals['_GETREWARDSTATSREQUEST']._serialized_end=956
-  _globals['_REMOTESERVICESTATS']._serialized_start=959
-  _globals['_REMOTESERVICESTATS']._serialized_end=1231
-  _globals['_REWARDSTATS']._serialized_start=1234
-  _globals['_REWARDSTATS']._serialized_end=1484
-  _globals['_REWARDSTATS_FAILURESBYCOMPONENTENTRY']._serialized_start=1426
-  _globals['_REWARDSTATS_FAILURESBYCOMPONENTENTRY']._serialized_end=1484
-  _globals['_REWARD']._serialized_start=1487
-  _globals['_REWARD']._serialized_end=1960
+  _globals['_REGISTERSERVICEREQUEST']._serialized_end=769
+  _globals['_LISTSERVICESREQUEST']._serialized_start=771
+  _globals['_LISTSERVICESREQUEST']._serialized_end=792
+  _globals['_LISTSERVICESRESPONSE']._serialized_start=794
+  _globals['_LISTSERVICESRESPONSE']._serialized_end=860
+  _globals['_UNREGISTERSERVICEREQUEST']._serialized_start=862
+  _globals['_UNREGISTERSERVICEREQUEST']._serialized_end=902
+  _globals['_UNREGISTERSERVICERESPONSE']._serialized_start=904
+  _globals['_UNREGISTERSERVICERESPONSE']._serialized_end=948
+  _globals['_GETREWARDSTATSREQUEST']._serialized_start=950
+  _globals['_GETREWARDSTATSREQUEST']._serialized_end=973
+  _globals['_REMOTESERVICESTATS']._serialized_start=976
+  _globals['_REMOTESERVICESTATS']._serialized_end=1248
+  _globals['_REWARDSTATS']._serialized_start=1251
+  _globals['_REWARDSTATS']._serialized_end=1501
+  _globals['_REWARDSTATS_FAILURESBYCOMPONENTENTRY']._serialized_start=1443
+  _globals['_REWARDSTATS_FAILURESBYCOMPONENTENTRY']._serialized_end=1501
+  _globals['_REWARD']._serialized_start=1504
+  _globals['_REWARD']._serialized_end=1977
 # @@protoc_insertion_point(module_scope)

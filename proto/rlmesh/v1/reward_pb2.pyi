@@ -71,10 +71,12 @@ class RemoteService(_message.Message):
     def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., protocol: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., max_concurrency: _Optional[int] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., bearer_token: _Optional[str] = ...) -> None: ...
 
 class RegisterServiceRequest(_message.Message):
-    __slots__ = ("service",)
+    __slots__ = ("service", "replace")
     SERVICE_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
     service: RemoteService
-    def __init__(self, service: _Optional[_Union[RemoteService, _Mapping]] = ...) -> None: ...
+    replace: bool
+    def __init__(self, service: _Optional[_Union[RemoteService, _Mapping]] = ..., replace: _Optional[bool] = ...) -> None: ...
 
 class ListServicesRequest(_message.Message):
     __slots__ = ()

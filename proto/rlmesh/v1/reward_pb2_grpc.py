@@ -84,8 +84,11 @@ class RewardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterService(self, request, context):
-        """Register (or replace) a remote reward service by URL. The service must answer a
-        probe call first; it is then a reward component under its name. Persisted in Redis.
+        """Register a remote reward service by URL (replace one only when the request says so).
+        The URL's host must pass the service's address policy (never link-local or cloud
+        metadata addresses; loopback and private ones only where the operator allows them),
+        and the service must answer a probe call; it is then a reward component under its
+        name. Persisted in Redis.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

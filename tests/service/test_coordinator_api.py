@@ -1,0 +1,139 @@
+"""The coordinator's REST API against bad input: bounded bodies (413), bounded counts and
+well-formed values (422 naming the field, never echoing the input), one run at a time
+even under concurrent submissions. A real coordinator and Redis; the services it would
+drive are a socket that accepts connections and never answers, so a run stays active."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from rlmesh.buffer.config import Settings as BufferSettings
+from rlmesh.buffer.server import start as start_buffer
+from rlmesh.common.auth import client_headers
+from rlmesh.common.grpc_server import aio_channel
+from rlmesh.common.run_config import RunConfig
+from rlmesh.coordinator.app import start as start_coordinator
+from rlmesh.coordinator.config import Settings
+from rlmesh.coordinator.runs import Clients, RunDriver, RunStore
+from rlmesh.v1 import buffer_pb2_grpc
+
+
+@pytest.fixture
+def silent_address():
+    """host:port of a listener that never speaks (calls to it wait for their deadline)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    yield f"127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+
+
+@pytest.fixture
+def api(start_in_loop, redis_url, silent_address):
+    _, port = start_in_loop(lambda: start_coordinator(Settings(
+        port=0, redis_url=redis_url, buffer_address=silent_address, rollout_address=silent_address,
+        reward_address=silent_address, trainer_address=silent_address, max_request_bytes=64 * 1024,
+        limits={"max_groups_per_call": 100})))
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=client_headers()) as client:
+        yield client
+
+
+def body(**overrides) -> dict:
+    return {"model_path": "/models/m", "datasets": [{"name": "d", "path": "d.jsonl"}], **overrides}
+
+
+def test_bodies_over_the_limit_get_413(api):
+    big = body(name="x" * 100 * 1024)
+    r = api.post("/runs", json=big)
+    assert r.status_code == 413 and "65536 bytes" in r.json()["detail"]
+    # a chunked body (no Content-Length) is counted as it arrives
+    chunks = (json.dumps(big).encode()[i:i + 4096] for i in range(0, 110 * 1024, 4096))
+    r = api.post("/runs", content=chunks, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"rollout": {"rollout_batch_size": 2**31 - 1}}, ["body", "rollout", "rollout_batch_size"]),  # above the limit
+    ({"rollout": {"rollout_batch_size": 60, "over_sampling_groups": 60}}, ["body", "rollout", "rollout_batch_size"]),
+    ({"seed": 2**70}, ["body", "seed"]),  # wider than the wire's int64
+    ({"rollout": {"sampling": {"top_k": 2**40}}}, ["body", "rollout", "sampling", "top_k"]),
+    ({"reward": {"components": {f"c{i}": 1.0 for i in range(100)}}}, ["body", "reward", "components"]),
+    ({"datasets": [{"name": "d", "path": "p", "prompt_key": "k" * 500}]}, ["body", "datasets", 0, "prompt_key"]),
+])
+def test_counts_and_sizes_are_bounded(api, overrides, field):
+    r = api.post("/runs", json=body(**overrides))
+    assert r.status_code == 422, r.text
+    errors = r.json()["detail"]
+    assert any(e["loc"] == field for e in errors), errors
+    assert all(set(e) == {"loc", "msg", "type"} for e in errors)  # no echo of the input
+
+
+def test_values_json_cannot_carry_safely_get_422(api):
+    headers = {"content-type": "application/json"}
+    r = api.post("/runs", content=json.dumps(body(optimizer={"lr": float("nan")})), headers=headers)
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "optimizer", "lr"]
+    r = api.post("/runs", content=json.dumps(body(name="\ud800")), headers=headers)
+    assert r.status_code == 422 and "lone surrogate" in r.text
+    r = api.post("/runs", content=json.dumps(body(reward={"components": {"\udcff": 1.0}})), headers=headers)
+    assert r.status_code == 422
+    r = api.post("/runs", content=b"{not json", headers=headers)
+    assert r.status_code == 422
+
+
+def test_concurrent_submissions_start_one_run(api):
+    answers: list[int] = []
+
+    def submit():
+        answers.append(api.post("/runs", json=body()).status_code)
+
+    threads = [threading.Thread(target=submit) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(answers) == [201] + [409] * 7
+    runs = api.get("/runs").json()
+    assert len(runs) == 1
+    # an active run cannot be deleted; unknown and malformed ids are told apart
+    r = api.delete(f"/runs/{runs[0]['id']}")
+    assert r.status_code == 409 and "stop it first" in r.json()["detail"]
+    assert api.delete("/runs/nope").status_code == 404
+    assert api.delete("/runs/..%2F..").status_code in (404, 422)
+
+
+def test_the_spec_documents_every_error_status(api):
+    spec = api.get("/openapi.json").json()
+    post_runs = spec["paths"]["/runs"]["post"]["responses"]
+    assert {"201", "401", "409", "413", "422"} <= set(post_runs)
+    assert {"200", "401", "404", "409", "503"} <= set(spec["paths"]["/runs/{run_id}"]["delete"]["responses"])
+
+
+def test_only_the_newest_finished_runs_are_kept(loop_thread, start_in_loop, redis_url):
+    _, port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        redis = aioredis.Redis.from_url(redis_url)
+        channel = aio_channel(f"127.0.0.1:{port}")
+        store = RunStore(redis, "test")
+        driver = RunDriver(store, Clients(buffer=buffer_pb2_grpc.BufferStub(channel), rollout=None, trainer=None),
+                           train_wait_seconds=1.0, max_finished_runs=2)
+        created = []
+        for _ in range(4):
+            run_id = await store.create(RunConfig.model_validate(body()))
+            await store.update(run_id, status="completed")
+            await store.release(run_id)
+            created.append(run_id)
+        await driver._prune()
+        kept = [r["id"] for r in await store.list()]
+        await channel.close()
+        await redis.aclose()
+        return created, kept
+
+    created, kept = loop_thread.run(scenario())
+    assert kept == created[-2:]

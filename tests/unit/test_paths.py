@@ -1,0 +1,84 @@
+"""Paths from requests stay under the configured roots; run ids are safe as key parts and
+directory names (rlmesh.common.paths)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlmesh.common.errors import InvalidArgument
+from rlmesh.common.paths import resolve_roots, resolve_under, validate_run_id
+
+
+@pytest.fixture
+def roots(tmp_path):
+    (tmp_path / "a" / "sub").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret.json").write_text('{"password": "hunter2"}')
+    return resolve_roots([tmp_path / "a", tmp_path / "b"])
+
+
+def under(path, roots):
+    return resolve_under(path, roots, "path", "data_roots")
+
+
+def test_relative_paths_are_taken_under_the_first_root_and_absolute_ones_under_any(roots):
+    a, b = roots
+    assert under("sub/x.jsonl", roots) == a / "sub" / "x.jsonl"
+    assert under(str(b / "y.jsonl"), roots) == b / "y.jsonl"
+    assert under("sub/../x.jsonl", roots) == a / "x.jsonl"  # '..' that stays inside is fine
+    assert under(a, roots) == a
+
+
+@pytest.mark.parametrize("path", ["../outside/secret.json", "sub/../../outside/secret.json", "/etc/passwd", "/",
+                                  "{a}/../outside/secret.json", "{a}/../outside/missing.json"])
+def test_paths_outside_every_root_are_refused_naming_the_roots(roots, path):
+    path = path.format(a=roots[0])
+    with pytest.raises(InvalidArgument) as e:
+        under(path, roots)
+    message = str(e.value)
+    assert "data_roots" in message and str(roots[0]) in message and str(roots[1]) in message
+    assert "hunter2" not in message and "password" not in message
+
+
+def test_the_refusal_is_the_same_whether_or_not_the_file_exists(roots):
+    def refusal(path: str) -> str:
+        with pytest.raises(InvalidArgument) as e:
+            under(path, roots)
+        return str(e.value).replace(path, "<path>")
+
+    assert refusal("../outside/secret.json") == refusal("../outside/missing.json")
+
+
+def test_symlinks_out_of_a_root_are_refused(roots, tmp_path):
+    a, _ = roots
+    (a / "link.json").symlink_to(tmp_path / "outside" / "secret.json")
+    (a / "linkdir").symlink_to(tmp_path / "outside")
+    (a / "dangling.json").symlink_to(tmp_path / "outside" / "not-yet.json")
+    (a / "loop").symlink_to(a / "loop")
+    for path in ("link.json", "linkdir/secret.json", "linkdir", "dangling.json", "loop"):
+        with pytest.raises(InvalidArgument, match="not under data_roots"):
+            under(path, roots)
+    (a / "inner.json").symlink_to(a / "sub")  # a link that stays inside is followed
+    assert under("inner.json", roots) == a / "sub"
+
+
+def test_an_empty_path_or_no_roots_is_refused(roots):
+    with pytest.raises(InvalidArgument, match="path is required"):
+        under("", roots)
+    with pytest.raises(InvalidArgument, match="data_roots names no directory"):
+        under("x.jsonl", ())
+    with pytest.raises(InvalidArgument, match="not under data_roots"):
+        under("bad\0name", roots)
+
+
+@pytest.mark.parametrize("run_id", ["r1", "a", "run-2024.01_x", "0" * 64, "3f2a9c1b7d4e"])
+def test_good_run_ids(run_id):
+    assert validate_run_id(run_id) == run_id
+
+
+@pytest.mark.parametrize("run_id", ["", ".", "..", "../../x", "a/b", "a\\b", ".hidden", "-flag", "_x", "a:b", "a*",
+                                    "a b", "0" * 65, "r\n", "é"])
+def test_bad_run_ids(run_id):
+    with pytest.raises(InvalidArgument, match="run_id must be"):
+        validate_run_id(run_id)
