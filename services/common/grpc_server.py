@@ -157,6 +157,9 @@ class _StatusInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
 
         async def guarded(request, context: grpc.aio.ServicerContext):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the request is not a valid {method.rsplit('/', 1)[-1]} message: {request.reason}")
             try:
                 return await inner(request, context)
             except RlmeshError as e:
@@ -174,9 +177,29 @@ class _StatusInterceptor(grpc.aio.ServerInterceptor):
 
         return grpc.unary_unary_rpc_method_handler(
             guarded,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_decoding(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+
+
+@dataclass
+class _Undecodable:
+    reason: str
+
+
+def _decoding(deserializer):
+    """A deserializer that hands a request it cannot decode to the handler as _Undecodable,
+    which answers INVALID_ARGUMENT (gRPC itself would answer UNKNOWN/INTERNAL)."""
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:  # DecodeError, or whatever a custom wire parser raises
+            return _Undecodable(f"{type(e).__name__}: {str(e)[:200]}")
+
+    return decode
 
 
 @dataclass

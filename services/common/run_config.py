@@ -15,7 +15,7 @@ Key = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     """Refuses unknown fields, NaN and infinities, text that is not valid Unicode (lone
     surrogates cannot be stored or sent on) and text longer than 4096 characters."""
 
@@ -44,12 +44,12 @@ def _refuse_surrogates(value: Any, where: tuple) -> None:
             _refuse_surrogates(v, (*where, i))
 
 
-class DatasetConfig(_Strict):
+class DatasetConfig(StrictModel):
     name: str = Field(
         pattern=r"^[A-Za-z0-9_.-]{1,128}$", description="Name used in metrics and to pick eval datasets."
     )
     path: str = Field(
-        description="Local file or directory on the buffer's machine, under the buffer's data_roots (relative "
+        min_length=1, description="Local file or directory on the buffer's machine, under the buffer's data_roots (relative "
         "to the first): JSONL, Parquet (file or directory), or a Hugging Face datasets directory written by "
         "save_to_disk."
     )
@@ -67,7 +67,7 @@ class DatasetConfig(_Strict):
     eval: bool = Field(False, description="An evaluation dataset (held out, handed out separately).")
 
 
-class SamplingConfig(_Strict):
+class SamplingConfig(StrictModel):
     """SGLang sampling parameters (same names and meaning)."""
 
     max_new_tokens: int = Field(128, ge=1, description="Most tokens generated per response (at most limits.max_new_tokens).")
@@ -87,7 +87,7 @@ class SamplingConfig(_Strict):
     min_new_tokens: int = Field(0, ge=0, le=INT32_MAX, description="Do not stop before this many tokens.")
 
 
-class RolloutConfig(_Strict):
+class RolloutConfig(StrictModel):
     rollout_batch_size: int = Field(8, ge=1, description="Groups (prompts) per rollout.")
     n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the group size).")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling of training rollouts.")
@@ -106,7 +106,7 @@ class RolloutConfig(_Strict):
     )
 
 
-class RewardConfig(_Strict):
+class RewardConfig(StrictModel):
     components: dict[Key, float] = Field(
         default_factory=lambda: {"exact_match": 1.0}, max_length=64,
         description="Reward component name -> weight; the sample's reward is the weighted sum.",
@@ -114,7 +114,7 @@ class RewardConfig(_Strict):
     reward_key: str = Field("", max_length=128, description="Entry to use when a reward function returns a dict.")
 
 
-class OptimizerConfig(_Strict):
+class OptimizerConfig(StrictModel):
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
@@ -123,7 +123,7 @@ class OptimizerConfig(_Strict):
     warmup_steps: int = Field(0, ge=0, le=INT32_MAX, description="Linear learning-rate warm-up over this many optimizer steps.")
 
 
-class WeightSyncConfig(_Strict):
+class WeightSyncConfig(StrictModel):
     bucket_bytes: int = Field(64 * 1024 * 1024, ge=1, le=2**40, description="Parameters per broadcast bucket, in bytes.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on GPU, gloo on CPU.")
     load_format: Literal["", "flattened_bucket"] = Field(
@@ -134,11 +134,11 @@ class WeightSyncConfig(_Strict):
     )
 
 
-class TrainingConfig(_Strict):
+class TrainingConfig(StrictModel):
     """The trainer's part of a run, declared once: `POST /runs` has these fields at its top
     level and the trainer receives them unchanged (in TrainerRunConfig)."""
 
-    model_path: str = Field(description="Local Hugging Face checkpoint directory of the policy (and its tokenizer).")
+    model_path: str = Field(min_length=1, description="Local Hugging Face checkpoint directory of the policy (and its tokenizer).")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages, loss and KL.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer of RL steps.")
     sft_optimizer: OptimizerConfig | None = Field(None, description="Optimizer for SFT steps; default `optimizer`.")
@@ -164,7 +164,7 @@ class TrainerRunConfig(TrainingConfig):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = the trainer service's setting.")
 
 
-class EvalConfig(_Strict):
+class EvalConfig(StrictModel):
     interval: int = Field(0, ge=0, le=INT32_MAX, description="Evaluate every this many rollouts (0 = only before and after).")
     n_samples_per_prompt: int = Field(1, ge=1, description="Responses per eval prompt (pass@k style metrics).")
     sampling: SamplingConfig = Field(
@@ -174,7 +174,7 @@ class EvalConfig(_Strict):
                        "limits.max_samples_per_call / n_samples_per_prompt).")
 
 
-class SftWarmupConfig(_Strict):
+class SftWarmupConfig(StrictModel):
     steps: int = Field(0, ge=0, description="SFT steps through the same pipeline before RL (0 = none).")
     batch_groups: int = Field(16, ge=1, description="Prompts per SFT step.")
 

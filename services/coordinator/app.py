@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
+from typing import Literal
 
 import grpc
 import redis.asyncio as aioredis
@@ -20,7 +21,7 @@ from rlmesh.common.errors import HTTP_STATUS_BY_GRPC_CODE, RlmeshError
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.http_guard import guard
 from rlmesh.common.paths import RUN_ID_PATTERN
-from rlmesh.common.run_config import RunConfig, limit_violations
+from rlmesh.common.run_config import RunConfig, StrictModel, limit_violations
 from rlmesh.coordinator.config import Settings
 from rlmesh.coordinator.runs import Clients, RunDriver, RunStore, check_reward_service_change
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
@@ -38,7 +39,7 @@ class Problem(BaseModel):
 def _errors(*statuses: int) -> dict:
     """OpenAPI entries for the error statuses a route can answer (each with a JSON body)."""
     meaning = {
-        400: "The request is well-formed but a service refused its values.",
+        400: "The body is not JSON, or a service refused the request's values.",
         404: "No such run or reward service.",
         409: "Conflicts with the current state (e.g. another run is active, or the run is not finished).",
         413: "The request body is larger than max_request_bytes.",
@@ -86,16 +87,16 @@ class RunDetail(RunSummary):
     metrics: list[dict]
 
 
-class RewardServiceSpec(BaseModel):
+class RewardServiceSpec(StrictModel):
     """A remote reward service, registered by URL (the reward service checks it answers)."""
 
-    name: str = Field(description="Component name runs use in reward.components.")
-    url: str = Field(description="http://, https:// or grpc:// address of the service.")
-    protocol: str = Field("", description="'http-json' or 'grpc'; empty = from the URL's scheme.")
-    timeout_seconds: float = Field(0.0, ge=0, description="Per call; 0 = the reward service's default.")
-    max_concurrency: int = Field(0, ge=0, description="Calls in flight at once; 0 = the default.")
-    weight: float = Field(0.0, description="Weight when a run names no components.")
-    max_batch_size: int = Field(0, ge=0, description="Samples per call; 0 = the default.")
+    name: str = Field(max_length=63, description="Component name runs use in reward.components.")
+    url: str = Field(max_length=2048, description="http://, https:// or grpc:// address of the service.")
+    protocol: Literal["", "http-json", "grpc"] = Field("", description="Empty = from the URL's scheme.")
+    timeout_seconds: float = Field(0.0, ge=0, le=3600, description="Per call; 0 = the reward service's default.")
+    max_concurrency: int = Field(0, ge=0, le=1024, description="Calls in flight at once; 0 = the default.")
+    weight: float = Field(0.0, ge=-1e6, le=1e6, description="Weight when a run names no components.")
+    max_batch_size: int = Field(0, ge=0, le=100_000, description="Samples per call; 0 = the default.")
     bearer_token: str = Field("", max_length=4096, description="The service's own credential, sent as "
                               "'Authorization: Bearer <token>'; write-only (never listed back).")
     replace: bool = Field(False, description="Replace a service registered under this name (409 otherwise); "
@@ -153,7 +154,7 @@ def create_app(settings: Settings) -> FastAPI:
         status = HTTP_STATUS_BY_GRPC_CODE.get(exc.code(), 502)
         return JSONResponse(status_code=status, content={"detail": exc.details(), "code": exc.code().name})
 
-    @app.post("/runs", status_code=201, response_model=RunCreated, responses=_errors(409, 413))
+    @app.post("/runs", status_code=201, response_model=RunCreated, responses=_errors(400, 409, 413))
     async def create_run(config: RunConfig, request: Request):
         """Start a run; 409 while another run is active (one run trains at a time)."""
         violations = limit_violations(config, settings.limits)
@@ -194,7 +195,7 @@ def create_app(settings: Settings) -> FastAPI:
             listed = await request.app.state.reward.ListServices(reward_pb2.ListServicesRequest())
             check_reward_service_change(*active, name, {s.name: s.weight for s in listed.services}, removes, new_weight)
 
-    @app.post("/reward-services", status_code=201, responses=_errors(*RELAYED))
+    @app.post("/reward-services", status_code=201, responses=_errors(*RELAYED, 413))
     async def register_reward_service(spec: RewardServiceSpec, request: Request):
         """Register a remote reward service by URL; refused (400) when its host is not allowed by the
         reward service's address policy, 409 when it does not answer the probe, when the name is taken
@@ -204,7 +205,7 @@ def create_app(settings: Settings) -> FastAPI:
             service=reward_pb2.RemoteService(**spec.model_dump(exclude={"replace"})), replace=spec.replace))
         return _service_dict(msg)
 
-    @app.get("/reward-services")
+    @app.get("/reward-services", responses=_errors(*RELAYED))
     async def list_reward_services(request: Request):
         resp = await request.app.state.reward.ListServices(reward_pb2.ListServicesRequest())
         return [_service_dict(s) for s in resp.services]
@@ -216,7 +217,7 @@ def create_app(settings: Settings) -> FastAPI:
         resp = await request.app.state.reward.UnregisterService(reward_pb2.UnregisterServiceRequest(name=name))
         return {"removed": resp.removed}
 
-    @app.get("/reward-services/stats")
+    @app.get("/reward-services/stats", responses=_errors(*RELAYED))
     async def reward_stats(request: Request):
         """Per remote service: calls, failures, retries, breaker state, latency."""
         return _service_dict(await request.app.state.reward.GetStats(reward_pb2.GetRewardStatsRequest()))

@@ -29,6 +29,20 @@ def test_services_serve_health_and_reflection(redis_url, start_in_loop):
     assert {"rlmesh.v1.Buffer", "grpc.health.v1.Health"} <= names
 
 
+def test_undecodable_requests_get_invalid_argument(redis_url, start_in_loop):
+    _, port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
+    channel = sync_channel(f"127.0.0.1:{port}")
+    for method in ("GetStats", "PutGroups"):  # a generated parser and the buffer's own wire parser
+        call = channel.unary_unary(f"/rlmesh.v1.Buffer/{method}")  # bytes in, bytes out
+        try:
+            call(b"\xff\xff\xff not protobuf", timeout=10)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.code(), e.details())
+            assert f"not a valid {method} message" in e.details()
+        else:
+            raise AssertionError(f"{method} accepted garbage")
+
+
 def test_a_service_stops_gracefully_on_sigterm(redis_url):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "rlmesh.cli", "serve", "buffer", "--redis-url", redis_url,
