@@ -9,7 +9,8 @@ time, as the service does for concurrent Score calls:
 2. worker pool: the verifiers run in VerifierPool's processes (min(4, CPUs) workers, the
    service's default), each call under a deadline; also with one worker.
 
-Then one adversarial sample of each kind through the pool: the seconds it takes.
+The cases take turns for three rounds and each keeps its best rate, so a busy moment of
+a shared machine does not land on one case alone. Then one adversarial sample of each kind through the pool: the seconds it takes.
 
     python -m bench.verifiers
 
@@ -31,7 +32,8 @@ from rlmesh.reward.workers import VerifierPool
 
 BATCH = 64
 CONCURRENCY = 4
-SECONDS_PER_CASE = 5.0
+SECONDS_PER_CASE = 3.0
+ROUNDS = 3  # the best of three per case
 SPEC = RewardSpec({"math": 1.0})
 ADVERSARIAL = {
     "50,000 unclosed \\boxed{": ("\\boxed{" * 50_000, "1"),
@@ -58,19 +60,22 @@ async def measure() -> dict[str, float]:
     samples = make_samples(512)
     workers = min(4, os.cpu_count() or 1)
     results = {"workers": float(workers), "cpus": float(os.cpu_count() or 1)}
-    results["in_thread_samples_per_s"] = await per_second(Scorer.from_config({"math": 1.0}), samples)
-    for n, key in ((workers, "pool_samples_per_s"), (1, "pool_1_worker_samples_per_s")):
-        pool = VerifierPool(n, timeout_seconds=5.0, overload_seconds=2.0)
-        try:
-            results[key] = await per_second(Scorer.from_config({"math": 1.0}, verifier_pool=pool), samples)
-            if n == workers:
-                scorer = Scorer.from_config({"math": 1.0}, verifier_pool=pool)
-                for name, (response, label) in ADVERSARIAL.items():
-                    sample = replace(samples[0], response=response, label=label)
-                    started = time.perf_counter()
-                    await scorer.score_samples([sample], SPEC)
-                    results[f"adversarial: {name} (s)"] = time.perf_counter() - started
-        finally:
+    pools = {"pool_samples_per_s": VerifierPool(workers, timeout_seconds=5.0, overload_seconds=2.0),
+             "pool_1_worker_samples_per_s": VerifierPool(1, timeout_seconds=5.0, overload_seconds=2.0)}
+    scorers = {"in_thread_samples_per_s": Scorer.from_config({"math": 1.0}),
+               **{key: Scorer.from_config({"math": 1.0}, verifier_pool=pool) for key, pool in pools.items()}}
+    try:
+        for _ in range(ROUNDS):
+            for key, scorer in scorers.items():
+                results[key] = max(results.get(key, 0.0), await per_second(scorer, samples))
+        scorer = scorers["pool_samples_per_s"]
+        for name, (response, label) in ADVERSARIAL.items():
+            sample = replace(samples[0], response=response, label=label)
+            started = time.perf_counter()
+            await scorer.score_samples([sample], SPEC)
+            results[f"adversarial: {name} (s)"] = time.perf_counter() - started
+    finally:
+        for pool in pools.values():
             pool.close()
     return results
 
@@ -78,8 +83,8 @@ async def measure() -> dict[str, float]:
 def main() -> dict[str, float]:
     results = asyncio.run(measure())
     ratio = results["pool_samples_per_s"] / results["in_thread_samples_per_s"]
-    print(f"Math verifier throughput ({SECONDS_PER_CASE:g} s per case, {CONCURRENCY} requests of {BATCH} samples "
-          f"in flight, {results['cpus']:.0f} CPUs)")
+    print(f"Math verifier throughput (best of {ROUNDS} x {SECONDS_PER_CASE:g} s per case, {CONCURRENCY} requests of "
+          f"{BATCH} samples in flight, {results['cpus']:.0f} CPUs)")
     print(f"{'path':<52}{'samples/s':>12}")
     print(f"{'in-thread call (baseline, no time budget)':<52}{results['in_thread_samples_per_s']:>12.0f}")
     pool_row = f"worker pool, {results['workers']:.0f} workers (the service default)"

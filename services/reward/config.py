@@ -6,13 +6,15 @@ can pick a component by name but can never make the service import anything."""
 from __future__ import annotations
 
 import math
+import os
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlmesh.common.plugins import PluginPath
 from rlmesh.common.settings import ServiceSettings
-from rlmesh.reward.verifiers import VERIFIERS
+from rlmesh.reward.url_policy import UrlPolicy
+from rlmesh.reward.verifiers import DEFAULT_MAX_ANSWER_CHARS, VERIFIERS
 
 
 class Settings(ServiceSettings):
@@ -65,6 +67,52 @@ class Settings(ServiceSettings):
     max_reply_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Largest reply accepted from a remote service; larger ones fail."
     )
+
+    # Built-in verifiers: worker processes, a time budget per sample, and how much text they read.
+    verifier_workers: int = Field(
+        default_factory=lambda: min(4, os.cpu_count() or 1),
+        ge=1,
+        description="Worker processes that run the built-in verifiers (default: the CPU count, at most 4).",
+    )
+    verifier_timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "Time budget of one built-in verifier call on one sample: past it the worker is killed and replaced, "
+            "and the sample is FAILED with 'verifier timeout' in metadata['reward_error']."
+        ),
+    )
+    verifier_overload_seconds: float = Field(
+        2.0,
+        gt=0,
+        description=(
+            "Overload rule: gRPC health reports NOT_SERVING while a verifier call has waited longer than this "
+            "for a free worker, and SERVING again once none has."
+        ),
+    )
+    max_answer_chars: int = Field(
+        DEFAULT_MAX_ANSWER_CHARS,
+        ge=1,
+        description=(
+            "Built-in verifiers read only the last this-many characters of a response and of a label, where "
+            "the final answer is; what comes before is ignored."
+        ),
+    )
+    remote_allowed_networks: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Where remote reward services may live besides public addresses: CIDRs or addresses (e.g. "
+            "\"10.0.0.0/8\", \"127.0.0.1\", \"::1\") and host names (e.g. \"judge.internal\": any loopback or "
+            "private address it resolves to). Empty = public addresses only. Link-local and cloud metadata "
+            "addresses are never called, whatever this says. `rlmesh up` allows loopback."
+        ),
+    )
+
+    @field_validator("remote_allowed_networks")
+    @classmethod
+    def _check_networks(cls, entries: list[str]) -> list[str]:
+        UrlPolicy(entries)  # raises ValueError naming a bad entry
+        return entries
 
     @model_validator(mode="after")
     def _check_components(self) -> Settings:

@@ -5,6 +5,10 @@ kept in memory when the service runs without Redis.
 Each replica keeps its own RemoteCaller per service (connections, breaker, counters)
 and re-reads the hash before each scoring request, so a registration made through
 one replica is used by all of them.
+
+A name is replaced only when the registration says so (replace=True); otherwise a taken
+name is refused with ALREADY_EXISTS. Whether a running run uses the name is the
+coordinator's to check (it knows the runs; this service does not).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from rlmesh.common import errors
+from rlmesh.common.net import redacted
 from rlmesh.reward.remote import (
     CallFailed,
     RemoteDefaults,
@@ -27,6 +32,7 @@ from rlmesh.reward.remote import (
     resolve_config,
 )
 from rlmesh.reward.resilience import CallPolicy, RemoteCaller
+from rlmesh.reward.url_policy import UrlPolicy
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +40,12 @@ REDIS_KEY = "rlmesh:reward:remote_services"
 
 
 class RemoteRegistry:
-    def __init__(self, redis_url: str, defaults: RemoteDefaults, policy: CallPolicy, reserved: set[str]) -> None:
+    def __init__(self, redis_url: str, defaults: RemoteDefaults, policy: CallPolicy, reserved: set[str],
+                 url_policy: UrlPolicy) -> None:
         self.redis_url = redis_url
         self.defaults = defaults
         self.policy = policy
+        self.url_policy = url_policy
         self.reserved = set(reserved)
         # Bounded waits: an unreachable Redis must not stall scoring (the last known set is used).
         self._redis = (aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
@@ -49,14 +57,24 @@ class RemoteRegistry:
 
     # ------------------------------------------------------------ register / unregister / list
 
-    async def register(self, proposed: RemoteServiceConfig) -> RemoteServiceConfig:
+    async def register(self, proposed: RemoteServiceConfig, replace: bool = False) -> RemoteServiceConfig:
+        """Check the URL against the policy, probe the service, save it. A taken name is
+        refused (AlreadyExists) unless `replace`."""
         config = resolve_config(proposed, self.defaults, self.reserved)
-        await probe(config, self.policy.max_reply_bytes)
+        if not replace and config.name in await self.configs():
+            raise _taken(config.name)  # early, before anything is sent
+        await self.url_policy.resolve(config.url, config.timeout_seconds)  # refused: nothing is sent
+        await probe(config, self.policy.max_reply_bytes, self.url_policy)
         if self._redis is not None:
             try:
-                await self._redis.hset(REDIS_KEY, config.name, config.to_json())
+                if replace:
+                    await self._redis.hset(REDIS_KEY, config.name, config.to_json())
+                elif not await self._redis.hsetnx(REDIS_KEY, config.name, config.to_json()):
+                    raise _taken(config.name)  # registered meanwhile, maybe through another replica
             except RedisError as e:
-                raise errors.Unavailable(f"cannot save the registration: Redis at {self.redis_url} failed: {e}") from None
+                raise errors.Unavailable(f"cannot save the registration: Redis at {redacted(self.redis_url)} failed: {e}") from None
+        elif not replace and config.name in self._configs:
+            raise _taken(config.name)
         self._configs[config.name] = config
         await self.callers()  # replace the caller now if the URL or limits changed
         log.info("registered remote reward service %s at %s (%s)", config.name, config.url, config.protocol)
@@ -67,7 +85,7 @@ class RemoteRegistry:
             try:
                 removed = bool(await self._redis.hdel(REDIS_KEY, name))
             except RedisError as e:
-                raise errors.Unavailable(f"cannot remove the registration: Redis at {self.redis_url} failed: {e}") from None
+                raise errors.Unavailable(f"cannot remove the registration: Redis at {redacted(self.redis_url)} failed: {e}") from None
         else:
             removed = name in self._configs
         self._configs.pop(name, None)
@@ -81,7 +99,7 @@ class RemoteRegistry:
         try:
             raw = await self._redis.hgetall(REDIS_KEY)
         except RedisError as e:
-            log.warning("Redis at %s unreachable (%s): using the last known remote reward services", self.redis_url, e)
+            log.warning("Redis at %s unreachable (%s): using the last known remote reward services", redacted(self.redis_url), e)
             return dict(self._configs)
         configs = {}
         for name, record in raw.items():
@@ -107,7 +125,7 @@ class RemoteRegistry:
                 self._retired.append((handle, caller))
             for name, config in configs.items():
                 if name not in self._callers:
-                    transport = make_transport(config, self.policy.max_reply_bytes)
+                    transport = make_transport(config, self.policy.max_reply_bytes, self.url_policy)
                     self._callers[name] = RemoteCaller(config, self.policy, transport)
             return dict(self._callers)
 
@@ -126,6 +144,12 @@ class RemoteRegistry:
             await self._redis.aclose()
 
 
+def _taken(name: str) -> errors.AlreadyExists:
+    return errors.AlreadyExists(
+        f"a reward service named '{name}' is already registered; register with replace=true to replace it "
+        "(or choose another name)")
+
+
 _closing: set[asyncio.Future] = set()  # strong references until the close finishes
 
 
@@ -135,10 +159,11 @@ def _close_later(caller: RemoteCaller) -> None:
     task.add_done_callback(_closing.discard)
 
 
-async def probe(config: RemoteServiceConfig, max_reply_bytes: int) -> RemoteScore | str:
-    """Send one small sample; refuse the registration unless the service answers per the
-    contract. (A service that answers null for the probe does answer.)"""
-    transport = make_transport(config, max_reply_bytes)
+async def probe(config: RemoteServiceConfig, max_reply_bytes: int, url_policy: UrlPolicy) -> RemoteScore | str:
+    """Send one small sample (the contract's POST of {"samples": [...]}, never anything else);
+    refuse the registration unless the service answers per the contract. (A service that
+    answers null for the probe does answer.) The reason never quotes the reply."""
+    transport = make_transport(config, max_reply_bytes, url_policy)
     try:
         results = await asyncio.wait_for(transport.call([Unit([probe_sample()])], config.timeout_seconds),
                                          config.timeout_seconds)

@@ -49,6 +49,12 @@ in metadata["reward_error"]; nothing is ever scored 0 silently):
 - one score that is NaN, infinite, or not a number (or object of numbers): that
   sample alone fails.
 
+The reasons never quote the remote's reply (its body, its error text, a score that is
+not a number): they say what was wrong (HTTP status, "not valid JSON", "3 scores for 4
+samples"), since whoever registered the URL reads them. A bounded excerpt goes to the
+reward service's log at debug level. Which hosts may be called at all:
+rlmesh.reward.url_policy (checked at registration and again before every call).
+
 gRPC protocol (`grpc://host:port` URLs)
 ---------------------------------------
 The remote serves rlmesh.v1.Reward (proto/rlmesh/v1/reward.proto), e.g. another
@@ -56,12 +62,14 @@ rlmesh reward service. rlmesh calls ScoreGroups with an empty RewardSpec (the
 remote's own defaults); samples scored one by one travel as one-sample groups. The
 reply must hold the same groups and samples in the same order; each reply sample's
 `reward` is its score and its `reward_components` its named scores; a sample the
-remote marks FAILED fails here with the remote's reason.
+remote marks FAILED fails here too (its reason is logged, not passed on).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 import numbers
 import re
@@ -83,7 +91,10 @@ from rlmesh.common.sample import (
     group_to_proto,
     sample_to_json,
 )
+from rlmesh.reward.url_policy import Refused, Unresolvable, UrlPolicy
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 PROTOCOLS = {"http": "http-json", "https": "http-json", "grpc": "grpc"}
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
@@ -220,6 +231,7 @@ class Transport(Protocol):
 
 
 def _excerpt(data: bytes | str) -> str:
+    """A bounded, one-line excerpt of a remote's reply: for the debug log only, never for a reason."""
     text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
     text = " ".join(text.split())
     return text[:_EXCERPT_CHARS] + ("..." if len(text) > _EXCERPT_CHARS else "")
@@ -228,14 +240,21 @@ def _excerpt(data: bytes | str) -> str:
 def _finite(value: Any) -> float | str:
     """value as a float, or why it is not an acceptable score."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return f"{type(value).__name__} {_excerpt(json.dumps(value, default=str))}, not a number"
+        return f"a JSON {_json_type(value)}, not a number"
     try:
         result = float(value)
     except OverflowError:
-        return f"{type(value).__name__} {_excerpt(str(value))}, too large for a float"
+        return "an integer too large for a float"
     if not math.isfinite(result):
         return f"{result} (scores must be finite numbers)"
     return result
+
+
+def _json_type(value: Any) -> str:
+    """What kind of JSON value this is (never the value itself)."""
+    if isinstance(value, bool):
+        return "boolean"
+    return {str: "string", list: "array", dict: "object", type(None): "null"}.get(type(value), "number")
 
 
 def parse_score(value: Any) -> SampleResult:
@@ -263,14 +282,15 @@ def parse_scores_reply(body: bytes, expected: int) -> list[SampleResult]:
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise CallFailed(f"the reply is not JSON: {_excerpt(body)!r}", retryable=False) from None
+        log.debug("reply that is not JSON: %r", _excerpt(body))
+        raise CallFailed("the reply is not valid JSON", retryable=False) from None
     except RecursionError:
         raise CallFailed("the reply is JSON nested too deeply to read", retryable=False) from None
     if not isinstance(data, dict) or not isinstance(data.get("scores"), list):
+        log.debug("reply without a scores list: %r", _excerpt(body))
+        got = "an object without a \"scores\" list" if isinstance(data, dict) else f"a JSON {_json_type(data)}"
         raise CallFailed(
-            f'the reply must be an object {{"scores": [...]}} with one score per sample, got {_excerpt(body)!r}',
-            retryable=False,
-        )
+            f'the reply must be an object {{"scores": [...]}} with one score per sample, got {got}', retryable=False)
     scores = data["scores"]
     if len(scores) != expected:
         raise CallFailed(f"the reply has {len(scores)} scores for {expected} samples", retryable=False)
@@ -288,31 +308,59 @@ def _credential(bearer_token: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {bearer_token}")] if bearer_token else []
 
 
+async def _checked_addresses(policy: UrlPolicy, url: str, timeout: float) -> list[str]:
+    """The URL host's addresses, checked now (a name may resolve elsewhere than at registration)."""
+    try:
+        return await policy.resolve(url, timeout)
+    except Refused as e:
+        raise CallFailed(str(e), retryable=False) from None
+    except Unresolvable as e:
+        raise CallFailed(str(e), retryable=True) from None
+
+
 class HttpJsonTransport:
-    def __init__(self, url: str, max_concurrency: int, max_reply_bytes: int, bearer_token: str = "") -> None:
+    """POSTs to the registered URL, connected to an address of its host that the policy
+    checked for this very call: the URL's host becomes that address, while the Host header
+    and the TLS server name (SNI and the certificate check) stay the registered name."""
+
+    def __init__(self, url: str, max_concurrency: int, max_reply_bytes: int, policy: UrlPolicy,
+                 bearer_token: str = "") -> None:
         self.url = url
-        self.headers = {"content-type": "application/json", **dict(_credential(bearer_token))}
+        self.policy = policy
+        self._parsed = httpx.URL(url)
+        self.headers = {"content-type": "application/json", "host": self._parsed.netloc.decode("ascii"),
+                        **dict(_credential(bearer_token))}
+        self._extensions = {"sni_hostname": self._parsed.host}
         self.max_reply_bytes = max_reply_bytes
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
         self.client = httpx.AsyncClient(limits=limits, follow_redirects=False)
 
     async def call(self, units: Sequence[Unit], timeout: float) -> list[SampleResult]:
         samples = [s for u in units for s in u.samples]
-        try:
-            async with self.client.stream(
-                "POST", self.url, content=request_body(samples),
-                headers=self.headers, timeout=httpx.Timeout(timeout),
-            ) as reply:
-                body = await self._read_capped(reply)
-        except httpx.TimeoutException:
-            raise CallFailed(f"no answer within {timeout:g} s", retryable=True) from None
-        except httpx.ConnectError as e:
-            raise CallFailed(f"cannot connect to {self.url}: {e or 'connection refused'}", retryable=True) from None
-        except httpx.HTTPError as e:  # reset mid-reply, protocol errors: the service may be restarting
-            raise CallFailed(f"HTTP error talking to {self.url}: {type(e).__name__}: {e}", retryable=True) from None
+        addresses = await _checked_addresses(self.policy, self.url, timeout)
+        content = request_body(samples)
+        for i, address in enumerate(addresses):
+            try:
+                async with self.client.stream(
+                    "POST", self._parsed.copy_with(host=address), content=content, headers=self.headers,
+                    extensions=self._extensions, timeout=httpx.Timeout(timeout),
+                ) as reply:
+                    body = await self._read_capped(reply)
+            except httpx.ConnectError as e:
+                if i + 1 < len(addresses):
+                    continue  # nothing was sent: try the host's next address
+                raise CallFailed(f"cannot connect to {self.url}: {e or 'connection refused'}", retryable=True) from None
+            except httpx.TimeoutException:
+                raise CallFailed(f"no answer within {timeout:g} s", retryable=True) from None
+            except httpx.HTTPError as e:  # reset mid-reply, protocol errors: the service may be restarting
+                # The error's text may quote what the remote sent (a malformed status line): logged only.
+                log.debug("HTTP error talking to %s: %r", self.url, _excerpt(str(e)))
+                raise CallFailed(f"HTTP error talking to {self.url}: {type(e).__name__}", retryable=True) from None
+            break
         if reply.status_code != 200:
+            log.debug("HTTP %d from %s: %r", reply.status_code, self.url, _excerpt(body))
             retryable = reply.status_code >= 500 or reply.status_code in (408, 429)
-            raise CallFailed(f"HTTP {reply.status_code} from {self.url}: {_excerpt(body)!r}", retryable)
+            raise CallFailed(f"HTTP {reply.status_code} from {self.url}", retryable)
         return parse_scores_reply(body, len(samples))
 
     async def _read_capped(self, reply: httpx.Response) -> bytes:
@@ -347,19 +395,52 @@ def grpc_target(url: str) -> str:
     return f"{host}:{parts.port}"
 
 
+def pinned_target(addresses: Sequence[str], port: int) -> str:
+    """A gRPC target naming checked addresses, so gRPC does not resolve the name itself. One
+    family per target (gRPC's ipv4:/ipv6: schemes); IPv4 when there is one, as a name like
+    localhost is more often served on 127.0.0.1 than on ::1."""
+    v4 = [a for a in addresses if ":" not in a]
+    if v4:
+        return "ipv4:" + ",".join(f"{a}:{port}" for a in v4)
+    return "ipv6:" + ",".join(f"[{a}]:{port}" for a in addresses)
+
+
 class GrpcTransport:
-    def __init__(self, url: str, max_reply_bytes: int, bearer_token: str = "") -> None:
+    """Calls ScoreGroups over a channel to addresses of the URL's host that the policy checked
+    for this very call; when the host's addresses change, a new channel is made and the old
+    one closes once the calls on it are done."""
+
+    def __init__(self, url: str, max_reply_bytes: int, policy: UrlPolicy, bearer_token: str = "") -> None:
         self.url = url
+        self.policy = policy
         self.metadata = _credential(bearer_token)
         self.max_reply_bytes = max_reply_bytes
-        self.channel = grpc.aio.insecure_channel(
-            grpc_target(url),
-            options=[("grpc.max_receive_message_length", max_reply_bytes),
-                     ("grpc.max_send_message_length", 256 * 1024 * 1024)],
-        )
-        self.stub = reward_pb2_grpc.RewardStub(self.channel)
+        self.port = urlsplit(url).port
+        self._target = ""
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: reward_pb2_grpc.RewardStub | None = None
+        self._retired: list[grpc.aio.Channel] = []
+        self._closing: set[asyncio.Future] = set()
+
+    def _stub_for(self, addresses: list[str], grace: float) -> reward_pb2_grpc.RewardStub:
+        target = pinned_target(addresses, self.port)
+        if target != self._target or self._stub is None:
+            if self._channel is not None:
+                self._retired.append(self._channel)
+                closing = asyncio.ensure_future(self._channel.close(grace))
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
+            self._channel = grpc.aio.insecure_channel(target, options=[
+                ("grpc.max_receive_message_length", self.max_reply_bytes),
+                ("grpc.max_send_message_length", 256 * 1024 * 1024),
+                ("grpc.default_authority", grpc_target(self.url)),  # the registered name, not the address
+            ])
+            self._stub = reward_pb2_grpc.RewardStub(self._channel)
+            self._target = target
+        return self._stub
 
     async def call(self, units: Sequence[Unit], timeout: float) -> list[SampleResult]:
+        stub = self._stub_for(await _checked_addresses(self.policy, self.url, timeout), timeout)
         groups = [
             SampleGroup(u.group.group_id, u.group.group_index, u.samples, u.group.dataset) if u.group is not None
             else SampleGroup(f"sample-{u.samples[0].index}", u.samples[0].group_index, u.samples)
@@ -367,7 +448,7 @@ class GrpcTransport:
         ]
         request = reward_pb2.ScoreGroupsRequest(groups=[group_to_proto(g) for g in groups])
         try:
-            reply = await self.stub.ScoreGroups(request, timeout=timeout, metadata=self.metadata)
+            reply = await stub.ScoreGroups(request, timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
             code, details = e.code(), e.details() or ""
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -376,7 +457,8 @@ class GrpcTransport:
                 raise CallFailed(
                     f"the reply is larger than max_reply_bytes ({self.max_reply_bytes})", retryable=False
                 ) from None
-            raise CallFailed(f"{code.name} from {self.url}: {_excerpt(details)}", code in _RETRYABLE_CODES) from None
+            log.debug("%s from %s: %r", code.name, self.url, _excerpt(details))  # the remote's text: logged only
+            raise CallFailed(f"{code.name} from {self.url}", code in _RETRYABLE_CODES) from None
         return self._results(groups, reply)
 
     @staticmethod
@@ -384,15 +466,16 @@ class GrpcTransport:
         if len(reply.groups) != len(sent):
             raise CallFailed(f"the reply has {len(reply.groups)} groups for {len(sent)} sent", retryable=False)
         results: list[SampleResult] = []
-        for group, answer in zip(sent, reply.groups):
+        for position, (group, answer) in enumerate(zip(sent, reply.groups)):
             try:
                 scored = group_from_proto(answer)
             except ConversionError as e:
-                raise CallFailed(f"the reply holds a malformed sample: {e}", retryable=False) from None
+                log.debug("malformed reply group: %s", _excerpt(str(e)))
+                raise CallFailed("the reply holds a malformed sample", retryable=False) from None
             if scored.group_id != group.group_id or len(scored.samples) != len(group.samples):
                 raise CallFailed(
-                    f"the reply's group {scored.group_id!r} has {len(scored.samples)} samples; expected group "
-                    f"{group.group_id!r} with {len(group.samples)}, in the order sent",
+                    f"the reply's group {position} is not group {group.group_id!r} with its {len(group.samples)} "
+                    "samples: groups and samples must come back as sent, in the order sent",
                     retryable=False,
                 )
             for mine, theirs in zip(group.samples, scored.samples):
@@ -405,12 +488,16 @@ class GrpcTransport:
         return results
 
     async def close(self) -> None:
-        await self.channel.close()
+        for channel in (*self._retired, self._channel):
+            if channel is not None:
+                await channel.close()
 
 
 def _grpc_sample_result(sample: Sample) -> SampleResult:
     if sample.status == Status.FAILED:
-        return f"the remote could not score it: {sample.metadata.get('reward_error', 'no reason given')}"
+        log.debug("the remote could not score sample %d: %r", sample.index,
+                  _excerpt(str(sample.metadata.get("reward_error", ""))))
+        return "the remote marked it FAILED (its reason is in the remote's own logs and stats)"
     total = _finite(sample.reward)
     if isinstance(total, str):
         return f"the score is {total}"
@@ -423,10 +510,10 @@ def _grpc_sample_result(sample: Sample) -> SampleResult:
     return RemoteScore(total, named)
 
 
-def make_transport(config: RemoteServiceConfig, max_reply_bytes: int) -> Transport:
+def make_transport(config: RemoteServiceConfig, max_reply_bytes: int, policy: UrlPolicy) -> Transport:
     if config.protocol == "grpc":
-        return GrpcTransport(config.url, max_reply_bytes, config.bearer_token)
-    return HttpJsonTransport(config.url, config.max_concurrency, max_reply_bytes, config.bearer_token)
+        return GrpcTransport(config.url, max_reply_bytes, policy, config.bearer_token)
+    return HttpJsonTransport(config.url, config.max_concurrency, max_reply_bytes, policy, config.bearer_token)
 
 
 def probe_sample() -> Sample:

@@ -11,6 +11,11 @@ the reason in metadata["reward_error"] (and the failed components' names in
 metadata["reward_failed_components"]): it is excluded from training and counted,
 never a silent 0. Every component value computed is kept in sample.reward_components
 beside the weighted total in sample.reward.
+
+Built-in verifiers read the last max_answer_chars characters of a response and of a label
+(the final answer is at the end). Given a VerifierPool (the service always has one) they run
+in its worker processes, each call within the pool's time budget: a sample past it fails with
+"verifier timeout" while the others go on. Without one they run in a thread, unbounded.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from rlmesh.common.sample import Sample, SampleGroup, Status
 from rlmesh.reward.registry import RemoteRegistry
 from rlmesh.reward.remote import Unit
 from rlmesh.reward.resilience import RemoteCaller
-from rlmesh.reward.verifiers import VERIFIERS
+from rlmesh.reward.verifiers import DEFAULT_MAX_ANSWER_CHARS
+from rlmesh.reward.workers import BUILTIN_VERIFIERS, VerifierError, VerifierPool
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +123,14 @@ class Scorer:
         components: dict[str, Component],
         default_components: dict[str, float],
         remotes: RemoteRegistry | None = None,
+        verifier_pool: VerifierPool | None = None,
+        max_answer_chars: int = DEFAULT_MAX_ANSWER_CHARS,
     ) -> None:
         self.components = components
         self.default_components = dict(default_components)
         self.remotes = remotes
+        self.verifier_pool = verifier_pool
+        self.max_answer_chars = max_answer_chars
         self.stats = ScorerStats()
         self._check_weights(self.default_components, "default_components", callers={})
 
@@ -131,15 +141,19 @@ class Scorer:
         custom_functions: dict[str, str] | None = None,
         group_functions: dict[str, str] | None = None,
         remotes: RemoteRegistry | None = None,
+        verifier_pool: VerifierPool | None = None,
+        max_answer_chars: int = DEFAULT_MAX_ANSWER_CHARS,
     ) -> Scorer:
-        """Built-ins plus the operator's functions, imported now so a bad path fails at startup."""
-        components = {name: Component(name, "builtin", fn) for name, fn in VERIFIERS.items()}
+        """Built-ins (the pool's, when there is one) plus the operator's functions, imported now
+        so a bad path fails at startup."""
+        builtins = verifier_pool.verifiers if verifier_pool is not None else BUILTIN_VERIFIERS
+        components = {name: Component(name, "builtin", load_plugin(path)) for name, path in builtins.items()}
         for kind, functions in (("sample", custom_functions or {}), ("group", group_functions or {})):
             for name, path in functions.items():
                 if name in components:
                     raise ValueError(f"reward component '{name}' is defined twice")
                 components[name] = Component(name, kind, load_plugin(path))
-        return cls(components, default_components, remotes)
+        return cls(components, default_components, remotes, verifier_pool, max_answer_chars)
 
     def known_components(self, callers: dict[str, RemoteCaller] | None = None) -> list[str]:
         return sorted([*self.components, *(callers or {})])
@@ -230,6 +244,7 @@ class Scorer:
         outcomes = {id(s): _Outcome() for _, plans in batches for s, _ in plans}
         sync_jobs: list[Callable[[], None]] = []
         async_jobs: list[Any] = []
+        verifier_calls: list[tuple[str, Sample, _Outcome]] = []
 
         def add(component: Component, job: Callable[[], Any]) -> None:
             if component.is_async:
@@ -241,7 +256,11 @@ class Scorer:
             for sample, weights in plans:
                 for name in weights:
                     component = self.components.get(name)
-                    if component is not None and component.kind != "group":
+                    if component is None or component.kind == "group":
+                        continue
+                    if component.kind == "builtin" and self.verifier_pool is not None:
+                        verifier_calls.append((name, sample, outcomes[id(sample)]))
+                    else:
                         add(component, self._sample_job(component, sample, outcomes[id(sample)], reward_key))
             group_names = sorted(
                 {n for _, w in plans for n in w if n in self.components and self.components[n].kind == "group"}
@@ -252,14 +271,16 @@ class Scorer:
                 member_outcomes = [outcomes[id(s)] for s in members]
                 add(component, self._group_job(component, members, member_outcomes, reward_key))
 
+        if verifier_calls:
+            async_jobs.append(self._verifier_job(verifier_calls, reward_key))
         for service, caller in callers.items():
             needed = self._remote_plans(batches, service, callers)
             if needed:
                 async_jobs.append(self._remote_job(caller, needed, outcomes, reward_key))
 
-        # Rule-based verifiers (sympy) and sync custom functions are CPU work: they run in
-        # one worker thread per request, so the event loop stays free for health checks,
-        # other calls, the async functions and the remote services, which run meanwhile.
+        # Sync custom functions (and built-in verifiers when there is no pool) are CPU work:
+        # they run in one worker thread per request, so the event loop stays free for health
+        # checks, other calls, the verifier pool, the async functions and the remote services.
         if sync_jobs:
             async_jobs.append(asyncio.to_thread(lambda: [job() for job in sync_jobs]))
         await asyncio.gather(*async_jobs)
@@ -319,8 +340,26 @@ class Scorer:
                     outcome.fail(name, f"{service} returned named scores ({', '.join(result.named)}); name one in the "
                                        f"spec as '{service}/<name>' or set reward_key")
 
-    @staticmethod
-    def _sample_job(component: Component, sample: Sample, outcome: _Outcome, reward_key: str) -> Callable[[], Any]:
+    def _verifier_texts(self, sample: Sample) -> tuple[str, str]:
+        """What a built-in verifier reads: the tails of the response and the label."""
+        return sample.response[-self.max_answer_chars :], sample.label[-self.max_answer_chars :]
+
+    async def _verifier_job(self, calls: list[tuple[str, Sample, _Outcome]], reward_key: str) -> None:
+        """Every built-in verifier call of a request, through the pool at once."""
+        assert self.verifier_pool is not None
+        results = await self.verifier_pool.verify_many(
+            [(name, *self._verifier_texts(sample), sample.metadata) for name, sample, _ in calls]
+        )
+        for (name, _, outcome), result in zip(calls, results):
+            if isinstance(result, VerifierError):
+                outcome.fail(name, str(result))
+                continue
+            try:
+                outcome.values[name] = _as_reward(result, reward_key, name)
+            except _ComponentFailed as e:
+                outcome.fail(name, str(e))
+
+    def _sample_job(self, component: Component, sample: Sample, outcome: _Outcome, reward_key: str) -> Callable[[], Any]:
         def record(result: Any) -> None:
             outcome.values[component.name] = _as_reward(result, reward_key, component.name)
 
@@ -338,7 +377,7 @@ class Scorer:
         def run_sync() -> None:
             try:
                 if component.kind == "builtin":
-                    record(component.fn(sample.response, sample.label, sample.metadata))
+                    record(component.fn(*self._verifier_texts(sample), sample.metadata))
                 else:
                     record(component.fn(sample))
             except _ComponentFailed as e:

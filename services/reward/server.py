@@ -4,17 +4,27 @@
 from __future__ import annotations
 
 import functools
+import logging
+
+from grpc_health.v1 import health, health_pb2
 
 from rlmesh.common.errors import InvalidArgument
 from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
+from rlmesh.common.limits import Limits, at_most, within
 from rlmesh.common.sample import group_from_proto, group_to_proto, sample_from_proto, sample_to_proto
 from rlmesh.reward.config import Settings
 from rlmesh.reward.registry import RemoteRegistry
 from rlmesh.reward.remote import RemoteDefaults, RemoteServiceConfig
 from rlmesh.reward.resilience import CallPolicy
 from rlmesh.reward.scoring import RewardSpec, Scorer
+from rlmesh.reward.url_policy import UrlPolicy
 from rlmesh.reward.verifiers import VERIFIERS
+from rlmesh.reward.workers import VerifierPool
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+REWARD_SERVICE = reward_pb2.DESCRIPTOR.services_by_name["Reward"].full_name
 
 
 def spec_from_proto(msg: reward_pb2.RewardSpec) -> RewardSpec:
@@ -37,13 +47,15 @@ def remote_to_proto(config: RemoteServiceConfig) -> reward_pb2.RemoteService:
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
-    def __init__(self, scorer: Scorer, registry: RemoteRegistry) -> None:
+    def __init__(self, scorer: Scorer, registry: RemoteRegistry, limits: Limits | None = None) -> None:
         self.scorer = scorer
         self.registry = registry
+        self.limits = limits or Limits()
 
     async def Score(self, request, context):
         if not request.samples:
             raise InvalidArgument("ScoreRequest has no samples: send at least one sample to score")
+        at_most(len(request.samples), self.limits.max_samples_per_call, "samples in one call", "max_samples_per_call")
         samples = [sample_from_proto(s) for s in request.samples]
         await self.scorer.score_samples(samples, spec_from_proto(request.spec))
         return reward_pb2.ScoreResponse(samples=[sample_to_proto(s) for s in samples])
@@ -51,6 +63,9 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
     async def ScoreGroups(self, request, context):
         if not request.groups:
             raise InvalidArgument("ScoreGroupsRequest has no groups: send at least one group to score")
+        within([(len(request.groups), self.limits.max_groups_per_call, "groups in one call", "max_groups_per_call"),
+                (sum(len(g.samples) for g in request.groups), self.limits.max_samples_per_call,
+                 "samples in one call", "max_samples_per_call")])
         for g in request.groups:
             if not g.samples:
                 raise InvalidArgument(f"group {g.group_id!r} (index {g.group_index}) has no samples")
@@ -61,7 +76,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
     async def RegisterService(self, request, context):
         if not request.HasField("service"):
             raise InvalidArgument("RegisterServiceRequest has no service: give at least its name and URL")
-        config = await self.registry.register(remote_from_proto(request.service))
+        config = await self.registry.register(remote_from_proto(request.service), replace=request.replace)
         return remote_to_proto(config)
 
     async def ListServices(self, request, context):
@@ -91,8 +106,9 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         )
 
 
-def build_scorer(settings: Settings) -> tuple[Scorer, RemoteRegistry]:
-    """The scorer and the registry of remote services, as the settings describe them."""
+def build_scorer(settings: Settings, verifiers: dict[str, str] | None = None) -> tuple[Scorer, RemoteRegistry]:
+    """The scorer and the registry of remote services, as the settings describe them;
+    `verifiers` (name -> import path) replaces the built-in verifiers' table."""
     reserved = {*VERIFIERS, *settings.custom_functions, *settings.group_functions}
     registry = RemoteRegistry(
         settings.redis_url,
@@ -104,22 +120,54 @@ def build_scorer(settings: Settings) -> tuple[Scorer, RemoteRegistry]:
             breaker_cooldown_seconds=settings.breaker_cooldown_seconds, max_reply_bytes=settings.max_reply_bytes,
         ),
         reserved,
+        UrlPolicy(settings.remote_allowed_networks),
     )
-    scorer = Scorer.from_config(settings.default_components, settings.custom_functions, settings.group_functions, registry)
+    pool = VerifierPool(
+        settings.verifier_workers, settings.verifier_timeout_seconds, settings.verifier_overload_seconds, verifiers
+    )
+    scorer = Scorer.from_config(
+        settings.default_components, settings.custom_functions, settings.group_functions, registry, pool,
+        settings.max_answer_chars,
+    )
     return scorer, registry
 
 
-def _binding(scorer: Scorer, registry: RemoteRegistry) -> ServiceBinding:
+def _binding(scorer: Scorer, registry: RemoteRegistry, limits: Limits) -> ServiceBinding:
     return ServiceBinding(
-        RewardServicer(scorer, registry),
+        RewardServicer(scorer, registry, limits),
         reward_pb2_grpc.add_RewardServicer_to_server,
-        reward_pb2.DESCRIPTOR.services_by_name["Reward"].full_name,
+        REWARD_SERVICE,
     )
 
 
-async def build(settings: Settings) -> Service:
-    scorer, registry = build_scorer(settings)
-    return Service([_binding(scorer, registry)], on_shutdown=registry.close)
+async def build(settings: Settings, verifiers: dict[str, str] | None = None) -> Service:
+    """The reward service; its verifier workers start with the server (`verifiers`: see build_scorer)."""
+    scorer, registry = build_scorer(settings, verifiers)
+    pool = scorer.verifier_pool
+    assert pool is not None
+
+    async def on_start(health_servicer: health.aio.HealthServicer) -> None:
+        # Overload rule (settings.verifier_overload_seconds): NOT_SERVING, for the server and
+        # for rlmesh.v1.Reward, while a verifier call has waited that long for a free worker;
+        # SERVING again once none has. Load balancers then send work to another replica.
+        async def report(overloaded: bool) -> None:
+            if overloaded:
+                log.warning("verifier workers overloaded: a call waited over %g s for one; health is NOT_SERVING",
+                            pool.overload_seconds)
+            else:
+                log.info("verifier workers caught up; health is SERVING")
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if overloaded else health_pb2.HealthCheckResponse.SERVING
+            for name in ("", REWARD_SERVICE):
+                await health_servicer.set(name, status)
+
+        pool.on_overload = report
+        pool.start()
+
+    async def on_shutdown() -> None:
+        pool.close()
+        await registry.close()
+
+    return Service([_binding(scorer, registry, settings.limits)], on_shutdown=on_shutdown, on_start=on_start)
 
 
 start = functools.partial(start_service, build)

@@ -164,9 +164,10 @@ def grpo_advantages(rewards: Tensor, normalize_std: bool = True, eps: float = GR
 
     std is the *unbiased* sample standard deviation, sqrt(sum((r - mean)^2) / (n - 1)),
     as torch.std computes by default (the same choice as verl and slime). A group of
-    one sample has no spread: its std is taken as 0, so its advantage is 0.
+    one sample has no spread: its std is taken as 0, so its advantage is 0. Neither has a
+    group whose rewards are all equal (exactly 0, not float noise / eps).
     """
-    centered = rewards - rewards.mean()
+    centered = _centered(rewards)
     if not normalize_std:
         return centered
     std = rewards.std() if rewards.numel() > 1 else torch.zeros((), dtype=rewards.dtype, device=rewards.device)
@@ -176,6 +177,14 @@ def grpo_advantages(rewards: Tensor, normalize_std: bool = True, eps: float = GR
 def dr_grpo_advantages(rewards: Tensor) -> Tensor:
     """Dr. GRPO: A_i = r_i - mean(r). No std scaling; pair it with a loss aggregation
     that does not divide by each sequence's length (`seq_mean_token_sum`)."""
+    return _centered(rewards)
+
+
+def _centered(rewards: Tensor) -> Tensor:
+    """r - mean(r), exactly zero when all rewards are equal: the mean of equal floats can be
+    off by an ulp, and divided by a tiny std that noise would become a large advantage."""
+    if rewards.numel() == 0 or bool(rewards.max() == rewards.min()):
+        return torch.zeros_like(rewards)
     return rewards - rewards.mean()
 
 
@@ -183,7 +192,7 @@ def rloo_advantages(rewards: Tensor) -> Tensor:
     """RLOO (leave one out): A_i = r_i - (sum_j r_j - r_i) / (n - 1).
     A group of one sample has no baseline: its advantage is 0."""
     n = rewards.numel()
-    if n < 2:
+    if n < 2 or bool(rewards.max() == rewards.min()):  # equal rewards: exactly no advantage
         return torch.zeros_like(rewards)
     return rewards - (rewards.sum() - rewards) / (n - 1)
 

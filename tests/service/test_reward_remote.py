@@ -1,24 +1,31 @@
 """Remote reward services registered by URL: real HTTP servers (uvicorn) and real gRPC
 servers on loopback, the reward service over gRPC, registrations in a real Redis.
 Misbehaving remotes (slow, 500, garbage, NaN, wrong counts, dying) must give FAILED
-samples with the reason, open and close the circuit breaker, and never stop scoring."""
+samples with the reason (never quoting the remote's reply), open and close the circuit
+breaker, and never stop scoring. Where remotes may live (the URL policy), replacing a
+name, and the coordinator guarding the names the active run uses."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections import defaultdict
 
 import grpc
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from rlmesh.common import auth
+from rlmesh.common.auth import client_headers
+from rlmesh.common.errors import FailedPrecondition
 from rlmesh.common.grpc_server import ServiceBinding, start_server, sync_channel
 from rlmesh.common.net import free_port
+from rlmesh.common.run_config import RunConfig
 from rlmesh.common.sample import (
     Sample,
     SampleGroup,
@@ -28,14 +35,21 @@ from rlmesh.common.sample import (
     sample_from_proto,
     sample_to_proto,
 )
+from rlmesh.coordinator.app import start as start_coordinator
+from rlmesh.coordinator.config import Settings as CoordinatorSettings
+from rlmesh.coordinator.runs import check_reward_service_change
 from rlmesh.reward import check
 from rlmesh.reward.config import Settings
 from rlmesh.reward.remote import CallFailed, RemoteScore, Unit, parse_scores_reply
 from rlmesh.reward.resilience import CLOSED, HALF_OPEN, OPEN, BreakerOpen, CallPolicy, CircuitBreaker, pack_batches
 from rlmesh.reward.server import start as start_reward
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
+from tests.helpers.dns import fake_dns
 
 # ---------------------------------------------------------------- a test remote with every failure mode
+
+SECRET = "AKIAIOSFODNN7EXAMPLE-very-secret"  # what a probed internal service might answer with
+LOOPBACK = ["127.0.0.0/8", "::1"]  # the test remotes listen on loopback, which an operator must allow
 
 class RemoteState:
     def __init__(self) -> None:
@@ -44,6 +58,7 @@ class RemoteState:
         self.flaky_failures_left = 0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.requests = 0  # every request, the registration's probe included
 
 
 def score_of(sample: dict) -> float:
@@ -55,6 +70,9 @@ def remote_app(state: RemoteState) -> FastAPI:
 
     @app.post("/{behaviour}")
     async def score(behaviour: str, request: Request):
+        state.requests += 1
+        if behaviour == "leaky":  # even the probe: its error page holds a secret
+            return PlainTextResponse(f"Traceback ... {SECRET}", status_code=500)
         if behaviour == "authed" and request.headers.get("authorization") != "Bearer s3cret":
             return PlainTextResponse("who are you?", status_code=401)
         try:
@@ -120,6 +138,14 @@ async def _answer(behaviour: str, samples: list[dict], state: RemoteState):
         return {"scores": [{f"k{s['index'] % 2}": 1.0} for s in samples]}
     if behaviour == "crash_on_unlabeled" and any(not s["label"] for s in samples):
         return PlainTextResponse("KeyError: 'label'", status_code=500)
+    if behaviour == "leaky_500":
+        return PlainTextResponse(f"internal error, config: {SECRET}", status_code=500)
+    if behaviour == "leaky_text":
+        return PlainTextResponse(f"<html>{SECRET}</html>")
+    if behaviour == "leaky_json":
+        return {"oops": SECRET}
+    if behaviour == "leaky_scores":
+        return {"scores": [SECRET] * len(samples)}
     return {"scores": scores}
 
 
@@ -160,15 +186,16 @@ def make_sample(index: int, response: str = "42", label: str = "42", group_index
 
 
 class Reward:
-    """A reward service on loopback and a sync stub for it."""
+    """A reward service on loopback, allowed to call loopback remotes, and a sync stub for it."""
 
     def __init__(self, start_in_loop, redis_url: str, **settings) -> None:
-        self.server, self.port = start_in_loop(lambda: start_reward(Settings(port=0, redis_url=redis_url, **{**FAST, **settings})))
+        settings = {**FAST, "remote_allowed_networks": LOOPBACK, **settings}
+        self.server, self.port = start_in_loop(lambda: start_reward(Settings(port=0, redis_url=redis_url, **settings)))
         self.stub = reward_pb2_grpc.RewardStub(sync_channel(f"127.0.0.1:{self.port}"))
 
-    def register(self, name: str, url: str, **kw) -> reward_pb2.RemoteService:
+    def register(self, name: str, url: str, replace: bool = False, **kw) -> reward_pb2.RemoteService:
         return self.stub.RegisterService(reward_pb2.RegisterServiceRequest(
-            service=reward_pb2.RemoteService(name=name, url=url, **kw)), timeout=30)
+            service=reward_pb2.RemoteService(name=name, url=url, **kw), replace=replace), timeout=30)
 
     def score(self, samples: list[Sample], components: dict[str, float], **kw) -> list[Sample]:
         spec = reward_pb2.RewardSpec(components=components, **kw)
@@ -213,8 +240,11 @@ def test_register_list_unregister(reward, remote):
     listed = reward.stub.ListServices(reward_pb2.ListServicesRequest(), timeout=10).services
     assert [(s.name, s.url) for s in listed] == [("judge", f"{url}/ok")]
 
-    # re-registering a name replaces it
-    reward.register("judge", f"{url}/named", timeout_seconds=5)
+    # a taken name is replaced only when the registration says so
+    code, message = rpc_error(lambda: reward.register("judge", f"{url}/named", timeout_seconds=5))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "register with replace=true" in message
+    assert [s.url for s in reward.stub.ListServices(reward_pb2.ListServicesRequest()).services] == [f"{url}/ok"]
+    reward.register("judge", f"{url}/named", timeout_seconds=5, replace=True)
     assert [s.url for s in reward.stub.ListServices(reward_pb2.ListServicesRequest()).services] == [f"{url}/named"]
 
     assert reward.stub.UnregisterService(reward_pb2.UnregisterServiceRequest(name="judge")).removed
@@ -307,6 +337,167 @@ def test_without_redis_registrations_live_in_memory(start_in_loop, remote):
     assert reward.score([make_sample(0)], {"judge": 1.0})[0].reward == 1.0
 
 
+# ---------------------------------------------------------------- where remotes may live; what clients see
+
+
+def test_loopback_remotes_only_where_the_operator_allows_them(start_in_loop, redis_url, remote):
+    state, url = remote
+    strict = Reward(start_in_loop, redis_url, remote_allowed_networks=[])  # the default: public addresses only
+    code, message = rpc_error(lambda: strict.register("judge", f"{url}/ok", timeout_seconds=2))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "resolves to a loopback address" in message and "remote_allowed_networks" in message
+    assert state.requests == 0  # refused before anything was sent
+    assert strict.stub.ListServices(reward_pb2.ListServicesRequest()).services == []
+
+
+@pytest.mark.parametrize("url", [
+    "http://169.254.169.254/latest/meta-data/iam/security-credentials/",
+    "http://[fe80::1]:8000/score",
+    "http://metadata.google.internal/computeMetadata/v1/",
+    "http://[::ffff:169.254.169.254]/score",
+    "http://0.0.0.0:{port}/ok",
+    "grpc://169.254.169.254:50053",
+])
+def test_link_local_and_metadata_addresses_are_never_called(start_in_loop, redis_url, remote, url):
+    state, remote_url = remote
+    anything = Reward(start_in_loop, redis_url, remote_allowed_networks=["0.0.0.0/0", "::/0"])
+    code, message = rpc_error(lambda: anything.register("judge", url.format(port=remote_url.rsplit(":", 1)[1])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "never calls" in message
+    assert state.requests == 0
+
+
+def test_a_name_is_checked_again_before_every_call(reward, remote, monkeypatch):
+    state, url = remote
+    dns = fake_dns(monkeypatch)
+    port = url.rsplit(":", 1)[1]
+    dns["judge.test"] = ["127.0.0.1"]
+    reward.register("judge", f"http://judge.test:{port}/ok", timeout_seconds=2)
+    [s] = reward.score([make_sample(0)], {"judge": 1.0})
+    assert s.status == Status.COMPLETED and s.reward == 1.0
+
+    dns["judge.test"] = ["169.254.169.254"]  # DNS rebinding: the name now points at the metadata endpoint
+    sent = state.requests
+    [s] = reward.score([make_sample(0)], {"judge": 1.0, "exact_match": 1.0})
+    assert s.status == Status.FAILED
+    assert "judge.test resolves to a link-local address" in s.metadata["reward_error"]
+    assert "(1 attempt)" in s.metadata["reward_error"]  # not retried: it would not change
+    assert state.requests == sent
+
+    dns["judge.test"] = ["127.0.0.1"]
+    [s] = reward.score([make_sample(0)], {"judge": 1.0})
+    assert s.status == Status.COMPLETED
+
+
+class LeakyGrpcReward(reward_pb2_grpc.RewardServicer):
+    """A gRPC remote whose errors carry a secret: a status message, or samples it marks FAILED."""
+
+    def __init__(self) -> None:
+        self.abort = False
+
+    async def ScoreGroups(self, request, context):
+        if self.abort:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request; by the way {SECRET}")
+        reply = reward_pb2.ScoreGroupsResponse()
+        for group in request.groups:
+            answer = group_from_proto(group)
+            for s in answer.samples:
+                s.status, s.metadata["reward_error"] = Status.FAILED, f"cannot score: {SECRET}"
+            reply.groups.append(group_to_proto(answer))
+        return reply
+
+
+def test_no_text_of_a_remote_reply_reaches_a_client(start_in_loop, reward, remote):
+    _, url = remote
+    # registration: the probe's reply is never quoted
+    code, message = rpc_error(lambda: reward.register("judge", f"{url}/leaky", timeout_seconds=2))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "HTTP 500" in message and SECRET not in message
+
+    leaky_grpc = LeakyGrpcReward()
+
+    async def start_leaky():
+        server, port, _ = await start_server([ServiceBinding(
+            leaky_grpc, reward_pb2_grpc.add_RewardServicer_to_server, "rlmesh.v1.Reward")], "127.0.0.1:0")
+        return server, port
+
+    _, grpc_port = start_in_loop(start_leaky)
+    reward.register("upstream", f"grpc://127.0.0.1:{grpc_port}", timeout_seconds=2, bearer_token=auth.stack_token())
+    for behaviour in ("leaky_500", "leaky_text", "leaky_json", "leaky_scores"):
+        reward.register(behaviour, f"{url}/{behaviour}", timeout_seconds=2)
+
+    samples = [make_sample(0), make_sample(1)]
+    seen = []
+    for component in ("leaky_500", "leaky_text", "leaky_json", "leaky_scores", "upstream"):
+        scored = reward.score(samples, {component: 1.0})
+        assert all(s.status == Status.FAILED for s in scored)
+        seen.append(scored[0].metadata["reward_error"])
+    leaky_grpc.abort = True
+    seen.append(reward.score(samples, {"upstream": 1.0})[0].metadata["reward_error"])
+    stats = reward.stub.GetStats(reward_pb2.GetRewardStatsRequest(), timeout=10)
+    listed = reward.stub.ListServices(reward_pb2.ListServicesRequest(), timeout=10)
+
+    assert [reason.split(" (")[0] for reason in seen] == [
+        f"leaky_500: HTTP 500 from {url}/leaky_500", "leaky_text: the reply is not valid JSON",
+        'leaky_json: the reply must be an object {"scores": [...]} with one score per sample, got an object '
+        'without a "scores" list',
+        "leaky_scores: the score is a JSON string, not a number", "upstream: the remote marked it FAILED",
+        f"upstream: INVALID_ARGUMENT from grpc://127.0.0.1:{grpc_port}",
+    ]
+    for text in (*seen, str(stats), str(listed)):
+        assert SECRET not in text and "very-secret" not in text
+
+
+# ---------------------------------------------------------------- the coordinator guards the active run's services
+
+
+@pytest.fixture
+def silent_address():
+    """host:port of a listener that never speaks: a run that calls it stays active for the test."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    yield f"127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+
+
+def test_the_active_runs_reward_services_cannot_be_swapped(start_in_loop, redis_url, reward, remote, silent_address):
+    _, url = remote
+    _, port = start_in_loop(lambda: start_coordinator(CoordinatorSettings(
+        port=0, redis_url=redis_url, buffer_address=silent_address, rollout_address=silent_address,
+        reward_address=f"127.0.0.1:{reward.port}", trainer_address=silent_address)))
+    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=client_headers())
+    judge = {"name": "judge", "url": f"{url}/ok", "timeout_seconds": 5}
+    assert api.post("/reward-services", json=judge).status_code == 201
+    r = api.post("/reward-services", json={**judge, "url": f"{url}/named"})
+    assert r.status_code == 409 and r.json()["code"] == "ALREADY_EXISTS" and "replace" in r.json()["detail"]
+    assert api.post("/reward-services", json={**judge, "replace": True}).status_code == 201  # no run: fine
+
+    run = api.post("/runs", json={"model_path": "/models/m", "datasets": [{"name": "d", "path": "d.jsonl"}],
+                                  "reward": {"components": {"judge/exact": 1.0, "math": 0.5}}})
+    assert run.status_code == 201, run.text
+    run_id = run.json()["id"]
+    for r in (api.delete("/reward-services/judge"),
+              api.post("/reward-services", json={**judge, "url": f"{url}/named", "replace": True})):
+        assert r.status_code == 409 and f"run {run_id} is active and its reward uses the reward service 'judge'" in \
+            r.json()["detail"]
+    assert [s["url"] for s in api.get("/reward-services").json()] == [f"{url}/ok"]  # unchanged
+
+    # names the run does not use are free
+    assert api.post("/reward-services", json={**judge, "name": "other"}).status_code == 201
+    assert api.delete("/reward-services/other").json() == {"removed": True}
+
+
+def test_a_run_without_components_uses_every_weighted_service():
+    config = RunConfig.model_validate({"model_path": "m", "datasets": [{"name": "d", "path": "d.jsonl"}],
+                                       "reward": {"components": {}}})
+    registered = {"weighted": 1.0, "unweighted": 0.0}
+    with pytest.raises(FailedPrecondition, match="'weighted'"):
+        check_reward_service_change("r1", config, "weighted", registered, removes=True)
+    check_reward_service_change("r1", config, "unweighted", registered, removes=True)
+    with pytest.raises(FailedPrecondition, match="would take it in"):  # a new weighted one would join its reward
+        check_reward_service_change("r1", config, "new", registered, removes=False, new_weight=0.5)
+    check_reward_service_change("r1", config, "new", registered, removes=False)
+
+
 # ---------------------------------------------------------------- scoring through remotes
 
 
@@ -358,16 +549,16 @@ def test_groups_travel_whole_batched_and_capped(reward, remote):
 
 @pytest.mark.parametrize("behaviour,reason,failed", [
     ("slow", "judge: no answer within 0.2 s (3 attempts)", [0, 1]),
-    ("error", "judge: HTTP 500 from http://127.0.0.1:{port}/error: 'the judge model ran out of memory' (3 attempts)", [0, 1]),
+    ("error", "judge: HTTP 500 from http://127.0.0.1:{port}/error (3 attempts)", [0, 1]),
     ("teapot", "judge: HTTP 418 from", [0, 1]),  # not retried
-    ("garbage", "judge: the reply is not JSON: '<html>Bad gateway</html>' (1 attempt)", [0, 1]),
+    ("garbage", "judge: the reply is not valid JSON (1 attempt)", [0, 1]),
     ("nan", "judge: the score is nan (scores must be finite numbers)", [0]),
     ("inf", "judge: named score 'exact' is inf", [0, 1]),
-    ("string", "judge: the score is str \"0.5\", not a number", [0, 1]),
-    ("bool", "judge: the score is bool true, not a number", [0, 1]),
+    ("string", "judge: the score is a JSON string, not a number", [0, 1]),
+    ("bool", "judge: the score is a JSON boolean, not a number", [0, 1]),
     ("wrong_count", "judge: the reply has 1 scores for 2 samples (1 attempt)", [0, 1]),
     ("huge", "judge: the reply is", [0, 1]),  # larger than max_reply_bytes
-    ("overflow", "judge: the score is int 1000", [0]),  # an integer too large for a float
+    ("overflow", "judge: the score is an integer too large for a float", [0]),
     ("null", "judge: the service returned null: it could not score this sample", [0]),
 ])
 def test_misbehaving_remote_fails_samples_with_the_reason(reward, remote, behaviour, reason, failed):
@@ -488,7 +679,7 @@ def test_grpc_remote(start_in_loop, redis_url, reward):
     assert samples[0].reward_components == {"upstream": 1.5, "upstream/math": 1.0, "upstream/format": 1.0}
     assert samples[0].reward == 2.5 and samples[1].reward == 1.5
     assert samples[2].status == Status.FAILED
-    assert "upstream: the remote could not score it: math raised ValueError" in samples[2].metadata["reward_error"]
+    assert "upstream: the remote marked it FAILED" in samples[2].metadata["reward_error"]
 
     async def start_reordering():
         server, port, _ = await start_server([ServiceBinding(
@@ -554,7 +745,7 @@ def test_http_reply_parsing():
     assert parse_scores_reply(b'{"scores": [1, 0.5, {"a": 2}, null]}', 4)[:3] == [
         RemoteScore(1.0), RemoteScore(0.5), RemoteScore(None, {"a": 2.0})]
     for body, reason in ((b"[1, 2]", "the reply must be an object"), (b'{"score": [1]}', "must be an object"),
-                         (b'{"scores": [1]}', "1 scores for 2 samples"), (b"\xff\xfe", "not JSON")):
+                         (b'{"scores": [1]}', "1 scores for 2 samples"), (b"\xff\xfe", "not valid JSON")):
         with pytest.raises(CallFailed, match=reason):
             parse_scores_reply(body, 2)
     assert parse_scores_reply(b'{"scores": [1e999, {}]}', 2) == [

@@ -308,3 +308,13 @@ def test_approx_kl_metric():
 def test_sft_nll_is_the_mean_over_trained_tokens():
     close(algo.nll_loss(t([[-0.5, -1.5, -9.0]]), t([[1, 1, 0]])), 1.0)  # (.5 + 1.5) / 2
     close(algo.nll_loss(t([[-0.5, -1.5, -9.0]]), t([[1, 1, 0]]), num_tokens=4), 0.5)
+
+
+@pytest.mark.parametrize("value", [0.1, 0.3, 0.7, 1 / 3, 1.0])
+def test_a_group_of_equal_rewards_has_exactly_zero_advantage(value):
+    # The float mean of equal rewards can be off by an ulp; over GRPO's eps that noise
+    # would be a real push. No spread, no signal.
+    rewards = torch.full((8,), value)
+    for advantages in (algo.grpo_advantages(rewards), algo.grpo_advantages(rewards, normalize_std=False),
+                       algo.dr_grpo_advantages(rewards), algo.rloo_advantages(rewards)):
+        assert torch.equal(advantages, torch.zeros(8))
