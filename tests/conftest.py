@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -62,6 +63,17 @@ def redis_url(redis_server) -> str:
     """A real Redis, flushed before each test."""
     redis.Redis.from_url(redis_server.url).flushall()
     return redis_server.url
+
+
+@pytest.fixture
+def silent_address():
+    """host:port of a listener that accepts connections and never speaks: calls to it wait
+    for their deadline (a run that calls it stays active for the test)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    yield f"127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ drive are a socket that accepts connections and never answers, so a run stays ac
 from __future__ import annotations
 
 import json
-import socket
 import threading
 
 import httpx
@@ -22,16 +21,6 @@ from rlmesh.coordinator.app import start as start_coordinator
 from rlmesh.coordinator.config import Settings
 from rlmesh.coordinator.runs import Clients, RunDriver, RunStore
 from rlmesh.v1 import buffer_pb2_grpc
-
-
-@pytest.fixture
-def silent_address():
-    """host:port of a listener that never speaks (calls to it wait for their deadline)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    yield f"127.0.0.1:{listener.getsockname()[1]}"
-    listener.close()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections import defaultdict
 
@@ -447,16 +446,6 @@ def test_no_text_of_a_remote_reply_reaches_a_client(start_in_loop, reward, remot
 
 
 # ---------------------------------------------------------------- the coordinator guards the active run's services
-
-
-@pytest.fixture
-def silent_address():
-    """host:port of a listener that never speaks: a run that calls it stays active for the test."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    yield f"127.0.0.1:{listener.getsockname()[1]}"
-    listener.close()
 
 
 def test_the_active_runs_reward_services_cannot_be_swapped(start_in_loop, redis_url, reward, remote, silent_address):
