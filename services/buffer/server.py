@@ -22,7 +22,7 @@ from rlmesh.buffer.store import BufferStore
 from rlmesh.common.dataset_spec import dataset_from_proto
 from rlmesh.common.errors import InvalidArgument, Unavailable
 from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
-from rlmesh.common.limits import MAX_DATASETS, Limits, at_most, within
+from rlmesh.common.limits import MAX_DATASETS, Limits, at_most, seconds, within
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
     async def GetPrompts(self, request, context) -> bytes:
         at_most(request.num_groups, self.settings.limits.max_groups_per_call, "num_groups", "max_groups_per_call")
-        lease = request.lease_seconds or self.settings.prompt_lease_seconds
+        lease = seconds(request.lease_seconds, "lease_seconds") or self.settings.prompt_lease_seconds
         groups = await self.store.get_prompts(request.run_id, request.num_groups, lease)
         return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 
@@ -93,8 +93,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             request.run_id,
             num_groups=request.num_groups,
             num_samples=request.num_samples,
-            lease_seconds=request.lease_seconds or self.settings.batch_lease_seconds,
-            wait_seconds=request.wait_seconds,
+            lease_seconds=seconds(request.lease_seconds, "lease_seconds") or self.settings.batch_lease_seconds,
+            wait_seconds=seconds(request.wait_seconds, "wait_seconds"),
             min_weight_version=request.min_weight_version,
             keep_stale=_STALE_POLICIES[request.stale_policy],
             poll_seconds=self.settings.poll_interval_seconds,

@@ -91,7 +91,7 @@ def add_http_token_check(app: Any, token: str, is_open: Callable[[str], bool],
     @app.middleware("http")
     async def check_token(request, call_next):
         header = request.headers.get(HEADER)
-        if request.method == "OPTIONS" or is_open(request.url.path) or token_matches(token, header):
+        if is_open(request.url.path) or token_matches(token, header):
             return await call_next(request)
         why = "no bearer token" if not header else "a wrong bearer token"
         return JSONResponse(status_code=401, content=refusal(why), headers={"WWW-Authenticate": "Bearer"})

@@ -9,6 +9,7 @@ widths of the wire format) are field constraints of the run config instead."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,6 +47,17 @@ def at_most(value: int, limit: int, what: str, setting: str) -> None:
     if value > limit:
         source = f"limits.{setting} of this service; an operator can raise it" if setting else "a fixed bound"
         raise InvalidArgument(f"{what} is {value}, more than the limit of {limit} ({source})")
+
+
+MAX_DURATION_SECONDS = 7 * 24 * 3600  # leases and waits: a week is already absurd
+
+
+def seconds(value: float, what: str, most: float = MAX_DURATION_SECONDS) -> float:
+    """A duration a caller gave: finite, not negative, at most `most` (NaN would never compare
+    true and make a wait endless; infinity a lease that never expires)."""
+    if not (math.isfinite(value) and 0 <= value <= most):
+        raise InvalidArgument(f"{what} must be a number of seconds between 0 and {most:g}, got {value}")
+    return value
 
 
 def within(checks: Iterable[tuple[int, int, str, str]]) -> None:

@@ -191,6 +191,9 @@ class RunConfig(TrainingConfig):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on the eval datasets.")
     sft_warmup: SftWarmupConfig = Field(default_factory=SftWarmupConfig, description="Supervised steps before RL.")
     max_queued_groups: int = Field(0, ge=0, le=2**40, description="Buffer backpressure cap (0 = unlimited).")
+    max_outage_seconds: float = Field(600.0, gt=0, le=7 * 24 * 3600, description="How long the run rides out a "
+                                      "service that is down, restarting or not answering (its calls retried with "
+                                      "backoff) before it fails naming that service.")
 
     @model_validator(mode="after")
     def _has_training_data(self):

@@ -77,6 +77,8 @@ class RunSummary(BaseModel):
     created_at: float
     updated_at: float
     error: str
+    waiting_for: str = Field("", description="While the run rides out a service outage: the service it waits "
+                             "for and its last error (its calls are retried until max_outage_seconds); else empty.")
 
 
 class RunDetail(RunSummary):
@@ -124,7 +126,8 @@ def create_app(settings: Settings) -> FastAPI:
             trainer=trainer_pb2_grpc.TrainerStub(channels["trainer"]),
         )
         app.state.store = RunStore(redis, settings.key_prefix)
-        app.state.driver = RunDriver(app.state.store, clients, settings.train_wait_seconds, settings.max_finished_runs)
+        app.state.driver = RunDriver(app.state.store, clients, settings.train_wait_seconds, settings.max_finished_runs,
+                                     settings=settings)
         app.state.reward = reward_pb2_grpc.RewardStub(channels["reward"])
         await app.state.driver.resume_active()
         yield

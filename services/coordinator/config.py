@@ -21,3 +21,17 @@ class Settings(ServiceSettings):
                                    "(larger ones get 413).")
     max_finished_runs: int = Field(100, ge=1, description="Finished runs kept (records, metrics and buffer data); "
                                    "the oldest beyond this are deleted when a run ends. Checkpoints stay on disk.")
+    # Deadlines of the coordinator's calls. A call past its deadline counts as an outage of
+    # that service and is retried within the run's max_outage_seconds, so they are generous.
+    call_deadline_seconds: float = Field(60.0, gt=0, description="Deadline of a quick call (buffer stats, "
+                                         "CreateRun, EndRun, DeleteRun).")
+    setup_deadline_seconds: float = Field(900.0, gt=0, description="Deadline of InitRun (loads the model) and "
+                                          "PublishWeights (pushes it to every engine).")
+    work_deadline_seconds: float = Field(600.0, gt=0, description="Base deadline of GenerateRollout, Evaluate and "
+                                         "TrainStep (TrainStep adds train_wait_seconds); per_group_deadline_seconds "
+                                         "is added for each group the call handles.")
+    per_group_deadline_seconds: float = Field(30.0, ge=0, description="Deadline added per group (or eval prompt) "
+                                              "a generation, evaluation or train call handles.")
+    retry_backoff_base_seconds: float = Field(0.5, gt=0, description="First delay before retrying a call to a "
+                                              "service that is unavailable; doubles per retry, with jitter.")
+    retry_backoff_max_seconds: float = Field(10.0, gt=0, description="Longest delay between retries.")

@@ -9,6 +9,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -16,8 +17,10 @@ import redis.asyncio as aioredis
 
 from rlmesh.common.dataset_spec import dataset_to_proto
 from rlmesh.common.errors import FailedPrecondition, NotFound
+from rlmesh.common.retry import Backoff, retry, transient_grpc_error
 from rlmesh.common.run_config import RunConfig
 from rlmesh.common.sampling import sampling_to_proto
+from rlmesh.coordinator.config import Settings
 from rlmesh.v1 import (
     buffer_pb2,
     buffer_pb2_grpc,
@@ -59,7 +62,7 @@ class RunStore:
         await self.redis.hset(self._key(run_id), mapping={
             "id": run_id, "name": config.name, "config": config.model_dump_json(), "status": "pending",
             "phase": "setup", "rollout_id": 0, "weight_version": 0, "created_at": now, "updated_at": now,
-            "error": "", "eval_before": "{}", "eval_after": "{}",
+            "error": "", "waiting_for": "", "eval_before": "{}", "eval_after": "{}",
         })
         try:
             await self._claim(run_id)
@@ -153,15 +156,26 @@ class StopRequested(Exception):
     pass
 
 
+class _StepInFlight(Exception):
+    """A failed TrainStep's batch is still leased: its step may yet finish (and be
+    acknowledged), or the lease expires and the groups are queued again."""
+
+
+class _TrainerLostRun(Exception):
+    """The trainer answered NOT_FOUND for the run (it restarted): the run was set up on it again."""
+
+
 class RunDriver:
     """Drives runs; one run trains at a time (the trainer holds one policy)."""
 
     def __init__(self, store: RunStore, clients: Clients, train_wait_seconds: float,
-                 max_finished_runs: int = 100) -> None:
+                 max_finished_runs: int = 100, settings: Settings | None = None) -> None:
         self.store = store
         self.clients = clients
         self.train_wait_seconds = train_wait_seconds
         self.max_finished_runs = max_finished_runs
+        self.settings = settings or Settings()
+        self.backoff = Backoff(self.settings.retry_backoff_base_seconds, self.settings.retry_backoff_max_seconds)
         self.tasks: dict[str, asyncio.Task] = {}
 
     async def submit(self, config: RunConfig) -> str:
@@ -175,7 +189,8 @@ class RunDriver:
         if status not in FINAL:
             raise FailedPrecondition(f"run {run_id} is {status}; stop it first (POST /runs/{run_id}/stop), then delete it")
         try:
-            await self.clients.buffer.DeleteRun(buffer_pb2.DeleteRunRequest(run_id=run_id), timeout=30)
+            await self.clients.buffer.DeleteRun(buffer_pb2.DeleteRunRequest(run_id=run_id),
+                                                timeout=self.settings.call_deadline_seconds)
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.NOT_FOUND:
                 raise
@@ -258,83 +273,184 @@ class RunDriver:
             await self.store.update(run_id, status="failed", error=f"{type(e).__name__}: {e}")
             await self._end(run_id)
 
+    # ---- calls: each with a deadline, retried through a service's outage ----------------
+
+    def _service(self, name: str) -> str:
+        return f"{name} at {getattr(self.settings, name + '_address')}"
+
+    def _deadline(self, groups: int = 0) -> float:
+        """A generation, evaluation or train call's deadline: a base plus an allowance per group."""
+        return self.settings.work_deadline_seconds + self.settings.per_group_deadline_seconds * groups
+
+    async def _patiently(self, run_id: str, cfg: RunConfig, service: str, call: Callable[[], Awaitable]):
+        """call(), retried with backoff while `service` is unavailable or past a deadline, for
+        up to the run's max_outage_seconds; meanwhile the run record's waiting_for says why."""
+        waited = False
+
+        async def on_wait(reason: str) -> None:
+            nonlocal waited
+            waited = True
+            log.warning("run %s: %s", run_id, reason)
+            await self.store.update(run_id, waiting_for=reason)
+            await self._check_stop(run_id)  # a stop request ends the wait
+
+        try:
+            return await retry(call, service=service, budget_seconds=cfg.max_outage_seconds,
+                               transient=_transient, on_wait=on_wait, backoff=self.backoff)
+        finally:
+            if waited:
+                await self.store.update(run_id, waiting_for="")
+
+    async def _on_trainer(self, run_id: str, cfg: RunConfig, call: Callable[[], Awaitable]):
+        """A trainer call; a trainer that lost the run (restarted) gets it again: InitRun,
+        then the engines get its weights, then the call is retried."""
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            log.warning("run %s: the trainer lost the run (%s); setting it up again", run_id, e.details())
+            await self._init_trainer(run_id, cfg)
+            await self._publish_once(run_id)
+            raise _TrainerLostRun(f"{self._service('trainer')} had lost the run (restarted?) and was set up "
+                                  f"again: {e.details()}") from None
+
+    async def _init_trainer(self, run_id: str, cfg: RunConfig) -> None:
+        await self.clients.trainer.InitRun(trainer_pb2.InitRunRequest(
+            run_id=run_id, config_json=cfg.trainer_config().model_dump_json()),
+            timeout=self.settings.setup_deadline_seconds)
+
     async def _setup(self, run_id: str, cfg: RunConfig) -> None:
-        await self.clients.buffer.CreateRun(buffer_pb2.CreateRunRequest(
+        request = buffer_pb2.CreateRunRequest(
             run_id=run_id, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
             max_queued_groups=cfg.max_queued_groups,
             datasets=[dataset_to_proto(d) for d in cfg.datasets],
             tokenizer_path=cfg.model_path,
             apply_chat_template=cfg.rollout.apply_chat_template,
-        ))
-        await self.clients.trainer.InitRun(trainer_pb2.InitRunRequest(
-            run_id=run_id, config_json=cfg.trainer_config().model_dump_json()))
+        )
+        await self._patiently(run_id, cfg, self._service("buffer"), lambda: self.clients.buffer.CreateRun(
+            request, timeout=self.settings.call_deadline_seconds))
+        await self._patiently(run_id, cfg, self._service("trainer"), lambda: self._init_trainer(run_id, cfg))
         if (await self.store.get(run_id))["weight_version"] == 0:
             # The engines may hold another run's weights: start from the run's own.
-            await self._publish(run_id)
+            await self._publish(run_id, cfg)
 
     async def _end(self, run_id: str) -> None:
         try:
-            await self.clients.trainer.EndRun(trainer_pb2.EndRunRequest(run_id=run_id))
+            await self.clients.trainer.EndRun(trainer_pb2.EndRunRequest(run_id=run_id),
+                                              timeout=self.settings.call_deadline_seconds)
         except grpc.aio.AioRpcError as e:
             log.warning("EndRun for %s: %s", run_id, e.details())
         await self.store.release(run_id)
         await self._prune()
 
-    async def _publish(self, run_id: str) -> dict:
+    async def _publish_once(self, run_id: str) -> dict:
         version = (await self.store.get(run_id))["weight_version"] + 1
-        r = await self.clients.trainer.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id=run_id, version=version))
+        r = await self.clients.trainer.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id=run_id, version=version),
+                                                      timeout=self.settings.setup_deadline_seconds)
         await self.store.update(run_id, weight_version=version)
         return {"weights/version": version, "weights/seconds": r.seconds, "weights/bytes": r.bytes}
+
+    async def _publish(self, run_id: str, cfg: RunConfig) -> dict:
+        return await self._patiently(run_id, cfg, self._service("trainer"),
+                                     lambda: self._on_trainer(run_id, cfg, lambda: self._publish_once(run_id)))
+
+    async def _generate(self, run_id: str, cfg: RunConfig, batch: int,
+                        request: Callable[[int], rollout_pb2.GenerateRolloutRequest]) -> rollout_pb2.GenerateRolloutResponse:
+        """Generate what the batch still misses. Safe to retry: groups an interrupted call wrote
+        stay queued and are counted; prompts it held are handed back (or their lease expires)."""
+        async def attempt():
+            missing = await self._missing_groups(run_id, cfg, batch)
+            if not missing:
+                return rollout_pb2.GenerateRolloutResponse()
+            req = request(missing)
+            return await self.clients.rollout.GenerateRollout(
+                req, timeout=self._deadline(missing + req.over_sampling_groups))
+
+        return await self._patiently(run_id, cfg, self._service("rollout"), attempt)
+
+    async def _train_step(self, run_id: str, cfg: RunConfig,
+                          request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
+        """A train step, retried only while its batch was not trained: the trainer finishes and
+        acknowledges a started step even when the caller is gone, so before a retry the buffer
+        tells whether the failed call's batch was acknowledged (nothing queued or leased: done),
+        is still leased (wait for the ack or the lease's expiry) or is queued (train it)."""
+        tried = False
+
+        async def attempt():
+            nonlocal tried
+            if tried:
+                stats = await self._stats(run_id, cfg)
+                if not stats.queued_groups and not stats.leased_groups:
+                    log.warning("run %s: the interrupted train step was taken (its metrics are lost)", run_id)
+                    return trainer_pb2.TrainStepResponse()
+                if stats.leased_groups and stats.queued_groups < request.num_groups:
+                    raise _StepInFlight(f"{stats.leased_groups} groups are leased by an interrupted train step: "
+                                        "waiting for its acknowledgment or for the lease to expire")
+            tried = True
+            return await self._on_trainer(run_id, cfg, lambda: self.clients.trainer.TrainStep(
+                request, timeout=request.wait_seconds + self._deadline(request.num_groups)))
+
+        return await self._patiently(run_id, cfg, self._service("trainer"), attempt)
 
     async def _sft_warmup(self, run_id: str, cfg: RunConfig) -> None:
         if not cfg.sft_warmup.steps:
             return
         await self.store.update(run_id, phase="sft")
+        batch = cfg.sft_warmup.batch_groups
         for step in range(cfg.sft_warmup.steps):
             await self._check_stop(run_id)
-            missing = await self._missing_groups(run_id, cfg.sft_warmup.batch_groups)
-            if missing:
-                await self.clients.rollout.GenerateRollout(rollout_pb2.GenerateRolloutRequest(
-                    run_id=run_id, num_groups=missing, mode="sft", apply_chat_template=cfg.rollout.apply_chat_template))
-            r = await self.clients.trainer.TrainStep(trainer_pb2.TrainStepRequest(
-                run_id=run_id, num_groups=cfg.sft_warmup.batch_groups, wait_seconds=self.train_wait_seconds, loss="sft"))
+            await self._generate(run_id, cfg, batch, lambda missing: rollout_pb2.GenerateRolloutRequest(
+                run_id=run_id, num_groups=missing, mode="sft", apply_chat_template=cfg.rollout.apply_chat_template))
+            r = await self._train_step(run_id, cfg, trainer_pb2.TrainStepRequest(
+                run_id=run_id, num_groups=batch, wait_seconds=self.train_wait_seconds, loss="sft"))
             await self.store.append_metrics(run_id, {"sft_step": step + 1, "time": time.time(),
                                                      **{f"sft/{k}": v for k, v in r.metrics.items()}})
-        await self._publish(run_id)
+        await self._publish(run_id, cfg)
 
     async def _evaluate(self, run_id: str, cfg: RunConfig) -> dict:
         out: dict = {}
         for d in (d for d in cfg.datasets if d.eval):
-            r = await self.clients.rollout.Evaluate(rollout_pb2.EvaluateRequest(
+            request = rollout_pb2.EvaluateRequest(
                 run_id=run_id, dataset=d.name, n_samples_per_prompt=cfg.eval.n_samples_per_prompt,
                 sampling=sampling_to_proto(cfg.eval.sampling), reward=_reward_spec(cfg), limit=cfg.eval.limit,
-                apply_chat_template=cfg.rollout.apply_chat_template))
+                apply_chat_template=cfg.rollout.apply_chat_template)
+            r = await self._patiently(run_id, cfg, self._service("rollout"), lambda request=request: self.clients.rollout.Evaluate(
+                request, timeout=self._deadline(cfg.eval.limit)))
             out.update(r.metrics)
         return out
 
-    async def _missing_groups(self, run_id: str, batch: int) -> int:
-        """Groups to generate for a batch: an iteration interrupted by a coordinator restart
-        may have written some already (they are queued, not lost); generate only the rest."""
-        stats = await self.clients.buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id))
-        return max(batch - stats.queued_groups, 0)
+    async def _stats(self, run_id: str, cfg: RunConfig) -> buffer_pb2.BufferStats:
+        return await self._patiently(run_id, cfg, self._service("buffer"), lambda: self.clients.buffer.GetStats(
+            buffer_pb2.GetStatsRequest(run_id=run_id), timeout=self.settings.call_deadline_seconds))
+
+    async def _missing_groups(self, run_id: str, cfg: RunConfig, batch: int) -> int:
+        """Groups to generate for a batch: an interrupted iteration (a coordinator restart, a
+        failed GenerateRollout) may have written some already (queued, not lost); only the rest."""
+        return max(batch - (await self._stats(run_id, cfg)).queued_groups, 0)
 
     async def _rl_iteration(self, run_id: str, cfg: RunConfig, rollout_id: int) -> dict:
         ro = cfg.rollout
         t0 = time.monotonic()
-        g = rollout_pb2.GenerateRolloutResponse()
-        missing = await self._missing_groups(run_id, ro.rollout_batch_size)
-        if missing:
-            g = await self.clients.rollout.GenerateRollout(rollout_pb2.GenerateRolloutRequest(
-                run_id=run_id, num_groups=missing, sampling=sampling_to_proto(ro.sampling),
-                reward=_reward_spec(cfg), group_filter=ro.group_filter, over_sampling_groups=ro.over_sampling_groups,
-                partial_rollout=ro.partial_rollout, mode="rl", max_concurrency=ro.max_concurrency,
-                apply_chat_template=ro.apply_chat_template))
-        t = await self.clients.trainer.TrainStep(trainer_pb2.TrainStepRequest(
+        g = await self._generate(run_id, cfg, ro.rollout_batch_size, lambda missing: rollout_pb2.GenerateRolloutRequest(
+            run_id=run_id, num_groups=missing, sampling=sampling_to_proto(ro.sampling),
+            reward=_reward_spec(cfg), group_filter=ro.group_filter, over_sampling_groups=ro.over_sampling_groups,
+            partial_rollout=ro.partial_rollout, mode="rl", max_concurrency=ro.max_concurrency,
+            apply_chat_template=ro.apply_chat_template))
+        t = await self._train_step(run_id, cfg, trainer_pb2.TrainStepRequest(
             run_id=run_id, num_groups=ro.rollout_batch_size, wait_seconds=self.train_wait_seconds))
-        w = await self._publish(run_id)
+        w = await self._publish(run_id, cfg)
         return {"rollout_id": rollout_id + 1, "time": time.time(), "step": t.step,
                 **dict(g.metrics), **{f"train/{k}": v for k, v in t.metrics.items()}, **w,
                 "iteration/seconds": time.monotonic() - t0}
+
+
+def _transient(e: BaseException) -> str | None:
+    """Why a failed call is worth retrying (a peer down, restarting or past its deadline; a
+    step still in flight; a trainer set up again), or None."""
+    if isinstance(e, (_StepInFlight, _TrainerLostRun)):
+        return str(e)
+    return transient_grpc_error(e)
 
 
 def check_reward_service_change(run_id: str, config: RunConfig, name: str, registered: dict[str, float],

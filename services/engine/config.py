@@ -42,7 +42,7 @@ class Settings(ServiceSettings):
         "ids and weight-update bodies fit well under the default.")
     api_key: str = Field(
         "", description="As SGLang's --api-key: every route but /health* needs 'Authorization: Bearer <key>' "
-        "(empty = open). Best set through the environment (RLMESH_ENGINE_API_KEY), not a flag.",
+        "(empty = the stack's token). Best set through the environment (RLMESH_ENGINE_API_KEY), not a flag.",
         repr=False,
     )
     reported_version: str = Field(

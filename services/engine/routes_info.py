@@ -70,7 +70,7 @@ def info_router(state: EngineState) -> APIRouter:
     def server_info() -> dict[str, Any]:
         max_tokens = settings.max_batch_size * engine.context_length
         return {
-            **settings.model_dump(),
+            **settings.model_dump(exclude={"api_key"}),  # SGLang lists its args; never the key
             "model_path": state.model_path,
             "tokenizer_path": state.tokenizer_path,
             "served_model_name": settings.served_model_name or state.model_path,

@@ -74,9 +74,11 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="rlmesh reference engine (SGLang HTTP API)", lifespan=lifespan)
     app.state.engine_state = state
-    if settings.api_key:
-        # As SGLang's --api-key: every route but health and metrics needs the key.
-        auth.add_http_token_check(app, settings.api_key, lambda path: path.startswith(("/health", "/metrics")),
+    # As SGLang's --api-key (and its exemptions): every route but health and metrics needs
+    # the key. Without one of its own, the engine demands the stack's token like every service.
+    api_key = settings.api_key or auth.required_token()
+    if api_key:
+        auth.add_http_token_check(app, api_key, lambda path: path.startswith(("/health", "/metrics")),
                                   lambda why: {"error": {"message": f"Unauthorized: {why}"}})
 
     @app.exception_handler(RequestError)

@@ -68,6 +68,7 @@ remote marks FAILED fails here too (its reason is logged, not passed on).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import math
@@ -99,6 +100,16 @@ log = logging.getLogger(__name__)
 PROTOCOLS = {"http": "http-json", "https": "http-json", "grpc": "grpc"}
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
 _EXCERPT_CHARS = 200
+_TOKEN_CHARS = re.compile(r"^[A-Za-z0-9\-._~+/]*=*$")
+
+
+def _is_loopback(host: str | None) -> bool:
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
 
 
 # ---------------------------------------------------------------- the registration record
@@ -163,8 +174,12 @@ def resolve_config(config: RemoteServiceConfig, defaults: RemoteDefaults, reserv
         raise errors.InvalidArgument(f"max_batch_size must be between 1 and 100000, got {config.max_batch_size}")
     if not math.isfinite(config.weight):
         raise errors.InvalidArgument(f"weight must be a finite number, got {config.weight}")
-    if len(config.bearer_token) > 4096 or any(c in config.bearer_token for c in "\r\n"):
-        raise errors.InvalidArgument("bearer_token must be one line of at most 4096 characters")
+    if len(config.bearer_token) > 4096 or not _TOKEN_CHARS.match(config.bearer_token):
+        raise errors.InvalidArgument("bearer_token must be at most 4096 characters of A-Z a-z 0-9 - . _ ~ + / = "
+                                     "(RFC 6750)")
+    if config.bearer_token and urlsplit(url).scheme.lower() != "https" and not _is_loopback(urlsplit(url).hostname):
+        raise errors.InvalidArgument("a bearer_token is sent only over https:// (or to this machine): it would cross "
+                                     "the network in clear text")
     return RemoteServiceConfig(name, url, protocol, float(timeout), concurrency, float(config.weight), batch,
                                config.bearer_token)
 
@@ -184,6 +199,13 @@ def check_url(url: str) -> str:
         )
     if not parts.hostname:
         raise errors.InvalidArgument(f"URL {url!r} has no host")
+    if parts.username is not None or parts.password is not None:
+        raise errors.InvalidArgument("a URL with a user name or password is refused (it would be listed and "
+                                     "logged): give the service's credential as bearer_token")
+    try:
+        httpx.URL(url)
+    except (httpx.InvalidURL, ValueError) as e:
+        raise errors.InvalidArgument(f"URL {url!r} is not valid: {e}") from None
     if scheme == "grpc":
         if port is None:
             raise errors.InvalidArgument(f"URL {url!r}: a grpc:// URL needs a port, e.g. grpc://judge:50053")
@@ -333,7 +355,8 @@ class HttpJsonTransport:
         self._extensions = {"sni_hostname": self._parsed.host}
         self.max_reply_bytes = max_reply_bytes
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-        self.client = httpx.AsyncClient(limits=limits, follow_redirects=False)
+        # trust_env=False: a proxy from the environment would reach addresses the policy never checked.
+        self.client = httpx.AsyncClient(limits=limits, follow_redirects=False, trust_env=False)
 
     async def call(self, units: Sequence[Unit], timeout: float) -> list[SampleResult]:
         samples = [s for u in units for s in u.samples]
@@ -434,6 +457,7 @@ class GrpcTransport:
                 ("grpc.max_receive_message_length", self.max_reply_bytes),
                 ("grpc.max_send_message_length", 256 * 1024 * 1024),
                 ("grpc.default_authority", grpc_target(self.url)),  # the registered name, not the address
+                ("grpc.enable_http_proxy", 0),  # connect only to the address just checked
             ])
             self._stub = reward_pb2_grpc.RewardStub(self._channel)
             self._target = target

@@ -22,11 +22,24 @@ class Settings(ServiceSettings):
     )
     engine_api_key: str = Field(
         "", description="API key the engines demand (SGLang's --api-key), sent as a bearer token; "
-        "best set through the environment (RLMESH_ROLLOUT_ENGINE_API_KEY).", repr=False,
+        "best set through the environment (RLMESH_ROLLOUT_ENGINE_API_KEY); empty = the stack's token.", repr=False,
     )
     tokenizer_path: str = Field("", description="Tokenizer directory; default: the engines' tokenizer_path.")
     max_concurrency: int = Field(256, ge=1, description="Default cap on in-flight /generate requests.")
-    request_timeout_seconds: float = Field(600.0, gt=0, description="Timeout of one engine HTTP call.")
+    request_timeout_seconds: float = Field(
+        30.0, gt=0, description="Timeout of an engine control call (model info, abort, pause): a frozen engine "
+        "is noticed within it.")
+    generate_timeout_seconds: float = Field(
+        120.0, gt=0, description="Base timeout of one /generate call; generate_seconds_per_token is added per "
+        "max_new_tokens. A frozen engine is noticed within it and the sample retried on another engine.")
+    generate_seconds_per_token: float = Field(
+        0.2, ge=0, description="Timeout added to a /generate call per token it may generate (max_new_tokens).")
+    peer_outage_seconds: float = Field(
+        120.0, gt=0, description="How long one generation or scoring call keeps retrying engines or the reward "
+        "service that are down, restarting or frozen (backoff with jitter; another engine when there are several) "
+        "before the rollout fails UNAVAILABLE (the coordinator then retries it within the run's outage budget).")
+    reward_timeout_seconds: float = Field(600.0, gt=0, description="Deadline of one ScoreGroups call to the "
+                                          "reward service (past it the call is retried, as for UNAVAILABLE).")
     weight_update_timeout_seconds: float = Field(600.0, gt=0, description="Timeout of a weight-update call.")
     generate_function: PluginPath = Field(
         "rlmesh.rollout.generation:default_generate",

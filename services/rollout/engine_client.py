@@ -52,11 +52,14 @@ KEEPALIVE_EXPIRY_SECONDS = 2.0
 class SGLangClient:
     """Talks to one engine (or to a router, for /generate)."""
 
-    def __init__(self, url: str, http: httpx.AsyncClient, timeout: float, weight_timeout: float) -> None:
+    def __init__(self, url: str, http: httpx.AsyncClient, timeout: float, weight_timeout: float,
+                 generate_timeout: float | None = None, seconds_per_token: float = 0.0) -> None:
         self.url = url.rstrip("/")
         self.http = http
         self.timeout = timeout
         self.weight_timeout = weight_timeout
+        self.generate_timeout = generate_timeout or timeout
+        self.seconds_per_token = seconds_per_token
         self._has_weight_session: bool | None = None  # SGLang >= 0.5.21 wants begin/end
         self._live_rids: dict[str, str] = {}  # rid a caller knows -> rid of the retry in flight
 
@@ -78,13 +81,15 @@ class SGLangClient:
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str, return_logprob: bool = True) -> dict:
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
                 "return_logprob": return_logprob, "logprob_start_len": -1}
+        # Finite and sized from the work asked for: a frozen engine is noticed within it.
+        timeout = self.generate_timeout + self.seconds_per_token * int(sampling_params.get("max_new_tokens") or 128)
         try:
             for attempt in range(GENERATE_ATTEMPTS):
                 if attempt:
                     # A fresh rid: the broken one may still be in flight. abort(rid) follows it.
                     body["rid"] = self._live_rids[rid] = f"{rid}-retry{attempt}"
                 try:
-                    r = await self.http.post(self.url + "/generate", json=body, timeout=self.timeout)
+                    r = await self.http.post(self.url + "/generate", json=body, timeout=timeout)
                     break
                 except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
                     # The connection broke (a pooled connection closed under us, an engine
@@ -168,14 +173,15 @@ class EnginePool:
     router), control and weight calls sent to every engine."""
 
     def __init__(self, engine_urls: list[str], router_url: str, timeout: float, weight_timeout: float,
-                 api_key: str = "") -> None:
+                 api_key: str = "", generate_timeout: float | None = None, seconds_per_token: float = 0.0) -> None:
         self.http = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS),
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
         self.timeout, self.weight_timeout = timeout, weight_timeout
-        self.router = SGLangClient(router_url, self.http, timeout, weight_timeout) if router_url else None
-        self.engines = [SGLangClient(u, self.http, timeout, weight_timeout) for u in engine_urls]
+        self._generate_timeouts = (generate_timeout, seconds_per_token)
+        self.router = self._client(router_url) if router_url else None
+        self.engines = [self._client(u) for u in engine_urls]
         self._next = itertools.cycle(range(max(len(self.engines), 1)))
         if not self.engines and not self.router:
             raise ValueError("the rollout service needs engine_urls or a router_url")
@@ -185,7 +191,10 @@ class EnginePool:
         if self.router:
             urls = await self.router.workers()
             known = {e.url: e for e in self.engines}
-            self.engines = [known.get(u.rstrip("/")) or SGLangClient(u, self.http, self.timeout, self.weight_timeout) for u in urls]
+            self.engines = [known.get(u.rstrip("/")) or self._client(u) for u in urls]
+
+    def _client(self, url: str) -> SGLangClient:
+        return SGLangClient(url, self.http, self.timeout, self.weight_timeout, *self._generate_timeouts)
 
     def for_generation(self) -> SGLangClient:
         if self.router:

@@ -4,6 +4,7 @@ scores from the reward service, finished groups back to the buffer."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import statistics
 import time
@@ -16,9 +17,10 @@ import grpc
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlmesh.common.limits import within
 from rlmesh.common.plugins import load_plugin
+from rlmesh.common.retry import retry
 from rlmesh.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
 from rlmesh.rollout.config import Settings
-from rlmesh.rollout.engine_client import EnginePool
+from rlmesh.rollout.engine_client import EngineError, EnginePool
 from rlmesh.rollout.generation import GenerateContext, sft_sample
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc
 
@@ -130,15 +132,27 @@ class RolloutManager:
         async def one(sample: Sample) -> list[Sample]:
             if sample.status not in (Status.PENDING, Status.ABORTED):
                 return [sample]  # finished before an abort: keep as is
-            async with sem:
+            # A try that failed may have changed the sample half-way: each retry starts from this.
+            before = copy.deepcopy(sample)
+            tries = 0
+
+            async def attempt() -> Sample | list[Sample]:
+                nonlocal tries
+                current = sample if not tries else copy.deepcopy(before)
+                tries += 1
                 if stop is not None and stop.is_set():
-                    return [sample]  # aborted before it started: hand back untouched
+                    return current  # aborted before it started: hand back untouched
+                # The next engine in turn: a retry goes to another engine when there are several.
                 ctx = GenerateContext(tokenizer=tokenizer, engine=self.pool.for_generation(), apply_chat_template=chat)
-                inflight[id(sample)] = (ctx.engine, sample)
+                inflight[id(sample)] = (ctx.engine, current)
                 try:
-                    out = await self.generate_fn(ctx, sample, params)
+                    return await self.generate_fn(ctx, current, params)
                 finally:
                     inflight.pop(id(sample), None)
+
+            async with sem:
+                out = await retry(attempt, service="the inference engines", budget_seconds=self.settings.peer_outage_seconds,
+                                  transient=_engine_down, on_wait=_log_wait)
             return out if isinstance(out, list) else [out]
 
         results = await asyncio.gather(*(one(s) for s in group.samples))
@@ -147,9 +161,12 @@ class RolloutManager:
 
     async def _score(self, groups: list[SampleGroup], reward: RewardChoice) -> list[SampleGroup]:
         spec = reward_pb2.RewardSpec(components=reward.components, reward_key=reward.reward_key)
+        request = reward_pb2.ScoreGroupsRequest(groups=[group_to_proto(g) for g in groups], spec=spec)
         try:
-            resp = await self.reward.ScoreGroups(reward_pb2.ScoreGroupsRequest(
-                groups=[group_to_proto(g) for g in groups], spec=spec))
+            # Scoring changes nothing: retried while the reward service restarts or hangs.
+            resp = await retry(lambda: self.reward.ScoreGroups(request, timeout=self.settings.reward_timeout_seconds),
+                               service=f"reward service at {self.settings.reward_address}",
+                               budget_seconds=self.settings.peer_outage_seconds, on_wait=_log_wait)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(f"reward service: {e.details()}") from None
@@ -315,6 +332,16 @@ class RolloutManager:
         metrics = rollout_metrics(scored, f"eval/{req.dataset}/")
         metrics[f"eval/{req.dataset}/seconds"] = time.monotonic() - start
         return metrics
+
+
+async def _log_wait(reason: str) -> None:
+    log.warning("%s", reason)
+
+
+def _engine_down(e: BaseException) -> str | None:
+    """An engine that died, restarts or froze (connection refused or broken, timed out,
+    5xx): worth another try; what the engine refused (InvalidArgument) is not."""
+    return str(e) if isinstance(e, EngineError) else None
 
 
 def _done(value) -> asyncio.Future:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+from rlmesh.common import auth
 from rlmesh.common.errors import Unimplemented
 from rlmesh.common.grpc_server import Service, ServiceBinding, aio_channel, start_service
 from rlmesh.common.paths import validate_run_id
@@ -100,7 +101,8 @@ def reward_spec_from_proto(spec: reward_pb2.RewardSpec) -> RewardChoice:
 async def build(settings: Settings) -> Service:
     """The servicer over an engine pool and clients of the buffer and reward services."""
     pool = EnginePool(settings.engine_urls, settings.router_url, settings.request_timeout_seconds,
-                      settings.weight_update_timeout_seconds, settings.engine_api_key)
+                      settings.weight_update_timeout_seconds, settings.engine_api_key or auth.stack_token() or "",
+                      settings.generate_timeout_seconds, settings.generate_seconds_per_token)
     buffer_channel = aio_channel(settings.buffer_address, settings.max_message_bytes)
     reward_channel = aio_channel(settings.reward_address, settings.max_message_bytes)
     manager = RolloutManager(settings, pool, buffer_pb2_grpc.BufferStub(buffer_channel),

@@ -1,6 +1,7 @@
 """Crashes: the buffer process, a rollout worker and Redis itself killed with SIGKILL, and
-two buffer replicas racing on one Redis. Nothing acknowledged is lost, nothing is
-delivered twice. (Lease timeouts are fractions of a second; no timing is asserted.)"""
+two buffer replicas racing on one Redis; the engine, the reward service and the rollout
+service killed and restarted under a run, which completes. Nothing acknowledged is lost,
+nothing is delivered twice. (Lease timeouts are fractions of a second; no timing is asserted.)"""
 
 from __future__ import annotations
 
@@ -11,15 +12,24 @@ import threading
 import time
 
 import grpc
+import httpx
 import pytest
 
 from rlmesh.buffer.config import Settings
 from rlmesh.buffer.server import start
 from rlmesh.cli.embedded_redis import start_redis
+from rlmesh.cli.launcher import http_ready, wait_until_ready
+from rlmesh.common.auth import client_headers
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.net import free_port
+from rlmesh.coordinator.app import start as start_coordinator
+from rlmesh.coordinator.config import Settings as CoordinatorSettings
+from rlmesh.trainer.config import Settings as TrainerSettings
+from rlmesh.trainer.server import start as start_trainer
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
+from tests.e2e.test_runs import run_config
 from tests.helpers.buffer import completed, create, prompts, put, start_buffer_process, stats
+from tests.helpers.stack import wait_for_run
 
 
 def stub_at(port: int) -> buffer_pb2_grpc.BufferStub:
@@ -193,3 +203,95 @@ def test_two_replicas_deliver_every_group_exactly_once(redis_url, start_in_loop,
         assert (s.groups_written, s.acknowledged_groups, s.queued_groups, s.leased_groups) == (REPLICA_GROUPS, REPLICA_GROUPS, 0, 0)
     finally:
         kill(replica_a)
+
+
+# ---------------------------------------------------------------- a peer killed under a run
+
+def grpc_ready(address: str) -> bool:
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=0.5)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()
+
+
+class Peers:
+    """The engine, the reward service and the rollout service, each in its own process on
+    a fixed port (as deployed), so that each can be killed and started again in its place."""
+
+    def __init__(self, redis_url: str, buffer_address: str, model_dir, log_dir) -> None:
+        self.ports = {name: free_port() for name in ("engine", "reward", "rollout")}
+        self.flags = {
+            "engine": ["--model-path", str(model_dir), "--num-threads", "1"],
+            "reward": ["--redis-url", redis_url],
+            "rollout": ["--buffer-address", buffer_address, "--reward-address", self.address("reward"),
+                        "--engine-urls", f'["http://{self.address("engine")}"]'],
+        }
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def start(self, name: str) -> None:
+        log = (self.log_dir / f"{name}.log").open("ab")
+        self.procs[name] = proc = subprocess.Popen(
+            [sys.executable, "-m", "rlmesh.cli", "serve", name, "--port", str(self.ports[name]), *self.flags[name]],
+            stdout=log, stderr=subprocess.STDOUT)
+        address = self.address(name)
+        ready = (lambda: http_ready(f"http://{address}")) if name == "engine" else (lambda: grpc_ready(address))
+        wait_until_ready(ready, proc, name, timeout=120)
+
+    def kill(self, name: str) -> None:
+        kill(self.procs[name])
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                kill(proc)
+
+
+@pytest.fixture
+def peer_stack(redis_url, start_in_loop, tiny_model_dir, tmp_path):
+    """(REST client, buffer stub, Peers): buffer, trainer and coordinator in-process; the
+    coordinator retries quickly (backoff capped at 1 s)."""
+    _, buffer_port = start_in_loop(lambda: start(Settings(redis_url=redis_url, port=0)))
+    buffer_address = f"127.0.0.1:{buffer_port}"
+    peers = Peers(redis_url, buffer_address, tiny_model_dir, tmp_path)
+    try:
+        for name in ("engine", "reward", "rollout"):
+            peers.start(name)
+        _, trainer_port = start_in_loop(lambda: start_trainer(TrainerSettings(
+            port=0, buffer_address=buffer_address, rollout_address=peers.address("rollout"),
+            work_dir=tmp_path / "trainer")))
+        _, api_port = start_in_loop(lambda: start_coordinator(CoordinatorSettings(
+            port=0, redis_url=redis_url, buffer_address=buffer_address, rollout_address=peers.address("rollout"),
+            reward_address=peers.address("reward"), trainer_address=f"127.0.0.1:{trainer_port}",
+            retry_backoff_max_seconds=1.0)))
+        api = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=30, headers=client_headers())
+        yield api, stub_at(buffer_port), peers
+    finally:
+        peers.close()
+
+
+@pytest.mark.parametrize("peer", ["engine", "reward", "rollout"])
+@pytest.mark.slow
+def test_a_run_completes_when_a_peer_is_killed_and_restarted_under_it(peer_stack, tmp_path, tiny_model_dir, peer):
+    api, buffer, peers = peer_stack
+    config = run_config(tmp_path, tiny_model_dir, num_rollouts=3)
+    config["max_outage_seconds"] = 120
+    run_id = api.post("/runs", json=config).json()["id"]
+    wait_for_run(api, run_id, lambda run: run["rollout_id"] >= 1 or run["status"] != "running")
+    peers.kill(peer)
+    peers.start(peer)  # on its port again: the run's calls find it there
+
+    run = wait_for_run(api, run_id)
+    assert run["status"] == "completed", run["error"]
+    assert run["rollout_id"] == 3 and run["waiting_for"] == ""
+    s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id))
+    # every group written was trained once; nothing left queued or leased
+    assert s.groups_written == s.acknowledged_groups >= 8
+    assert (s.queued_groups, s.leased_groups) == (0, 0)

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.cli.launcher import http_ready, wait_until_ready
 from rlmesh.cli.tiny_model import build_tiny_model
+from rlmesh.common.auth import client_headers
 from rlmesh.common.weight_group import destroy_weight_group, init_weight_group
 from rlmesh.engine.config import Settings
 from rlmesh.engine.server import start
@@ -46,7 +47,7 @@ def engine_url(loop_thread, tiny_model_dir):
 
 @pytest.fixture
 def client(engine_url):
-    with httpx.Client(base_url=engine_url, timeout=60) as c:
+    with httpx.Client(base_url=engine_url, timeout=60, headers=client_headers()) as c:
         yield c
 
 
@@ -82,7 +83,7 @@ def _greedy(client: httpx.Client, input_ids: list[int], n: int = 20, **extra) ->
 
 def _stream_chunks(base_url: str, body: dict, on_chunk) -> list[dict]:
     chunks = []
-    with httpx.Client(base_url=base_url, timeout=60) as c, c.stream("POST", "/generate", json=body) as r:
+    with httpx.Client(base_url=base_url, timeout=60, headers=client_headers()) as c, c.stream("POST", "/generate", json=body) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: "):
@@ -440,7 +441,7 @@ def engine_process(tiny_model_dir, tmp_path_factory):
 def test_sigterm_answers_in_flight_requests_with_their_partial_output(tiny_model_dir, tmp_path):
     proc, url = _launch_engine(tiny_model_dir, tmp_path / "engine.log")
     try:
-        with httpx.Client(base_url=url, timeout=60) as client:
+        with httpx.Client(base_url=url, timeout=60, headers=client_headers()) as client:
             pending = _in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG})
             _wait_until_in_flight(client)
             proc.send_signal(signal.SIGTERM)
@@ -504,7 +505,7 @@ def _assert_engine_has(client: httpx.Client, named: list[tuple[str, torch.Tensor
 
 @pytest.mark.parametrize("flattened", [False, True], ids=["per-tensor", "flattened_bucket"])
 def test_update_weights_from_distributed(engine_process, hf_model, flattened):
-    with httpx.Client(base_url=engine_process, timeout=60) as client:
+    with httpx.Client(base_url=engine_process, timeout=60, headers=client_headers()) as client:
         assert client.post("/begin_weight_update", json={"selector": "all"}).json()["success"] is True
         trainer = Trainer(client, f"wu-{'flat' if flattened else 'plain'}")
         version = f"v-{flattened}"
@@ -520,7 +521,7 @@ def test_update_weights_from_distributed(engine_process, hf_model, flattened):
 
 
 def test_bad_weight_update_is_refused_and_changes_nothing(engine_process, hf_model):
-    with httpx.Client(base_url=engine_process, timeout=60) as client:
+    with httpx.Client(base_url=engine_process, timeout=60, headers=client_headers()) as client:
         trainer = Trainer(client, "wu-bad")
         good = _new_weights(hf_model, seed=5)
         assert trainer.send(good, "good").json()["success"] is True

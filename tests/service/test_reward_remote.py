@@ -259,6 +259,12 @@ def test_a_remote_with_its_own_credential(reward, remote):
     reward.register("judge", f"{url}/authed", timeout_seconds=5, bearer_token="s3cret")
     [scored] = reward.score([make_sample(0)], {"judge": 1.0})
     assert scored.status == Status.COMPLETED and scored.reward == 1.0
+    # never in clear text over the network, never in the URL, and only a token's characters
+    for bad_url, token, why in (("http://judge.example/score", "s3cret", "only over https://"),
+                                ("http://user:pw@127.0.0.1:9/score", "", "user name or password"),
+                                (f"{url}/authed", "s3cr\u00e9t", "RFC 6750")):
+        code, message = rpc_error(lambda: reward.register("j2", bad_url, bearer_token=token))  # noqa: B023
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and why in message and "pw" not in message
     # the credential is write-only
     [listed] = reward.stub.ListServices(reward_pb2.ListServicesRequest(), timeout=10).services
     assert listed.bearer_token == ""

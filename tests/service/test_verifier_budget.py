@@ -138,7 +138,7 @@ def test_long_responses_are_read_from_their_tail(reward_server):
 # ---------------------------------------------------------------- the time budget
 
 def test_a_hung_verifier_is_killed_and_the_other_samples_are_scored(reward_server):
-    server = reward_server(verifier_workers=1, verifier_timeout_seconds=1.0)
+    server = reward_server(verifier_workers=1, verifier_timeout_seconds=3.0)
     mixed = ordinary_samples()
     mixed.insert(1, make_sample(10, "x", "x", metadata={"reward": "hang"}))
     mixed.insert(3, make_sample(11, "x", "x", metadata={"reward": "hang"}))
