@@ -41,6 +41,16 @@ FINAL = ("completed", "stopped", "failed")
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
+# Set status 'stopping' unless the run has finished; returns the status it now has.
+_MARK_STOPPING = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+for i = 1, #ARGV - 1 do if status == ARGV[i] then return status end end
+redis.call('HSET', KEYS[1], 'status', 'stopping', 'updated_at', ARGV[#ARGV])
+return 'stopping'
+"""
+
+
 class RunStore:
     """Run records: hash <prefix>:coord:run:<id>, metric history list ...:metrics, an
     index zset <prefix>:coord:runs (by creation time), and <prefix>:coord:active, the id of
@@ -82,6 +92,12 @@ class RunStore:
                 raise FailedPrecondition(f"run {holder} is still active; stop it first (one run trains at a time)")
             await self.release(holder)  # a claim left by a coordinator that died as its run ended
         raise FailedPrecondition("another run was submitted at the same moment; try again")
+
+    async def mark_stopping(self, run_id: str) -> str:
+        status = await self.redis.eval(_MARK_STOPPING, 1, self._key(run_id), *FINAL, time.time())
+        if not status:
+            raise NotFound(f"unknown run {run_id!r}")
+        return status.decode()
 
     async def release(self, run_id: str) -> None:
         await self.redis.eval(_RELEASE, 1, self.active_key, run_id)
@@ -217,11 +233,9 @@ class RunDriver:
                 self.start(rec["id"])
 
     async def stop(self, run_id: str) -> str:
-        status = await self.store.status(run_id)
-        if status in FINAL:
-            return status
-        await self.store.update(run_id, status="stopping")
-        return "stopping"
+        """Ask an active run to stop; a finished one answers its final status (atomically: a
+        run that finishes at this moment is not left 'stopping' forever)."""
+        return await self.store.mark_stopping(run_id)
 
     async def close(self) -> None:
         for t in self.tasks.values():
