@@ -121,7 +121,8 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
     async def ImportGroups(self, request, context):
         stored, duplicates = await transfer.import_groups(self.store, request.run_id, request.path,
-                                                          self.settings.export_dir)
+                                                          self.settings.export_dir,
+                                                          self.settings.limits.max_groups_per_call)
         return buffer_pb2.ImportGroupsResponse(groups=stored, duplicates=duplicates)
 
 

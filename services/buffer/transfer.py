@@ -85,15 +85,22 @@ def _write(path: str, target: Path, raws: list[bytes], extras: list[dict] | None
         os.unlink(tmp)
 
 
-async def import_groups(store: BufferStore, run_id: str, path: str, export_dir: Path) -> tuple[int, int]:
-    """Store every group of the file (all or nothing); returns (stored, duplicates)."""
+async def import_groups(store: BufferStore, run_id: str, path: str, export_dir: Path,
+                        groups_per_write: int = 4096) -> tuple[int, int]:
+    """Store every group of the file, checked whole first, written `groups_per_write` at a
+    time (each write bounded like any other); returns (stored, duplicates). Writes are
+    idempotent on group_id, so an interrupted import is finished by importing again."""
     source = _path(path, export_dir)
     if not source.is_file():
         raise NotFound(f"no file {path} in the buffer's export_dir")
     groups = await asyncio.to_thread(_read, source)
     if not groups:
         raise InvalidArgument(f"{path} holds no groups")
-    return await store.put_groups(run_id, groups)
+    stored = duplicates = 0
+    for start in range(0, len(groups), groups_per_write):
+        new, seen = await store.put_groups(run_id, groups[start:start + groups_per_write])
+        stored, duplicates = stored + new, duplicates + seen
+    return stored, duplicates
 
 
 def _read(source: Path) -> list[sample_pb2.SampleGroup]:
