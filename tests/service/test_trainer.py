@@ -22,6 +22,7 @@ from rlmesh.buffer.config import Settings as BufferSettings
 from rlmesh.buffer.server import start as start_buffer
 from rlmesh.cli.launcher import http_ready, wait_until_ready
 from rlmesh.common import errors
+from rlmesh.common.auth import client_headers
 from rlmesh.common.grpc_server import start_service, sync_channel
 from rlmesh.common.net import free_port
 from rlmesh.common.run_config import TrainerRunConfig, WeightSyncConfig
@@ -454,10 +455,10 @@ class EngineProcess:
         self.start()
 
     def weight_version(self) -> str:
-        return httpx.get(f"{self.url}/get_model_info").json()["weight_version"]
+        return httpx.get(f"{self.url}/get_model_info", headers=client_headers()).json()["weight_version"]
 
     def tensor(self, name: str) -> torch.Tensor:
-        values = httpx.post(f"{self.url}/get_weights_by_name", json={"name": name, "truncate_size": 10**6}).json()
+        values = httpx.post(f"{self.url}/get_weights_by_name", json={"name": name, "truncate_size": 10**6}, headers=client_headers()).json()
         return torch.tensor(values, dtype=torch.float32)
 
 
