@@ -41,7 +41,7 @@ def _serve(name: str, argv: list[str]) -> None:
 
 
 def _up(args: argparse.Namespace) -> None:
-    from rlmesh.cli.launcher import start_stack
+    from rlmesh.cli.launcher import start_stack, supervise
     from rlmesh.cli.tiny_model import build_tiny_model
 
     data_dir = Path(args.data_dir)
@@ -53,17 +53,19 @@ def _up(args: argparse.Namespace) -> None:
     stack = start_stack(data_dir, model_path, redis_url=args.redis_url)
     print(f"rlmesh is up. REST API: {stack.coordinator_url} (docs: {stack.coordinator_url}/docs). Ctrl-C stops it.")
     print(f"Every call needs 'Authorization: Bearer <token>'; the token is in {stack.token_file}.")
+    print(f"A service that exits is started again on its port (logs: {data_dir / 'logs'}).")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    try:
-        while not stop.is_set() and all(p.poll() is None for p in stack.processes.values()):
-            stop.wait(1.0)
-    finally:
-        dead = [n for n, p in stack.processes.items() if p.poll() is not None]
-        if dead:
-            print(f"stopping: {', '.join(dead)} exited; see {data_dir / 'logs'}", file=sys.stderr)
-        stack.stop()
+    supervise(stack, stop, echo=lambda message: print(message, flush=True))
+
+
+def _health(address: str, timeout: float) -> int:
+    from rlmesh.cli.launcher import grpc_health
+
+    status = grpc_health(address, timeout)
+    print(f"{address}: {status}")
+    return 0 if status == "SERVING" else 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--rollouts", type=int, default=80, help="RL iterations")
     d.add_argument("--coordinator-url", default="", help="use running services (default: the ones `rlmesh up` started, else start them)")
     sub.add_parser("reward", help="reward tools: `rlmesh reward check URL` runs the conformance suite against a remote reward service")
+    h = sub.add_parser("health", help="exit 0 if the gRPC service at HOST:PORT reports SERVING (grpc.health.v1), else 1")
+    h.add_argument("address", metavar="HOST:PORT")
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     t = sub.add_parser("build-tiny-model", help="write the tiny model and tokenizer to a directory")
     t.add_argument("out_dir")
 
@@ -99,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         from rlmesh.cli.demo import run_demo
 
         sys.exit(run_demo(args))
+    elif args.command == "health":
+        sys.exit(_health(args.address, args.timeout))
     elif args.command == "build-tiny-model":
         from rlmesh.cli.tiny_model import build_tiny_model
 

@@ -1,7 +1,8 @@
 """`rlmesh up`: every service as a local process, wired together on free loopback ports,
 with an embedded Redis when no Redis URL is given. Logs go to <data_dir>/logs/. The stack's
 token (RLMESH_TOKEN, generated when not set) reaches the services through their environment
-and other local clients through <data_dir>/token (readable by this user only)."""
+and other local clients through <data_dir>/token (readable by this user only). Once up, a
+Supervisor starts any process that exits again, on the same port, with backoff."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 import httpx
@@ -34,6 +38,7 @@ class Stack:
     data_dir: Path
     redis_url: str
     ports: dict[str, int]
+    model_path: str = ""
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     redis: EmbeddedRedis | None = None
 
@@ -44,11 +49,14 @@ class Stack:
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
-    def flags(self, name: str, model_path: str) -> list[str]:
+    def log_file(self, name: str) -> Path:
+        return self.data_dir / "logs" / f"{name}.log"
+
+    def flags(self, name: str) -> list[str]:
         a = self.address
         common = ["--host", "127.0.0.1", "--port", str(self.ports[name])]
         return common + {
-            "engine": ["--model-path", model_path],
+            "engine": ["--model-path", self.model_path],
             # A local stack's judges run on this machine: let the reward service call loopback.
             "reward": ["--remote-allowed-networks", json.dumps(["127.0.0.0/8", "::1"])],
             "buffer": ["--metrics-port", str(self.ports["buffer_metrics"]),
@@ -70,6 +78,30 @@ class Stack:
         redis = {f"RLMESH_{name.upper()}_REDIS_URL": self.redis_url for name in ("buffer", "reward", "coordinator")}
         return {**os.environ, **redis, "RLMESH_ENGINE_API_KEY": token, "RLMESH_ROLLOUT_ENGINE_API_KEY": token,
                 "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+    def spawn(self, name: str) -> subprocess.Popen:
+        """Start (or start again) one service on its port with its flags and environment."""
+        with open(self.log_file(name), "ab") as log:  # the child keeps its own descriptor
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", "rlmesh.cli", "serve", name, *self.flags(name)],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env())
+        return self.processes[name]
+
+    def restart_redis(self) -> subprocess.Popen:
+        """The embedded Redis again on its port and data directory (its redis.conf keeps the
+        password, its append-only file the data), so the services' URL stays valid."""
+        assert self.redis is not None
+        self.redis = start_redis(self.redis.data_dir, port=self.redis.port)
+        return self.redis.process
+
+    def supervisor(self, echo=print, clock: Callable[[], float] = time.monotonic) -> Supervisor:
+        """A Supervisor watching the embedded Redis (if any) and every service."""
+        supervisor = Supervisor(echo=echo, clock=clock)
+        if self.redis is not None:
+            supervisor.watch("redis", self.redis.process, self.restart_redis, self.redis.data_dir / "redis.log")
+        for name in SERVICES:
+            supervisor.watch(name, self.processes[name], lambda n=name: self.spawn(n), self.log_file(name))
+        return supervisor
 
     def write_state(self) -> None:
         _write_private(self.data_dir / "up.json", json.dumps({
@@ -120,15 +152,21 @@ def wait_until_ready(ready: Callable[[], bool], process: subprocess.Popen, what:
         time.sleep(0.1)
 
 
+def grpc_health(address: str, timeout: float = 2.0) -> str:
+    """The server's overall grpc.health.v1 status ("SERVING", "NOT_SERVING", ...), or the
+    gRPC error that kept it from answering. Health is open: no token is needed."""
+    with sync_channel(address) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+        except grpc.RpcError as e:
+            return f"{e.code().name}: {e.details()}"
+
+
 def _ready(name: str, address: str) -> bool:
     if name in HTTP_SERVICES:
         return http_ready(f"http://{address}")
-    with sync_channel(address) as ch:
-        try:
-            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
-            return r.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
+    return grpc_health(address) == "SERVING"
 
 
 def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", timeout: float = 180.0,
@@ -141,19 +179,17 @@ def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", time
         redis_url = redis.url
         echo(f"  redis        {redacted(redis_url)} (embedded, append-only file in {data_dir / 'redis'})")
     ports = {n: free_port() for n in (*SERVICES, "buffer_metrics")}
-    stack = Stack(data_dir=data_dir, redis_url=redis_url, ports=ports, redis=redis)
+    stack = Stack(data_dir=data_dir, redis_url=redis_url, ports=ports, model_path=model_path, redis=redis)
     _write_private(stack.token_file, auth.ensure_stack_token())
-    env = stack.env()
     try:
         for name in SERVICES:
-            log = open(data_dir / "logs" / f"{name}.log", "ab")
-            stack.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "rlmesh.cli", "serve", name, *stack.flags(name, model_path)],
-                stdout=log, stderr=subprocess.STDOUT, env=env)
+            # The first start fails fast (a wrong flag or model should stop `up` at once);
+            # only a stack that came up is supervised.
+            process = stack.spawn(name)
             try:
-                wait_until_ready(lambda: _ready(name, stack.address(name)), stack.processes[name], name, timeout)  # noqa: B023 - called at once
+                wait_until_ready(lambda: _ready(name, stack.address(name)), process, name, timeout)  # noqa: B023 - called at once
             except RuntimeError as e:
-                raise RuntimeError(f"{e}; see {data_dir / 'logs' / (name + '.log')}") from None
+                raise RuntimeError(f"{e}; see {stack.log_file(name)}") from None
             echo(f"  {name:<12} {stack.address(name)}")
         echo(f"  {'metrics':<12} http://127.0.0.1:{stack.ports['buffer_metrics']}/metrics (buffer, Prometheus)")
     except BaseException:
@@ -161,6 +197,93 @@ def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", time
         raise
     stack.write_state()
     return stack
+
+
+class Process(Protocol):
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+
+def exit_reason(code: int) -> str:
+    """Popen's returncode in words: a negative code is the signal that ended the process."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass
+class _Watched:
+    name: str
+    start: Callable[[], Process]
+    log_file: Path | None
+    process: Process
+    started_at: float
+    failures: int = 0  # restarts since the process last stayed up `stable_after`
+    restart_at: float | None = None  # set while it is down
+
+
+class Supervisor:
+    """Keeps processes running: one that exits (any code, any signal) is started again by
+    its `start` after a delay that doubles from `initial` up to `maximum`, back to `initial`
+    once it has stayed up `stable_after` seconds. It never gives up: only the owner stops it.
+    Each exit and restart is said on `echo` and appended to the process's log file. The
+    clock is injectable so that the decisions are tested without real time."""
+
+    def __init__(self, initial: float = 1.0, maximum: float = 30.0, stable_after: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic, echo=print) -> None:
+        self.initial, self.maximum, self.stable_after = initial, maximum, stable_after
+        self.clock, self.echo = clock, echo
+        self.watched: dict[str, _Watched] = {}
+
+    def watch(self, name: str, process: Process, start: Callable[[], Process], log_file: Path | None = None) -> None:
+        self.watched[name] = _Watched(name, start, log_file, process, started_at=self.clock())
+
+    def check_once(self) -> None:
+        """Notice exits and start what is due; call it every fraction of a second."""
+        for w in self.watched.values():
+            now = self.clock()
+            if w.restart_at is None:
+                code = w.process.poll()
+                if code is not None:
+                    self._schedule(w, now, f"exited ({exit_reason(code)}) after {now - w.started_at:.0f} s")
+            elif now >= w.restart_at:
+                try:
+                    w.process = w.start()
+                except Exception as e:  # e.g. Redis not answering yet: try again later
+                    w.started_at = now
+                    self._schedule(w, now, f"did not start again ({e})")
+                    continue
+                w.started_at, w.restart_at = self.clock(), None
+                self._say(w, f"{w.name} restarted (pid {w.process.pid}, attempt {w.failures})")
+
+    def _schedule(self, w: _Watched, now: float, what: str) -> None:
+        if now - w.started_at >= self.stable_after:
+            w.failures = 0
+        delay = min(self.initial * 2 ** w.failures, self.maximum)
+        w.failures += 1
+        w.restart_at = now + delay
+        self._say(w, f"{w.name} {what}; restart attempt {w.failures} in {delay:g} s")
+
+    def _say(self, w: _Watched, message: str) -> None:
+        self.echo(message)
+        if w.log_file is not None:
+            with open(w.log_file, "a") as f:
+                f.write(f"{datetime.now().isoformat(sep=' ', timespec='seconds')} rlmesh up: {message}\n")
+
+
+def supervise(stack: Stack, stop: threading.Event, interval: float = 0.5, echo=print) -> None:
+    """`rlmesh up`'s loop: restart what exits until `stop` is set, then stop the whole stack."""
+    supervisor = stack.supervisor(echo=echo)
+    try:
+        while not stop.is_set():
+            supervisor.check_once()
+            stop.wait(interval)
+    finally:
+        stack.stop()
 
 
 def _write_private(path: Path, text: str) -> None:
