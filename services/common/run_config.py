@@ -151,6 +151,16 @@ class TrainingConfig(StrictModel):
         "", description="Where the trainer saves checkpoints, under the trainer's work_dir (relative to it; "
         "default <work_dir>/<run>/checkpoints)."
     )
+    checkpoint_interval: int = Field(
+        0, ge=0, le=INT32_MAX, description="Save a checkpoint (model, optimizer, scheduler, RNG, step) to "
+        "checkpoint_dir/step-NNNNNN every this many optimizer steps, written in the background; a trainer "
+        "restarted with the same run resumes from the newest one. 0 = off (each checkpoint is the model plus "
+        "twice its size in optimizer state)."
+    )
+    keep_last: int = Field(
+        2, ge=1, le=INT32_MAX, description="How many of the newest automatic checkpoints to keep; older ones "
+        "rlmesh wrote are deleted (SaveCheckpoint's are never deleted)."
+    )
     seed: int = Field(0, ge=0, le=INT64_MAX, description="Seed of the trainer's random state.")
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import random
 import shutil
 import threading
 from collections.abc import Iterator, Sequence
@@ -27,6 +29,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
@@ -41,9 +44,14 @@ log = logging.getLogger(__name__)
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
-# Files of a model directory that save_pretrained writes itself; everything else at the
-# top level (tokenizer, chat template) is copied over so a checkpoint is a complete model.
-_WRITTEN_BY_SAVE = {"config.json", "generation_config.json", OPTIMIZER_FILE, STATE_FILE}
+RNG_FILE = "rng_state.pt"
+# Written last, once every other file of a checkpoint is on disk: a directory without it
+# is never resumed automatically, whatever else it holds.
+COMPLETE_FILE = "checkpoint_complete"
+# Files of a model directory that save_pretrained writes itself (or a checkpoint's own);
+# everything else at the top level (tokenizer, chat template) is copied over so a
+# checkpoint is a complete model.
+_WRITTEN_BY_SAVE = {"config.json", "generation_config.json", OPTIMIZER_FILE, STATE_FILE, RNG_FILE, COMPLETE_FILE}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
@@ -269,14 +277,112 @@ def _build_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) 
     return _Optimizer(config, optimizer, scheduler)
 
 
-def _load_model(path: str, device: torch.device) -> PreTrainedModel:
+def _load_model(path: str, device: torch.device, what: str = "model_path") -> PreTrainedModel:
     if not Path(path).is_dir():
-        raise errors.InvalidArgument(f"model_path: {path!r} is not a directory (a local Hugging Face checkpoint)")
+        raise errors.InvalidArgument(f"{what}: {path!r} is not a directory (a local Hugging Face checkpoint)")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise errors.InvalidArgument(f"model_path: cannot load a causal LM from {path!r}: {e}") from None
+        raise errors.InvalidArgument(f"{what}: cannot load a causal LM from {path!r}: {e}") from None
     return model.to(device).eval()
+
+
+@dataclass
+class CheckpointSnapshot:
+    """A checkpoint copied to CPU memory, to be written (write_checkpoint) while training
+    goes on."""
+
+    model: PreTrainedModel  # for save_pretrained's config; its parameters are not read
+    weights: dict[str, Tensor]
+    optimizers: dict
+    rng: dict
+    state: dict  # what trainer_state.json holds besides the caller's extra
+    extras_from: Path  # the run's model directory: tokenizer and the like
+
+
+def write_checkpoint(snapshot: CheckpointSnapshot, path: Path, extra: dict | None = None) -> Path:
+    """Write `snapshot` into `path` (a new directory): a complete model (save_pretrained),
+    optimizer and scheduler state, RNG states, trainer_state.json; every file synced, and
+    COMPLETE_FILE last. Not atomic by itself: the trainer writes to a hidden directory and
+    renames it into place."""
+    path.mkdir(parents=True)
+    # save_pretrained pops the tensors it has written from the dict it is given.
+    snapshot.model.save_pretrained(path, state_dict=dict(snapshot.weights))
+    _copy_model_extras(snapshot.extras_from, path)
+    torch.save(snapshot.optimizers, path / OPTIMIZER_FILE)
+    torch.save(snapshot.rng, path / RNG_FILE)
+    (path / STATE_FILE).write_text(json.dumps({**snapshot.state, **(extra or {})}, indent=2))
+    for f in path.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+    (path / COMPLETE_FILE).touch()
+    _fsync(path / COMPLETE_FILE)
+    fsync_dir(path)
+    return path
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of a directory (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _cpu_copy(value, memo: dict):
+    """`value` (nested dicts, lists, tuples) with every tensor copied to CPU memory; tensors
+    sharing memory (tied weights) stay shared, as save_pretrained expects."""
+    if isinstance(value, Tensor):
+        if not value.numel():  # no memory of its own to share
+            return value.detach().to("cpu", copy=True)
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype)
+        if key not in memo:
+            memo[key] = value.detach().to("cpu", copy=True)
+        return memo[key]
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v, memo) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(v, memo) for v in value)
+    return value
+
+
+def _rng_state(device: torch.device) -> dict:
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        # As plain values and a tensor, so that loading needs no pickled numpy objects.
+        "numpy": {
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state({
+        "bit_generator": "MT19937",
+        "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+        "has_gauss": n["has_gauss"],
+        "gauss": n["gauss"],
+    })
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 class TorchBackend:
@@ -285,7 +391,10 @@ class TorchBackend:
         config: TrainerRunConfig,
         device: torch.device,
         mixed_precision: bool = True,
+        resume_from: Path | None = None,
     ) -> None:
+        """The run's model from config.model_path, or, with `resume_from`, from that
+        checkpoint of the run (model, optimizer, scheduler, RNG states, step)."""
         self.config = config
         self.algorithm = config.algorithm
         self.estimator = algo.get_advantage_estimator(self.algorithm.advantage_estimator)
@@ -297,7 +406,8 @@ class TorchBackend:
         self._autocast_dtype = torch.bfloat16 if (mixed_precision and device.type == "cuda") else None
         torch.manual_seed(config.seed)
 
-        self.policy = _load_model(config.model_path, device)
+        source = resume_from or Path(config.model_path)
+        self.policy = _load_model(str(source), device, "checkpoint to resume" if resume_from else "model_path")
         pad = self.policy.config.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else 0
         # The rows of the input embedding: token ids must be below it.
@@ -305,7 +415,7 @@ class TorchBackend:
 
         # Starting from one of our checkpoints resumes it (see _resume); its reference
         # is still the model the run began from, not the checkpoint.
-        saved_state = _read_state(Path(config.model_path))
+        saved_state = _read_state(source)
         self.reference_path = (
             config.reference_model_path or saved_state.get("reference_model_path") or config.model_path
         )
@@ -320,7 +430,7 @@ class TorchBackend:
         self._optimizers["sft"] = (
             _build_optimizer(params, config.sft_optimizer) if config.sft_optimizer else self._optimizers["rl"]
         )
-        self.resumed_state: dict = self._resume(Path(config.model_path), saved_state) if saved_state else {}
+        self.resumed_state: dict = self._resume(source, saved_state) if saved_state else {}
 
     @property
     def needs_reference(self) -> bool:
@@ -511,26 +621,26 @@ class TorchBackend:
             _copy_model_extras(Path(self.config.model_path), path)
             return path
 
-    def save_checkpoint(self, path: Path, extra_state: dict | None = None) -> Path:
-        """Model (save_pretrained) + optimizer and scheduler state + trainer_state.json.
-        Written beside the target and renamed into place, so a crash never leaves a
-        checkpoint that looks complete but is not."""
-        path = path.resolve()
-        partial = path.with_name(path.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
+    def snapshot(self) -> CheckpointSnapshot:
+        """Everything a checkpoint holds, copied to CPU memory (cheap next to a step for
+        the models this backend trains), so that writing it can overlap the next steps."""
         with self._lock:
-            self.save_weights(partial)
-            state = {
+            optimizers = {
                 name: {"optimizer": o.optimizer.state_dict(), "scheduler": o.scheduler.state_dict()}
                 for name, o in self._distinct_optimizers().items()
             }
-            torch.save(state, partial / OPTIMIZER_FILE)
-            state_json = {"step": self.step, "reference_model_path": self.reference_path, **(extra_state or {})}
-            (partial / STATE_FILE).write_text(json.dumps(state_json, indent=2))
-            if path.exists():
-                shutil.rmtree(path)
-            partial.rename(path)
-            return path
+            return CheckpointSnapshot(
+                model=self.policy,
+                weights=_cpu_copy(self.policy.state_dict(), {}),
+                optimizers=_cpu_copy(optimizers, {}),
+                rng=_rng_state(self.device),
+                state={"step": self.step, "reference_model_path": self.reference_path},
+                extras_from=Path(self.config.model_path),
+            )
+
+    def save_checkpoint(self, path: Path, extra_state: dict | None = None) -> Path:
+        """A checkpoint written into the new directory `path` (see write_checkpoint)."""
+        return write_checkpoint(self.snapshot(), path.resolve(), extra_state)
 
     def _distinct_optimizers(self) -> dict[str, _Optimizer]:
         if self._optimizers["sft"] is self._optimizers["rl"]:
@@ -538,13 +648,15 @@ class TorchBackend:
         return dict(self._optimizers)
 
     def _resume(self, path: Path, state: dict) -> dict:
-        """Restore the optimizer, the scheduler and the step count of a checkpoint;
-        returns its saved state."""
+        """Restore the optimizer, the scheduler, the RNG states (checkpoints written before
+        they were saved have none) and the step count of a checkpoint; returns its saved state."""
         saved = torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
         for name, opt in self._distinct_optimizers().items():
             if name in saved:
                 opt.optimizer.load_state_dict(saved[name]["optimizer"])
                 opt.scheduler.load_state_dict(saved[name]["scheduler"])
+        if (path / RNG_FILE).is_file():
+            _set_rng_state(torch.load(path / RNG_FILE, weights_only=True), self.device)
         self.step = int(state.get("step", 0))
         log.info("resumed from checkpoint %s at step %d", path, self.step)
         return state

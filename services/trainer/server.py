@@ -15,7 +15,8 @@ SERVICE_NAME = "rlmesh.v1.Trainer"
 
 def _status(status: RunStatus) -> trainer_pb2.TrainerStatus:
     return trainer_pb2.TrainerStatus(
-        run_id=status.run_id, step=status.step, weight_version=status.weight_version, model_path=status.model_path
+        run_id=status.run_id, step=status.step, weight_version=status.weight_version, model_path=status.model_path,
+        resumed_step=status.resumed_step,
     )
 
 

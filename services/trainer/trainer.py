@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import shutil
 import uuid
 from contextlib import asynccontextmanager
@@ -20,11 +21,21 @@ from pydantic import ValidationError
 
 from rlmesh.common import errors
 from rlmesh.common.grpc_server import aio_channel
-from rlmesh.common.limits import at_most
+from rlmesh.common.limits import at_most, seconds
 from rlmesh.common.paths import resolve_roots, resolve_under, validate_run_id
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import ConversionError, SampleGroup, group_from_proto
-from rlmesh.trainer.backend import OPTIMIZER_FILE, STATE_FILE, TorchBackend, check_group, resolve_device
+from rlmesh.trainer.backend import (
+    COMPLETE_FILE,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    CheckpointSnapshot,
+    TorchBackend,
+    check_group,
+    fsync_dir,
+    resolve_device,
+    write_checkpoint,
+)
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.weight_sync import PushResult, WeightPusher
 from rlmesh.v1 import buffer_pb2, sample_pb2
@@ -38,6 +49,12 @@ ACK_ATTEMPTS = 3
 # In trainer_state.json of every checkpoint this trainer writes: only such a directory is
 # ever replaced by a save (a Hugging Face Trainer checkpoint has the same file names).
 WRITTEN_BY = "rlmesh"
+# Names in a run's checkpoint_dir: automatic checkpoints (step-000010; only these are
+# pruned to keep_last), SaveCheckpoint's default (step_10), and the scratch directory of a
+# save (.<name>.<12 hex>), renamed into place once complete.
+AUTO_CHECKPOINT = re.compile(r"step-(\d+)")
+CHECKPOINT = re.compile(r"step[-_](\d+)")
+SCRATCH = re.compile(r"\.step[-_]\d+\.[0-9a-f]{12}")
 
 
 def parse_run_config(config_json: str) -> TrainerRunConfig:
@@ -58,6 +75,7 @@ class RunStatus:
     step: int
     weight_version: int
     model_path: str
+    resumed_step: int = 0  # step of the checkpoint the run resumed from; 0 = a fresh start
 
 
 @dataclass
@@ -75,9 +93,19 @@ class _Run:
     backend: TorchBackend
     weight_version: int = 0
     pusher: WeightPusher | None = None
+    resumed_step: int = 0
+    last_checkpoint_step: int = 0  # of the newest automatic checkpoint, or where the run started
+    saving: asyncio.Task | None = None  # the automatic checkpoint being written (at most one)
 
     def status(self) -> RunStatus:
-        return RunStatus(self.run_id, self.backend.step, self.weight_version, self.config.model_path)
+        return RunStatus(
+            self.run_id, self.backend.step, self.weight_version, self.config.model_path, self.resumed_step
+        )
+
+    async def saved(self) -> None:
+        """Wait for the checkpoint being written, if any (it logs its own failure)."""
+        if self.saving is not None:
+            await self.saving
 
 
 class Trainer:
@@ -100,8 +128,10 @@ class Trainer:
         return run
 
     async def init_run(self, run_id: str, config: TrainerRunConfig) -> RunStatus:
+        """Load the run's model, or resume the newest complete checkpoint of the run in its
+        checkpoint_dir (a restarted trainer, or the run set up again)."""
         validate_run_id(run_id)
-        self._checkpoint_dir(run_id, config)  # refused now rather than at the first save
+        checkpoints = self._checkpoint_dir(run_id, config)  # refused now rather than at the first save
         self._check_resume(config)
         async with self._lock:
             if self._run is not None:
@@ -113,10 +143,16 @@ class Trainer:
                     + "; EndRun it first"
                 )
             device = resolve_device(config.device if config.device != "auto" else self.settings.device)
-            backend = await asyncio.to_thread(TorchBackend, config, device, self.settings.mixed_precision)
-            run = _Run(run_id, config, backend, weight_version=int(backend.resumed_state.get("weight_version", 0)))
+            resume = await asyncio.to_thread(newest_checkpoint, checkpoints, run_id)
+            backend = await asyncio.to_thread(TorchBackend, config, device, self.settings.mixed_precision, resume)
+            run = _Run(
+                run_id, config, backend,
+                weight_version=int(backend.resumed_state.get("weight_version", 0)),
+                resumed_step=backend.step if backend.resumed_state else 0,
+                last_checkpoint_step=backend.step,
+            )
             self._run = run
-            log.info("run %s: %s on %s (step %d)", run_id, config.model_path, device, backend.step)
+            log.info("run %s: %s on %s (step %d)", run_id, resume or config.model_path, device, backend.step)
             return run.status()
 
     def status(self, run_id: str) -> RunStatus:
@@ -134,6 +170,7 @@ class Trainer:
     async def end_run(self, run_id: str) -> RunStatus:
         run = self._get(run_id)
         async with self._holding(run):
+            await run.saved()  # the last checkpoint lands before the model goes
             status = run.status()
             if run.pusher is not None:
                 await run.pusher.close()
@@ -159,8 +196,7 @@ class Trainer:
         if num_groups < 1:
             raise errors.InvalidArgument(f"num_groups must be at least 1, got {num_groups}")
         at_most(num_groups, self.settings.limits.max_groups_per_call, "num_groups", "max_groups_per_call")
-        if wait_seconds < 0:
-            raise errors.InvalidArgument(f"wait_seconds must not be negative, got {wait_seconds}")
+        seconds(wait_seconds, "wait_seconds")
         _check_loss(loss)
         return await asyncio.shield(self._lease_train_ack(run, num_groups, wait_seconds, loss))
 
@@ -178,6 +214,7 @@ class Trainer:
             result = await self._train(run, groups, loss)
             await self._ack(run.run_id, lease_id, result.step)
             result.metrics["rejected_groups"] = float(len(rejected))
+            await self._checkpoint_if_due(run)
             return result
 
     async def train_on_groups(self, run_id: str, groups: list[SampleGroup], loss: str = "") -> StepResult:
@@ -185,7 +222,9 @@ class Trainer:
         run = self._get(run_id)
         _check_loss(loss)
         async with self._holding(run):
-            return await self._train(run, groups, loss)
+            result = await self._train(run, groups, loss)
+            await self._checkpoint_if_due(run)
+            return result
 
     async def _train(self, run: _Run, groups: list[SampleGroup], loss: str) -> StepResult:
         step = run.backend.sft_step if loss == "sft" else run.backend.train_step
@@ -303,11 +342,36 @@ class Trainer:
             target = self._checkpoint_dir(run.run_id, run.config) / f"step_{run.backend.step}"
             if path:
                 target = self._under_work_dir(path, "path")
-            extra = {"run_id": run.run_id, "weight_version": run.weight_version, "written_by": WRITTEN_BY}
+            await run.saved()  # one writer at a time, were it the same directory
             try:
-                return await asyncio.to_thread(_save_checkpoint, run.backend, target, extra)
+                snapshot = await asyncio.to_thread(run.backend.snapshot)
+                return await asyncio.to_thread(_commit_checkpoint, snapshot, target, _checkpoint_extra(run))
             except OSError as e:
                 raise errors.FailedPrecondition(f"cannot write checkpoint to {str(target)!r}: {e}") from None
+
+    async def _checkpoint_if_due(self, run: _Run) -> None:
+        """After a step, holding the lock: when the step count reached the next multiple of
+        checkpoint_interval, copy the state to CPU memory now and write it in the
+        background. A step never fails for a checkpoint: a failure is logged."""
+        interval, step = run.config.checkpoint_interval, run.backend.step
+        if not interval or step // interval <= run.last_checkpoint_step // interval:
+            return
+        if run.saving is not None and not run.saving.done():
+            # At most one save in flight. Waiting (not skipping) keeps checkpoints where the
+            # interval puts them; training only waits when the disk is slower than
+            # `interval` steps, and then the interval is too short.
+            log.warning("run %s: checkpoint at step %d waits for the previous one to be written", run.run_id, step)
+            await run.saved()
+        target = self._checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}"
+        try:
+            snapshot = await asyncio.to_thread(run.backend.snapshot)
+        except Exception:
+            log.exception("run %s: no checkpoint at step %d: copying the state failed", run.run_id, step)
+            return
+        run.last_checkpoint_step = step
+        run.saving = asyncio.create_task(
+            _write_in_background(run.run_id, snapshot, target, _checkpoint_extra(run), run.config.keep_last)
+        )
 
     def _under_work_dir(self, path: str | Path, what: str) -> Path:
         return resolve_under(path, self._roots, what, "the trainer's work_dir")
@@ -334,11 +398,61 @@ def is_own_checkpoint(path: Path) -> bool:
     return isinstance(state, dict) and state.get("written_by") == WRITTEN_BY and (path / OPTIMIZER_FILE).is_file()
 
 
-def _save_checkpoint(backend: TorchBackend, target: Path, extra: dict) -> Path:
+def _checkpoint_state(path: Path, run_id: str) -> dict | None:
+    """trainer_state.json of a complete checkpoint of `run_id` that rlmesh wrote, else None."""
+    if not (is_own_checkpoint(path) and (path / COMPLETE_FILE).is_file()):
+        return None
+    state = json.loads((path / STATE_FILE).read_text())
+    return state if state.get("run_id") == run_id else None
+
+
+def newest_checkpoint(directory: Path, run_id: str) -> Path | None:
+    """The complete checkpoint of `run_id` with the highest step in `directory` (automatic
+    or SaveCheckpoint's default name), or None. Scratch directories of saves cut short
+    (a killed trainer) are removed on the way: they are never renamed into place."""
+    if not directory.is_dir():
+        return None
+    found = []
+    for entry in directory.iterdir():
+        if SCRATCH.fullmatch(entry.name):
+            log.info("removing %s, left by a checkpoint save that did not finish", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+        elif CHECKPOINT.fullmatch(entry.name) and (state := _checkpoint_state(entry, run_id)) is not None:
+            found.append((int(state.get("step", 0)), entry.name, entry))
+    return max(found)[2] if found else None
+
+
+def prune_checkpoints(directory: Path, run_id: str, keep: int) -> None:
+    """Delete all but the `keep` newest complete automatic checkpoints of `run_id`: only
+    those rlmesh wrote, never SaveCheckpoint's."""
+    auto = sorted(
+        (int(m[1]), entry) for entry in directory.iterdir()
+        if (m := AUTO_CHECKPOINT.fullmatch(entry.name)) and _checkpoint_state(entry, run_id) is not None
+    )
+    for _, entry in auto[:-keep]:
+        shutil.rmtree(entry)
+
+
+def _checkpoint_extra(run: _Run) -> dict:
+    return {"run_id": run.run_id, "weight_version": run.weight_version, "written_by": WRITTEN_BY}
+
+
+async def _write_in_background(run_id: str, snapshot: CheckpointSnapshot, target: Path, extra: dict, keep: int) -> None:
+    """An automatic checkpoint written and the older ones pruned, on a worker thread; the
+    task never raises: nobody awaits it for a result, so a failure is logged here."""
+    try:
+        await asyncio.to_thread(_commit_checkpoint, snapshot, target, extra)
+        await asyncio.to_thread(prune_checkpoints, target.parent, run_id, keep)
+        log.info("run %s: checkpoint %s written", run_id, target)
+    except Exception:
+        log.exception("run %s: checkpoint %s could not be written; training goes on", run_id, target)
+
+
+def _commit_checkpoint(snapshot: CheckpointSnapshot, target: Path, extra: dict) -> Path:
     """The checkpoint is written under a fresh hidden name beside `target` and then moved
-    into place, so the backend never deletes anything, and an existing `target` is
-    replaced only when it is a checkpoint of ours: a save never deletes a directory
-    rlmesh did not write."""
+    into place (a crash mid-save leaves only that hidden directory, never one that looks
+    complete), and an existing `target` is replaced only when it is a checkpoint of ours:
+    a save never deletes a directory rlmesh did not write."""
     if target.exists() and not is_own_checkpoint(target):
         raise errors.FailedPrecondition(
             f"{str(target)!r} exists and is not a checkpoint rlmesh wrote; a save replaces only rlmesh's own "
@@ -347,7 +461,7 @@ def _save_checkpoint(backend: TorchBackend, target: Path, extra: dict) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fresh = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}")
     try:
-        backend.save_checkpoint(fresh, extra)
+        write_checkpoint(snapshot, fresh, extra)
         if target.exists():
             old = fresh.with_name(fresh.name + ".old")
             target.rename(old)
@@ -359,9 +473,9 @@ def _save_checkpoint(backend: TorchBackend, target: Path, extra: dict) -> Path:
             shutil.rmtree(old, ignore_errors=True)
         else:
             fresh.rename(target)
+        fsync_dir(target.parent)
     finally:
-        for leftover in (fresh, fresh.with_name(fresh.name + ".partial")):
-            shutil.rmtree(leftover, ignore_errors=True)
+        shutil.rmtree(fresh, ignore_errors=True)
     return target
 
 

@@ -94,13 +94,15 @@ class EndRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("run_id", "step", "weight_version", "model_path")
+    __slots__ = ("run_id", "step", "weight_version", "model_path", "resumed_step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_STEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     weight_version: int
     model_path: str
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ...) -> None: ...
+    resumed_step: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ..., resumed_step: _Optional[int] = ...) -> None: ...

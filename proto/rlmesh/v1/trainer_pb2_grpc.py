@@ -72,7 +72,9 @@ class TrainerServicer:
     def InitRun(self, request, context):
         """Load the policy (and reference model) and optimizer for a run. config_json is the
         run's trainer section (services.common.run_config.TrainerRunConfig), validated on
-        arrival: a bad field is INVALID_ARGUMENT naming the field.
+        arrival: a bad field is INVALID_ARGUMENT naming the field. A run whose checkpoint_dir
+        already holds complete checkpoints of it (a trainer restarted, or the run set up
+        again) resumes from the newest one instead of model_path (see resumed_step).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

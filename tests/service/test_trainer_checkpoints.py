@@ -1,0 +1,243 @@
+"""The trainer's automatic checkpoints: every checkpoint_interval steps, written in the
+background, atomically, only keep_last of them kept; and a run set up again (a trainer
+restarted after SIGKILL) resumes from the newest complete one, bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import random
+import shutil
+import threading
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import rlmesh.trainer.trainer as trainer_module
+from rlmesh.buffer.config import Settings as BufferSettings
+from rlmesh.buffer.server import start as start_buffer
+from rlmesh.common.grpc_server import start_service, sync_channel
+from rlmesh.common.sample import Status, group_from_proto, group_to_proto
+from rlmesh.trainer.backend import COMPLETE_FILE, TorchBackend
+from rlmesh.trainer.config import Settings
+from rlmesh.trainer.server import build
+from rlmesh.trainer.trainer import Trainer
+from rlmesh.v1 import trainer_pb2
+from rlmesh.v1.buffer_pb2_grpc import BufferStub
+from rlmesh.v1.trainer_pb2_grpc import TrainerStub
+from tests.helpers.buffer import code_of, create, prompts, put
+from tests.service.test_trainer import CPU, config, make_groups
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def keeper(path: Path, state: dict | None = None) -> Path:
+    """A directory the trainer must leave alone (with a trainer_state.json when given)."""
+    path.mkdir(parents=True)
+    (path / "keep.txt").write_text("keep")
+    if state is not None:
+        (path / "trainer_state.json").write_text(json.dumps(state))
+        (path / "optimizer.pt").write_bytes(b"")
+    return path
+
+
+def test_a_checkpoint_every_interval_and_only_the_newest_of_rlmeshs_own_kept(tiny_model_dir, tmp_path):
+    checkpoints = tmp_path / "r1" / "checkpoints"
+    theirs = keeper(checkpoints / "step-000001")  # not a checkpoint at all
+    hf = keeper(checkpoints / "step-000000", {"global_step": 0})  # someone else's trainer_state.json
+    other_run = keeper(checkpoints / "step-000003", {"written_by": "rlmesh", "run_id": "r0", "step": 3})
+    (other_run / COMPLETE_FILE).touch()
+
+    async def scenario():
+        trainer = Trainer(Settings(work_dir=tmp_path))
+        status = await trainer.init_run("r1", config(tiny_model_dir, checkpoint_interval=2, keep_last=2))
+        assert status.resumed_step == 0  # nothing of r1's to resume
+        for _ in range(3):
+            await trainer.train_on_groups("r1", make_groups())
+        manual = await trainer.save_checkpoint("r1")  # SaveCheckpoint's default name: never pruned
+        for _ in range(4):
+            await trainer.train_on_groups("r1", make_groups())
+        await trainer.end_run("r1")  # waits for the checkpoint being written
+        return manual
+
+    manual = asyncio.run(scenario())
+    # Saved at 2, 4 and 6; keep_last=2 deleted step 2; nothing else was touched.
+    assert names(checkpoints) == ["step-000000", "step-000001", "step-000003", "step-000004", "step-000006",
+                                  "step_3"]
+    assert manual == checkpoints / "step_3"
+    for directory in (theirs, hf, other_run):
+        assert "keep.txt" in names(directory)
+    newest = checkpoints / "step-000006"
+    state = json.loads((newest / "trainer_state.json").read_text())
+    assert (state["step"], state["run_id"], state["written_by"]) == (6, "r1", "rlmesh")
+    assert {"model.safetensors", "tokenizer.json", "optimizer.pt", "rng_state.pt", COMPLETE_FILE} <= set(names(newest))
+
+
+def test_a_save_cut_short_is_ignored_and_cleaned_and_an_unmarked_one_never_loaded(tiny_model_dir, tmp_path):
+    checkpoints = tmp_path / "r1" / "checkpoints"
+    cfg = config(tiny_model_dir, checkpoint_interval=2)
+
+    async def train(trainer: Trainer, steps: int) -> int:
+        status = await trainer.init_run("r1", cfg)
+        for _ in range(steps):
+            await trainer.train_on_groups("r1", make_groups())
+        await trainer.end_run("r1")
+        return status.resumed_step
+
+    assert asyncio.run(train(Trainer(Settings(work_dir=tmp_path)), 4)) == 0
+    # What a trainer killed mid-save leaves: its scratch directory (complete or not) ...
+    scratch = shutil.copytree(checkpoints / "step-000004", checkpoints / ".step-000006.0123456789ab")
+    # ... and a directory that lacks the completion marker (say, copied by hand half-way).
+    unmarked = shutil.copytree(checkpoints / "step-000004", checkpoints / "step-000008")
+    (unmarked / COMPLETE_FILE).unlink()
+    for directory, step in ((scratch, 6), (unmarked, 8)):
+        (directory / "trainer_state.json").write_text(json.dumps(
+            {**json.loads((directory / "trainer_state.json").read_text()), "step": step}))
+
+    # Resumed from step 4, the newest complete one; the scratch directory is gone.
+    assert asyncio.run(train(Trainer(Settings(work_dir=tmp_path)), 2)) == 4
+    assert names(checkpoints) == ["step-000004", "step-000006", "step-000008"]
+    assert json.loads((checkpoints / "step-000006" / "trainer_state.json").read_text())["step"] == 6
+
+
+def test_writing_a_checkpoint_does_not_hold_up_the_next_step(tiny_model_dir, tmp_path, monkeypatch):
+    started, release = threading.Event(), threading.Event()
+    writing, most_at_once = [0], [0]
+    write = trainer_module.write_checkpoint
+
+    def held_write(*args):
+        writing[0] += 1
+        most_at_once[0] = max(most_at_once[0], writing[0])
+        started.set()
+        release.wait(60)
+        try:
+            return write(*args)
+        finally:
+            writing[0] -= 1
+
+    monkeypatch.setattr(trainer_module, "write_checkpoint", held_write)
+    checkpoints = tmp_path / "r1" / "checkpoints"
+
+    async def scenario():
+        trainer = Trainer(Settings(work_dir=tmp_path))
+        await trainer.init_run("r1", config(tiny_model_dir, checkpoint_interval=2))
+        for _ in range(2):
+            await trainer.train_on_groups("r1", make_groups())
+        assert await asyncio.to_thread(started.wait, 60)  # step 2's checkpoint is being written ...
+        third = await trainer.train_on_groups("r1", make_groups())
+        assert third.step == 3  # ... and step 3 was taken meanwhile
+        assert not (checkpoints / "step-000002").exists()
+        fourth = asyncio.ensure_future(trainer.train_on_groups("r1", make_groups()))  # due: waits for step 2's
+        release.set()
+        assert (await fourth).step == 4
+        await trainer.end_run("r1")
+
+    asyncio.run(scenario())
+    assert names(checkpoints) == ["step-000002", "step-000004"]
+    assert most_at_once[0] == 1  # one save in flight at a time
+    # The checkpoint holds the state of step 2 (copied then), not of the steps taken while it was written.
+    reference = TorchBackend(config(tiny_model_dir), CPU)
+    for _ in range(2):
+        reference.train_step(make_groups())
+    saved = load_file(checkpoints / "step-000002" / "model.safetensors")
+    for name, tensor in reference.state_dict_for_sync():
+        assert torch.equal(saved[name], tensor), name
+
+
+def test_a_checkpoint_restores_the_random_number_generators(tiny_model_dir, tmp_path):
+    path = TorchBackend(config(tiny_model_dir), CPU).save_checkpoint(tmp_path / "ckpt")
+    expected = (torch.rand(4), random.random(), np.random.rand())
+    torch.rand(4), random.random(), np.random.rand()  # the generators move on
+    TorchBackend(config(tiny_model_dir), CPU, resume_from=path)
+    drawn = (torch.rand(4), random.random(), np.random.rand())
+    assert torch.equal(drawn[0], expected[0]) and drawn[1:] == expected[1:]
+
+
+# ---------------------------------------------------------------- resume after a trainer restart, over gRPC
+
+
+def scored(prompt_group, step: int):
+    """Step `step`'s data, the same for every run: two different responses, one rewarded."""
+    group = group_from_proto(prompt_group)
+    for i, s in enumerate(group.samples):
+        s.tokens, s.response_length, s.loss_mask = [5, 6, 7, 8 + step, 12 + i], 2, [1, 1]
+        s.reward, s.status = float(i == step % 2), Status.COMPLETED
+    return group_to_proto(group)
+
+
+@pytest.fixture
+def serve(loop_thread):
+    """serve(trainer) -> (stub, kill): the trainer over real gRPC; kill() stops the server
+    the way SIGKILL would, with no EndRun and nothing flushed."""
+    servers = []
+
+    def start(trainer: Trainer):
+        server, port = loop_thread.run(start_service(functools.partial(build, trainer=trainer), trainer.settings))
+        servers.append((trainer, server))
+        return TrainerStub(sync_channel(f"127.0.0.1:{port}")), lambda: loop_thread.run(server.stop(None))
+
+    yield start
+    for trainer, server in servers:
+        loop_thread.run(trainer.close())
+        loop_thread.run(server.stop(None))
+
+
+def test_a_restarted_trainer_resumes_the_run_bit_for_bit(
+    redis_url, start_in_loop, dataset, serve, loop_thread, tiny_model_dir, tmp_path
+):
+    _, port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
+    buffer = BufferStub(sync_channel(f"127.0.0.1:{port}"))
+    settings = {"buffer_address": f"127.0.0.1:{port}", "port": 0}  # two trainers at once
+    cfg = config(tiny_model_dir, checkpoint_interval=2, seed=3).model_dump_json()
+
+    def train(stub, run_id: str, steps: range) -> None:
+        for step in steps:
+            put(buffer, [scored(prompts(buffer, 1, run_id=run_id)[0], step)], run_id=run_id)
+            assert stub.TrainStep(trainer_pb2.TrainStepRequest(run_id=run_id, num_groups=1, wait_seconds=5)).step == step
+
+    def final_state(stub, run_id: str) -> tuple[dict, dict]:
+        path = Path(stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id=run_id, path=f"final-{run_id}")).path)
+        return load_file(path / "model.safetensors"), torch.load(path / "optimizer.pt", weights_only=True)
+
+    # The run never interrupted: steps 1-4.
+    create(buffer, dataset, run_id="whole")
+    whole, _ = serve(Trainer(Settings(work_dir=tmp_path / "a", **settings)))
+    whole.InitRun(trainer_pb2.InitRunRequest(run_id="whole", config_json=cfg))
+    train(whole, "whole", range(1, 5))
+
+    # The same run, killed after step 3: the checkpoint of step 2 had been written.
+    create(buffer, dataset, run_id="killed")
+    first = Trainer(Settings(work_dir=tmp_path / "b", **settings))
+    stub, kill = serve(first)
+    stub.InitRun(trainer_pb2.InitRunRequest(run_id="killed", config_json=cfg))
+    train(stub, "killed", range(1, 4))
+    loop_thread.run(first._run.saved())  # step 2's checkpoint on disk, as it would be soon enough
+    kill()
+
+    # A new trainer on the same work_dir does not know the run; InitRun (what the
+    # coordinator does then) resumes it from step 2, and the lost step 3 is trained again.
+    stub, _ = serve(Trainer(Settings(work_dir=tmp_path / "b", **settings)))
+    code, _ = code_of(lambda: stub.GetStatus(trainer_pb2.GetStatusRequest(run_id="killed")))
+    assert code == grpc.StatusCode.NOT_FOUND
+    status = stub.InitRun(trainer_pb2.InitRunRequest(run_id="killed", config_json=cfg))
+    assert (status.step, status.resumed_step) == (2, 2)
+    train(stub, "killed", range(3, 5))
+
+    (weights, optimizer), (expected_weights, expected_optimizer) = final_state(stub, "killed"), final_state(whole, "whole")
+    assert weights.keys() == expected_weights.keys()
+    for name, tensor in expected_weights.items():
+        assert torch.equal(weights[name], tensor), name
+    for index, values in expected_optimizer["rl"]["optimizer"]["state"].items():
+        for key, tensor in values.items():
+            assert torch.equal(optimizer["rl"]["optimizer"]["state"][index][key], tensor), (index, key)
+    assert optimizer["rl"]["scheduler"] == expected_optimizer["rl"]["scheduler"]
+    # Not trivially equal: training moved the weights away from the step-2 checkpoint.
+    at_two = load_file(tmp_path / "b" / "killed" / "checkpoints" / "step-000002" / "model.safetensors")
+    assert any(not torch.equal(at_two[name], tensor) for name, tensor in weights.items())
