@@ -10,7 +10,7 @@ from typing import Literal
 import grpc
 import redis.asyncio as aioredis
 import uvicorn
-from fastapi import FastAPI, Path, Request
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from google.protobuf.json_format import MessageToDict
@@ -172,11 +172,15 @@ def create_app(settings: Settings) -> FastAPI:
         return [_summary(r) for r in await request.app.state.store.list()]
 
     @app.get("/runs/{run_id}", response_model=RunDetail, responses=_errors(404))
-    async def get_run(request: Request, run_id: str = RUN_ID):
+    async def get_run(request: Request, run_id: str = RUN_ID,
+                      metrics_last: int = Query(1000, ge=0, le=100_000,
+                                                description="How many of the newest metric records to return.")):
+        """A run: status, phase, progress, eval before/after, and its newest metric records."""
         store: RunStore = request.app.state.store
         rec = await store.get(run_id)
-        metrics = await store.metrics(run_id)
-        return {**rec, **_summary(rec), "metrics": metrics, "latest_metrics": metrics[-1] if metrics else {}}
+        metrics = await store.metrics(run_id, metrics_last)
+        latest = metrics[-1] if metrics else (await store.metrics(run_id, 1) or [{}])[-1]
+        return {**rec, **_summary(rec), "metrics": metrics, "latest_metrics": latest}
 
     @app.post("/runs/{run_id}/stop", response_model=RunCreated, responses=_errors(404))
     async def stop_run(request: Request, run_id: str = RUN_ID):

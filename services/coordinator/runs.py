@@ -147,8 +147,12 @@ class RunStore:
     async def append_metrics(self, run_id: str, record: dict) -> None:
         await self.redis.rpush(self._key(run_id) + ":metrics", json.dumps(record))
 
-    async def metrics(self, run_id: str) -> list[dict]:
-        return [json.loads(r) for r in await self.redis.lrange(self._key(run_id) + ":metrics", 0, -1)]
+    async def metrics(self, run_id: str, last: int | None = None) -> list[dict]:
+        """The run's metric records, oldest first; only the newest `last` when given."""
+        start = -last if last else 0
+        if last == 0:
+            return []
+        return [json.loads(r) for r in await self.redis.lrange(self._key(run_id) + ":metrics", start, -1)]
 
     async def list(self) -> list[dict]:
         ids = [r.decode() for r in await self.redis.zrange(self.prefix + "runs", 0, -1)]

@@ -10,6 +10,7 @@ import threading
 
 import httpx
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from rlmesh.buffer.config import Settings as BufferSettings
@@ -126,3 +127,14 @@ def test_only_the_newest_finished_runs_are_kept(loop_thread, start_in_loop, redi
 
     created, kept = loop_thread.run(scenario())
     assert kept == created[-2:]
+
+
+def test_a_runs_metric_history_is_returned_bounded(api, redis_url):
+    run_id = api.post("/runs", json=body()).json()["id"]
+    store = redis.Redis.from_url(redis_url)
+    store.rpush(f"rlmesh:coord:run:{run_id}:metrics", *(json.dumps({"rollout_id": i}) for i in range(1, 1201)))
+    run = api.get(f"/runs/{run_id}").json()
+    assert len(run["metrics"]) == 1000 and run["metrics"][-1] == run["latest_metrics"] == {"rollout_id": 1200}
+    run = api.get(f"/runs/{run_id}", params={"metrics_last": 0}).json()
+    assert run["metrics"] == [] and run["latest_metrics"] == {"rollout_id": 1200}
+    assert api.get(f"/runs/{run_id}", params={"metrics_last": 10**6}).status_code == 422
