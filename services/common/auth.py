@@ -76,10 +76,15 @@ def ensure_stack_token() -> str:
     return token
 
 
+def credential_headers(token: str | None) -> dict[str, str]:
+    """`authorization: Bearer <token>` as HTTP headers or gRPC metadata (empty without a token)."""
+    value = bearer(token)
+    return {HEADER: value} if value else {}
+
+
 def client_headers() -> dict[str, str]:
     """HTTP headers a client of the stack sends (empty when the stack runs open)."""
-    value = bearer(stack_token())
-    return {HEADER: value} if value else {}
+    return credential_headers(stack_token())
 
 
 def add_http_token_check(app: Any, token: str, is_open: Callable[[str], bool],

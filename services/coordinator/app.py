@@ -24,6 +24,7 @@ from rlmesh.common.paths import RUN_ID_PATTERN
 from rlmesh.common.run_config import RunConfig, StrictModel, limit_violations
 from rlmesh.coordinator.config import Settings
 from rlmesh.coordinator.runs import Clients, RunDriver, RunStore, check_reward_service_change
+from rlmesh.reward import remote
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
 
 # Probes and the API's own description need no token; they reveal nothing about runs.
@@ -95,11 +96,11 @@ class RewardServiceSpec(StrictModel):
     name: str = Field(max_length=63, description="Component name runs use in reward.components.")
     url: str = Field(max_length=2048, description="http://, https:// or grpc:// address of the service.")
     protocol: Literal["", "http-json", "grpc"] = Field("", description="Empty = from the URL's scheme.")
-    timeout_seconds: float = Field(0.0, ge=0, le=3600, description="Per call; 0 = the reward service's default.")
-    max_concurrency: int = Field(0, ge=0, le=1024, description="Calls in flight at once; 0 = the default.")
+    timeout_seconds: float = Field(0.0, ge=0, le=remote.MAX_TIMEOUT_SECONDS, description="Per call; 0 = the reward service's default.")
+    max_concurrency: int = Field(0, ge=0, le=remote.MAX_CONCURRENCY, description="Calls in flight at once; 0 = the default.")
     weight: float = Field(0.0, ge=-1e6, le=1e6, description="Weight when a run names no components.")
-    max_batch_size: int = Field(0, ge=0, le=100_000, description="Samples per call; 0 = the default.")
-    bearer_token: str = Field("", max_length=4096, description="The service's own credential, sent as "
+    max_batch_size: int = Field(0, ge=0, le=remote.MAX_BATCH_SIZE, description="Samples per call; 0 = the default.")
+    bearer_token: str = Field("", max_length=remote.MAX_TOKEN_CHARS, description="The service's own credential, sent as "
                               "'Authorization: Bearer <token>'; write-only (never listed back).")
     replace: bool = Field(False, description="Replace a service registered under this name (409 otherwise); "
                           "refused (409) while the active run uses it.")

@@ -27,6 +27,7 @@ import grpc
 import httpx
 
 from rlmesh.common import errors
+from rlmesh.common.auth import credential_headers
 from rlmesh.common.sample import Sample, SampleGroup, Status
 from rlmesh.reward.remote import (
     CallFailed,
@@ -197,15 +198,14 @@ class Suite:
         return "malformed requests refused with 4xx"
 
     def _headers(self) -> dict[str, str]:
-        credential = {"authorization": f"Bearer {self.config.bearer_token}"} if self.config.bearer_token else {}
-        return {"content-type": "application/json", **credential}
+        return {"content-type": "application/json", **credential_headers(self.config.bearer_token)}
 
     async def _grpc_malformed(self) -> str:
         async with grpc.aio.insecure_channel(grpc_target(self.config.url)) as channel:
             stub = reward_pb2_grpc.RewardStub(channel)
             try:
                 await stub.ScoreGroups(reward_pb2.ScoreGroupsRequest(), timeout=self.config.timeout_seconds,
-                                       metadata=list(self._headers().items())[1:])
+                                       metadata=list(credential_headers(self.config.bearer_token).items()))
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise CheckFailed(f"an empty ScoreGroups request got {e.code().name}: {e.details()}") from None

@@ -83,6 +83,7 @@ import grpc
 import httpx
 
 from rlmesh.common import errors
+from rlmesh.common.auth import credential_headers
 from rlmesh.common.sample import (
     ConversionError,
     Sample,
@@ -100,6 +101,8 @@ log = logging.getLogger(__name__)
 PROTOCOLS = {"http": "http-json", "https": "http-json", "grpc": "grpc"}
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
 _EXCERPT_CHARS = 200
+# Bounds of a registration (the coordinator's REST schema uses the same ones).
+MAX_TIMEOUT_SECONDS, MAX_CONCURRENCY, MAX_BATCH_SIZE, MAX_TOKEN_CHARS = 3600, 1024, 100_000, 4096
 _TOKEN_CHARS = re.compile(r"^[A-Za-z0-9\-._~+/]*=*$")
 
 
@@ -164,18 +167,20 @@ def resolve_config(config: RemoteServiceConfig, defaults: RemoteDefaults, reserv
             "leave protocol empty to take it from the URL"
         )
     timeout = config.timeout_seconds or defaults.timeout_seconds
-    if not (math.isfinite(timeout) and 0 < timeout <= 3600):
-        raise errors.InvalidArgument(f"timeout_seconds must be between 0 and 3600, got {config.timeout_seconds}")
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_SECONDS):
+        raise errors.InvalidArgument(
+            f"timeout_seconds must be between 0 and {MAX_TIMEOUT_SECONDS}, got {config.timeout_seconds}")
     concurrency = config.max_concurrency or defaults.max_concurrency
-    if not 1 <= concurrency <= 1024:
-        raise errors.InvalidArgument(f"max_concurrency must be between 1 and 1024, got {config.max_concurrency}")
+    if not 1 <= concurrency <= MAX_CONCURRENCY:
+        raise errors.InvalidArgument(
+            f"max_concurrency must be between 1 and {MAX_CONCURRENCY}, got {config.max_concurrency}")
     batch = config.max_batch_size or defaults.max_batch_size
-    if not 1 <= batch <= 100_000:
-        raise errors.InvalidArgument(f"max_batch_size must be between 1 and 100000, got {config.max_batch_size}")
+    if not 1 <= batch <= MAX_BATCH_SIZE:
+        raise errors.InvalidArgument(f"max_batch_size must be between 1 and {MAX_BATCH_SIZE}, got {config.max_batch_size}")
     if not math.isfinite(config.weight):
         raise errors.InvalidArgument(f"weight must be a finite number, got {config.weight}")
-    if len(config.bearer_token) > 4096 or not _TOKEN_CHARS.match(config.bearer_token):
-        raise errors.InvalidArgument("bearer_token must be at most 4096 characters of A-Z a-z 0-9 - . _ ~ + / = "
+    if len(config.bearer_token) > MAX_TOKEN_CHARS or not _TOKEN_CHARS.match(config.bearer_token):
+        raise errors.InvalidArgument(f"bearer_token must be at most {MAX_TOKEN_CHARS} characters of A-Z a-z 0-9 - . _ ~ + / = "
                                      "(RFC 6750)")
     if config.bearer_token and urlsplit(url).scheme.lower() != "https" and not _is_loopback(urlsplit(url).hostname):
         raise errors.InvalidArgument("a bearer_token is sent only over https:// (or to this machine): it would cross "
@@ -326,10 +331,6 @@ def request_body(samples: Sequence[Sample]) -> bytes:
     return json.dumps({"samples": [sample_to_json(s) for s in samples]}).encode()
 
 
-def _credential(bearer_token: str) -> list[tuple[str, str]]:
-    return [("authorization", f"Bearer {bearer_token}")] if bearer_token else []
-
-
 async def _checked_addresses(policy: UrlPolicy, url: str, timeout: float) -> list[str]:
     """The URL host's addresses, checked now (a name may resolve elsewhere than at registration)."""
     try:
@@ -351,7 +352,7 @@ class HttpJsonTransport:
         self.policy = policy
         self._parsed = httpx.URL(url)
         self.headers = {"content-type": "application/json", "host": self._parsed.netloc.decode("ascii"),
-                        **dict(_credential(bearer_token))}
+                        **credential_headers(bearer_token)}
         self._extensions = {"sni_hostname": self._parsed.host}
         self.max_reply_bytes = max_reply_bytes
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
@@ -436,7 +437,7 @@ class GrpcTransport:
     def __init__(self, url: str, max_reply_bytes: int, policy: UrlPolicy, bearer_token: str = "") -> None:
         self.url = url
         self.policy = policy
-        self.metadata = _credential(bearer_token)
+        self.metadata = list(credential_headers(bearer_token).items())
         self.max_reply_bytes = max_reply_bytes
         self.port = urlsplit(url).port
         self._target = ""

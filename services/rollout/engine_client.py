@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from rlmesh.common.auth import credential_headers
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 
 
@@ -177,7 +178,7 @@ class EnginePool:
         self.http = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS),
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+            headers=credential_headers(api_key) or None)
         self.timeout, self.weight_timeout = timeout, weight_timeout
         self._generate_timeouts = (generate_timeout, seconds_per_token)
         self.router = self._client(router_url) if router_url else None
