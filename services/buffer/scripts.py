@@ -250,22 +250,97 @@ for _, i in ipairs(fresh) do out[#out + 1] = (i - 1) / 3 end
 return out
 """
 
-#   KEYS: spec batch_leases batch:<lease_id> groups acked stats meta deliveries;  ARGV: lease_id
+# A trained group leaves the buffer for good: only its id stays (in `acked`), so a retried
+# write of it is a duplicate.
+_FINAL = r"""
+local function finalize(groups, meta, deliveries, acked, id)
+  redis.call('HDEL', groups, id)
+  redis.call('HDEL', meta, id)
+  redis.call('HDEL', deliveries, id)
+  redis.call('SADD', acked, id)
+end
+
+-- Provisional acknowledgments of steps <= `step` become final; returns how many, and the
+-- later ones (in the order they were acknowledged), which stay provisional unless the
+-- caller requeues them.
+local function commit_through(groups, meta, deliveries, acked, stats, provisional, steps, step)
+  local ids = redis.call('LRANGE', provisional, 0, -1)
+  local later, n = {}, 0
+  for _, id in ipairs(ids) do
+    if tonumber(redis.call('HGET', steps, id) or '0') <= step then
+      finalize(groups, meta, deliveries, acked, id)
+      redis.call('HDEL', steps, id)
+      n = n + 1
+    else
+      later[#later + 1] = id
+    end
+  end
+  if n > 0 then
+    redis.call('DEL', provisional)
+    for i = 1, #later, 1000 do
+      redis.call('RPUSH', provisional, unpack(later, i, math.min(i + 999, #later)))
+    end
+    redis.call('HINCRBY', stats, 'acknowledged_groups', n)
+  end
+  return n, later
+end
+"""
+
+#   KEYS: spec batch_leases batch:<lease_id> groups acked stats meta deliveries provisional provisional_steps
+#   ARGV: lease_id provisional(0|1) step
 # Returns -2 unknown run, -1 unknown or redelivered lease, else groups acknowledged.
-ACK_BATCH = r"""
+ACK_BATCH = _FINAL + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -2 end
 if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return -1 end
 local ids = redis.call('LRANGE', KEYS[3], 0, -1)
 for _, id in ipairs(ids) do
-  redis.call('HDEL', KEYS[4], id)
-  redis.call('HDEL', KEYS[7], id)
-  redis.call('HDEL', KEYS[8], id)
-  redis.call('SADD', KEYS[5], id)
+  if ARGV[2] == '1' then
+    redis.call('RPUSH', KEYS[9], id)
+    redis.call('HSET', KEYS[10], id, ARGV[3])
+  else
+    finalize(KEYS[4], KEYS[7], KEYS[8], KEYS[5], id)
+  end
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('DEL', KEYS[3])
-redis.call('HINCRBY', KEYS[6], 'acknowledged_groups', #ids)
+if ARGV[2] ~= '1' then redis.call('HINCRBY', KEYS[6], 'acknowledged_groups', #ids) end
 return #ids
+"""
+
+#   KEYS: spec groups acked stats meta deliveries provisional provisional_steps;  ARGV: through_step
+# Returns -2 unknown run, else groups committed.
+COMMIT_ACKS = _FINAL + r"""
+if redis.call('EXISTS', KEYS[1]) == 0 then return -2 end
+local n = commit_through(KEYS[2], KEYS[5], KEYS[6], KEYS[3], KEYS[4], KEYS[7], KEYS[8], tonumber(ARGV[1]))
+return n
+"""
+
+# A trainer restarted from its checkpoint at `step`: provisional acknowledgments up to it
+# become final; later ones go back to the very front of the queue in the order they were
+# trained (their deliveries count stays: a rollback is not the group's fault, and only an
+# expired lease dead-letters); every live batch lease is released as if it had expired.
+#   KEYS: as the lease scripts, then acked provisional provisional_steps
+#   ARGV: now batch_prefix step max_deliveries
+# Returns {-2} unknown run, else {committed, requeued, leases released}.
+ROLLBACK_TO_CHECKPOINT = _HELPERS + _FINAL + r"""
+local k = lease_keys()
+if redis.call('EXISTS', k.spec) == 0 then return {-2} end
+local released = redis.call('ZCARD', k.leases)
+requeue_expired(k, '+inf', ARGV[2], tonumber(ARGV[4]))
+local committed, later = commit_through(k.groups, k.meta, k.deliveries, KEYS[13], k.stats, KEYS[14], KEYS[15],
+                                        tonumber(ARGV[3]))
+local samples = 0
+for i = #later, 1, -1 do
+  redis.call('LPUSH', k.queue, later[i])
+  redis.call('HDEL', KEYS[15], later[i])
+  samples = samples + (meta_of(k.meta, later[i]))
+end
+redis.call('DEL', KEYS[14])
+if #later > 0 then
+  redis.call('HINCRBY', k.stats, 'rolled_back_groups', #later)
+  redis.call('HINCRBY', k.stats, 'queued_samples', samples)
+end
+return {committed, #later, released}
 """
 
 # Hand out up to n prompt groups, each leased until `expiry`, in this order: prompts whose

@@ -102,7 +102,15 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return batch.response
 
     async def AckBatch(self, request, context):
-        return buffer_pb2.AckBatchResponse(acknowledged=await self.store.ack_batch(request.run_id, request.lease_id))
+        return buffer_pb2.AckBatchResponse(acknowledged=await self.store.ack_batch(
+            request.run_id, request.lease_id, request.step, request.provisional))
+
+    async def CommitAcks(self, request, context):
+        return buffer_pb2.CommitAcksResponse(committed=await self.store.commit_acks(request.run_id, request.through_step))
+
+    async def RollbackToCheckpoint(self, request, context):
+        committed, requeued, released = await self.store.rollback_to_checkpoint(request.run_id, request.step)
+        return buffer_pb2.RollbackToCheckpointResponse(committed=committed, requeued=requeued, leases_released=released)
 
     async def RejectGroups(self, request, context):
         at_most(len(request.groups), self.settings.limits.max_groups_per_call, "groups in one call",

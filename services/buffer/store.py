@@ -15,6 +15,10 @@ Keys of a run live under `<prefix>:run:<run_id>:`:
   batch_leases    zset: lease_id -> expiry;  batch:<lease_id>  list of its group ids
   deliveries      hash: group_id -> times leased (bounded by max_deliveries), until acknowledged
   acked           set of acknowledged group ids (never delivered or stored again)
+  provisional     list of group ids acknowledged provisionally (oldest first) +
+                  provisional_steps hash (group_id -> the step that trained it): kept in
+                  `groups` until a checkpoint holding the step is committed (CommitAcks)
+                  or the trainer restarts from an older one (RollbackToCheckpoint)
   discarded       set of dropped or dead-lettered group ids (stale, filtered out by the
                   rollout, rejected by a trainer, delivered max_deliveries times)
   dead_letters    list of dead-lettered group ids (oldest first) + dead_groups hash
@@ -110,6 +114,8 @@ class BufferStore:
         self._lease_chosen = redis.register_script(scripts.LEASE_CHOSEN)
         self._requeue = redis.register_script(scripts.REQUEUE_EXPIRED)
         self._ack = redis.register_script(scripts.ACK_BATCH)
+        self._commit_acks = redis.register_script(scripts.COMMIT_ACKS)
+        self._rollback = redis.register_script(scripts.ROLLBACK_TO_CHECKPOINT)
         self._reject = redis.register_script(scripts.REJECT_GROUPS)
         self._get_prompts = redis.register_script(scripts.GET_PROMPTS)
         self._materialize = redis.register_script(scripts.MATERIALIZE)
@@ -331,12 +337,14 @@ class BufferStore:
         return n
 
     async def stored_groups(self, run_id: str) -> list[bytes]:
-        """Completed, unacknowledged groups: queued (oldest first), then leased."""
+        """Completed groups not finally acknowledged: queued (oldest first), leased, then
+        acknowledged provisionally."""
         await self._spec(run_id)
         k = self.keys(run_id)
         ids = await self.redis.lrange(k.queue, 0, -1)
         for lease_id in await self.redis.zrange(k.batch_leases, 0, -1):
             ids += await self.redis.lrange(k.batch(lease_id.decode()), 0, -1)
+        ids += await self.redis.lrange(k.provisional, 0, -1)
         raws = await self.redis.hmget(k.groups, ids) if ids else []
         return [r for r in raws if r is not None]
 
@@ -451,18 +459,42 @@ class BufferStore:
                 return result
         return [0, 0]  # contended: try again at the next poll
 
-    async def ack_batch(self, run_id: str, lease_id: str) -> int:
+    async def ack_batch(self, run_id: str, lease_id: str, step: int = 0, provisional: bool = False) -> int:
+        """The lease's groups were trained (at `step`): final now, or, `provisional`, once
+        a checkpoint holding the step is committed (commit_acks / rollback_to_checkpoint)."""
         if not lease_id:
             raise InvalidArgument("lease_id is required")
+        _check_step(step, "step")
         k = self.keys(run_id)
         n = await self._ack(keys=[k.spec, k.batch_leases, k.batch(lease_id), k.groups, k.acked, k.stats, k.meta,
-                                  k.deliveries], args=[lease_id])
+                                  k.deliveries, k.provisional, k.provisional_steps],
+                            args=[lease_id, int(provisional), step])
         if n == -2:
             raise self._unknown_run(run_id)
         if n == -1:
             raise NotFound(
                 f"lease {lease_id!r} of run {run_id!r} is unknown or has expired (its groups were redelivered)")
         return n
+
+    async def commit_acks(self, run_id: str, through_step: int) -> int:
+        """Provisional acknowledgments of steps <= through_step become final."""
+        _check_step(through_step, "through_step")
+        k = self.keys(run_id)
+        n = await self._commit_acks(keys=[k.spec, k.groups, k.acked, k.stats, k.meta, k.deliveries, k.provisional,
+                                          k.provisional_steps], args=[through_step])
+        if n == -2:
+            raise self._unknown_run(run_id)
+        return n
+
+    async def rollback_to_checkpoint(self, run_id: str, step: int) -> tuple[int, int, int]:
+        """A trainer (re)started from its checkpoint at `step`: (committed, requeued, leases released)."""
+        _check_step(step, "step")
+        k = self.keys(run_id)
+        keys = [*self._lease_keys(k, ""), k.acked, k.provisional, k.provisional_steps]
+        result = await self._rollback(keys=keys, args=[time.time(), k.batch(""), step, self.max_deliveries])
+        if result[0] == -2:
+            raise self._unknown_run(run_id)
+        return result[0], result[1], result[2]
 
     async def reject_groups(self, run_id: str, lease_id: str, reasons: dict[str, str]) -> int:
         """Move groups of a live lease to the dead-letter list ({group_id: reason}); all or nothing."""
@@ -498,7 +530,8 @@ class BufferStore:
         pipe.hgetall(k.stats)
         pipe.hgetall(k.cursor)
         pipe.llen(k.dead_letters)
-        queued, stored, partial, raw_counters, cursor, dead = await pipe.execute()
+        pipe.llen(k.provisional)
+        queued, stored, partial, raw_counters, cursor, dead, provisional = await pipe.execute()
         counters = {kk.decode(): int(v) for kk, v in raw_counters.items()}
         first = next(d for d in spec["datasets"] if not d["eval"])
         drawn = int(cursor.get(first["name"].encode(), 0))
@@ -507,7 +540,7 @@ class BufferStore:
         rates, window = await self._rates(k, counters)
         return dict(
             queued_groups=queued,
-            leased_groups=stored - queued,
+            leased_groups=stored - queued - provisional,
             partial_groups=partial,
             acknowledged_groups=counters.get("acknowledged_groups", 0),
             dropped_groups=counters.get("dropped_groups", 0),
@@ -530,6 +563,8 @@ class BufferStore:
             rate_window_seconds=window,
             queued_samples=counters.get("queued_samples", 0),
             dead_letter_groups=dead,
+            provisional_groups=provisional,
+            rolled_back_groups=counters.get("rolled_back_groups", 0),
         )
 
     async def _rates(self, k: RunKeys, counters: dict[str, int]) -> tuple[dict[str, float], float]:
@@ -554,6 +589,11 @@ class BufferStore:
             rates = {c: max(counters.get(c, 0) - then.get(c, 0), 0) / span for c in _RATE_COUNTERS}
             return rates, span
         return rates, 0.0
+
+
+def _check_step(step: int, name: str) -> None:
+    if step < 0:
+        raise InvalidArgument(f"{name} must not be negative, got {step}")
 
 
 def _meta(g: sample_pb2.SampleGroup) -> str:

@@ -172,6 +172,11 @@ class TrainerRunConfig(TrainingConfig):
         1.0, gt=0, description="The engines' sampling temperature: log-probs are taken of logits / temperature."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = the trainer service's setting.")
+    max_staleness: int | None = Field(
+        None, ge=0, le=INT32_MAX, description="Lease only groups generated with weights at most this many versions "
+        "older than the trainer's (None = no bound); from the run's max_staleness."
+    )
+    keep_stale: bool = Field(False, description="Train stale groups anyway (counted) instead of dropping them.")
 
 
 class EvalConfig(StrictModel):
@@ -189,6 +194,11 @@ class SftWarmupConfig(StrictModel):
     batch_groups: int = Field(16, ge=1, description="Prompts per SFT step.")
 
 
+TrainingMode = Literal["sync", "one_step_off", "fully_async"]
+# max_staleness when a run does not set it (sync is on-policy by construction).
+DEFAULT_MAX_STALENESS = {"sync": None, "one_step_off": 1, "fully_async": 2}
+
+
 class RunConfig(TrainingConfig):
     """The body of `POST /runs`: the run's own fields, the services' sections, and the
     trainer's fields (TrainingConfig) at the top level."""
@@ -200,7 +210,26 @@ class RunConfig(TrainingConfig):
     reward: RewardConfig = Field(default_factory=RewardConfig, description="How samples are scored.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on the eval datasets.")
     sft_warmup: SftWarmupConfig = Field(default_factory=SftWarmupConfig, description="Supervised steps before RL.")
-    max_queued_groups: int = Field(0, ge=0, le=2**40, description="Buffer backpressure cap (0 = unlimited).")
+    mode: TrainingMode = Field(
+        "sync", description="'sync': generate, then train, then push weights. 'one_step_off': the next batch is "
+        "generated (with the current weights) while this one trains. 'fully_async': the rollout service keeps "
+        "rollout_batch_size groups in flight at all times and writes finished ones continuously; the engines "
+        "are paused (pause_mode) only while weights are pushed."
+    )
+    max_staleness: int | None = Field(
+        None, ge=1, le=INT32_MAX, description="Train only on groups generated with weights at most this many "
+        "versions older than the trainer's (default: one_step_off 1, fully_async 2; sync is always 0)."
+    )
+    stale_policy: Literal["drop", "keep"] = Field(
+        "drop", description="Older groups are dropped (counted, never trained) or trained anyway (counted)."
+    )
+    pause_mode: Literal["abort", "in_place", "retract"] = Field(
+        "abort", description="fully_async: how generation pauses for a weight push. 'abort' ends in-flight "
+        "requests (with partial_rollout they resume from their partial response under the new weights); "
+        "'in_place' and 'retract' keep them, and their later tokens come from the new weights."
+    )
+    max_queued_groups: int = Field(0, ge=0, le=2**40, description="Buffer backpressure cap (0 = unlimited; "
+                                   "fully_async: rollout_batch_size x max_staleness).")
     max_outage_seconds: float = Field(600.0, gt=0, le=7 * 24 * 3600, description="How long the run rides out a "
                                       "service that is down, restarting or not answering (its calls retried with "
                                       "backoff) before it fails naming that service.")
@@ -219,11 +248,24 @@ class RunConfig(TrainingConfig):
                              f"batch ({batch} groups: rollout_batch_size, sft_warmup.batch_groups)")
         return self
 
+    @property
+    def staleness_bound(self) -> int | None:
+        return self.max_staleness if self.max_staleness is not None else DEFAULT_MAX_STALENESS[self.mode]
+
+    @property
+    def queue_cap(self) -> int:
+        """The buffer's max_queued_groups for the run."""
+        if self.max_queued_groups or self.mode != "fully_async":
+            return self.max_queued_groups
+        return self.rollout.rollout_batch_size * (self.staleness_bound or 1)
+
     def trainer_config(self) -> TrainerRunConfig:
         return TrainerRunConfig(
             **{name: getattr(self, name) for name in TrainingConfig.model_fields},
             # Greedy sampling (0) has no temperature to divide by.
             rollout_temperature=self.rollout.sampling.temperature or 1.0,
+            max_staleness=self.staleness_bound,
+            keep_stale=self.stale_policy == "keep",
         )
 
 

@@ -34,4 +34,6 @@ class Settings(ServiceSettings):
                                               "a generation, evaluation or train call handles.")
     retry_backoff_base_seconds: float = Field(0.5, gt=0, description="First delay before retrying a call to a "
                                               "service that is unavailable; doubles per retry, with jitter.")
+    async_heartbeat_seconds: float = Field(5.0, gt=0, description="fully_async runs: how often the coordinator "
+                                           "checks that the rollout service's generation loop runs (and restarts it).")
     retry_backoff_max_seconds: float = Field(10.0, gt=0, description="Longest delay between retries.")

@@ -1,6 +1,13 @@
 """Runs: their state in Redis (so a restarted coordinator carries on) and the loop that
-drives one run through the services: optional SFT warm start, evaluation, then
-generate -> train -> publish weights, evaluating at the configured interval."""
+drives one run through the services: optional SFT warm start, evaluation, then RL
+iterations in the run's mode, evaluating at the configured interval:
+
+- sync: generate a batch -> train it -> publish weights;
+- one_step_off: train batch k while batch k+1 is generated with the same weights, then
+  publish (nothing is in flight then, so the engines need no pause);
+- fully_async: the rollout service generates continuously (StartAsyncRollout, kept alive
+  by a heartbeat); each iteration trains the next batch, pauses the engines, publishes,
+  and lets them continue."""
 
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ import redis.asyncio as aioredis
 
 from rlmesh.common.dataset_spec import dataset_to_proto
 from rlmesh.common.errors import FailedPrecondition, NotFound
-from rlmesh.common.retry import Backoff, retry, transient_grpc_error
+from rlmesh.common.retry import Backoff, OutageTooLong, retry, transient_grpc_error
 from rlmesh.common.run_config import RunConfig
 from rlmesh.common.sampling import sampling_to_proto
 from rlmesh.coordinator.config import Settings
@@ -34,6 +41,8 @@ from rlmesh.v1 import (
 log = logging.getLogger(__name__)
 
 ACTIVE = ("pending", "running", "stopping")
+# one_step_off: how often to look whether the train step has leased its batch.
+LEASE_POLL_SECONDS = 0.05
 FINAL = ("completed", "stopped", "failed")
 
 
@@ -197,6 +206,7 @@ class RunDriver:
         self.settings = settings or Settings()
         self.backoff = Backoff(self.settings.retry_backoff_base_seconds, self.settings.retry_backoff_max_seconds)
         self.tasks: dict[str, asyncio.Task] = {}
+        self._async_metrics: dict[str, dict[str, float]] = {}  # fully_async: generation metrics since the last record
 
     async def submit(self, config: RunConfig) -> str:
         run_id = await self.store.create(config)
@@ -253,6 +263,7 @@ class RunDriver:
             raise StopRequested
 
     async def _drive(self, run_id: str) -> None:
+        heartbeat: asyncio.Task | None = None
         try:
             rec = await self.store.get(run_id)
             cfg = RunConfig.model_validate(rec["config"])
@@ -266,30 +277,43 @@ class RunDriver:
                 await self.store.update(run_id, phase="rl", eval_before=before)
                 await self.store.append_metrics(run_id, {"rollout_id": 0, "time": time.time(), **before})
             rec = await self.store.get(run_id)
-            for rollout_id in range(rec["rollout_id"], cfg.num_rollouts):
-                await self._check_stop(run_id)
-                record = await self._rl_iteration(run_id, cfg, rollout_id)
-                if cfg.eval.interval and (rollout_id + 1) % cfg.eval.interval == 0 and rollout_id + 1 < cfg.num_rollouts:
-                    record.update(await self._evaluate(run_id, cfg))
-                await self.store.append_metrics(run_id, record)
-                await self.store.update(run_id, rollout_id=rollout_id + 1)
+            if cfg.mode == "fully_async":
+                heartbeat = asyncio.create_task(self._async_heartbeat(run_id, cfg), name=f"heartbeat-{run_id}")
+            iteration = {"sync": self._rl_iteration, "one_step_off": self._one_step_off_iteration,
+                         "fully_async": self._fully_async_iteration}[cfg.mode]
+            next_generation: asyncio.Task | None = None
+            try:
+                for rollout_id in range(rec["rollout_id"], cfg.num_rollouts):
+                    await self._check_stop(run_id)
+                    record, next_generation = await iteration(run_id, cfg, rollout_id, next_generation)
+                    if cfg.eval.interval and (rollout_id + 1) % cfg.eval.interval == 0 and rollout_id + 1 < cfg.num_rollouts:
+                        record.update(await self._evaluate(run_id, cfg))
+                    await self.store.append_metrics(run_id, record)
+                    await self.store.update(run_id, rollout_id=rollout_id + 1)
+            finally:
+                if next_generation is not None:
+                    next_generation.cancel()
+                    await asyncio.gather(next_generation, return_exceptions=True)
+            await self._stop_async_generation(run_id, cfg, heartbeat)
             after = await self._evaluate(run_id, cfg)
             await self.store.append_metrics(run_id, {"rollout_id": cfg.num_rollouts, "time": time.time(), **after})
             await self.store.update(run_id, phase="done", status="completed", eval_after=after)
             await self._end(run_id)
         except StopRequested:
             await self.store.update(run_id, status="stopped")
-            await self._end(run_id)
+            await self._end(run_id, heartbeat)
         except asyncio.CancelledError:
-            raise  # coordinator shutting down: the run stays active and resumes on restart
+            if heartbeat is not None:  # coordinator shutting down: the run stays active and resumes on restart
+                heartbeat.cancel()
+            raise
         except grpc.aio.AioRpcError as e:
             log.error("run %s failed: %s", run_id, e.details())
             await self.store.update(run_id, status="failed", error=f"{e.code().name}: {e.details()}")
-            await self._end(run_id)  # free the trainer for the next run
+            await self._end(run_id, heartbeat)  # free the trainer for the next run
         except Exception as e:
             log.exception("run %s failed", run_id)
             await self.store.update(run_id, status="failed", error=f"{type(e).__name__}: {e}")
-            await self._end(run_id)
+            await self._end(run_id, heartbeat)
 
     # ---- calls: each with a deadline, retried through a service's outage ----------------
 
@@ -341,7 +365,7 @@ class RunDriver:
     async def _setup(self, run_id: str, cfg: RunConfig) -> None:
         request = buffer_pb2.CreateRunRequest(
             run_id=run_id, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-            max_queued_groups=cfg.max_queued_groups,
+            max_queued_groups=cfg.queue_cap,
             datasets=[dataset_to_proto(d) for d in cfg.datasets],
             tokenizer_path=cfg.model_path,
             apply_chat_template=cfg.rollout.apply_chat_template,
@@ -353,7 +377,9 @@ class RunDriver:
             # The engines may hold another run's weights: start from the run's own.
             await self._publish(run_id, cfg)
 
-    async def _end(self, run_id: str) -> None:
+    async def _end(self, run_id: str, heartbeat: asyncio.Task | None = None) -> None:
+        if heartbeat is not None:
+            await self._stop_async_generation(run_id, None, heartbeat)
         try:
             await self.clients.trainer.EndRun(trainer_pb2.EndRunRequest(run_id=run_id),
                                               timeout=self.settings.call_deadline_seconds)
@@ -447,20 +473,150 @@ class RunDriver:
         failed GenerateRollout) may have written some already (queued, not lost); only the rest."""
         return max(batch - (await self._stats(run_id, cfg)).queued_groups, 0)
 
-    async def _rl_iteration(self, run_id: str, cfg: RunConfig, rollout_id: int) -> dict:
+    def _rollout_request(self, run_id: str, cfg: RunConfig, num_groups: int) -> rollout_pb2.GenerateRolloutRequest:
         ro = cfg.rollout
-        t0 = time.monotonic()
-        g = await self._generate(run_id, cfg, ro.rollout_batch_size, lambda missing: rollout_pb2.GenerateRolloutRequest(
-            run_id=run_id, num_groups=missing, sampling=sampling_to_proto(ro.sampling),
+        return rollout_pb2.GenerateRolloutRequest(
+            run_id=run_id, num_groups=num_groups, sampling=sampling_to_proto(ro.sampling),
             reward=_reward_spec(cfg), group_filter=ro.group_filter, over_sampling_groups=ro.over_sampling_groups,
             partial_rollout=ro.partial_rollout, mode="rl", max_concurrency=ro.max_concurrency,
-            apply_chat_template=ro.apply_chat_template))
+            apply_chat_template=ro.apply_chat_template)
+
+    async def _generate_batch(self, run_id: str, cfg: RunConfig) -> tuple[dict, float]:
+        """Generate what the next batch misses; its metrics and how long it took."""
+        t0 = time.monotonic()
+        g = await self._generate(run_id, cfg, cfg.rollout.rollout_batch_size,
+                                 lambda missing: self._rollout_request(run_id, cfg, missing))
+        return dict(g.metrics), time.monotonic() - t0
+
+    async def _timed_train_step(self, run_id: str, cfg: RunConfig) -> tuple[trainer_pb2.TrainStepResponse, float]:
+        t0 = time.monotonic()
         t = await self._train_step(run_id, cfg, trainer_pb2.TrainStepRequest(
-            run_id=run_id, num_groups=ro.rollout_batch_size, wait_seconds=self.train_wait_seconds))
+            run_id=run_id, num_groups=cfg.rollout.rollout_batch_size, wait_seconds=self.train_wait_seconds))
+        return t, time.monotonic() - t0
+
+    @staticmethod
+    def _record(rollout_id: int, generation: dict, train: trainer_pb2.TrainStepResponse, weights: dict,
+                phases: dict[str, float], started: float) -> dict:
+        return {"rollout_id": rollout_id + 1, "time": time.time(), "step": train.step, **generation,
+                **{f"train/{k}": v for k, v in train.metrics.items()}, **weights,
+                **{f"phase/{k}_seconds": v for k, v in phases.items()},
+                "iteration/seconds": time.monotonic() - started}
+
+    async def _rl_iteration(self, run_id: str, cfg: RunConfig, rollout_id: int,
+                            _: asyncio.Task | None) -> tuple[dict, None]:
+        t0 = time.monotonic()
+        generation, generate_seconds = await self._generate_batch(run_id, cfg)
+        t, train_seconds = await self._timed_train_step(run_id, cfg)
         w = await self._publish(run_id, cfg)
-        return {"rollout_id": rollout_id + 1, "time": time.time(), "step": t.step,
-                **dict(g.metrics), **{f"train/{k}": v for k, v in t.metrics.items()}, **w,
-                "iteration/seconds": time.monotonic() - t0}
+        return self._record(rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds},
+                            t0), None
+
+    async def _one_step_off_iteration(self, run_id: str, cfg: RunConfig, rollout_id: int,
+                                      generating: asyncio.Task | None) -> tuple[dict, asyncio.Task | None]:
+        """Train batch k while batch k+1 is generated with the same weights (it starts once
+        batch k is leased, so it cannot count k's groups as its own); publish after both."""
+        t0 = time.monotonic()
+        generation, generate_seconds = await generating if generating else await self._generate_batch(run_id, cfg)
+        training = asyncio.create_task(self._timed_train_step(run_id, cfg))
+        upcoming = None
+        try:
+            if rollout_id + 1 < cfg.num_rollouts:
+                await self._leased_or_done(run_id, cfg, training)
+                upcoming = asyncio.create_task(self._generate_batch(run_id, cfg))
+            t, train_seconds = await training
+            if upcoming is not None:
+                await asyncio.wait([upcoming])  # weights change only when nothing is generating
+        except BaseException:
+            for task in (training, upcoming):
+                if task is not None:
+                    task.cancel()
+            raise
+        w = await self._publish(run_id, cfg)
+        return self._record(rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds},
+                            t0), upcoming
+
+    async def _leased_or_done(self, run_id: str, cfg: RunConfig, training: asyncio.Task) -> None:
+        """Until the train step holds its batch (or has finished)."""
+        while not training.done():
+            if (await self._stats(run_id, cfg)).leased_groups:
+                return
+            await asyncio.wait([training], timeout=LEASE_POLL_SECONDS)
+
+    async def _fully_async_iteration(self, run_id: str, cfg: RunConfig, rollout_id: int,
+                                     _: asyncio.Task | None) -> tuple[dict, None]:
+        """Train the next batch the continuous generation wrote, then push the new weights
+        with the engines paused (pause_mode)."""
+        t0 = time.monotonic()
+        await self._start_async_generation(run_id, cfg)
+        t, train_seconds = await self._timed_train_step(run_id, cfg)
+        t1 = time.monotonic()
+        await self._patiently(run_id, cfg, self._service("rollout"), lambda: self.clients.rollout.PauseGeneration(
+            rollout_pb2.PauseGenerationRequest(mode=cfg.pause_mode), timeout=self.settings.call_deadline_seconds))
+        try:
+            w = await self._publish(run_id, cfg)
+        finally:
+            await self._patiently(run_id, cfg, self._service("rollout"), lambda: self.clients.rollout.ContinueGeneration(
+                rollout_pb2.ContinueGenerationRequest(), timeout=self.settings.call_deadline_seconds))
+        generation = self._async_metrics.pop(run_id, {})
+        return self._record(rollout_id, generation, t, w, {"train": train_seconds, "pause": time.monotonic() - t1},
+                            t0), None
+
+    # ---- fully_async: the rollout service's continuous generation -----------------------
+
+    async def _start_async_generation(self, run_id: str, cfg: RunConfig) -> None:
+        """StartAsyncRollout: starts the run's generation loop, or (already running) is a
+        heartbeat; either way it returns the loop's metrics since the previous call."""
+        r = await self._patiently(run_id, cfg, self._service("rollout"), lambda: self.clients.rollout.StartAsyncRollout(
+            self._rollout_request(run_id, cfg, cfg.rollout.rollout_batch_size),
+            timeout=self.settings.call_deadline_seconds))
+        self._collect_async(run_id, r)
+
+    def _collect_async(self, run_id: str, reply: rollout_pb2.AsyncRolloutResponse) -> None:
+        if reply.error:
+            log.warning("run %s: the rollout service's generation loop reports: %s", run_id, reply.error)
+        merge_generation_metrics(self._async_metrics.setdefault(run_id, {}), dict(reply.metrics))
+
+    async def _async_heartbeat(self, run_id: str, cfg: RunConfig) -> None:
+        """Keeps the generation loop running while the run waits on other services: a
+        restarted rollout service gets its loop back within a heartbeat."""
+        while True:
+            await asyncio.sleep(self.settings.async_heartbeat_seconds)
+            try:
+                await self._start_async_generation(run_id, cfg)
+            except (StopRequested, grpc.aio.AioRpcError, OutageTooLong) as e:
+                log.warning("run %s: generation heartbeat: %s", run_id, e)
+
+    async def _stop_async_generation(self, run_id: str, cfg: RunConfig | None, heartbeat: asyncio.Task | None) -> None:
+        """Stop the continuous generation (its unfinished prompts go back to the buffer).
+        Best effort when the run is ending anyway (cfg None): a rollout service that is
+        down has no loop to stop."""
+        if heartbeat is None:
+            return
+        heartbeat.cancel()
+        await asyncio.gather(heartbeat, return_exceptions=True)
+
+        def call():
+            return self.clients.rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id=run_id),
+                                                         timeout=self.settings.call_deadline_seconds)
+        try:
+            reply = await (self._patiently(run_id, cfg, self._service("rollout"), call) if cfg else call())
+            self._collect_async(run_id, reply)
+        except grpc.aio.AioRpcError as e:
+            log.warning("run %s: could not stop the generation loop: %s", run_id, e.details())
+        self._async_metrics.pop(run_id, None)
+
+
+def merge_generation_metrics(total: dict[str, float], more: dict[str, float]) -> None:
+    """Add one report of the generation loop to `total`: means and ratios weighted by their
+    samples ("<prefix>samples"), everything else (counts, seconds) summed."""
+    n_total = total.get("rollout/samples", 0.0)
+    n_more = more.get("rollout/samples", 0.0)
+    for key, value in more.items():
+        if key.endswith(("_mean", "_ratio")):
+            if n_total + n_more:
+                total[key] = (total.get(key, 0.0) * n_total + value * n_more) / (n_total + n_more)
+        else:
+            total[key] = total.get(key, 0.0) + value
 
 
 def _transient(e: BaseException) -> str | None:

@@ -11,6 +11,7 @@ import logging
 import re
 import shutil
 import uuid
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from pydantic import ValidationError
 
 from rlmesh.common import errors
+from rlmesh.common.faults import blocking_fault_point, fault_point
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.limits import at_most, seconds
 from rlmesh.common.paths import resolve_roots, resolve_under, validate_run_id
@@ -96,6 +98,18 @@ class _Run:
     resumed_step: int = 0
     last_checkpoint_step: int = 0  # of the newest automatic checkpoint, or where the run started
     saving: asyncio.Task | None = None  # the automatic checkpoint being written (at most one)
+    # Which groups each step trained (step -> group ids), as far as the model holds them:
+    # saved in every checkpoint, so after a resume it lists exactly what the model learned from.
+    trained: dict[int, list[str]] = field(default_factory=dict)
+    # The buffer was told where this model stands (RollbackToCheckpoint) since it was loaded.
+    buffer_rewound: bool = False
+
+    @property
+    def acks_wait_for_checkpoints(self) -> bool:
+        """With checkpoints on, an acknowledgment is final only once a checkpoint holding its
+        step is written: a trainer that dies before then loses those steps, and the buffer
+        hands their groups out again (each group trained into the final model exactly once)."""
+        return self.config.checkpoint_interval > 0
 
     def status(self) -> RunStatus:
         return RunStatus(
@@ -150,9 +164,14 @@ class Trainer:
                 weight_version=int(backend.resumed_state.get("weight_version", 0)),
                 resumed_step=backend.step if backend.resumed_state else 0,
                 last_checkpoint_step=backend.step,
+                trained={int(step): ids for step, ids in backend.resumed_state.get("trained_groups", {}).items()},
             )
             self._run = run
             log.info("run %s: %s on %s (step %d)", run_id, resume or config.model_path, device, backend.step)
+            try:
+                await self._rewind_buffer(run)
+            except errors.RlmeshError as e:  # the first train step tries again (and fails if it must)
+                log.warning("run %s: the buffer could not be told where this model stands yet: %s", run_id, e)
             return run.status()
 
     def status(self, run_id: str) -> RunStatus:
@@ -171,6 +190,9 @@ class Trainer:
         run = self._get(run_id)
         async with self._holding(run):
             await run.saved()  # the last checkpoint lands before the model goes
+            if run.acks_wait_for_checkpoints and run.backend.step > run.last_checkpoint_step:
+                # Steps since the last checkpoint are final only in a checkpoint.
+                await self._checkpoint(run, wait=True)
             status = run.status()
             if run.pusher is not None:
                 await run.pusher.close()
@@ -202,18 +224,25 @@ class Trainer:
 
     async def _lease_train_ack(self, run: _Run, num_groups: int, wait_seconds: float, loss: str) -> StepResult:
         async with self._holding(run):
-            lease_id, leased = await self._lease(run.run_id, num_groups, wait_seconds)
-            groups, rejected = _trainable(leased, run.backend.vocab_size)
+            await self._rewind_buffer(run)
+            lease = await self._lease(run, num_groups, wait_seconds)
+            lease_id = lease.lease_id
+            groups, rejected = _trainable(list(lease.groups), run.backend.vocab_size)
             if rejected:
                 # Failing the step would only have these redelivered, again and again: the
                 # buffer keeps them (and why) in its dead-letter list; the rest trains.
                 await self._reject(run.run_id, lease_id, rejected)
                 log.warning("run %s: %d of %d leased groups cannot be trained and went to the buffer's dead-letter "
-                            "list%s; first reason: %s", run.run_id, len(rejected), len(leased),
+                            "list%s; first reason: %s", run.run_id, len(rejected), len(lease.groups),
                             " (this step trains nothing)" if not groups else "", next(iter(rejected.values())))
             result = await self._train(run, groups, loss)
-            await self._ack(run.run_id, lease_id, result.step)
-            result.metrics["rejected_groups"] = float(len(rejected))
+            run.trained[result.step] = [g.group_id for g in groups]
+            await fault_point("trainer.before_ack")
+            await self._ack(run, lease_id, result.step)
+            result.metrics.update(
+                rejected_groups=float(len(rejected)), stale_groups_dropped=float(lease.stale_groups_dropped),
+                stale_groups_kept=float(lease.stale_groups), **_staleness(groups, run.weight_version),
+            )
             await self._checkpoint_if_due(run)
             return result
 
@@ -247,14 +276,18 @@ class Trainer:
             self._buffer_channel = aio_channel(self.settings.buffer_address, self.settings.max_message_bytes)
         return BufferStub(self._buffer_channel)
 
-    async def _lease(
-        self, run_id: str, num_groups: int, wait_seconds: float
-    ) -> tuple[str, list[sample_pb2.SampleGroup]]:
+    async def _lease(self, run: _Run, num_groups: int, wait_seconds: float) -> buffer_pb2.LeaseBatchResponse:
+        """A batch of exactly num_groups groups, none older than max_staleness versions
+        behind the weights this trainer last published (stale ones dropped or kept, counted)."""
+        run_id, max_staleness = run.run_id, run.config.max_staleness
         request = buffer_pb2.LeaseBatchRequest(
             run_id=run_id,
             num_groups=num_groups,
             lease_seconds=self.settings.lease_seconds,
             wait_seconds=wait_seconds,
+            min_weight_version=0 if max_staleness is None else max(run.weight_version - max_staleness, 0),
+            stale_policy=buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP if run.config.keep_stale
+            else buffer_pb2.LeaseBatchRequest.STALE_POLICY_DROP,
         )
         try:
             response = await self._buffer().LeaseBatch(
@@ -268,10 +301,12 @@ class Trainer:
             )
         if len(response.groups) < num_groups:
             log.warning("buffer leased %d of %d groups; training on those", len(response.groups), num_groups)
-        return response.lease_id, list(response.groups)
+        return response
 
-    async def _ack(self, run_id: str, lease_id: str, step: int) -> None:
-        request = buffer_pb2.AckBatchRequest(run_id=run_id, lease_id=lease_id)
+    async def _ack(self, run: _Run, lease_id: str, step: int) -> None:
+        request = buffer_pb2.AckBatchRequest(
+            run_id=run.run_id, lease_id=lease_id, step=step, provisional=run.acks_wait_for_checkpoints
+        )
         try:
             await self._call_buffer("AckBatch", request)
         except errors.RlmeshError as error:
@@ -279,6 +314,38 @@ class Trainer:
                 f"step {step} was taken but lease {lease_id!r} was not acknowledged ({error}); "
                 "the buffer will redeliver those groups when the lease expires"
             ) from None
+
+    async def _rewind_buffer(self, run: _Run) -> None:
+        """Tell the buffer where this freshly loaded model stands: acknowledgments up to its
+        step are final, later ones (steps a dead trainer took after its last checkpoint) go
+        back to the queue, and leases a dead trainer held are released now instead of at
+        their expiry. Once per load, before the first lease."""
+        if run.buffer_rewound or not self.settings.buffer_address:
+            return
+        request = buffer_pb2.RollbackToCheckpointRequest(run_id=run.run_id, step=run.backend.step)
+        try:
+            reply = await self._buffer().RollbackToCheckpoint(request, timeout=self.settings.buffer_timeout_seconds)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise errors.upstream_error("buffer (RollbackToCheckpoint)", self.settings.buffer_address, e) from None
+            reply = buffer_pb2.RollbackToCheckpointResponse()  # no such run in the buffer: nothing it holds
+        run.buffer_rewound = True
+        if reply.requeued or reply.leases_released:
+            log.warning("run %s: resumed at step %d; the buffer hands out again %d groups trained after it and "
+                        "released %d leases of the previous trainer", run.run_id, run.backend.step, reply.requeued,
+                        reply.leases_released)
+
+    async def _commit_acks(self, run_id: str, step: int) -> None:
+        """Make acknowledgments up to `step` final (a checkpoint holding it is written). A
+        failure only delays that: the next commit, or a rollback, covers these steps too."""
+        if not self.settings.buffer_address:
+            return
+        try:
+            await self._buffer().CommitAcks(buffer_pb2.CommitAcksRequest(run_id=run_id, through_step=step),
+                                            timeout=self.settings.buffer_timeout_seconds)
+        except grpc.aio.AioRpcError as e:
+            log.warning("run %s: acknowledgments through step %d stay provisional for now: %s", run_id, step,
+                        e.details())
 
     async def _reject(self, run_id: str, lease_id: str, reasons: dict[str, str]) -> None:
         """Before the step: if this fails, so does the step, and the whole lease is
@@ -345,9 +412,12 @@ class Trainer:
             await run.saved()  # one writer at a time, were it the same directory
             try:
                 snapshot = await asyncio.to_thread(run.backend.snapshot)
-                return await asyncio.to_thread(_commit_checkpoint, snapshot, target, _checkpoint_extra(run))
+                written = await asyncio.to_thread(_commit_checkpoint, snapshot, target, _checkpoint_extra(run))
             except OSError as e:
                 raise errors.FailedPrecondition(f"cannot write checkpoint to {str(target)!r}: {e}") from None
+            if run.acks_wait_for_checkpoints and written.parent == self._checkpoint_dir(run.run_id, run.config):
+                await self._commit_acks(run.run_id, run.backend.step)  # a restart would resume from it
+            return written
 
     async def _checkpoint_if_due(self, run: _Run) -> None:
         """After a step, holding the lock: when the step count reached the next multiple of
@@ -356,6 +426,13 @@ class Trainer:
         interval, step = run.config.checkpoint_interval, run.backend.step
         if not interval or step // interval <= run.last_checkpoint_step // interval:
             return
+        await self._checkpoint(run, wait=False)
+
+    async def _checkpoint(self, run: _Run, wait: bool) -> None:
+        """An automatic checkpoint of the current step: the state copied to CPU memory now,
+        written (and then the step's acknowledgments made final) in the background, or
+        before returning when `wait`."""
+        step = run.backend.step
         if run.saving is not None and not run.saving.done():
             # At most one save in flight. Waiting (not skipping) keeps checkpoints where the
             # interval puts them; training only waits when the disk is slower than
@@ -369,9 +446,12 @@ class Trainer:
             log.exception("run %s: no checkpoint at step %d: copying the state failed", run.run_id, step)
             return
         run.last_checkpoint_step = step
-        run.saving = asyncio.create_task(
-            _write_in_background(run.run_id, snapshot, target, _checkpoint_extra(run), run.config.keep_last)
-        )
+        run.saving = asyncio.create_task(_write_in_background(
+            run.run_id, snapshot, target, _checkpoint_extra(run), run.config.keep_last,
+            on_written=lambda: self._commit_acks(run.run_id, step),
+        ))
+        if wait:
+            await run.saved()
 
     def _under_work_dir(self, path: str | Path, what: str) -> Path:
         return resolve_under(path, self._roots, what, "the trainer's work_dir")
@@ -434,16 +514,22 @@ def prune_checkpoints(directory: Path, run_id: str, keep: int) -> None:
 
 
 def _checkpoint_extra(run: _Run) -> dict:
-    return {"run_id": run.run_id, "weight_version": run.weight_version, "written_by": WRITTEN_BY}
+    return {
+        "run_id": run.run_id, "weight_version": run.weight_version, "written_by": WRITTEN_BY,
+        "trained_groups": {str(step): ids for step, ids in run.trained.items()},
+    }
 
 
-async def _write_in_background(run_id: str, snapshot: CheckpointSnapshot, target: Path, extra: dict, keep: int) -> None:
-    """An automatic checkpoint written and the older ones pruned, on a worker thread; the
-    task never raises: nobody awaits it for a result, so a failure is logged here."""
+async def _write_in_background(run_id: str, snapshot: CheckpointSnapshot, target: Path, extra: dict, keep: int,
+                               on_written: Callable[[], Awaitable[None]]) -> None:
+    """An automatic checkpoint written, then on_written() (it commits the acknowledgments
+    the checkpoint holds) and the older checkpoints pruned, on a worker thread; the task
+    never raises: nobody awaits it for a result, so a failure is logged here."""
     try:
         await asyncio.to_thread(_commit_checkpoint, snapshot, target, extra)
-        await asyncio.to_thread(prune_checkpoints, target.parent, run_id, keep)
         log.info("run %s: checkpoint %s written", run_id, target)
+        await on_written()
+        await asyncio.to_thread(prune_checkpoints, target.parent, run_id, keep)
     except Exception:
         log.exception("run %s: checkpoint %s could not be written; training goes on", run_id, target)
 
@@ -462,6 +548,7 @@ def _commit_checkpoint(snapshot: CheckpointSnapshot, target: Path, extra: dict) 
     fresh = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}")
     try:
         write_checkpoint(snapshot, fresh, extra)
+        blocking_fault_point("trainer.checkpoint_written")  # (complete, not yet in place)
         if target.exists():
             old = fresh.with_name(fresh.name + ".old")
             target.rename(old)
@@ -491,6 +578,15 @@ def _trainable(leased: list[sample_pb2.SampleGroup], vocab_size: int) -> tuple[l
             continue
         groups.append(group)
     return groups, rejected
+
+
+def _staleness(groups: list[SampleGroup], trainer_version: int) -> dict[str, float]:
+    """How many weight versions behind the trainer's the oldest tokens of each trained
+    sample were generated (samples that record no version are left out)."""
+    lags = [trainer_version - min(s.weight_versions) for g in groups for s in g.samples if s.weight_versions]
+    if not lags:
+        return {}
+    return {"staleness_max": float(max(lags)), "staleness_mean": sum(lags) / len(lags)}
 
 
 def _check_loss(loss: str) -> None:

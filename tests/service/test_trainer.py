@@ -358,7 +358,7 @@ def test_grpc_errors_are_status_codes_with_messages(trainer_server, tiny_model_d
     with pytest.raises(grpc.RpcError) as e:
         stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="r1", num_groups=2))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "buffer (LeaseBatch)" in e.value.details() and "unavailable" in e.value.details()
+    assert "buffer (" in e.value.details() and "unavailable" in e.value.details()
 
     with pytest.raises(grpc.RpcError) as e:
         stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="r1", num_groups=0))

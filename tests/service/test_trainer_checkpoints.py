@@ -27,7 +27,7 @@ from rlmesh.trainer.backend import COMPLETE_FILE, TorchBackend
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.server import build
 from rlmesh.trainer.trainer import Trainer
-from rlmesh.v1 import trainer_pb2
+from rlmesh.v1 import buffer_pb2, trainer_pb2
 from rlmesh.v1.buffer_pb2_grpc import BufferStub
 from rlmesh.v1.trainer_pb2_grpc import TrainerStub
 from tests.helpers.buffer import code_of, create, prompts, put
@@ -68,15 +68,16 @@ def test_a_checkpoint_every_interval_and_only_the_newest_of_rlmeshs_own_kept(tin
         return manual
 
     manual = asyncio.run(scenario())
-    # Saved at 2, 4 and 6; keep_last=2 deleted step 2; nothing else was touched.
-    assert names(checkpoints) == ["step-000000", "step-000001", "step-000003", "step-000004", "step-000006",
+    # Saved at 2, 4 and 6, and at 7 as the run ended (its acknowledgments become final only in
+    # a checkpoint); keep_last=2 deleted steps 2 and 4; nothing else was touched.
+    assert names(checkpoints) == ["step-000000", "step-000001", "step-000003", "step-000006", "step-000007",
                                   "step_3"]
     assert manual == checkpoints / "step_3"
     for directory in (theirs, hf, other_run):
         assert "keep.txt" in names(directory)
-    newest = checkpoints / "step-000006"
+    newest = checkpoints / "step-000007"
     state = json.loads((newest / "trainer_state.json").read_text())
-    assert (state["step"], state["run_id"], state["written_by"]) == (6, "r1", "rlmesh")
+    assert (state["step"], state["run_id"], state["written_by"]) == (7, "r1", "rlmesh")
     assert {"model.safetensors", "tokenizer.json", "optimizer.pt", "rng_state.pt", COMPLETE_FILE} <= set(names(newest))
 
 
@@ -222,13 +223,18 @@ def test_a_restarted_trainer_resumes_the_run_bit_for_bit(
     kill()
 
     # A new trainer on the same work_dir does not know the run; InitRun (what the
-    # coordinator does then) resumes it from step 2, and the lost step 3 is trained again.
+    # coordinator does then) resumes it from step 2, and the buffer hands out again the
+    # group step 3 had trained (its acknowledgment was provisional): step 3 is retrained
+    # on the same data, nothing is written again.
     stub, _ = serve(Trainer(Settings(work_dir=tmp_path / "b", **settings)))
     code, _ = code_of(lambda: stub.GetStatus(trainer_pb2.GetStatusRequest(run_id="killed")))
     assert code == grpc.StatusCode.NOT_FOUND
     status = stub.InitRun(trainer_pb2.InitRunRequest(run_id="killed", config_json=cfg))
     assert (status.step, status.resumed_step) == (2, 2)
-    train(stub, "killed", range(3, 5))
+    assert stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="killed", num_groups=1, wait_seconds=5)).step == 3
+    train(stub, "killed", range(4, 5))
+    s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="killed"))
+    assert (s.groups_written, s.rolled_back_groups) == (4, 1)
 
     (weights, optimizer), (expected_weights, expected_optimizer) = final_state(stub, "killed"), final_state(whole, "whole")
     assert weights.keys() == expected_weights.keys()

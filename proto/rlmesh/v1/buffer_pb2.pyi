@@ -179,18 +179,54 @@ class LeaseBatchResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ..., stale_groups: _Optional[int] = ..., stale_groups_dropped: _Optional[int] = ...) -> None: ...
 
 class AckBatchRequest(_message.Message):
-    __slots__ = ("run_id", "lease_id")
+    __slots__ = ("run_id", "lease_id", "step", "provisional")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PROVISIONAL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     lease_id: str
-    def __init__(self, run_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    step: int
+    provisional: bool
+    def __init__(self, run_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., step: _Optional[int] = ..., provisional: _Optional[bool] = ...) -> None: ...
 
 class AckBatchResponse(_message.Message):
     __slots__ = ("acknowledged",)
     ACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
     acknowledged: int
     def __init__(self, acknowledged: _Optional[int] = ...) -> None: ...
+
+class CommitAcksRequest(_message.Message):
+    __slots__ = ("run_id", "through_step")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    THROUGH_STEP_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    through_step: int
+    def __init__(self, run_id: _Optional[str] = ..., through_step: _Optional[int] = ...) -> None: ...
+
+class CommitAcksResponse(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+
+class RollbackToCheckpointRequest(_message.Message):
+    __slots__ = ("run_id", "step")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class RollbackToCheckpointResponse(_message.Message):
+    __slots__ = ("committed", "requeued", "leases_released")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    requeued: int
+    leases_released: int
+    def __init__(self, committed: _Optional[int] = ..., requeued: _Optional[int] = ..., leases_released: _Optional[int] = ...) -> None: ...
 
 class RejectGroupsRequest(_message.Message):
     __slots__ = ("run_id", "lease_id", "groups")
@@ -222,7 +258,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("queued_groups", "leased_groups", "partial_groups", "acknowledged_groups", "dropped_groups", "prompts_handed_out", "epoch", "offset", "next_sample_index", "groups_written", "redelivered_groups", "stale_groups_dropped", "stale_groups_kept", "prompts_skipped", "prompts_skipped_by_dataset", "prompts_reissued", "partial_groups_returned", "dropped_by_reason", "groups_written_per_second", "groups_acknowledged_per_second", "prompts_handed_out_per_second", "rate_window_seconds", "queued_samples", "dead_letter_groups")
+    __slots__ = ("queued_groups", "leased_groups", "partial_groups", "acknowledged_groups", "dropped_groups", "prompts_handed_out", "epoch", "offset", "next_sample_index", "groups_written", "redelivered_groups", "stale_groups_dropped", "stale_groups_kept", "prompts_skipped", "prompts_skipped_by_dataset", "prompts_reissued", "partial_groups_returned", "dropped_by_reason", "groups_written_per_second", "groups_acknowledged_per_second", "prompts_handed_out_per_second", "rate_window_seconds", "queued_samples", "dead_letter_groups", "provisional_groups", "rolled_back_groups")
     class PromptsSkippedByDatasetEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +297,8 @@ class BufferStats(_message.Message):
     RATE_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     DEAD_LETTER_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PROVISIONAL_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_GROUPS_FIELD_NUMBER: _ClassVar[int]
     queued_groups: int
     leased_groups: int
     partial_groups: int
@@ -285,7 +323,9 @@ class BufferStats(_message.Message):
     rate_window_seconds: float
     queued_samples: int
     dead_letter_groups: int
-    def __init__(self, queued_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., partial_groups: _Optional[int] = ..., acknowledged_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., prompts_handed_out: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., next_sample_index: _Optional[int] = ..., groups_written: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., stale_groups_dropped: _Optional[int] = ..., stale_groups_kept: _Optional[int] = ..., prompts_skipped: _Optional[int] = ..., prompts_skipped_by_dataset: _Optional[_Mapping[str, int]] = ..., prompts_reissued: _Optional[int] = ..., partial_groups_returned: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_written_per_second: _Optional[float] = ..., groups_acknowledged_per_second: _Optional[float] = ..., prompts_handed_out_per_second: _Optional[float] = ..., rate_window_seconds: _Optional[float] = ..., queued_samples: _Optional[int] = ..., dead_letter_groups: _Optional[int] = ...) -> None: ...
+    provisional_groups: int
+    rolled_back_groups: int
+    def __init__(self, queued_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., partial_groups: _Optional[int] = ..., acknowledged_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., prompts_handed_out: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., next_sample_index: _Optional[int] = ..., groups_written: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., stale_groups_dropped: _Optional[int] = ..., stale_groups_kept: _Optional[int] = ..., prompts_skipped: _Optional[int] = ..., prompts_skipped_by_dataset: _Optional[_Mapping[str, int]] = ..., prompts_reissued: _Optional[int] = ..., partial_groups_returned: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_written_per_second: _Optional[float] = ..., groups_acknowledged_per_second: _Optional[float] = ..., prompts_handed_out_per_second: _Optional[float] = ..., rate_window_seconds: _Optional[float] = ..., queued_samples: _Optional[int] = ..., dead_letter_groups: _Optional[int] = ..., provisional_groups: _Optional[int] = ..., rolled_back_groups: _Optional[int] = ...) -> None: ...
 
 class ExportGroupsRequest(_message.Message):
     __slots__ = ("run_id", "path", "dead_letters")

@@ -79,6 +79,16 @@ class BufferStub:
                 request_serializer=rlmesh_dot_v1_dot_buffer__pb2.AckBatchRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.AckBatchResponse.FromString,
                 _registered_method=True)
+        self.CommitAcks = channel.unary_unary(
+                '/rlmesh.v1.Buffer/CommitAcks',
+                request_serializer=rlmesh_dot_v1_dot_buffer__pb2.CommitAcksRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.CommitAcksResponse.FromString,
+                _registered_method=True)
+        self.RollbackToCheckpoint = channel.unary_unary(
+                '/rlmesh.v1.Buffer/RollbackToCheckpoint',
+                request_serializer=rlmesh_dot_v1_dot_buffer__pb2.RollbackToCheckpointRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.RollbackToCheckpointResponse.FromString,
+                _registered_method=True)
         self.RejectGroups = channel.unary_unary(
                 '/rlmesh.v1.Buffer/RejectGroups',
                 request_serializer=rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsRequest.SerializeToString,
@@ -172,6 +182,23 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitAcks(self, request, context):
+        """Provisional acknowledgments up to a step become final (a checkpoint holding the step
+        was written). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollbackToCheckpoint(self, request, context):
+        """A trainer (re)started from its checkpoint at `step`: acknowledgments up to it become
+        final, later ones go back to the front of the queue, and every live batch lease of the
+        run is released at once (its holder is dead: one trainer per run). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RejectGroups(self, request, context):
         """Groups of a leased batch that can never be trained (say, token ids outside the
         model's vocabulary): moved to the run's dead-letter list with their reasons. They
@@ -251,6 +278,16 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.AckBatch,
                     request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.AckBatchRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_buffer__pb2.AckBatchResponse.SerializeToString,
+            ),
+            'CommitAcks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitAcks,
+                    request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.CommitAcksRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_buffer__pb2.CommitAcksResponse.SerializeToString,
+            ),
+            'RollbackToCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollbackToCheckpoint,
+                    request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.RollbackToCheckpointRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_buffer__pb2.RollbackToCheckpointResponse.SerializeToString,
             ),
             'RejectGroups': grpc.unary_unary_rpc_method_handler(
                     servicer.RejectGroups,
@@ -516,6 +553,60 @@ class Buffer:
             '/rlmesh.v1.Buffer/AckBatch',
             rlmesh_dot_v1_dot_buffer__pb2.AckBatchRequest.SerializeToString,
             rlmesh_dot_v1_dot_buffer__pb2.AckBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitAcks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Buffer/CommitAcks',
+            rlmesh_dot_v1_dot_buffer__pb2.CommitAcksRequest.SerializeToString,
+            rlmesh_dot_v1_dot_buffer__pb2.CommitAcksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollbackToCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Buffer/RollbackToCheckpoint',
+            rlmesh_dot_v1_dot_buffer__pb2.RollbackToCheckpointRequest.SerializeToString,
+            rlmesh_dot_v1_dot_buffer__pb2.RollbackToCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

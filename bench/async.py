@@ -1,0 +1,108 @@
+"""Training modes compared: the same short run (the demo's task, `rlmesh demo`'s settings,
+fewer rollouts) in `sync`, `one_step_off` and `fully_async`, one after the other on one
+`rlmesh up` stack on this machine.
+
+The 2 cores are split as deployed on one machine: the engine and the trainer each get one
+torch thread (OMP_NUM_THREADS=1, the engine's --num-threads 1), so generation and training
+can overlap only as far as two cores allow; buffer, reward, rollout and coordinator are
+light Python processes beside them.
+
+Figures, per mode: RL samples trained per second of RL wall time (SFT warm start and
+evaluations excluded), and the final held-out eval reward (greedy). The baseline is the
+sync run, measured in the same invocation: `ideal_speedup` = (generation + training time)
+/ max(generation, training time) from the sync run's own phase times, and
+`fully_async_fraction_of_ideal` = (fully_async samples/s / sync samples/s) / ideal_speedup.
+
+    python -m bench.async [--rollouts 20]
+
+The last line printed is one JSON object with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from rlmesh.cli.demo import demo_config, write_task
+from rlmesh.cli.launcher import datasets_dir, start_stack
+from rlmesh.cli.tiny_model import build_tiny_model
+from rlmesh.common.auth import client_headers
+
+MODES = ("sync", "one_step_off", "fully_async")
+
+
+def run_mode(api: httpx.Client, config: dict, mode: str) -> dict:
+    r = api.post("/runs", json={**config, "mode": mode, "name": f"bench.async {mode}"})
+    r.raise_for_status()
+    run_id = r.json()["id"]
+    while (run := api.get(f"/runs/{run_id}", params={"metrics_last": 100000}).json())["status"] not in (
+            "completed", "failed", "stopped"):
+        time.sleep(0.5)
+    if run["status"] != "completed":
+        raise SystemExit(f"{mode} run {run['status']}: {run['error']}")
+    rl = [m for m in run["metrics"] if "iteration/seconds" in m]
+    samples = sum(m.get("train/samples", 0.0) for m in rl)
+    seconds = rl[-1]["time"] - rl[0]["time"] + rl[0]["iteration/seconds"]  # first RL start to last RL end
+    result = {
+        "samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
+        "generate_seconds": sum(m.get("phase/generate_seconds", 0.0) for m in rl),
+        "train_seconds": sum(m.get("phase/train_seconds", 0.0) for m in rl),
+        "eval_after": run["eval_after"].get("eval/held_out/reward_mean"),
+        "staleness_max": max((m.get("train/staleness_max", 0.0) for m in rl), default=0.0),
+        "stale_groups_dropped": sum(m.get("train/stale_groups_dropped", 0.0) for m in rl),
+    }
+    print(f"{mode:>13}: {result['samples_per_s']:7.1f} samples/s ({samples:.0f} samples in {seconds:.1f} s), "
+          f"eval after {result['eval_after']:.2f}, staleness max {result['staleness_max']:.0f}, "
+          f"{result['stale_groups_dropped']:.0f} stale groups dropped", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rollouts", type=int, default=20, help="RL iterations per mode")
+    parser.add_argument("--sft-steps", type=int, default=35, help="SFT warm-start steps per run")
+    args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"  # one thread per torch process (engine, trainer)
+
+    with tempfile.TemporaryDirectory(prefix="rlmesh-bench-async-") as tmp:
+        data_dir = Path(tmp)
+        model = build_tiny_model(data_dir / "tiny-model")
+        train, held_out = write_task(datasets_dir(data_dir) / "demo")
+        config = demo_config(str(model), train, held_out, args.sft_steps, args.rollouts).model_dump(mode="json")
+        config["eval"]["interval"] = 0
+        print("starting rlmesh (embedded Redis, CPU reference engine, tiny model):", flush=True)
+        stack = start_stack(data_dir, str(model))
+        try:
+            with httpx.Client(base_url=stack.coordinator_url, timeout=60, headers=client_headers()) as api:
+                results = {mode: run_mode(api, config, mode) for mode in MODES}
+        finally:
+            stack.stop()
+
+    sync = results["sync"]
+    g, t = sync["generate_seconds"], sync["train_seconds"]
+    ideal = (g + t) / max(g, t)
+    speedup = results["fully_async"]["samples_per_s"] / sync["samples_per_s"]
+    print(f"sync phases: generation {g:.1f} s, training {t:.1f} s -> ideal speedup {ideal:.2f}; "
+          f"fully_async achieved {speedup:.2f} ({speedup / ideal:.0%} of ideal)")
+    print(json.dumps({
+        **{f"{mode}_samples_per_s": round(r["samples_per_s"], 2) for mode, r in results.items()},
+        "sync_generate_seconds": round(g, 2), "sync_train_seconds": round(t, 2),
+        "ideal_speedup": round(ideal, 3),
+        "one_step_off_speedup": round(results["one_step_off"]["samples_per_s"] / sync["samples_per_s"], 3),
+        "fully_async_speedup": round(speedup, 3),
+        "fully_async_fraction_of_ideal": round(speedup / ideal, 3),
+        **{f"{mode}_eval_after": r["eval_after"] for mode, r in results.items()},
+        **{f"{mode}_staleness_max": r["staleness_max"] for mode, r in results.items()},
+        "rollouts": args.rollouts, "samples_per_rollout": config["rollout"]["rollout_batch_size"]
+        * config["rollout"]["n_samples_per_prompt"],
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Chaos: a short run on `rlmesh up`'s stack (every service and Redis its own process,
+supervised), and one process killed with SIGKILL during generation, between a train step
+and its acknowledgment, or (the trainer) in the middle of a checkpoint save; the
+supervisor starts it again on its port. Every run completes, the buffer's accounting
+balances, and the final model's record of the groups it was trained on lists each
+acknowledged group exactly once. A frozen (SIGSTOP) engine or reward service is noticed
+within its deadline. Named fault points (rlmesh.common.faults) hold a process at the exact
+moment; no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rlmesh.cli.launcher import Stack, start_stack, supervise
+from rlmesh.common.auth import client_headers
+from rlmesh.common.faults import FAULTS_DIR_ENV
+from rlmesh.common.grpc_server import sync_channel
+from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
+from tests.e2e.test_runs import run_config
+from tests.helpers.stack import wait_for_run
+
+PROCESSES = ("engine", "reward", "buffer", "rollout", "trainer", "coordinator", "redis")
+RECOVERY_TIMEOUT = 180.0
+
+
+def eventually(condition: Callable[[], bool], what: str, timeout: float = RECOVERY_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+class Chaos:
+    """The supervised stack, and the means to kill its processes at fault points."""
+
+    def __init__(self, stack: Stack, faults: Path) -> None:
+        self.stack, self.faults = stack, faults
+        self.api = httpx.Client(base_url=stack.coordinator_url, timeout=30, headers=client_headers())
+        self.buffer = buffer_pb2_grpc.BufferStub(sync_channel(stack.address("buffer")))
+
+    def process(self, name: str):
+        return self.stack.redis.process if name == "redis" else self.stack.processes[name]
+
+    def kill(self, name: str) -> None:
+        """SIGKILL, then wait until the supervisor has it running again."""
+        victim = self.process(name)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=30)
+        eventually(lambda: self.process(name) is not victim, f"{name} restarted")
+
+    def hold(self, point: str) -> None:
+        (self.faults / f"{point}.reached").unlink(missing_ok=True)
+        (self.faults / f"{point}.hold").touch()
+
+    def wait_reached(self, point: str) -> None:
+        eventually(lambda: (self.faults / f"{point}.reached").exists(), f"fault point {point} reached")
+
+    def release(self, point: str) -> None:
+        (self.faults / f"{point}.hold").unlink(missing_ok=True)
+
+    def run(self, run_id: str) -> dict:
+        # The coordinator may be restarting: ask again until it answers.
+        def answer():
+            try:
+                return wait_for_run(self.api, run_id, timeout=RECOVERY_TIMEOUT * 2)
+            except httpx.HTTPError:
+                return None
+        for _ in range(int(RECOVERY_TIMEOUT)):
+            if (run := answer()) is not None:
+                return run
+            time.sleep(1)
+        raise AssertionError("the coordinator never answered again")
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("chaos")
+    faults = root / "faults"
+    faults.mkdir()
+    patch = pytest.MonkeyPatch()
+    # The children inherit these: fault points on, quick retries, one thread each (2 cores).
+    patch.setenv(FAULTS_DIR_ENV, str(faults))
+    patch.setenv("RLMESH_COORDINATOR_RETRY_BACKOFF_MAX_SECONDS", "1")
+    patch.setenv("RLMESH_ROLLOUT_REWARD_TIMEOUT_SECONDS", "5")
+    patch.setenv("RLMESH_ROLLOUT_REQUEST_TIMEOUT_SECONDS", "5")
+    patch.setenv("RLMESH_ROLLOUT_GENERATE_TIMEOUT_SECONDS", "5")
+    patch.setenv("OMP_NUM_THREADS", "1")
+    stack = start_stack(root / "stack", str(tiny_model_dir), echo=lambda _: None)
+    stop = threading.Event()
+    supervisor = threading.Thread(target=supervise, args=(stack, stop), kwargs={"interval": 0.1, "echo": lambda _: None})
+    supervisor.start()
+    try:
+        yield Chaos(stack, faults)
+    finally:
+        stop.set()
+        supervisor.join(timeout=120)
+        patch.undo()
+
+
+def chaos_config(tmp_path: Path, model_dir: Path) -> dict:
+    config = run_config(tmp_path, model_dir, num_rollouts=3)
+    config.update(checkpoint_interval=1, keep_last=1, max_outage_seconds=300)
+    config["sft_warmup"] = {"steps": 0}
+    return config
+
+
+def trained_record(stack: Stack, run_id: str) -> list[str]:
+    """Group ids in the final model's record (the newest checkpoint), one per training."""
+    checkpoints = sorted((stack.data_dir / "trainer" / run_id / "checkpoints").glob("step-*"))
+    state = json.loads((checkpoints[-1] / "trainer_state.json").read_text())
+    return [gid for ids in state["trained_groups"].values() for gid in ids]
+
+
+def check_accounting(chaos: Chaos, run_id: str) -> None:
+    s = chaos.buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id), timeout=30)
+    assert s.groups_written == s.acknowledged_groups >= 6
+    assert (s.queued_groups, s.leased_groups, s.provisional_groups) == (0, 0, 0)
+    trained = trained_record(chaos.stack, run_id)
+    assert len(trained) == len(set(trained)) == s.acknowledged_groups  # each group exactly once
+
+
+MOMENTS = ("generation", "before_ack")
+SCENARIOS = [(name, moment) for moment in MOMENTS for name in PROCESSES] + [("trainer", "checkpoint_save")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("victim", "moment"), SCENARIOS, ids=[f"{v}-{m}" for v, m in SCENARIOS])
+def test_a_run_survives_a_killed_process(chaos, tmp_path, tiny_model_dir, victim, moment):
+    point = {"before_ack": "trainer.before_ack", "checkpoint_save": "trainer.checkpoint_written"}.get(moment)
+    if point:
+        chaos.hold(point)
+    run_id = chaos.api.post("/runs", json=chaos_config(tmp_path, tiny_model_dir)).json()["id"]
+    try:
+        if point:
+            chaos.wait_reached(point)
+            if victim == "trainer":  # its restarted self must not stop there again
+                chaos.release(point)
+        else:
+            eventually(lambda: chaos.api.get(f"/runs/{run_id}").json()["rollout_id"] >= 1, "the first rollout")
+        started = time.monotonic()
+        chaos.kill(victim)
+    finally:
+        if point:
+            chaos.release(point)
+    run = chaos.run(run_id)
+    print(f"{victim} killed at {moment}: run {run['status']} {time.monotonic() - started:.1f} s after the kill")
+    assert run["status"] == "completed", run["error"]
+    assert run["waiting_for"] == ""
+    check_accounting(chaos, run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["engine", "reward"])
+def test_a_frozen_peer_is_noticed_within_its_deadline(chaos, tmp_path, tiny_model_dir, victim):
+    run_id = chaos.api.post("/runs", json=chaos_config(tmp_path, tiny_model_dir)).json()["id"]
+    eventually(lambda: chaos.api.get(f"/runs/{run_id}").json()["rollout_id"] >= 1, "the first rollout")
+    log = chaos.stack.log_file("rollout")
+    seen = len(log.read_text())
+    frozen = chaos.process(victim)
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        what = "the inference engines" if victim == "engine" else "reward service"
+        # Deadlines of 5 s (set for the stack): the rollout says what it waits for soon after.
+        eventually(lambda: what in log.read_text()[seen:] and "waiting" in log.read_text()[seen:],
+                   f"the rollout service noticing the frozen {victim}", timeout=60)
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    run = chaos.run(run_id)
+    assert run["status"] == "completed", run["error"]
+    check_accounting(chaos, run_id)

@@ -1,0 +1,93 @@
+"""Acknowledgments that wait for a checkpoint: AckBatch(provisional), CommitAcks and
+RollbackToCheckpoint, over real gRPC on a real Redis. What a trainer that crashes and
+restarts from an older checkpoint relies on: the groups it trained after that checkpoint
+come back first, in order, those before it never do, and its dead leases end at once."""
+
+from __future__ import annotations
+
+import grpc
+
+from rlmesh.v1 import buffer_pb2
+from tests.helpers.buffer import code_of, completed, create, prompts, put, stats
+
+
+def setup(stub, dataset, groups: int) -> list:
+    create(stub, dataset)
+    written = [completed(g) for g in prompts(stub, groups)]
+    put(stub, written)
+    return written
+
+
+def train(stub, n: int, step: int, provisional: bool = True) -> list[str]:
+    """Lease n groups and acknowledge them as trained at `step`."""
+    batch = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=n))
+    stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=batch.lease_id, step=step, provisional=provisional))
+    return [g.group_id for g in batch.groups]
+
+
+def commit(stub, through: int) -> int:
+    return stub.CommitAcks(buffer_pb2.CommitAcksRequest(run_id="r1", through_step=through)).committed
+
+
+def rollback(stub, step: int) -> buffer_pb2.RollbackToCheckpointResponse:
+    return stub.RollbackToCheckpoint(buffer_pb2.RollbackToCheckpointRequest(run_id="r1", step=step))
+
+
+def test_provisional_acks_become_final_when_their_checkpoint_is_committed(buffer, dataset):
+    stub = buffer()
+    written = setup(stub, dataset, 4)
+    ids = [g.group_id for g in written]
+    assert train(stub, 2, step=1) == ids[:2]
+    assert train(stub, 2, step=2) == ids[2:]
+    s = stats(stub)
+    assert (s.provisional_groups, s.acknowledged_groups, s.leased_groups, s.queued_groups) == (4, 0, 0, 0)
+    assert commit(stub, 1) == 2
+    assert commit(stub, 1) == 0  # idempotent
+    s = stats(stub)
+    assert (s.provisional_groups, s.acknowledged_groups) == (2, 2)
+    assert commit(stub, 5) == 2
+    s = stats(stub)
+    assert (s.provisional_groups, s.acknowledged_groups, s.groups_written) == (0, 4, 4)
+    assert put(stub, written).duplicates == 4  # trained for good: a retried write stores nothing
+
+
+def test_a_rollback_hands_out_again_exactly_what_was_trained_after_the_checkpoint(buffer, dataset):
+    stub = buffer()
+    ids = [g.group_id for g in setup(stub, dataset, 8)]
+    train(stub, 2, step=1)
+    train(stub, 2, step=2)
+    train(stub, 2, step=3)
+    dead = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=1, lease_seconds=600))
+    r = rollback(stub, 1)
+    assert (r.committed, r.requeued, r.leases_released) == (2, 4, 1)
+    s = stats(stub)
+    assert (s.acknowledged_groups, s.provisional_groups, s.leased_groups, s.queued_groups) == (2, 0, 0, 6)
+    assert s.rolled_back_groups == 4
+    # Steps 2 and 3 first, in the order they were trained, then the dead trainer's lease, then the rest.
+    again = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=6)).groups
+    assert [g.group_id for g in again] == ids[2:6] + [dead.groups[0].group_id] + ids[7:]
+    code, _ = code_of(lambda: stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=dead.lease_id)))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert rollback(stub, 1).requeued == 0  # idempotent: nothing provisional left
+
+
+def test_a_trainer_starting_from_scratch_rolls_back_everything_provisional(buffer, dataset):
+    stub = buffer()
+    ids = [g.group_id for g in setup(stub, dataset, 2)]
+    train(stub, 2, step=1)
+    r = rollback(stub, 0)
+    assert (r.committed, r.requeued) == (0, 2)
+    assert [g.group_id for g in stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2)).groups] == ids
+
+
+def test_final_acks_are_unchanged_and_bad_requests_are_refused(buffer, dataset):
+    stub = buffer()
+    setup(stub, dataset, 2)
+    train(stub, 2, step=1, provisional=False)
+    s = stats(stub)
+    assert (s.acknowledged_groups, s.provisional_groups) == (2, 0)
+    assert rollback(stub, 0).requeued == 0  # final is final
+    code, message = code_of(lambda: commit(stub, -1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "through_step" in message
+    code, _ = code_of(lambda: stub.RollbackToCheckpoint(buffer_pb2.RollbackToCheckpointRequest(run_id="nope", step=0)))
+    assert code == grpc.StatusCode.NOT_FOUND
