@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 
 from rlmesh.common.dataset_spec import dataset_to_proto
 from rlmesh.common.errors import FailedPrecondition, NotFound
+from rlmesh.common.metrics import merge_sample_metrics
 from rlmesh.common.retry import Backoff, OutageTooLong, retry, transient_grpc_error
 from rlmesh.common.run_config import RunConfig
 from rlmesh.common.sampling import sampling_to_proto
@@ -574,7 +575,7 @@ class RunDriver:
     def _collect_async(self, run_id: str, reply: rollout_pb2.AsyncRolloutResponse) -> None:
         if reply.error:
             log.warning("run %s: the rollout service's generation loop reports: %s", run_id, reply.error)
-        merge_generation_metrics(self._async_metrics.setdefault(run_id, {}), dict(reply.metrics))
+        merge_sample_metrics(self._async_metrics.setdefault(run_id, {}), dict(reply.metrics), "rollout/samples")
 
     async def _async_heartbeat(self, run_id: str, cfg: RunConfig) -> None:
         """Keeps the generation loop running while the run waits on other services: a
@@ -604,19 +605,6 @@ class RunDriver:
         except grpc.aio.AioRpcError as e:
             log.warning("run %s: could not stop the generation loop: %s", run_id, e.details())
         self._async_metrics.pop(run_id, None)
-
-
-def merge_generation_metrics(total: dict[str, float], more: dict[str, float]) -> None:
-    """Add one report of the generation loop to `total`: means and ratios weighted by their
-    samples ("<prefix>samples"), everything else (counts, seconds) summed."""
-    n_total = total.get("rollout/samples", 0.0)
-    n_more = more.get("rollout/samples", 0.0)
-    for key, value in more.items():
-        if key.endswith(("_mean", "_ratio")):
-            if n_total + n_more:
-                total[key] = (total.get(key, 0.0) * n_total + value * n_more) / (n_total + n_more)
-        else:
-            total[key] = total.get(key, 0.0) + value
 
 
 def _transient(e: BaseException) -> str | None:

@@ -41,6 +41,11 @@ class Settings(ServiceSettings):
     reward_timeout_seconds: float = Field(600.0, gt=0, description="Deadline of one ScoreGroups call to the "
                                           "reward service (past it the call is retried, as for UNAVAILABLE).")
     weight_update_timeout_seconds: float = Field(600.0, gt=0, description="Timeout of a weight-update call.")
+    buffer_timeout_seconds: float = Field(60.0, gt=0, description="Deadline of one call to the buffer (a write "
+                                          "waiting on the buffer's queue cap is retried, not cut short).")
+    sample_timeout_seconds: float = Field(
+        900.0, gt=0, description="Longest one sample's generate function may take (all its turns and retries); "
+        "past it the sample is FAILED with the reason and the rollout goes on.")
     generate_function: PluginPath = Field(
         "rlmesh.rollout.generation:default_generate",
         description="Generate function by import path (module:function): async (ctx, sample, sampling_params) -> "

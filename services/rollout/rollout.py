@@ -151,8 +151,15 @@ class RolloutManager:
                     inflight.pop(id(sample), None)
 
             async with sem:
-                out = await retry(attempt, service="the inference engines", budget_seconds=self.settings.peer_outage_seconds,
-                                  transient=_engine_down, on_wait=_log_wait)
+                try:
+                    out = await asyncio.wait_for(
+                        retry(attempt, service="the inference engines", budget_seconds=self.settings.peer_outage_seconds,
+                              transient=_engine_down, on_wait=_log_wait),
+                        self.settings.sample_timeout_seconds)
+                except (Unavailable, asyncio.CancelledError):
+                    raise  # the engines are down (the whole rollout is retried), or we are cancelled
+                except Exception as e:  # this sample's own failure: it fails, the rollout goes on
+                    out = failed_sample(before, e, self.settings.sample_timeout_seconds)
             return out if isinstance(out, list) else [out]
 
         results = await asyncio.gather(*(one(s) for s in group.samples))
@@ -173,6 +180,16 @@ class RolloutManager:
             raise Unavailable(f"reward service failed: {e.code().name}: {e.details()}") from None
         return [group_from_proto(g) for g in resp.groups]
 
+    def check_limits(self, req: RolloutRequest) -> None:
+        """The operator's limits on one rollout (or on the groups an async loop keeps in flight)."""
+        limits = self.settings.limits
+        within([
+            (req.num_groups + req.over_sampling_groups, limits.max_groups_per_call,
+             "groups of a rollout (num_groups + over_sampling_groups)", "max_groups_per_call"),
+            (req.sampling.get("max_new_tokens") or 0, limits.max_new_tokens, "max_new_tokens", "max_new_tokens"),
+            (req.max_concurrency, limits.max_concurrency, "max_concurrency", "max_concurrency"),
+        ])
+
     async def _put(self, run_id: str, groups: list[SampleGroup]) -> None:
         """Write groups in one call; wait while the buffer is full (backpressure) or briefly
         unavailable (a restarting replica), instead of failing the rollout."""
@@ -180,11 +197,12 @@ class RolloutManager:
         delay, waited = 0.05, 0.0
         while True:
             try:
-                await self.buffer.PutGroups(request)
+                await self.buffer.PutGroups(request, timeout=self.settings.buffer_timeout_seconds)
                 return
             except grpc.aio.AioRpcError as e:
                 retry = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or (
-                    e.code() == grpc.StatusCode.UNAVAILABLE and waited < BUFFER_UNAVAILABLE_PATIENCE_SECONDS)
+                    e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                    and waited < BUFFER_UNAVAILABLE_PATIENCE_SECONDS)
                 if not retry:
                     raise
                 await asyncio.sleep(delay)
@@ -200,13 +218,7 @@ class RolloutManager:
             raise InvalidArgument(f"mode must be 'rl' or 'sft', got {req.mode!r}")
         if req.group_filter not in GROUP_FILTERS:
             raise InvalidArgument(f"unknown group_filter {req.group_filter!r}; known: 'nonzero_std'")
-        limits = self.settings.limits
-        within([
-            (req.num_groups + req.over_sampling_groups, limits.max_groups_per_call,
-             "groups of a rollout (num_groups + over_sampling_groups)", "max_groups_per_call"),
-            (req.sampling.get("max_new_tokens") or 0, limits.max_new_tokens, "max_new_tokens", "max_new_tokens"),
-            (req.max_concurrency, limits.max_concurrency, "max_concurrency", "max_concurrency"),
-        ])
+        self.check_limits(req)
         start = time.monotonic()
         if req.mode == "sft":
             return await self._sft_rollout(req, start)
@@ -223,7 +235,7 @@ class RolloutManager:
                     f"for the policy, or the reward broken?)")
             need = req.num_groups - len(written)
             resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
-                run_id=req.run_id, num_groups=need + req.over_sampling_groups))
+                run_id=req.run_id, num_groups=need + req.over_sampling_groups), timeout=self.settings.buffer_timeout_seconds)
             inflight: dict = {}
             handled: set[str] = set()  # dropped by the filter (written ones are in `written`)
             stop = asyncio.Event()
@@ -247,7 +259,8 @@ class RolloutManager:
                     if dropped:
                         filtered += len(dropped)
                         await self.buffer.DropGroups(buffer_pb2.DropGroupsRequest(
-                            run_id=req.run_id, group_ids=dropped, reason=req.group_filter))
+                            run_id=req.run_id, group_ids=dropped, reason=req.group_filter),
+                            timeout=self.settings.buffer_timeout_seconds)
                     if keep:
                         await self._put(req.run_id, keep)
                         written.extend(keep)
@@ -287,21 +300,17 @@ class RolloutManager:
         for group in groups:
             for s in group.samples:
                 if not req.partial_rollout:
-                    # Start over later, with the weights of then: nothing of this policy kept.
-                    s.tokens, s.response, s.response_length = [], "", 0
-                    s.loss_mask, s.rollout_log_probs, s.weight_versions = [], [], []
-                    s.reward, s.reward_components = 0.0, {}
-                    s.status = Status.PENDING
+                    reset_sample(s)
                 s.metadata.pop("rid", None)
         if groups:
             await self.buffer.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(
-                run_id=req.run_id, groups=[group_to_proto(g) for g in groups]))
+                run_id=req.run_id, groups=[group_to_proto(g) for g in groups]), timeout=self.settings.buffer_timeout_seconds)
         return len(groups)
 
     async def _sft_rollout(self, req: RolloutRequest, start: float) -> RolloutResult:
         tokenizer = await self.tokenizer()
         resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
-            run_id=req.run_id, num_groups=req.num_groups))
+            run_id=req.run_id, num_groups=req.num_groups), timeout=self.settings.buffer_timeout_seconds)
         groups = [group_from_proto(g) for g in resp.groups]
         for g in groups:
             # One supervised sample per prompt: the group's copies would all be identical.
@@ -323,7 +332,8 @@ class RolloutManager:
         limit = req.limit or max(limits.max_samples_per_call // max(req.n_samples_per_prompt, 1), 1)
         start = time.monotonic()
         resp = await self.buffer.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
-            run_id=req.run_id, dataset=req.dataset, n_samples_per_prompt=req.n_samples_per_prompt, limit=limit))
+            run_id=req.run_id, dataset=req.dataset, n_samples_per_prompt=req.n_samples_per_prompt, limit=limit),
+            timeout=self.settings.buffer_timeout_seconds)
         sem = asyncio.Semaphore(self.settings.max_concurrency)
         groups = await asyncio.gather(*(self._generate_group(group_from_proto(g), req.sampling, sem,
                                                              req.apply_chat_template, {})
@@ -332,6 +342,30 @@ class RolloutManager:
         metrics = rollout_metrics(scored, f"eval/{req.dataset}/")
         metrics[f"eval/{req.dataset}/seconds"] = time.monotonic() - start
         return metrics
+
+
+def reset_sample(s: Sample) -> None:
+    """Start a sample over, later, with the weights of then: nothing of this policy kept."""
+    s.tokens, s.response, s.response_length = [], "", 0
+    s.loss_mask, s.rollout_log_probs, s.weight_versions = [], [], []
+    s.reward, s.reward_components = 0.0, {}
+    s.status = Status.PENDING
+
+
+# Room for a reason in a failed sample's metadata (the rest is cut).
+MAX_FAILURE_CHARS = 1000
+
+
+def failed_sample(sample: Sample, e: BaseException, timeout: float) -> Sample:
+    """The sample as it was before generation, FAILED with the reason (trained on by nobody,
+    counted in failed_ratio)."""
+    reason = (f"generation took longer than sample_timeout_seconds ({timeout:g} s)" if isinstance(e, TimeoutError)
+              else f"{type(e).__name__}: {e}")
+    log.warning("a sample failed: %s", reason)
+    sample.status = Status.FAILED
+    sample.metadata["failure"] = reason[:MAX_FAILURE_CHARS]
+    sample.metadata.pop("rid", None)
+    return sample
 
 
 async def _log_wait(reason: str) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import functools
 
 from rlmesh.common import auth
-from rlmesh.common.errors import Unimplemented
 from rlmesh.common.grpc_server import Service, ServiceBinding, aio_channel, start_service
 from rlmesh.common.paths import validate_run_id
 from rlmesh.common.sampling import sampling_to_sglang
+from rlmesh.rollout.async_rollout import AsyncRollouts, AsyncStatus
 from rlmesh.rollout.config import Settings
 from rlmesh.rollout.engine_client import EnginePool, TensorMeta, weight_group_world_size
 from rlmesh.rollout.rollout import EvalRequest, RewardChoice, RolloutManager, RolloutRequest
@@ -19,9 +19,10 @@ DEFAULT_GROUP = "weight_update_group"
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    def __init__(self, manager: RolloutManager, pool: EnginePool) -> None:
+    def __init__(self, manager: RolloutManager, pool: EnginePool, async_rollouts: AsyncRollouts) -> None:
         self.manager = manager
         self.pool = pool
+        self.async_rollouts = async_rollouts
 
     async def GenerateRollout(self, request, context):
         result = await self.manager.generate_rollout(rollout_request_from_proto(request))
@@ -32,10 +33,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.EvaluateResponse(metrics=await self.manager.evaluate(eval_request_from_proto(request)))
 
     async def StartAsyncRollout(self, request, context):
-        raise Unimplemented("StartAsyncRollout is not implemented yet: it will keep generations in flight across steps")
+        return _async_response(await self.async_rollouts.start(rollout_request_from_proto(request)))
 
     async def StopAsyncRollout(self, request, context):
-        raise Unimplemented("StopAsyncRollout is not implemented yet")
+        return _async_response(await self.async_rollouts.stop(validate_run_id(request.run_id)))
 
     async def ListEngines(self, request, context):
         states = await self.pool.states()
@@ -77,6 +78,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.EngineCallResponse(engines=[e.url for e in self.pool.engines], message=message)
 
 
+def _async_response(status: AsyncStatus) -> rollout_pb2.AsyncRolloutResponse:
+    return rollout_pb2.AsyncRolloutResponse(running=status.running, metrics=status.metrics, error=status.error)
+
+
 def rollout_request_from_proto(r: rollout_pb2.GenerateRolloutRequest) -> RolloutRequest:
     return RolloutRequest(
         run_id=validate_run_id(r.run_id), num_groups=r.num_groups, sampling=sampling_to_sglang(r.sampling),
@@ -108,12 +113,15 @@ async def build(settings: Settings) -> Service:
     manager = RolloutManager(settings, pool, buffer_pb2_grpc.BufferStub(buffer_channel),
                              reward_pb2_grpc.RewardStub(reward_channel))
 
+    async_rollouts = AsyncRollouts(manager)
+
     async def close() -> None:
+        await async_rollouts.close()  # (hands their prompts back to the buffer)
         await pool.close()
         await buffer_channel.close()
         await reward_channel.close()
 
-    binding = ServiceBinding(RolloutServicer(manager, pool), rollout_pb2_grpc.add_RolloutServicer_to_server,
+    binding = ServiceBinding(RolloutServicer(manager, pool, async_rollouts), rollout_pb2_grpc.add_RolloutServicer_to_server,
                              rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name)
     return Service([binding], on_shutdown=close)
 

@@ -108,8 +108,8 @@ def test_list_engines_and_errors(stack, engine_url):
     # the failed rollout handed its prompts back instead of leaving them leased
     assert buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r")).partial_groups == 2
     with pytest.raises(grpc.RpcError) as e:
-        rollout.StartAsyncRollout(request())
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        rollout.StartAsyncRollout(request(mode="sft"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "async" in e.value.details()
 
 
 def test_a_filter_that_drops_everything_fails_clearly(stack):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlmesh.v1 import reward_pb2 as rlmesh_dot_v1_dot_reward__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/rollout.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/reward.proto\"\xa3\x02\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x14\n\x0cno_stop_trim\x18\t \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x01\x12\x16\n\x0emin_new_tokens\x18\r \x01(\x05\"\xcf\x02\n\x16GenerateRolloutRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.rlmesh.v1.SamplingParams\x12%\n\x06reward\x18\x06 \x01(\x0b\x32\x15.rlmesh.v1.RewardSpec\x12\x14\n\x0cgroup_filter\x18\x07 \x01(\t\x12\x1c\n\x14over_sampling_groups\x18\x08 \x01(\x05\x12\x17\n\x0fpartial_rollout\x18\t \x01(\x08\x12\x0c\n\x04mode\x18\n \x01(\t\x12\x17\n\x0fmax_concurrency\x18\x0b \x01(\x05\x12\x1b\n\x13\x61pply_chat_template\x18\x0c \x01(\x08J\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05R\nrollout_idR\x14n_samples_per_prompt\"\xbc\x01\n\x17GenerateRolloutResponse\x12\x16\n\x0egroups_written\x18\x01 \x01(\x05\x12\x17\n\x0fgroups_filtered\x18\x02 \x01(\x05\x12@\n\x07metrics\x18\x03 \x03(\x0b\x32/.rlmesh.v1.GenerateRolloutResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd0\x01\n\x0f\x45valuateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x1c\n\x14n_samples_per_prompt\x18\x03 \x01(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.rlmesh.v1.SamplingParams\x12%\n\x06reward\x18\x05 \x01(\x0b\x32\x15.rlmesh.v1.RewardSpec\x12\r\n\x05limit\x18\x06 \x01(\x03\x12\x1b\n\x13\x61pply_chat_template\x18\x07 \x01(\x08\"}\n\x10\x45valuateResponse\x12\x39\n\x07metrics\x18\x01 \x03(\x0b\x32(.rlmesh.v1.EvaluateResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\'\n\x14\x41syncRolloutResponse\x12\x0f\n\x07running\x18\x01 \x01(\x08\")\n\x17StopAsyncRolloutRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x14\n\x12ListEnginesRequest\"g\n\nEngineInfo\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\x05\x12\x16\n\x0eweight_version\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x12\n\nmodel_path\x18\x05 \x01(\t\"^\n\x13ListEnginesResponse\x12&\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x15.rlmesh.v1.EngineInfo\x12\x1f\n\x17weight_group_world_size\x18\x02 \x01(\x05\"&\n\x16PauseGenerationRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\"\x1b\n\x19\x43ontinueGenerationRequest\"\x84\x01\n\x1cInitWeightUpdateGroupRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"8\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x94\x01\n\x14UpdateWeightsRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.rlmesh.v1.TensorMeta\x12\x16\n\x0eweight_version\x18\x03 \x01(\t\x12\x13\n\x0b\x66lush_cache\x18\x04 \x01(\x08\x12\x13\n\x0bload_format\x18\x05 \x01(\t\"5\n\x1f\x44\x65stroyWeightUpdateGroupRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"J\n\x1cUpdateWeightsFromDiskRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\t\"6\n\x12\x45ngineCallResponse\x12\x0f\n\x07\x65ngines\x18\x01 \x03(\t\x12\x0f\n\x07message\x18\x02 \x01(\t2\xd2\x07\n\x07Rollout\x12X\n\x0fGenerateRollout\x12!.rlmesh.v1.GenerateRolloutRequest\x1a\".rlmesh.v1.GenerateRolloutResponse\x12\x43\n\x08\x45valuate\x12\x1a.rlmesh.v1.EvaluateRequest\x1a\x1b.rlmesh.v1.EvaluateResponse\x12W\n\x11StartAsyncRollout\x12!.rlmesh.v1.GenerateRolloutRequest\x1a\x1f.rlmesh.v1.AsyncRolloutResponse\x12W\n\x10StopAsyncRollout\x12\".rlmesh.v1.StopAsyncRolloutRequest\x1a\x1f.rlmesh.v1.AsyncRolloutResponse\x12L\n\x0bListEngines\x12\x1d.rlmesh.v1.ListEnginesRequest\x1a\x1e.rlmesh.v1.ListEnginesResponse\x12S\n\x0fPauseGeneration\x12!.rlmesh.v1.PauseGenerationRequest\x1a\x1d.rlmesh.v1.EngineCallResponse\x12Y\n\x12\x43ontinueGeneration\x12$.rlmesh.v1.ContinueGenerationRequest\x1a\x1d.rlmesh.v1.EngineCallResponse\x12_\n\x15InitWeightUpdateGroup\x12\'.rlmesh.v1.InitWeightUpdateGroupRequest\x1a\x1d.rlmesh.v1.EngineCallResponse\x12O\n\rUpdateWeights\x12\x1f.rlmesh.v1.UpdateWeightsRequest\x1a\x1d.rlmesh.v1.EngineCallResponse\x12\x65\n\x18\x44\x65stroyWeightUpdateGroup\x12*.rlmesh.v1.DestroyWeightUpdateGroupRequest\x1a\x1d.rlmesh.v1.EngineCallResponse\x12_\n\x15UpdateWeightsFromDisk\x12\'.rlmesh.v1.UpdateWeightsFromDiskRequest\x1a\x1d.rlmesh.v1.EngineCallResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/rollout.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/reward.proto\"\xa3\x02\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x14\n\x0cno_stop_trim\x18\t \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x01\x12\x16\n\x0emin_new_tokens\x18\r \x01(\x05\"\xcf\x02\n\x16GenerateRolloutRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nnum_groups\x18\x03 \x01(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.rlmesh.v1.SamplingParams\x12%\n\x06reward\x18\x06 \x01(\x0b\x32\x15.rlmesh.v1.RewardSpec\x12\x14\n\x0cgroup_filter\x18\x07 \x01(\t\x12\x1c\n\x14over_sampling_groups\x18\x08 \x01(\x05\x12\x17\n\x0fpartial_rollout\x18\t \x01(\x08\x12\x0c\n\x04mode\x18\n \x01(\t\x12\x17\n\x0fmax_concurrency\x18\x0b \x01(\x05\x12\x1b\n\x13\x61pply_chat_template\x18\x0c \x01(\x08J\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05R\nrollout_idR\x14n_samples_per_prompt\"\xbc\x01\n\x17GenerateRolloutResponse\x12\x16\n\x0egroups_written\x18\x01 \x01(\x05\x12\x17\n\x0fgroups_filtered\x18\x02 \x01(\x05\x12@\n\x07metrics\x18\x03 \x03(\x0b\x32/.rlmesh.v1.GenerateRolloutResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd0\x01\n\x0f\x45valuateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x1c\n\x14n_samples_per_prompt\x18\x03 \x01(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.rlmesh.v1.SamplingParams\x12%\n\x06reward\x18\x05 \x01(\x0b\x32\x15.rlmesh.v1.RewardSpec\x12\r\n\x05limit\x18\x06 \x01(\x03\x12\x1b\n\x13\x61pply_chat_template\x18\x07 \x01(\x08\"}\n\x10\x45valuateResponse\x12\x39\n\x07metrics\x18\x01 \x03(\x0b\x32(.rlmesh.v1.EvaluateResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa5\x01\n\x14\x41syncRolloutResponse\x12\x0f\n\x07running\x18\x01 \x01(\x08\x12=\n\x07metrics\x18\x02 \x03(\x0b\x32,.rlmesh.v1.AsyncRolloutResponse.MetricsEntry\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\")\n\x17StopAsyncRolloutRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x14\n\x12ListEnginesRequest\"g\n\nEngineInfo\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\x05\x12\x16\n\x0eweight_version\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x12\n\nmodel_path\x18\x05 \x01(\t\"^\n\x13ListEnginesResponse\x12&\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x15.rlmesh.v1.EngineInfo\x12\x1f\n\x17weight_group_world_size\x18\x02 \x01(\x05\"&\n\x16PauseGenerationRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\"\x1b\n\x19\x43ontinueGenerationRequest\"\x84\x01\n\x1cInitWeightUpdateGroupRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"8\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x94\x01\n\x14UpdateWeightsRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.rlmesh.v1.TensorMeta\x12\x16\n\x0eweight_version\x18\x03 \x01(\t\x12\x13\n\x0b\x66lush_cache\x18\x04 \x01(\x08\x12\x13\n\x0bload_format\x18\x05 \x01(\t\"5\n\x1f\x44\x65stroyWeightUpdateGroupRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"J\n\x1cUpdateWeightsFromDiskRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\t\"6\n\x12\x45ngineCallResponse\x12\x0f\n\x07\x65ngines\x18\x01 \x03(\t\x12\x0f\n\x07message\x18\x02 \x01(\t2\xd2\x07\n\x07Rollout\x12X\n\x0fGenerateRollout\x12!.rlmesh.v1.GenerateRolloutRequest\x1a\".rlmesh.v1.GenerateRolloutResponse\x12\x43\n\x08\x45valuate\x12\x1a.rlmesh.v1.EvaluateRequest\x1a\x1b.rlmesh.v1.EvaluateResponse\x12W\n\x11StartAsyncRollout\x12!.rlmesh.v1.GenerateRolloutRequest\x1a\x1f.rlmesh.v1.AsyncRolloutResponse\x12W\n\x10StopAsyncRollout\x12\".rlmesh.v1.StopAsyncRolloutRequest\x1a\x1f.rlmesh.v1.AsyncRolloutResponse\x12L\n\x0bListEngines\x12\x1d.rlmesh.v1.ListEnginesRequest\x1a\x1e.rlmesh.v1.ListEnginesResponse\x12S\n\x0fPauseGeneration\x12!.rlmesh.v1.PauseGenerationRequest\x1a\x1d.rlmesh.v1.EngineCallResponse\x12Y\n\x12\x43ontinueGeneration\x12$.rlmesh.v1.ContinueGenerationRequest\x1a\x1d.rlmesh.v1.EngineCallResponse\x12_\n\x15InitWeightUpdateGroup\x12\'.rlmesh.v1.InitWeightUpdateGroupRequest\x1a\x1d.rlmesh.v1.EngineCallResponse\x12O\n\rUpdateWeights\x12\x1f.rlmesh.v1.UpdateWeightsRequest\x1a\x1d.rlmesh.v1.EngineCallResponse\x12\x65\n\x18\x44\x65stroyWeightUpdateGroup\x12*.rlmesh.v1.DestroyWeightUpdateGroupRequest\x1a\x1d.rlmesh.v1.EngineCallResponse\x12_\n\x15UpdateWeightsFromDisk\x12\'.rlmesh.v1.UpdateWeightsFromDiskRequest\x1a\x1d.rlmesh.v1.EngineCallResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEROLLOUTRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_EVALUATERESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_EVALUATERESPONSE_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_ASYNCROLLOUTRESPONSE_METRICSENTRY']._loaded_options = None
+  _globals['_ASYNCROLLOUTRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=63
   _globals['_SAMPLINGPARAMS']._serialized_end=354
   _globals['_GENERATEROLLOUTREQUEST']._serialized_start=357
@@ -50,32 +52,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EVALUATERESPONSE']._serialized_end=1221
   _globals['_EVALUATERESPONSE_METRICSENTRY']._serialized_start=837
   _globals['_EVALUATERESPONSE_METRICSENTRY']._serialized_end=883
-  _globals['_ASYNCROLLOUTRESPONSE']._serialized_start=1223
-  _globals['_ASYNCROLLOUTRESPONSE']._serialized_end=1262
-  _globals['_STOPASYNCROLLOUTREQUEST']._serialized_start=1264
-  _globals['_STOPASYNCROLLOUTREQUEST']._serialized_end=1305
-  _globals['_LISTENGINESREQUEST']._serialized_start=1307
-  _globals['_LISTENGINESREQUEST']._serialized_end=1327
-  _globals['_ENGINEINFO']._serialized_start=1329
-  _globals['_ENGINEINFO']._serialized_end=1432
-  _globals['_LISTENGINESRESPONSE']._serialized_start=1434
-  _globals['_LISTENGINESRESPONSE']._serialized_end=1528
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1530
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1568
-  _globals['_CONTINUEGENERATIONREQUEST']._serialized_start=1570
-  _globals['_CONTINUEGENERATIONREQUEST']._serialized_end=1597
-  _globals['_INITWEIGHTUPDATEGROUPREQUEST']._serialized_start=1600
-  _globals['_INITWEIGHTUPDATEGROUPREQUEST']._serialized_end=1732
-  _globals['_TENSORMETA']._serialized_start=1734
-  _globals['_TENSORMETA']._serialized_end=1790
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1793
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1941
-  _globals['_DESTROYWEIGHTUPDATEGROUPREQUEST']._serialized_start=1943
-  _globals['_DESTROYWEIGHTUPDATEGROUPREQUEST']._serialized_end=1996
-  _globals['_UPDATEWEIGHTSFROMDISKREQUEST']._serialized_start=1998
-  _globals['_UPDATEWEIGHTSFROMDISKREQUEST']._serialized_end=2072
-  _globals['_ENGINECALLRESPONSE']._serialized_start=2074
-  _globals['_ENGINECALLRESPONSE']._serialized_end=2128
-  _globals['_ROLLOUT']._serialized_start=2131
-  _globals['_ROLLOUT']._serialized_end=3109
+  _globals['_ASYNCROLLOUTRESPONSE']._serialized_start=1224
+  _globals['_ASYNCROLLOUTRESPONSE']._serialized_end=1389
+  _globals['_ASYNCROLLOUTRESPONSE_METRICSENTRY']._serialized_start=837
+  _globals['_ASYNCROLLOUTRESPONSE_METRICSENTRY']._serialized_end=883
+  _globals['_STOPASYNCROLLOUTREQUEST']._serialized_start=1391
+  _globals['_STOPASYNCROLLOUTREQUEST']._serialized_end=1432
+  _globals['_LISTENGINESREQUEST']._serialized_start=1434
+  _globals['_LISTENGINESREQUEST']._serialized_end=1454
+  _globals['_ENGINEINFO']._serialized_start=1456
+  _globals['_ENGINEINFO']._serialized_end=1559
+  _globals['_LISTENGINESRESPONSE']._serialized_start=1561
+  _globals['_LISTENGINESRESPONSE']._serialized_end=1655
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1657
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1695
+  _globals['_CONTINUEGENERATIONREQUEST']._serialized_start=1697
+  _globals['_CONTINUEGENERATIONREQUEST']._serialized_end=1724
+  _globals['_INITWEIGHTUPDATEGROUPREQUEST']._serialized_start=1727
+  _globals['_INITWEIGHTUPDATEGROUPREQUEST']._serialized_end=1859
+  _globals['_TENSORMETA']._serialized_start=1861
+  _globals['_TENSORMETA']._serialized_end=1917
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1920
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=2068
+  _globals['_DESTROYWEIGHTUPDATEGROUPREQUEST']._serialized_start=2070
+  _globals['_DESTROYWEIGHTUPDATEGROUPREQUEST']._serialized_end=2123
+  _globals['_UPDATEWEIGHTSFROMDISKREQUEST']._serialized_start=2125
+  _globals['_UPDATEWEIGHTSFROMDISKREQUEST']._serialized_end=2199
+  _globals['_ENGINECALLRESPONSE']._serialized_start=2201
+  _globals['_ENGINECALLRESPONSE']._serialized_end=2255
+  _globals['_ROLLOUT']._serialized_start=2258
+  _globals['_ROLLOUT']._serialized_end=3236
 # @@protoc_insertion_point(module_scope)

@@ -110,10 +110,21 @@ class EvaluateResponse(_message.Message):
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class AsyncRolloutResponse(_message.Message):
-    __slots__ = ("running",)
+    __slots__ = ("running", "metrics", "error")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     running: bool
-    def __init__(self, running: _Optional[bool] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    error: str
+    def __init__(self, running: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StopAsyncRolloutRequest(_message.Message):
     __slots__ = ("run_id",)

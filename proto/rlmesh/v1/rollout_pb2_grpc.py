@@ -110,14 +110,17 @@ class RolloutServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StartAsyncRollout(self, request, context):
-        """Fully asynchronous mode: keep generations in flight across steps.
+        """Fully asynchronous mode: keep num_groups + over_sampling_groups groups in flight across
+        steps, writing finished ones to the buffer continuously. Calling it again for the same
+        run is a heartbeat (it reports; a loop that is gone is started again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def StopAsyncRollout(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Abort what is in flight and hand the unfinished groups back to the buffer. Idempotent.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

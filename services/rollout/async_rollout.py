@@ -1,0 +1,232 @@
+"""Fully asynchronous generation (the `fully_async` training mode): per run, a loop that
+keeps a fixed number of groups in flight on the engines, scores and filters each one as
+it finishes and writes it to the buffer at once, across the trainer's steps and weight
+pushes. The buffer's queue cap is the backpressure; the coordinator pauses the engines
+around a weight push, and samples that the pause aborted are generated again once
+generation continues (from their partial response with partial_rollout, else afresh)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from rlmesh.common.errors import FailedPrecondition, InvalidArgument, RlmeshError
+from rlmesh.common.metrics import merge_sample_metrics
+from rlmesh.common.retry import Backoff
+from rlmesh.common.sample import SampleGroup, Status, group_from_proto, group_to_proto
+from rlmesh.rollout.rollout import (
+    GROUP_FILTERS,
+    RolloutManager,
+    RolloutRequest,
+    keep_group,
+    reset_sample,
+    rollout_metrics,
+)
+from rlmesh.v1 import buffer_pb2, sample_pb2
+
+log = logging.getLogger(__name__)
+
+# A group whose samples keep being aborted (every weight push aborts them) is handed back
+# to the buffer after this many tries, rather than held forever.
+MAX_ABORTS_PER_GROUP = 16
+# How long to wait before asking an empty buffer for prompts again.
+NO_PROMPTS_WAIT_SECONDS = 0.2
+HAND_BACK_TIMEOUT_SECONDS = 10.0
+
+
+@dataclass
+class AsyncStatus:
+    running: bool
+    metrics: dict[str, float] = field(default_factory=dict)  # since the previous Start/Stop call
+    error: str = ""  # the last error since the previous call
+
+
+class _Stopping(Exception):
+    """The loop is stopping: the group goes back to the buffer as it is."""
+
+
+class AsyncLoop:
+    """One run's continuous generation."""
+
+    def __init__(self, manager: RolloutManager, req: RolloutRequest) -> None:
+        self.manager = manager
+        self.req = req
+        self.target = req.num_groups + req.over_sampling_groups
+        self.sem = asyncio.Semaphore(req.max_concurrency or manager.settings.max_concurrency)
+        self.inflight: dict = {}  # id(sample) -> (engine, sample) while a request is out
+        self.groups: dict[asyncio.Task, sample_pb2.SampleGroup] = {}  # in flight -> its prompt as handed out
+        self.stopping = asyncio.Event()
+        self.metrics: dict[str, float] = {}
+        self.error = ""
+        self.task = asyncio.create_task(self._run(), name=f"async-rollout-{req.run_id}")
+
+    @property
+    def running(self) -> bool:
+        return not self.task.done()
+
+    def report(self) -> AsyncStatus:
+        """What happened since the previous report (and forget it)."""
+        status = AsyncStatus(self.running, self.metrics, self.error)
+        self.metrics, self.error = {}, ""
+        return status
+
+    def _count(self, name: str, n: float = 1.0) -> None:
+        self.metrics[f"rollout/{name}"] = self.metrics.get(f"rollout/{name}", 0.0) + n
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        self.error = f"{what}: {type(e).__name__}: {e.details() if isinstance(e, grpc.aio.AioRpcError) else e}"
+        self._count("errors")
+        log.warning("run %s: %s", self.req.run_id, self.error)
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = Backoff(0.5, 10.0)
+        failures = 0
+        while not self.stopping.is_set():
+            free = self.target - len(self.groups)
+            got = 0
+            if free > 0:
+                try:
+                    resp = await self.manager.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
+                        run_id=self.req.run_id, num_groups=free), timeout=self.manager.settings.buffer_timeout_seconds)
+                    for prompt in resp.groups:
+                        self.groups[asyncio.create_task(self._one_group(prompt))] = prompt
+                    got = len(resp.groups)
+                except grpc.aio.AioRpcError as e:
+                    failures += 1
+                    self._failed("asking the buffer for prompts", e)
+                    await asyncio.sleep(backoff.delay(failures))
+                    continue
+            if not self.groups:
+                await asyncio.sleep(NO_PROMPTS_WAIT_SECONDS)
+                continue
+            # Refill as soon as a group finishes; an empty buffer is asked again after a while.
+            done, _ = await asyncio.wait(self.groups, return_when=asyncio.FIRST_COMPLETED,
+                                         timeout=None if got == free else NO_PROMPTS_WAIT_SECONDS)
+            for task in done:
+                # Kept in self.groups until written or handed back: a stop meanwhile (this
+                # loop cancelled) hands it back; the buffer ignores one already written.
+                prompt = self.groups[task]
+                try:
+                    await self._finish(task.result())
+                    failures = 0
+                except (RlmeshError, grpc.aio.AioRpcError, _Stopping) as e:
+                    if not isinstance(e, _Stopping):
+                        failures += 1
+                        self._failed(f"group {prompt.group_id}", e)
+                    await self._hand_back([prompt])
+                    if failures:
+                        await asyncio.sleep(backoff.delay(failures))
+                del self.groups[task]
+
+    async def _one_group(self, prompt: sample_pb2.SampleGroup) -> SampleGroup:
+        """Generate a group until none of its samples is aborted, then score it."""
+        group = group_from_proto(prompt)
+        for _ in range(MAX_ABORTS_PER_GROUP + 1):
+            group = await self.manager._generate_group(group, self.req.sampling, self.sem,
+                                                       self.req.apply_chat_template, self.inflight)
+            aborted = [s for s in group.samples if s.status == Status.ABORTED]
+            if not aborted:
+                return (await self.manager._score([group], self.req.reward))[0]
+            if self.stopping.is_set():
+                raise _Stopping
+            self._count("samples_aborted", len(aborted))
+            for s in aborted:  # generated again once the engines continue
+                s.metadata.pop("rid", None)
+                if not self.req.partial_rollout:
+                    reset_sample(s)
+        raise FailedPrecondition(f"its samples were aborted {MAX_ABORTS_PER_GROUP + 1} times (every weight push "
+                                 "aborts them); handed back to the buffer")
+
+    async def _finish(self, group: SampleGroup) -> None:
+        if keep_group(group, self.req.group_filter):
+            await self.manager._put(self.req.run_id, [group])
+            self._count("groups_written")
+            merge_sample_metrics(self.metrics, rollout_metrics([group], "rollout/"), "rollout/samples")
+        else:
+            await self.manager.buffer.DropGroups(buffer_pb2.DropGroupsRequest(
+                run_id=self.req.run_id, group_ids=[group.group_id], reason=self.req.group_filter),
+                timeout=self.manager.settings.buffer_timeout_seconds)
+            self._count("groups_filtered")
+
+    async def _hand_back(self, groups: list[sample_pb2.SampleGroup]) -> None:
+        """Prompts go back to the buffer as they were handed out (else their lease expires)."""
+        try:
+            await self.manager.buffer.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(
+                run_id=self.req.run_id, groups=groups), timeout=HAND_BACK_TIMEOUT_SECONDS)
+            self._count("groups_handed_back", len(groups))
+        except grpc.aio.AioRpcError as e:
+            self._failed(f"handing {len(groups)} prompts back (their leases will expire)", e)
+
+    # ---- stopping -----------------------------------------------------------------------
+
+    async def stop(self) -> AsyncStatus:
+        """Abort what is in flight and hand the unfinished groups back (with their partial
+        responses when partial_rollout is on)."""
+        self.stopping.set()
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        for engine, sample in list(self.inflight.values()):
+            rid = sample.metadata.get("rid")
+            if rid:  # never an empty rid: engines abort every rid with that prefix
+                try:
+                    await engine.abort(rid)
+                except Exception as e:  # the engine may be gone; its requests end with it
+                    log.warning("could not abort %s: %s", rid, e)
+        results = await asyncio.gather(*self.groups, return_exceptions=True)
+        back = []
+        for prompt, result in zip(self.groups.values(), results):
+            if isinstance(result, SampleGroup) and self.req.partial_rollout:
+                for s in result.samples:
+                    s.metadata.pop("rid", None)
+                back.append(group_to_proto(result))
+            else:
+                back.append(prompt)
+        self.groups.clear()
+        if back:
+            await self._hand_back(back)
+        return self.report()
+
+
+class AsyncRollouts:
+    """The continuous generation loops of this rollout service (one run at a time)."""
+
+    def __init__(self, manager: RolloutManager) -> None:
+        self.manager = manager
+        self.loops: dict[str, AsyncLoop] = {}
+
+    async def start(self, req: RolloutRequest) -> AsyncStatus:
+        """Start the run's loop, or (already running) report on it: a heartbeat."""
+        if req.mode != "rl":
+            raise InvalidArgument(f"asynchronous generation is for mode 'rl' only, got {req.mode!r}")
+        if req.num_groups < 1:
+            raise InvalidArgument("num_groups (groups kept in flight) must be at least 1")
+        if req.group_filter not in GROUP_FILTERS:
+            raise InvalidArgument(f"unknown group_filter {req.group_filter!r}; known: 'nonzero_std'")
+        self.manager.check_limits(req)
+        others = [run for run, loop in self.loops.items() if run != req.run_id and loop.running]
+        if others:
+            raise FailedPrecondition(f"asynchronous generation is running for run {others[0]}; stop it first "
+                                     "(StopAsyncRollout)")
+        loop = self.loops.get(req.run_id)
+        if loop is None or not loop.running:
+            loop = self.loops[req.run_id] = AsyncLoop(self.manager, req)
+            log.info("run %s: asynchronous generation started (%d groups in flight)", req.run_id, loop.target)
+        return loop.report()
+
+    async def stop(self, run_id: str) -> AsyncStatus:
+        loop = self.loops.pop(run_id, None)
+        if loop is None:
+            return AsyncStatus(running=False)
+        status = await loop.stop()
+        log.info("run %s: asynchronous generation stopped", run_id)
+        return status
+
+    async def close(self) -> None:
+        for run_id in list(self.loops):
+            await self.stop(run_id)
+

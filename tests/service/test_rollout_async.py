@@ -1,0 +1,115 @@
+"""The rollout service's continuous generation (StartAsyncRollout / StopAsyncRollout) and
+per-sample isolation, over real gRPC with a real buffer, reward service and engine."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import pytest
+
+from rlmesh.buffer.config import Settings as BufferSettings
+from rlmesh.buffer.server import start as start_buffer
+from rlmesh.common.grpc_server import sync_channel
+from rlmesh.common.run_config import SamplingConfig
+from rlmesh.common.sample import Sample, Status, group_from_proto
+from rlmesh.common.sampling import sampling_to_proto
+from rlmesh.reward.config import Settings as RewardSettings
+from rlmesh.reward.server import start as start_reward
+from rlmesh.rollout.config import Settings as RolloutSettings
+from rlmesh.rollout.generation import GenerateContext, default_generate
+from rlmesh.rollout.server import start as start_rollout
+from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from tests.service.test_rollout import request
+
+
+async def fails_for_the_second_sample(ctx: GenerateContext, sample: Sample, params: dict) -> Sample:
+    """A custom generate function with a bug that only one sample of each group hits."""
+    if sample.index % 3 == 1:
+        raise KeyError("tool_result")
+    return await default_generate(ctx, sample, params)
+
+
+@pytest.fixture
+def make_stack(redis_url, start_in_loop, engine_url, tmp_path):
+    def make(**rollout_settings):
+        _, buffer_port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
+        _, reward_port = start_in_loop(lambda: start_reward(RewardSettings(port=0)))
+        _, rollout_port = start_in_loop(lambda: start_rollout(RolloutSettings(
+            port=0, buffer_address=f"127.0.0.1:{buffer_port}", reward_address=f"127.0.0.1:{reward_port}",
+            engine_urls=[engine_url], **rollout_settings)))
+        data = tmp_path / "train.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"rev {a}{b}=", "label": f"{b}{a}"}) + "\n"
+                                for a in "abcdef" for b in "abcdef"))
+        buffer = buffer_pb2_grpc.BufferStub(sync_channel(f"127.0.0.1:{buffer_port}"))
+        buffer.CreateRun(buffer_pb2.CreateRunRequest(run_id="r", n_samples_per_prompt=3, max_queued_groups=4,
+                                                     datasets=[buffer_pb2.DatasetSpec(name="train", path=str(data))]))
+        return buffer, rollout_pb2_grpc.RolloutStub(sync_channel(f"127.0.0.1:{rollout_port}"))
+    return make
+
+
+def stats(buffer) -> buffer_pb2.BufferStats:
+    return buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r"))
+
+
+def lease_and_ack(buffer, n: int) -> list:
+    batch = buffer.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r", num_groups=n, wait_seconds=60))
+    assert len(batch.groups) == n
+    buffer.AckBatch(buffer_pb2.AckBatchRequest(run_id="r", lease_id=batch.lease_id))
+    return [group_from_proto(g) for g in batch.groups]
+
+
+@pytest.mark.slow
+def test_groups_keep_arriving_across_steps_and_a_stop_hands_the_rest_back(make_stack):
+    buffer, rollout = make_stack()
+    assert rollout.StartAsyncRollout(request(num_groups=2)).running
+    trained = [g for _ in range(3) for g in lease_and_ack(buffer, 2)]  # a consumer, step after step
+    assert len({g.group_id for g in trained}) == 6
+    beat = rollout.StartAsyncRollout(request(num_groups=2))  # a heartbeat: the same loop
+    assert beat.running and beat.error == ""
+    assert beat.metrics["rollout/groups_written"] >= 6 and 0 <= beat.metrics["rollout/reward_mean"] <= 1
+    with pytest.raises(grpc.RpcError) as e:  # one run at a time
+        rollout.StartAsyncRollout(request(run_id="other"))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "r" in e.value.details()
+
+    time.sleep(0.5)  # (the queue cap of 4 holds the loop back meanwhile: it waits, drops nothing)
+    stopped = rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r"))
+    assert not stopped.running
+    assert not rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r")).running  # idempotent
+    s = stats(buffer)
+    # Every prompt handed out is trained, queued, or back in the buffer; nothing is left leased.
+    assert s.queued_groups <= 4 and s.leased_groups == 0 and s.dropped_groups == 0
+    assert s.prompts_handed_out == s.acknowledged_groups + s.queued_groups + s.partial_groups
+    assert s.partial_groups >= 1
+
+
+@pytest.mark.slow
+def test_samples_aborted_by_a_weight_push_resume_under_the_new_weights(make_stack, tiny_model_dir):
+    buffer, rollout = make_stack()
+    long = sampling_to_proto(SamplingConfig(max_new_tokens=48, ignore_eos=True))
+    rollout.StartAsyncRollout(request(num_groups=2, sampling=long, partial_rollout=True))
+    samples = []
+    for version in range(1, 6):  # training steps, each followed by a weight push with the engines paused
+        samples += [s for g in lease_and_ack(buffer, 1) for s in g.samples]
+        rollout.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode="abort"))
+        rollout.UpdateWeightsFromDisk(rollout_pb2.UpdateWeightsFromDiskRequest(
+            model_path=str(tiny_model_dir), weight_version=str(version)))
+        rollout.ContinueGeneration(rollout_pb2.ContinueGenerationRequest())
+    samples += [s for g in lease_and_ack(buffer, 2) for s in g.samples]
+    report = rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r"))
+    resumed = [s for s in samples if len(s.weight_versions) > 1]
+    assert resumed and report.metrics["rollout/samples_aborted"] >= len(resumed)
+    for s in resumed:  # one response, continued: every token from the engine, in order
+        assert s.response_length == 48 == len(s.rollout_log_probs) == len(s.loss_mask)
+        assert s.weight_versions == sorted(s.weight_versions)
+
+
+def test_one_failing_sample_fails_alone_and_the_rollout_completes(make_stack):
+    buffer, rollout = make_stack(generate_function="tests.service.test_rollout_async:fails_for_the_second_sample")
+    r = rollout.GenerateRollout(request(num_groups=2))
+    assert r.groups_written == 2 and r.metrics["rollout/failed_ratio"] == pytest.approx(1 / 3)
+    groups = lease_and_ack(buffer, 2)
+    failed = [s for g in groups for s in g.samples if s.status == Status.FAILED]
+    assert [s.index % 3 for s in failed] == [1, 1]
+    assert all(s.metadata["failure"] == "KeyError: 'tool_result'" for s in failed)
