@@ -15,6 +15,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, Field
+from redis import exceptions as redis_errors
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 
 from rlmesh.common import auth
 from rlmesh.common.errors import HTTP_STATUS_BY_GRPC_CODE, RlmeshError
@@ -114,10 +117,23 @@ def _summary(rec: dict) -> dict:
     return {**{k: rec[k] for k in RunSummary.model_fields if k in rec}, "num_rollouts": rec["config"]["num_rollouts"]}
 
 
+REDIS_RETRY_CAP_SECONDS = 2.0
+
+
+def patient_redis_client(url: str, outage_seconds: float) -> aioredis.Redis:
+    """A client whose commands are retried (backoff with jitter, up to 2 s apart) while Redis
+    is down or restarting, for about outage_seconds."""
+    return aioredis.Redis.from_url(
+        url, retry=Retry(ExponentialWithJitterBackoff(cap=REDIS_RETRY_CAP_SECONDS, base=0.1),
+                         retries=max(int(outage_seconds / REDIS_RETRY_CAP_SECONDS), 1)),
+        retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError])
+
+
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        redis = aioredis.Redis.from_url(settings.redis_url)
+        redis = aioredis.Redis.from_url(settings.redis_url)  # the API's: a Redis outage answers 503 at once
+        patient_redis = patient_redis_client(settings.redis_url, settings.redis_outage_seconds)
         channels = {name: aio_channel(address, settings.max_message_bytes) for name, address in (
             ("buffer", settings.buffer_address), ("rollout", settings.rollout_address),
             ("trainer", settings.trainer_address), ("reward", settings.reward_address))}
@@ -127,8 +143,9 @@ def create_app(settings: Settings) -> FastAPI:
             trainer=trainer_pb2_grpc.TrainerStub(channels["trainer"]),
         )
         app.state.store = RunStore(redis, settings.key_prefix)
-        app.state.driver = RunDriver(app.state.store, clients, settings.train_wait_seconds, settings.max_finished_runs,
-                                     settings=settings)
+        # The loop's own client rides out a Redis restart instead of losing track of the run.
+        app.state.driver = RunDriver(RunStore(patient_redis, settings.key_prefix), clients, settings.train_wait_seconds,
+                                     settings.max_finished_runs, settings=settings)
         app.state.reward = reward_pb2_grpc.RewardStub(channels["reward"])
         await app.state.driver.resume_active()
         yield
@@ -136,6 +153,7 @@ def create_app(settings: Settings) -> FastAPI:
         for channel in channels.values():
             await channel.close()
         await redis.aclose()
+        await patient_redis.aclose()
 
     app = FastAPI(title="rlmesh coordinator", version="0.1.0", lifespan=lifespan,
                   description="Start, stop and watch RL post-training runs. Every route except /health and "
@@ -152,6 +170,12 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(RlmeshError)
     async def rlmesh_error(request: Request, exc: RlmeshError):
         return JSONResponse(status_code=exc.http_status, content={"detail": str(exc)})
+
+    @app.exception_handler(redis_errors.ConnectionError)
+    @app.exception_handler(redis_errors.TimeoutError)
+    async def redis_down(request: Request, exc: Exception):
+        return JSONResponse(status_code=503, content={
+            "detail": f"the coordinator's Redis is unavailable ({type(exc).__name__}); retry shortly"})
 
     @app.exception_handler(grpc.aio.AioRpcError)
     async def upstream_error(request: Request, exc: grpc.aio.AioRpcError):

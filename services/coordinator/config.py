@@ -34,6 +34,8 @@ class Settings(ServiceSettings):
                                               "a generation, evaluation or train call handles.")
     retry_backoff_base_seconds: float = Field(0.5, gt=0, description="First delay before retrying a call to a "
                                               "service that is unavailable; doubles per retry, with jitter.")
+    redis_outage_seconds: float = Field(600.0, gt=0, description="How long the run loop's Redis commands are "
+                                        "retried while Redis is down or restarting (the API answers 503 meanwhile).")
     async_heartbeat_seconds: float = Field(5.0, gt=0, description="fully_async runs: how often the coordinator "
                                            "checks that the rollout service's generation loop runs (and restarts it).")
     retry_backoff_max_seconds: float = Field(10.0, gt=0, description="Longest delay between retries.")

@@ -419,7 +419,8 @@ class RunDriver:
         """A train step, retried only while its batch was not trained: the trainer finishes and
         acknowledges a started step even when the caller is gone, so before a retry the buffer
         tells whether the failed call's batch was acknowledged (nothing queued or leased: done),
-        is still leased (wait for the ack or the lease's expiry) or is queued (train it)."""
+        is still leased (wait for the ack, or for a restarted trainer to be set up again, which
+        releases it) or is queued (train it)."""
         tried = False
 
         async def attempt():
@@ -430,6 +431,10 @@ class RunDriver:
                     log.warning("run %s: the interrupted train step was taken (its metrics are lost)", run_id)
                     return trainer_pb2.TrainStepResponse()
                 if stats.leased_groups and stats.queued_groups < request.num_groups:
+                    # A trainer that restarted has lost the run: set up again, it releases
+                    # the dead trainer's lease (RollbackToCheckpoint) instead of waiting it out.
+                    await self._on_trainer(run_id, cfg, lambda: self.clients.trainer.GetStatus(
+                        trainer_pb2.GetStatusRequest(run_id=run_id), timeout=self.settings.call_deadline_seconds))
                     raise _StepInFlight(f"{stats.leased_groups} groups are leased by an interrupted train step: "
                                         "waiting for its acknowledgment or for the lease to expire")
             tried = True

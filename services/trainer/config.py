@@ -144,6 +144,10 @@ class Settings(ServiceSettings):
     buffer_timeout_seconds: float = Field(
         60.0, gt=0, description="Deadline of a buffer call, added to TrainStep's wait_seconds."
     )
+    buffer_outage_seconds: float = Field(
+        300.0, gt=0, description="How long an acknowledgment (or rejection) is retried while the buffer is down "
+        "or restarting, with backoff, before the step fails (its batch then waits for its lease to expire)."
+    )
     weight_sync_master_address: str = Field(
         "127.0.0.1",
         description="Address the engines use to reach this trainer's rendezvous store when joining the weight group.",

@@ -25,6 +25,7 @@ from rlmesh.common.faults import blocking_fault_point, fault_point
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.limits import at_most, seconds
 from rlmesh.common.paths import resolve_roots, resolve_under, validate_run_id
+from rlmesh.common.retry import retry
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import ConversionError, SampleGroup, group_from_proto
 from rlmesh.trainer.backend import (
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 
 LOSSES = ("", "sft")
 PUBLISH_METHODS = ("distributed", "disk")
-ACK_ATTEMPTS = 3
 # In trainer_state.json of every checkpoint this trainer writes: only such a directory is
 # ever replaced by a save (a Hugging Face Trainer checkpoint has the same file names).
 WRITTEN_BY = "rlmesh"
@@ -356,16 +356,20 @@ class Trainer:
         await self._call_buffer("RejectGroups", request)
 
     async def _call_buffer(self, method: str, request) -> None:
-        """A buffer call that changes state, retried while the buffer is unavailable."""
-        for attempt in range(1, ACK_ATTEMPTS + 1):
-            try:
-                await getattr(self._buffer(), method)(request, timeout=self.settings.buffer_timeout_seconds)
-                return
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt < ACK_ATTEMPTS:
-                    await asyncio.sleep(0.5 * attempt)
-                    continue
-                raise errors.upstream_error(f"buffer ({method})", self.settings.buffer_address, e) from None
+        """A buffer call that changes state (acknowledge, reject: safe to repeat), retried
+        while the buffer or its Redis is down or restarting, for up to buffer_outage_seconds:
+        giving up would leave the batch leased until its lease expires."""
+        async def call():
+            await getattr(self._buffer(), method)(request, timeout=self.settings.buffer_timeout_seconds)
+
+        async def waiting(reason: str) -> None:
+            log.warning("%s", reason)
+
+        try:
+            await retry(call, service=f"the buffer at {self.settings.buffer_address} ({method})",
+                        budget_seconds=self.settings.buffer_outage_seconds, on_wait=waiting)
+        except grpc.aio.AioRpcError as e:
+            raise errors.upstream_error(f"buffer ({method})", self.settings.buffer_address, e) from None
 
     # ---------------------------------------------------------------- weights and checkpoints
 
