@@ -67,6 +67,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rollouts", type=int, default=20, help="RL iterations per mode")
     parser.add_argument("--sft-steps", type=int, default=35, help="SFT warm-start steps per run")
+    parser.add_argument("--pause-mode", default="in_place", choices=("abort", "in_place", "retract"),
+                        help="fully_async: how the engines pause for a weight push")
+    parser.add_argument("--tis-cap", type=float, default=2.0,
+                        help="truncated importance sampling against the engines' log-probs (every mode; 0 = off)")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per torch process (engine, trainer)
 
@@ -76,6 +80,10 @@ def main() -> None:
         train, held_out = write_task(datasets_dir(data_dir) / "demo")
         config = demo_config(str(model), train, held_out, args.sft_steps, args.rollouts).model_dump(mode="json")
         config["eval"]["interval"] = 0
+        config["pause_mode"] = args.pause_mode
+        config["rollout"]["partial_rollout"] = True  # (what an abort interrupts resumes)
+        if args.tis_cap:  # corrects for samples of older weights (async modes); ~1 on-policy
+            config["algorithm"]["tis_cap"] = args.tis_cap
         print("starting rlmesh (embedded Redis, CPU reference engine, tiny model):", flush=True)
         stack = start_stack(data_dir, str(model))
         try:
@@ -99,6 +107,7 @@ def main() -> None:
         "fully_async_fraction_of_ideal": round(speedup / ideal, 3),
         **{f"{mode}_eval_after": r["eval_after"] for mode, r in results.items()},
         **{f"{mode}_staleness_max": r["staleness_max"] for mode, r in results.items()},
+        "pause_mode": args.pause_mode, "tis_cap": args.tis_cap,
         "rollouts": args.rollouts, "samples_per_rollout": config["rollout"]["rollout_batch_size"]
         * config["rollout"]["n_samples_per_prompt"],
     }))

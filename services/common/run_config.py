@@ -196,7 +196,7 @@ class SftWarmupConfig(StrictModel):
 
 TrainingMode = Literal["sync", "one_step_off", "fully_async"]
 # max_staleness when a run does not set it (sync is on-policy by construction).
-DEFAULT_MAX_STALENESS = {"sync": None, "one_step_off": 1, "fully_async": 2}
+DEFAULT_MAX_STALENESS = {"sync": None, "one_step_off": 1, "fully_async": 1}
 
 
 class RunConfig(TrainingConfig):
@@ -218,7 +218,7 @@ class RunConfig(TrainingConfig):
     )
     max_staleness: int | None = Field(
         None, ge=1, le=INT32_MAX, description="Train only on groups generated with weights at most this many "
-        "versions older than the trainer's (default: one_step_off 1, fully_async 2; sync is always 0)."
+        "versions older than the trainer's (default 1 in both asynchronous modes; sync is always 0)."
     )
     stale_policy: Literal["drop", "keep"] = Field(
         "drop", description="Older groups are dropped (counted, never trained) or trained anyway (counted)."
@@ -229,7 +229,7 @@ class RunConfig(TrainingConfig):
         "'in_place' and 'retract' keep them, and their later tokens come from the new weights."
     )
     max_queued_groups: int = Field(0, ge=0, le=2**40, description="Buffer backpressure cap (0 = unlimited; "
-                                   "fully_async: rollout_batch_size x max_staleness).")
+                                   "fully_async: rollout_batch_size x max_staleness, at least an SFT batch).")
     max_outage_seconds: float = Field(600.0, gt=0, le=7 * 24 * 3600, description="How long the run rides out a "
                                       "service that is down, restarting or not answering (its calls retried with "
                                       "backoff) before it fails naming that service.")
@@ -257,7 +257,8 @@ class RunConfig(TrainingConfig):
         """The buffer's max_queued_groups for the run."""
         if self.max_queued_groups or self.mode != "fully_async":
             return self.max_queued_groups
-        return self.rollout.rollout_batch_size * (self.staleness_bound or 1)
+        sft_batch = self.sft_warmup.batch_groups if self.sft_warmup.steps else 0  # written at once
+        return max(self.rollout.rollout_batch_size * (self.staleness_bound or 1), sft_batch)
 
     def trainer_config(self) -> TrainerRunConfig:
         return TrainerRunConfig(

@@ -55,3 +55,18 @@ def test_a_dataset_crosses_the_wire_and_gets_defaults_once():
     assert (got.tokenizer_path, got.apply_chat_template) == ("tok", True)
     with pytest.raises(InvalidArgument, match="dataset 'd': weight"):
         dataset_from_proto(buffer_pb2.DatasetSpec(name="d", path="p", weight=-1), run)
+
+
+def test_modes_set_the_staleness_bound_and_the_queue_cap():
+    base = {"model_path": "/m", "datasets": [{"name": "t", "path": "t.jsonl"}],
+            "rollout": {"rollout_batch_size": 4}, "sft_warmup": {"steps": 1, "batch_groups": 16}}
+    sync = RunConfig.model_validate(base)
+    assert (sync.staleness_bound, sync.queue_cap, sync.trainer_config().max_staleness) == (None, 0, None)
+    fully = RunConfig.model_validate({**base, "mode": "fully_async", "max_staleness": 2})
+    # a rollout batch per version of staleness, but room for the SFT warm start's write
+    assert (fully.trainer_config().max_staleness, fully.queue_cap) == (2, 16)
+    fully = RunConfig.model_validate({**base, "mode": "fully_async", "sft_warmup": {"steps": 0}, "max_staleness": 3})
+    assert fully.queue_cap == 12
+    assert RunConfig.model_validate({**base, "mode": "one_step_off"}).trainer_config().max_staleness == 1
+    with pytest.raises(ValueError, match="max_staleness"):
+        RunConfig.model_validate({**base, "mode": "fully_async", "max_staleness": 0})
