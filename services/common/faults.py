@@ -16,29 +16,23 @@ FAULTS_DIR_ENV = "RLMESH_FAULTS_DIR"
 POLL_SECONDS = 0.05
 
 
-def _paths(name: str) -> tuple[Path, Path] | None:
+def _reach(name: str) -> Path | None:
+    """Mark point `name` reached; the file whose existence holds the process there (None: off)."""
     directory = os.environ.get(FAULTS_DIR_ENV)
     if not directory:
         return None
-    return Path(directory) / f"{name}.reached", Path(directory) / f"{name}.hold"
+    (Path(directory) / f"{name}.reached").touch()
+    return Path(directory) / f"{name}.hold"
 
 
 async def fault_point(name: str) -> None:
-    paths = _paths(name)
-    if paths is None:
-        return
-    reached, hold = paths
-    reached.touch()
-    while hold.exists():
+    hold = _reach(name)
+    while hold is not None and hold.exists():
         await asyncio.sleep(POLL_SECONDS)
 
 
 def blocking_fault_point(name: str) -> None:
     """fault_point for code on a worker thread."""
-    paths = _paths(name)
-    if paths is None:
-        return
-    reached, hold = paths
-    reached.touch()
-    while hold.exists():
+    hold = _reach(name)
+    while hold is not None and hold.exists():
         time.sleep(POLL_SECONDS)

@@ -196,7 +196,7 @@ class SftWarmupConfig(StrictModel):
 
 TrainingMode = Literal["sync", "one_step_off", "fully_async"]
 # max_staleness when a run does not set it (sync is on-policy by construction).
-DEFAULT_MAX_STALENESS = {"sync": None, "one_step_off": 1, "fully_async": 1}
+DEFAULT_MAX_STALENESS = {"sync": None, "one_step_off": 1, "fully_async": 2}
 
 
 class RunConfig(TrainingConfig):
@@ -218,7 +218,7 @@ class RunConfig(TrainingConfig):
     )
     max_staleness: int | None = Field(
         None, ge=1, le=INT32_MAX, description="Train only on groups generated with weights at most this many "
-        "versions older than the trainer's (default 1 in both asynchronous modes; sync is always 0)."
+        "versions older than the trainer's (default: one_step_off 1, fully_async 2; sync is always 0)."
     )
     stale_policy: Literal["drop", "keep"] = Field(
         "drop", description="Older groups are dropped (counted, never trained) or trained anyway (counted)."
