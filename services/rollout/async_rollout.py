@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from rlmesh.common.errors import FailedPrecondition, InvalidArgument, RlmeshError
+from rlmesh.common.errors import FailedPrecondition, InvalidArgument
 from rlmesh.common.metrics import merge_sample_metrics
 from rlmesh.common.retry import Backoff
 from rlmesh.common.sample import SampleGroup, Status, group_from_proto, group_to_proto
@@ -114,7 +114,7 @@ class AsyncLoop:
                 try:
                     await self._finish(task.result())
                     failures = 0
-                except (RlmeshError, grpc.aio.AioRpcError, _Stopping) as e:
+                except Exception as e:  # one group's failure never ends the loop
                     if not isinstance(e, _Stopping):
                         failures += 1
                         self._failed(f"group {prompt.group_id}", e)
