@@ -83,7 +83,7 @@ def main() -> None:
         config["pause_mode"] = args.pause_mode
         config["rollout"]["partial_rollout"] = True  # (what an abort interrupts resumes)
         if args.tis_cap:  # corrects for samples of older weights (async modes); ~1 on-policy
-            config["algorithm"]["tis_cap"] = args.tis_cap
+            config["algorithm"]["rollout_is_upper"] = args.tis_cap
         print("starting rlmesh (embedded Redis, CPU reference engine, tiny model):", flush=True)
         stack = start_stack(data_dir, str(model))
         try:

@@ -9,6 +9,7 @@ tests/unit/test_algorithms.py against numbers worked out by hand.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -36,7 +37,9 @@ class AdvantageInputs:
     rewards: Tensor  # [B]
     group_sizes: Sequence[int]  # consecutive samples per prompt
     mask: Tensor  # [B, T]
-    kl: Tensor | None  # [B, T] KL to the reference; only for estimators with kl_reward_shaping
+    # [B, T] KL to the reference, for kl_reward_level 'token' and estimators with kl_reward_shaping
+    # (compute_advantages passes None when the KL is already in `rewards`, level 'sequence').
+    kl: Tensor | None
 
     def per_group(self, group_advantages: Callable[[Tensor], Tensor]) -> Tensor:
         """A one-group estimator (rewards [n] -> A [n]) applied to every group, each A_i
@@ -55,8 +58,8 @@ PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, AlgorithmConfig], tuple
 class AdvantageEstimator:
     name: str
     compute: AdvantageFn  # -> per-token advantages [B, T]
-    # Shapes rewards with the per-token KL to the reference (kl_coef): the only estimators
-    # that accept kl_coef, and a reference model is loaded for them when it is set.
+    # Shapes each token's reward with its KL to the reference (kl_coef): the only estimators
+    # that take kl_coef at kl_reward_level 'token'; any estimator takes it at 'sequence'.
     kl_reward_shaping: bool = False
     # AlgorithmConfig fields the estimator's paper sets, applied unless the run sets them.
     defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -230,6 +233,51 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
     return returns
 
 
+def gae_advantages(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation (PPO with a critic), right to left over the
+    trained tokens, with V_t the critic's value of the state before token t:
+
+        delta_t = r_t + gamma * V_next - V_t
+        A_t     = delta_t + gamma * lam * A_next
+        R_t     = A_t + V_t                         (the critic's regression target)
+
+    where V_next and A_next belong to the next *trained* token (0 after the last one). As
+    in discounted_returns, a masked-out token (a tool's output) is not an action of the
+    policy: its reward and value are ignored, it passes V_next and A_next through
+    unchanged, and its advantage and return are 0. Returns (advantages, returns), [B, T],
+    unwhitened (PPO usually whitens the advantages: masked_whiten).
+    """
+    advantages = torch.zeros_like(token_rewards)
+    next_value = torch.zeros_like(token_rewards[:, 0])
+    next_advantage = torch.zeros_like(token_rewards[:, 0])
+    for t in range(token_rewards.shape[1] - 1, -1, -1):
+        m = mask[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        next_advantage = m * advantage + (1 - m) * next_advantage
+        next_value = m * values[:, t] + (1 - m) * next_value
+        advantages[:, t] = advantage * m
+    return advantages, (advantages + values) * mask
+
+
+def sequence_kl(kl: Tensor, mask: Tensor) -> Tensor:
+    """A sample's KL to the reference, [B]: sum_t KL_t over its trained tokens (the KL of
+    the whole response under the k1 estimator; the sum of per-token estimates otherwise)."""
+    # where, not a product: an unclamped estimate at an untrained position may be inf.
+    return torch.where(mask > 0, kl, 0.0).sum(dim=1)
+
+
+def kl_penalized_rewards(rewards: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+    """KL as a reward penalty, one per sample (kl_reward_level 'sequence'), before any
+    advantage estimator runs:
+
+        r'_i = r_i - kl_coef * sum_t KL_{i,t} * m_{i,t}
+    """
+    return rewards - kl_coef * sequence_kl(kl, mask).to(rewards.dtype)
+
+
 def compute_advantages(
     config: AlgorithmConfig,
     rewards: Tensor,
@@ -239,10 +287,21 @@ def compute_advantages(
 ) -> Tensor:
     """Per-token advantages [B, T] by the registered estimator `config.advantage_estimator`,
     for a batch whose samples are laid out group after group (`group_sizes` consecutive
-    samples per prompt). `kl` (per token, against the reference model) is only used by
-    estimators with kl_reward_shaping."""
+    samples per prompt).
+
+    `kl` is the per-token KL to the reference model; with kl_coef > 0 it is a reward
+    penalty: at kl_reward_level 'sequence' each reward becomes kl_penalized_rewards(...)
+    before the estimator runs (which then sees no KL, so nothing is counted twice); at
+    'token' it goes to the estimator, and only those with kl_reward_shaping use it."""
     if sum(group_sizes) != rewards.numel():
         raise ValueError(f"group sizes add up to {sum(group_sizes)} but there are {rewards.numel()} rewards")
+    if config.kl_coef > 0 and config.kl_reward_level == "sequence":
+        if kl is None:
+            raise ValueError(
+                "kl_coef with kl_reward_level 'sequence' subtracts each sample's KL to the reference from its "
+                "reward, but no per-token KL was passed (is the reference model loaded?)"
+            )
+        rewards, kl = kl_penalized_rewards(rewards, kl, mask, config.kl_coef), None
     estimator = get_advantage_estimator(config.advantage_estimator)
     return estimator.compute(AdvantageInputs(rewards, group_sizes, mask, kl), config)
 
@@ -345,6 +404,42 @@ def _gspo(
     return policy_loss(log_ratio, advantages, config.eps_clip, config.eps_clip_high, config.dual_clip_c)
 
 
+def cispo_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[Tensor, Tensor]:
+    """CISPO (MiniMax-M1), per token, with ratio r = exp(logp - old_logp):
+
+        L = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp
+
+    The importance weight is clipped and detached (sg: stop-gradient), so the gradient,
+    -w * A * grad logp, flows through the log-prob only and no token's gradient is ever
+    cut, as PPO's clip cuts it. eps_low >= 1 leaves the weight without a lower bound (the
+    paper tunes only eps_high).
+
+    Returns (L, clipped) where clipped is 1.0 where the weight was clipped (its gradient
+    is bounded, not cut), for the clip-fraction metric.
+    """
+    ratio = torch.exp(log_probs - old_log_probs).detach()
+    weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    return -weight * advantages * log_probs, (weight != ratio).to(log_probs.dtype)
+
+
+# The paper normalizes by all tokens of the batch, sets no lower bound on the weight
+# (1 - 1 = 0) and does not publish its upper one; a weight of at most 1 + 3 = 4 is a cap
+# other CISPO implementations use by default.
+@register_policy_loss("cispo", defaults={"eps_clip": 1.0, "eps_clip_high": 3.0, "loss_aggregation": "token_mean"})
+def _cispo(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: AlgorithmConfig
+) -> tuple[Tensor, Tensor]:
+    """cispo_loss with eps_low = eps_clip and eps_high = eps_clip_high (default eps_clip)."""
+    eps_high = config.eps_clip if config.eps_clip_high is None else config.eps_clip_high
+    return cispo_loss(log_probs, old_log_probs, advantages, config.eps_clip, eps_high)
+
+
 def aggregate_loss(
     values: Tensor,
     mask: Tensor,
@@ -403,13 +498,75 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
-def tis_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, cap: float) -> Tensor:
-    """Truncated importance sampling weight per token, trainer vs engine:
+def rollout_is_weights(
+    old_log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    mask: Tensor,
+    *,
+    level: str,
+    mode: str,
+    lower: float,
+    upper: float,
+) -> Tensor:
+    """Importance weights [B, T] correcting for the engine's sampling distribution (rollout
+    log-probs) differing from the trainer's (old log-probs); the policy loss of each token
+    is multiplied by its weight (a constant: no gradient). The ratio, at
 
-        w = clamp(exp(old_logp - rollout_logp), 0, cap)
+        level 'token':     rho_t = exp(old_logp_t - rollout_logp_t)
+        level 'sequence':  rho_i = exp(sum_t (old_logp_t - rollout_logp_t) * m_t)
+                           (the product of the token ratios over the trained tokens,
+                           every token of the sequence carries it)
 
-    The policy loss of each token is multiplied by w (a constant: no gradient)."""
-    return torch.clamp(torch.exp(old_log_probs - rollout_log_probs), 0.0, cap).detach()
+    is bounded by
+
+        mode 'truncate':   w = clamp(rho, lower, upper)                   (TIS)
+        mode 'mask':       w = rho if lower <= rho <= upper, else 0       (MIS)
+
+    A masked token or sequence contributes nothing to the loss, but still counts in the
+    loss aggregation's token and sequence counts: the estimator is E[rho * 1(in range) * g]
+    over all samples. The ratio is compared in log space, so a far-off sequence (whose
+    ratio would overflow) is masked or truncated, never inf. Untrained positions are 0.
+    """
+    log_ratio = torch.where(mask > 0, old_log_probs - rollout_log_probs, 0.0)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(mask)
+    elif level != "token":
+        raise ValueError(f"unknown rollout importance-sampling level {level!r}")
+    log_upper = math.log(upper)
+    log_lower = math.log(lower) if lower > 0 else -math.inf
+    if mode == "truncate":
+        weights = torch.clamp(torch.exp(torch.clamp(log_ratio, max=log_upper)), min=lower)
+    elif mode == "mask":
+        inside = (log_ratio >= log_lower) & (log_ratio <= log_upper)
+        weights = torch.where(inside, torch.exp(torch.clamp(log_ratio, max=log_upper)), 0.0)
+    else:
+        raise ValueError(f"unknown rollout importance-sampling mode {mode!r}")
+    return (weights * (mask > 0)).detach()
+
+
+def clipped_value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: float | None,
+    num_tokens: float | None = None,
+) -> Tensor:
+    """PPO's critic loss, mean over the trained tokens:
+
+        V_clip = old_V + clamp(V - old_V, -clip, clip)
+        L_t    = 0.5 * max((V - R)^2, (V_clip - R)^2)
+        loss   = sum(L_t * m) / N_tokens                 (N_tokens defaults to sum(m))
+
+    with R the returns of gae_advantages and old_V the values recorded before the update.
+    clip None is the plain squared error 0.5 * (V - R)^2. With gradient accumulation pass
+    the whole mini-batch's token count.
+    """
+    loss = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return aggregate_loss(0.5 * loss, mask, "token_mean", num_tokens=num_tokens)
 
 
 def approx_kl(log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -> Tensor:

@@ -250,13 +250,12 @@ class _FixedTokens:
     old: Tensor  # log-probs of the policy before the update
     ref: Tensor | None  # log-probs of the reference model
     advantages: Tensor
-    rollout: Tensor  # the engine's log-probs ...
-    has_rollout: Tensor  # ... where it sent them (1.0), else 0
+    is_weights: Tensor | None  # rollout importance weights (1 where the engine sent no log-probs)
 
     def rows(self, index: Sequence[int], width: int) -> _FixedTokens:
         """The rows of a micro-batch, cut to its response width."""
         pick = torch.as_tensor(list(index), device=self.old.device)
-        fields = (self.old, self.ref, self.advantages, self.rollout, self.has_rollout)
+        fields = (self.old, self.ref, self.advantages, self.is_weights)
         return _FixedTokens(*(t[pick, :width] if t is not None else None for t in fields))
 
 
@@ -435,7 +434,7 @@ class TorchBackend:
     @property
     def needs_reference(self) -> bool:
         a = self.algorithm
-        return a.kl_loss_coef > 0 or (a.kl_coef > 0 and self.estimator.kl_reward_shaping)
+        return a.kl_loss_coef > 0 or a.kl_coef > 0
 
     # ---------------------------------------------------------------- forward helpers
 
@@ -510,15 +509,22 @@ class TorchBackend:
             metrics["train_rollout_logprob_abs_diff"] = float(
                 algo.masked_mean((old - rollout).abs(), masks * has_rollout)
             )
+        is_weights = None
+        if a.rollout_is_upper is not None:
+            weights = algo.rollout_is_weights(
+                old, rollout, masks * has_rollout, level=a.rollout_is_level, mode=a.rollout_is_mode,
+                lower=a.rollout_is_lower, upper=a.rollout_is_upper,
+            )
+            is_weights = torch.where(has_rollout > 0, weights, 1.0)
 
         # 2. Advantages for the whole batch.
         kl_for_reward = None
-        if ref is not None and self.estimator.kl_reward_shaping:
+        if ref is not None and a.kl_coef > 0:
             kl_for_reward = algo.kl_penalty(old, ref, a.kl_estimator)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device)
         advantages = algo.compute_advantages(a, rewards, batch.group_sizes, masks, kl_for_reward)
         metrics["advantage_abs_mean"] = float(algo.masked_mean(advantages.abs(), masks))
-        fixed = _FixedTokens(old, ref, advantages, rollout, has_rollout)
+        fixed = _FixedTokens(old, ref, advantages, is_weights)
 
         # 3. One optimizer step per mini-batch.
         opt = self._optimizers["rl"]
@@ -556,11 +562,9 @@ class TorchBackend:
         with nullcontext() if a.entropy_coef else torch.no_grad():
             entropy = algo.entropy_from_logits(logits)
         pg, clipped = self.policy_loss.compute(log_probs, old, fixed.advantages, mask, a)
-        if a.tis_cap is not None:
-            tis = algo.tis_weights(old, fixed.rollout, a.tis_cap)
-            weights = torch.where(fixed.has_rollout > 0, tis, 1.0)  # no engine log-probs: weight 1
-            pg = pg * weights
-            totals.add_token_sum("tis_weight_mean", float(algo.masked_sum(weights, mask)))
+        if fixed.is_weights is not None:
+            pg = pg * fixed.is_weights
+            totals.add_token_sum("tis_weight_mean", float(algo.masked_sum(fixed.is_weights, mask)))
 
         def aggregate(values: Tensor) -> Tensor:
             return algo.aggregate_loss(values, mask, a.loss_aggregation, num_seqs, num_tokens)

@@ -16,6 +16,9 @@ from rlmesh.common.settings import ServiceSettings
 # Before policy losses were chosen on their own, GSPO was asked for as an advantage
 # estimator; that spelling still means GRPO's advantages with GSPO's loss.
 LEGACY_GSPO_ESTIMATOR = "gspo"
+# Before the rollout importance-sampling correction had levels and modes, its only
+# setting was the cap of the token-level truncated weight; that spelling still means it.
+LEGACY_TIS_CAP = "tis_cap"
 
 
 def _algorithms():
@@ -47,12 +50,19 @@ class AlgorithmConfig(BaseModel):
     policy_loss: str = Field(
         "ppo_clip",
         description="The policy-gradient loss: a name registered in rlmesh.trainer.algorithms "
-        "(ppo_clip: per-token ratio; gspo: sequence-level ratio).",
+        "(ppo_clip: per-token ratio; gspo: sequence-level ratio; cispo: clipped, detached importance weight "
+        "on the log-prob).",
         json_schema_extra=_registered_names("POLICY_LOSSES"),
     )
     normalize_advantage_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
-    eps_clip: float = Field(0.2, gt=0, description="Lower clip range of the ratio (1 - eps_clip).")
-    eps_clip_high: float | None = Field(None, gt=0, description="Upper clip range (DAPO clip-higher); default eps_clip.")
+    eps_clip: float = Field(
+        0.2, gt=0, description="Lower clip range of the ratio (1 - eps_clip); for cispo, of its importance weight "
+        "(default 1: no lower bound)."
+    )
+    eps_clip_high: float | None = Field(
+        None, gt=0, description="Upper clip range (DAPO clip-higher; for cispo, of its importance weight, "
+        "default 3); default eps_clip."
+    )
     dual_clip_c: float | None = Field(None, gt=1, description="Dual clip for negative advantages (c > 1).")
     loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"] = Field(
         "seq_mean_token_mean", description="How per-token losses are averaged: per sequence then over the batch, "
@@ -62,11 +72,29 @@ class AlgorithmConfig(BaseModel):
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
         "low_var_kl", description="Estimator of the per-token KL (Schulman's k1/k2/k3; low_var_kl = k3 clipped)."
     )
-    kl_coef: float = Field(0.0, ge=0, description="KL as reward shaping (REINFORCE++); not with kl_loss_coef.")
+    kl_coef: float = Field(
+        0.0, ge=0, description="KL to the reference as a reward penalty (see kl_reward_level); not with kl_loss_coef."
+    )
+    kl_reward_level: Literal["token", "sequence"] = Field(
+        "token", description="How kl_coef penalizes rewards: 'token' shapes each token's reward with its KL "
+        "(REINFORCE++ only); 'sequence' subtracts kl_coef * the sample's KL summed over its trained tokens from "
+        "its reward before the advantage estimator runs (any estimator)."
+    )
     entropy_coef: float = Field(0.0, description="Weight of an entropy bonus in the loss (0 = off).")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount for REINFORCE++ returns.")
-    tis_cap: float | None = Field(
-        None, gt=0, description="Truncated importance sampling against the engine's log-probs: cap on the weight."
+    rollout_is_upper: float | None = Field(
+        None, ge=1, description="Importance sampling against the engine's log-probs (trainer / engine ratio), "
+        "on when set: the upper bound of the ratio (formerly tis_cap)."
+    )
+    rollout_is_lower: float = Field(
+        0.0, ge=0, le=1, description="Lower bound of the rollout importance ratio (0 = none)."
+    )
+    rollout_is_level: Literal["token", "sequence"] = Field(
+        "token", description="One ratio per token, or per sequence (the product over its trained tokens)."
+    )
+    rollout_is_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="'truncate' clamps the ratio into [lower, upper] (TIS); 'mask' drops tokens or "
+        "sequences whose ratio falls outside it from the loss (MIS)."
     )
 
     @model_validator(mode="before")
@@ -80,6 +108,17 @@ class AlgorithmConfig(BaseModel):
                 f"not policy_loss {data['policy_loss']!r}"
             )
         return {**data, "advantage_estimator": "grpo", "policy_loss": "gspo"}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_tis_cap(cls, data: Any) -> Any:
+        if not (isinstance(data, dict) and LEGACY_TIS_CAP in data):
+            return data
+        data = dict(data)
+        cap = data.pop(LEGACY_TIS_CAP)
+        if "rollout_is_upper" in data:
+            raise ValueError("tis_cap is the old name of rollout_is_upper: set only rollout_is_upper")
+        return {**data, "rollout_is_upper": cap}
 
     @field_validator("advantage_estimator")
     @classmethod
@@ -107,14 +146,37 @@ class AlgorithmConfig(BaseModel):
     @model_validator(mode="after")
     def _one_kl(self):
         if self.kl_loss_coef > 0 and self.kl_coef > 0:
-            raise ValueError("use KL either as a loss term (kl_loss_coef) or as reward shaping (kl_coef), not both")
+            raise ValueError("use KL either as a loss term (kl_loss_coef) or as a reward penalty (kl_coef), not both")
         estimators = _algorithms().ADVANTAGE_ESTIMATORS
-        if self.kl_coef > 0 and not estimators[self.advantage_estimator].kl_reward_shaping:
+        if (self.kl_coef > 0 and self.kl_reward_level == "token"
+                and not estimators[self.advantage_estimator].kl_reward_shaping):
             users = ", ".join(name for name, spec in estimators.items() if spec.kl_reward_shaping)
             raise ValueError(
-                f"kl_coef (KL as reward shaping) is only used by {users}, not {self.advantage_estimator!r}; "
-                "use kl_loss_coef for a KL loss term"
+                f"kl_coef at kl_reward_level 'token' (each token's reward shaped by its KL) is only used by {users}, "
+                f"not {self.advantage_estimator!r}; set kl_reward_level 'sequence' to subtract kl_coef * the sample's "
+                "KL from its reward (any estimator), or use kl_loss_coef for a KL loss term"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _dual_clip_needs_the_clipped_surrogate(self):
+        if self.dual_clip_c is not None and self.policy_loss == "cispo":
+            raise ValueError("dual_clip_c caps PPO's clipped surrogate; cispo has none (its weight is clipped): "
+                             "leave dual_clip_c unset")
+        return self
+
+    @model_validator(mode="after")
+    def _rollout_is_bounds(self):
+        if self.rollout_is_upper is None:
+            # Only values that differ from the defaults: a dumped config lists every field.
+            inert = [name for name, default in (("rollout_is_lower", 0.0), ("rollout_is_level", "token"),
+                                                ("rollout_is_mode", "truncate")) if getattr(self, name) != default]
+            if inert:
+                raise ValueError(f"{', '.join(inert)} set, but the rollout importance-sampling correction is off "
+                                 "until rollout_is_upper is set")
+        elif self.rollout_is_lower >= self.rollout_is_upper:
+            raise ValueError(f"rollout_is_lower ({self.rollout_is_lower:g}) must be below rollout_is_upper "
+                             f"({self.rollout_is_upper:g})")
         return self
 
 

@@ -20,8 +20,10 @@ def services(redis_url, start_in_loop, engine_url, tmp_path):
 
 
 def run_config(tmp_path, tiny_model_dir, num_rollouts: int) -> dict:
-    rows = [{"prompt": f"rev {a}{b}=", "label": f"{b}{a}"} for a in "abcd" for b in "abcd"]
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = tmp_path / "train.jsonl"
+    if not dataset.exists():  # written once: a running run may be reading it while the next is posted
+        rows = [{"prompt": f"rev {a}{b}=", "label": f"{b}{a}"} for a in "abcd" for b in "abcd"]
+        dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {
         "model_path": str(tiny_model_dir),
         "datasets": [{"name": "train", "path": str(tmp_path / "train.jsonl")},

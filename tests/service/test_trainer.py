@@ -163,6 +163,9 @@ def test_steps_per_rollout_split_the_batch(tiny_model_dir):
         {"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.1, "gamma": 0.9},
         {"advantage_estimator": "reinforce_plus_plus_baseline", "loss_aggregation": "token_mean"},
         {"advantage_estimator": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4},
+        {"policy_loss": "cispo"},
+        {"advantage_estimator": "grpo", "kl_coef": 0.1, "kl_reward_level": "sequence"},
+        {"rollout_is_upper": 2.0, "rollout_is_level": "sequence", "rollout_is_mode": "mask"},
     ],
 )
 def test_every_estimator_trains(tiny_model_dir, algorithm):
@@ -171,6 +174,17 @@ def test_every_estimator_trains(tiny_model_dir, algorithm):
     m = backend.train_step(make_groups())
     assert m["optimizer_steps"] == 2
     assert all(torch.isfinite(torch.tensor(v)) for v in m.values()), m
+
+
+def test_tokens_the_engine_sampled_far_off_the_trainer_are_masked_out(tiny_model_dir):
+    backend = TorchBackend(config(tiny_model_dir, algorithm={"rollout_is_upper": 2.0, "rollout_is_mode": "mask"}), CPU)
+    groups = make_groups()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for g in groups:
+        for s in g.samples:  # the engine saw each token e^3 times less likely than the trainer does
+            s.rollout_log_probs = [lp - 3.0 for lp in independent_log_probs(model, s)]
+    m = backend.train_step(groups)
+    assert m["tis_weight_mean"] == 0.0 and m["pg_loss"] == 0.0
 
 
 def test_kl_loss_against_the_frozen_reference(tiny_model_dir):

@@ -26,7 +26,7 @@ def close(actual: torch.Tensor, expected, atol: float = 1e-5) -> None:
 
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
-LOSSES = ["ppo_clip", "gspo"]
+LOSSES = ["ppo_clip", "gspo", "cispo"]
 
 
 @pytest.fixture
@@ -77,6 +77,45 @@ def test_kl_as_reward_only_with_an_estimator_that_shapes_rewards_with_it():
         AlgorithmConfig(advantage_estimator="rloo", kl_coef=0.1)
     with pytest.raises(ValidationError, match="not both"):
         AlgorithmConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.1, kl_loss_coef=0.1)
+
+
+def test_kl_as_a_sequence_penalty_works_with_any_estimator():
+    for estimator in ESTIMATORS:
+        config = AlgorithmConfig(advantage_estimator=estimator, kl_coef=0.1, kl_reward_level="sequence")
+        assert config.kl_reward_level == "sequence"
+    with pytest.raises(ValidationError, match="set kl_reward_level 'sequence' to subtract"):
+        AlgorithmConfig(kl_coef=0.1)
+    with pytest.raises(ValidationError, match="not both"):
+        AlgorithmConfig(kl_coef=0.1, kl_reward_level="sequence", kl_loss_coef=0.1)
+
+
+def test_cispo_defaults_to_the_papers_one_sided_clip_and_token_mean():
+    config = AlgorithmConfig(policy_loss="cispo")
+    assert (config.eps_clip, config.eps_clip_high, config.loss_aggregation) == (1.0, 3.0, "token_mean")
+    assert AlgorithmConfig(policy_loss="cispo", eps_clip_high=0.28).eps_clip_high == 0.28
+    with pytest.raises(ValidationError, match="cispo has none"):
+        AlgorithmConfig(policy_loss="cispo", dual_clip_c=3.0)
+
+
+def test_tis_cap_is_the_old_name_of_the_token_level_truncation_bound():
+    legacy = AlgorithmConfig(tis_cap=2.0)
+    assert legacy == AlgorithmConfig(rollout_is_upper=2.0)
+    assert (legacy.rollout_is_level, legacy.rollout_is_mode, legacy.rollout_is_lower) == ("token", "truncate", 0)
+    assert AlgorithmConfig.model_validate_json(legacy.model_dump_json()) == legacy
+    with pytest.raises(ValidationError, match="set only rollout_is_upper"):
+        AlgorithmConfig(tis_cap=2.0, rollout_is_upper=3.0)
+
+
+def test_rollout_is_settings_are_checked():
+    config = AlgorithmConfig(rollout_is_upper=5.0, rollout_is_lower=0.2, rollout_is_level="sequence",
+                             rollout_is_mode="mask")
+    assert AlgorithmConfig.model_validate_json(config.model_dump_json()) == config
+    with pytest.raises(ValidationError, match="rollout_is_level, rollout_is_mode set, but .* off until rollout_is_upper"):
+        AlgorithmConfig(rollout_is_level="sequence", rollout_is_mode="mask")
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):  # ratio 1 (no mismatch) is in range
+        AlgorithmConfig(rollout_is_upper=0.5)
+    with pytest.raises(ValidationError, match=r"rollout_is_lower \(1\) must be below rollout_is_upper \(1\)"):
+        AlgorithmConfig(rollout_is_upper=1.0, rollout_is_lower=1.0)
 
 
 def test_a_newly_registered_estimator_and_loss_are_accepted_by_the_config(registries):
@@ -181,6 +220,70 @@ def test_group_advantages_are_broadcast_per_group_under_the_mask():
         algo.compute_advantages(AlgorithmConfig(), t([1, 0, 7]), [2, 2], mask)
 
 
+def test_kl_sequence_penalty_is_subtracted_from_rewards_before_any_estimator():
+    mask = t([[1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    # The untrained position's KL does not count, even an inf one (an unclamped estimate).
+    kl = t([[0.1, 0.2, math.inf], [0.3, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 0.0]])
+    close(algo.sequence_kl(kl, mask), [0.3, 0.3, 1.0, 0.0])
+    # rewards 1 0 | 1 1 minus .5 * sequence KL: .85 -.15 | .5 1
+    close(algo.kl_penalized_rewards(t([1, 0, 1, 1]), kl, mask, 0.5), [0.85, -0.15, 0.5, 1.0])
+    # dr_grpo on those: group means .35 and .75 -> .5 -.5 | -.25 .25; the equal rewards of
+    # the second group now differ by their KL
+    config = AlgorithmConfig(advantage_estimator="dr_grpo", kl_coef=0.5, kl_reward_level="sequence")
+    adv = algo.compute_advantages(config, t([1, 0, 1, 1]), [2, 2], mask, kl)
+    close(adv, [[0.5, 0.5, 0], [-0.5, -0.5, -0.5], [-0.25, -0.25, 0], [0.25, 0.25, 0.25]])
+    with pytest.raises(ValueError, match="no per-token KL was passed"):
+        algo.compute_advantages(config, t([1, 0, 1, 1]), [2, 2], mask)
+
+
+def test_kl_sequence_penalty_is_not_also_added_per_token():
+    # REINFORCE++ at level 'sequence' is REINFORCE++ without KL on the penalized rewards.
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    kl = t([[0.1, 0.2, 0.3], [0.5, 0.4, 9.0]])
+    config = AlgorithmConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.5, gamma=0.5,
+                             kl_reward_level="sequence")
+    penalized = t([1 - 0.5 * 0.6, -1 - 0.5 * 0.9])
+    without_kl = AlgorithmConfig(advantage_estimator="reinforce_plus_plus", gamma=0.5)
+    close(algo.compute_advantages(config, t([1, -1]), [1, 1], mask, kl),
+          algo.compute_advantages(without_kl, penalized, [1, 1], mask).tolist())
+
+
+def test_gae_skips_masked_tokens():
+    # gamma .9, lam .5 (g * l = .45); row 0, right to left:
+    #   t2: delta = 1 - .8 = .2,               A = .2,                  R = 1.0
+    #   t1: delta = .9 * .8 - .4 = .32,        A = .32 + .45 * .2 = .41, R = .81
+    #   t0: delta = .9 * .4 - .5 = -.14,       A = -.14 + .45 * .41 = .0445, R = .5445
+    # row 1: the middle token (reward 5, value 9) is a tool's output, passed through:
+    #   t2: delta = 2 - .6 = 1.4,              A = 1.4,                 R = 2.0
+    #   t0: delta = .9 * .6 - .2 = .34,        A = .34 + .45 * 1.4 = .97, R = 1.17
+    rewards = t([[0, 0, 1], [0, 5, 2]])
+    values = t([[0.5, 0.4, 0.8], [0.2, 9.0, 0.6]])
+    advantages, returns = algo.gae_advantages(rewards, values, t([[1, 1, 1], [1, 0, 1]]), gamma=0.9, lam=0.5)
+    close(advantages, [[0.0445, 0.41, 0.2], [0.97, 0.0, 1.4]])
+    close(returns, [[0.5445, 0.81, 1.0], [1.17, 0.0, 2.0]])
+
+
+def test_gae_with_no_critic_and_lambda_one_is_the_discounted_return():
+    rewards, mask = t([[-0.05, -0.1, 0.85], [-0.25, 3.0, -1.2]]), t([[1, 1, 1], [1, 0, 1]])
+    advantages, returns = algo.gae_advantages(rewards, torch.zeros(2, 3), mask, gamma=0.5, lam=1.0)
+    expected = algo.discounted_returns(rewards, mask, 0.5).tolist()
+    close(advantages, expected)
+    close(returns, expected)
+
+
+def test_clipped_value_loss():
+    # clip .2:
+    #   V 1,  old .5, R 2: (1 - 2)^2 = 1;  V_clip = .5 + .2 = .7, (.7 - 2)^2 = 1.69 -> .5 * 1.69 = .845
+    #   V 2,  old 2.5, R 2: 0;             V_clip = 2.3, .09                     -> .045
+    #   V -1, old 0,  R 1: (-2)^2 = 4;     V_clip = -.2, 1.44                    -> 2.0 (unclipped)
+    #   the fourth token is not trained
+    values, old = t([[1.0, 2.0, -1.0, 7.0]]), t([[0.5, 2.5, 0.0, 0.0]])
+    returns, mask = t([[2.0, 2.0, 1.0, 0.0]]), t([[1, 1, 1, 0]])
+    close(algo.clipped_value_loss(values, old, returns, mask, clip=0.2), 2.89 / 3)
+    close(algo.clipped_value_loss(values, old, returns, mask, clip=0.2, num_tokens=5), 2.89 / 5)
+    close(algo.clipped_value_loss(values, old, returns, mask, clip=None), 0.5 * (1 + 0 + 4) / 3)
+
+
 # ------------------------------------------------------------------ policy loss
 
 
@@ -234,6 +337,40 @@ def test_gspo_ratio_is_the_sequence_mean_with_per_token_gradient():
     close(log_ratio.detach(), [[0.25, 0.25, 0.25]])
     log_ratio[0, 0].backward()
     close(log_probs.grad, [[1.0, 0.0, 0.0]])
+
+
+def test_cispo_clips_and_detaches_the_weight():
+    # ratios e^.5 = 1.6487 -> 1.28, e^0 = 1, e^-2 = .1353 -> .8 (eps .2 low, .28 high)
+    log_probs = t([[-1.0, -2.0, -3.0]]).requires_grad_()
+    old, adv = t([[-1.5, -2.0, -1.0]]), t([[1.0, -1.0, 2.0]])
+    loss, clipped = algo.cispo_loss(log_probs, old, adv, eps_low=0.2, eps_high=0.28)
+    # -w * A * logp: -1.28 * 1 * -1 = 1.28;  -1 * -1 * -2 = -2;  -.8 * 2 * -3 = 4.8
+    close(loss.detach(), [[1.28, -2.0, 4.8]])
+    close(clipped, [[1, 0, 1]])
+    # The gradient goes through logp only: -w * A, even where the weight was clipped.
+    loss.sum().backward()
+    close(log_probs.grad, [[-1.28, 1.0, -1.6]])
+
+
+def test_cispo_keeps_the_gradient_ppo_clip_cuts():
+    # ratio 1.5 and A = 1 with eps .2: PPO's clipped term wins (no gradient); CISPO pushes with w = 1.2
+    config = AlgorithmConfig(policy_loss="cispo", eps_clip=0.2, eps_clip_high=0.2)
+    grads = {}
+    for name in ("ppo_clip", "cispo"):
+        log_probs = torch.log(t([[1.5]])).requires_grad_()
+        loss, _ = algo.get_policy_loss(name).compute(log_probs, t([[0.0]]), t([[1.0]]), t([[1.0]]), config)
+        loss.sum().backward()
+        grads[name] = float(log_probs.grad)
+    assert grads == {"ppo_clip": 0.0, "cispo": pytest.approx(-1.2)}
+
+
+def test_registered_cispo_has_no_lower_bound_by_default():
+    config = AlgorithmConfig(policy_loss="cispo")
+    # ratios 5 (capped at 1 + 3 = 4) and e^-3 = .0498 (no lower bound); A = 1
+    log_probs, old = t([[-1.0, -4.0]]), t([[-1.0 - math.log(5), -1.0]])
+    loss, clipped = algo.get_policy_loss("cispo").compute(log_probs, old, t([[1.0, 1.0]]), t([[1, 1]]), config)
+    close(loss, [[4.0, math.exp(-3) * 4]])  # -4 * 1 * -1 = 4;  -.0498 * 1 * -4 = .1991
+    close(clipped, [[1, 0]])
 
 
 # ------------------------------------------------------------------ aggregation
@@ -292,11 +429,39 @@ def test_entropy_from_logits():
     close(algo.entropy_from_logits(t([[0.0, 0.0], [0.0, math.log(3)]])), [0.693147, 0.562335])
 
 
-def test_tis_weights_are_clamped_and_constant():
-    old = t([-1.0, -1.0, -1.0]).requires_grad_()
-    w = algo.tis_weights(old, t([-1.0, -2.0, -0.5]), cap=2.0)
-    close(w, [1.0, 2.0, math.exp(-0.5)])  # e^0, e^1 capped at 2, e^-.5
+# old - rollout: row 0: 0, 1, -.5 (ratios 1, e = 2.7183, .6065); row 1: .5, .5 (1.6487) and
+# an untrained token. Sequence ratios: e^.5 = 1.6487 and e^1 = 2.7183 (the untrained 8 left out).
+IS_OLD = t([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+IS_ROLLOUT = t([[-1.0, -2.0, -0.5], [-1.5, -1.5, -9.0]])
+IS_MASK = t([[1, 1, 1], [1, 1, 0]])
+
+
+@pytest.mark.parametrize(("level", "mode", "lower", "expected"), [
+    ("token", "truncate", 0.7, [[1.0, 2.0, 0.7], [1.648721, 1.648721, 0]]),
+    ("token", "mask", 0.7, [[1.0, 0, 0], [1.648721, 1.648721, 0]]),  # e and .6065 dropped
+    ("sequence", "truncate", 0.0, [[1.648721] * 3, [2.0, 2.0, 0]]),
+    ("sequence", "mask", 0.5, [[1.648721] * 3, [0, 0, 0]]),  # e > 2: the whole sequence dropped
+])
+def test_rollout_is_weights(level, mode, lower, expected):
+    old = IS_OLD.clone().requires_grad_()
+    w = algo.rollout_is_weights(old, IS_ROLLOUT, IS_MASK, level=level, mode=mode, lower=lower, upper=2.0)
+    close(w, expected)
     assert not w.requires_grad
+
+
+def test_rollout_is_weights_of_far_off_sequences_stay_finite():
+    # sum of log ratios +-1000: e^1000 overflows, the bounds are applied in log space
+    far = {"old": t([[0.0, 0.0], [-500.0, -500.0]]), "rollout": t([[-500.0, -500.0], [0.0, 0.0]])}
+    for mode, expected in (("truncate", [[2.0, 2.0], [0.5, 0.5]]), ("mask", [[0, 0], [0, 0]])):
+        w = algo.rollout_is_weights(far["old"], far["rollout"], torch.ones(2, 2), level="sequence", mode=mode,
+                                    lower=0.5, upper=2.0)
+        close(w, expected)
+
+
+def test_token_truncation_without_a_lower_bound_is_tis():
+    w = algo.rollout_is_weights(IS_OLD, IS_ROLLOUT, IS_MASK, level="token", mode="truncate", lower=0.0, upper=2.0)
+    # TIS: clamp(exp(old - rollout), 0, cap) on trained tokens
+    close(w, (torch.clamp(torch.exp(IS_OLD - IS_ROLLOUT), 0.0, 2.0) * IS_MASK).tolist())
 
 
 def test_approx_kl_metric():
