@@ -93,13 +93,24 @@ def _record(opts: DatasetConfig, where: int, row: dict) -> dict:
     }
 
 
-def _message(m: Any, bad) -> dict[str, str]:
+def _message(m: Any, bad) -> dict[str, Any]:
     if not isinstance(m, dict) or "role" not in m:
         raise bad("chat messages must be objects with 'role' and 'content'")
     content = m.get("content")
     if isinstance(content, list):  # content parts: keep the text ones
         content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-    return {"role": str(m["role"]), "content": "" if content is None else str(content)}
+    message: dict[str, Any] = {"role": str(m["role"]), "content": "" if content is None else str(content)}
+    if m.get("tool_calls"):  # an earlier assistant turn's calls, in OpenAI's form
+        calls = m["tool_calls"]
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and c["function"].get("name")
+                for c in calls):
+            raise bad("tool_calls must be a list of {'id', 'type': 'function', 'function': {'name', 'arguments'}}")
+        message["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):  # a tool turn: which call it answers
+        if m.get(key):
+            message[key] = str(m[key])
+    return message
 
 
 @lru_cache(maxsize=8)

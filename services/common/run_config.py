@@ -4,6 +4,7 @@ once here. The coordinator hands each service its section (the trainer gets
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -87,6 +88,33 @@ class SamplingConfig(StrictModel):
     min_new_tokens: int = Field(0, ge=0, le=INT32_MAX, description="Do not stop before this many tokens.")
 
 
+# Room for a run's generate options (JSON).
+MAX_GENERATE_OPTIONS_BYTES = 64 * 1024
+
+
+class GenerateConfig(StrictModel):
+    """Which of the rollout service's registered generate functions makes the samples."""
+
+    name: str = Field(
+        "", pattern=r"^$|^[A-Za-z_][A-Za-z0-9_.-]{0,63}$",
+        description="'' = the rollout service's default; 'agent' = the built-in tool-calling agent loop; "
+        "'openai_agent' = an agent of the operator's that talks to an OpenAI-compatible endpoint; or a name the "
+        "operator registered (rollout settings generate_functions). Never an import path.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="The function's options, checked by its own options model when the run "
+        "is created (the agent loop's: tools, tool_parser, max_turns, token limits; see docs/agents.md).",
+    )
+
+    @model_validator(mode="after")
+    def _bounded(self):
+        if len(json.dumps(self.options)) > MAX_GENERATE_OPTIONS_BYTES:
+            raise ValueError(f"options are more than {MAX_GENERATE_OPTIONS_BYTES} bytes of JSON")
+        if self.options and not self.name:
+            raise ValueError("options given without a generate function name")
+        return self
+
+
 class RolloutConfig(StrictModel):
     rollout_batch_size: int = Field(8, ge=1, description="Groups (prompts) per rollout.")
     n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the group size).")
@@ -103,6 +131,9 @@ class RolloutConfig(StrictModel):
     max_concurrency: int = Field(0, ge=0, description="Cap on in-flight engine requests (0 = service default).")
     apply_chat_template: bool = Field(
         False, description="Template every dataset's prompts with the model's chat template (a dataset may also ask)."
+    )
+    generate: GenerateConfig = Field(
+        default_factory=GenerateConfig, description="The generate function (and its options) of rollouts and evals."
     )
 
 

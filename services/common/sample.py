@@ -37,7 +37,10 @@ class Sample:
     index: int = 0
     group_index: int = 0
     prompt: str = ""
-    messages: list[dict[str, str]] = field(default_factory=list)
+    # OpenAI-style chat messages: role, content, and for tool use an assistant turn's
+    # tool_calls ([{"id", "type": "function", "function": {"name", "arguments": JSON text}}])
+    # or a tool turn's tool_call_id and name.
+    messages: list[dict[str, Any]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # prompt tokens + response tokens
     response: str = ""
     response_length: int = 0
@@ -89,12 +92,37 @@ def _unpack(data: bytes, dtype: np.dtype, what: str, index: int) -> list:
     return np.frombuffer(data, dtype=dtype).tolist()
 
 
+def message_to_proto(message: dict[str, Any]) -> sample_pb2.ChatMessage:
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call)
+        arguments = function.get("arguments", {})
+        calls.append(sample_pb2.ToolCall(
+            id=call.get("id", ""), name=function.get("name", ""),
+            arguments_json=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    return sample_pb2.ChatMessage(role=message["role"], content=message.get("content") or "", tool_calls=calls,
+                                  tool_call_id=message.get("tool_call_id", ""), name=message.get("name", ""))
+
+
+def message_from_proto(msg: sample_pb2.ChatMessage) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": msg.role, "content": msg.content}
+    if msg.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+            for c in msg.tool_calls]
+    if msg.tool_call_id:
+        message["tool_call_id"] = msg.tool_call_id
+    if msg.name:
+        message["name"] = msg.name
+    return message
+
+
 def sample_to_proto(sample: Sample) -> sample_pb2.Sample:
     msg = sample_pb2.Sample(
         index=sample.index,
         group_index=sample.group_index,
         prompt=sample.prompt,
-        messages=[sample_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in sample.messages],
+        messages=[message_to_proto(m) for m in sample.messages],
         tokens=_pack(sample.tokens, _TOKEN_DTYPE),
         response=sample.response,
         response_length=sample.response_length,
@@ -121,7 +149,7 @@ def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
         index=msg.index,
         group_index=msg.group_index,
         prompt=msg.prompt,
-        messages=[{"role": m.role, "content": m.content} for m in msg.messages],
+        messages=[message_from_proto(m) for m in msg.messages],
         tokens=tokens,
         response=msg.response,
         response_length=msg.response_length,

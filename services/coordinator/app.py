@@ -4,6 +4,7 @@ OpenAPI docs at /docs."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import asynccontextmanager
 from typing import Literal
 
@@ -26,7 +27,13 @@ from rlmesh.common.http_guard import guard
 from rlmesh.common.paths import RUN_ID_PATTERN
 from rlmesh.common.run_config import RunConfig, StrictModel, limit_violations
 from rlmesh.coordinator.config import Settings
-from rlmesh.coordinator.runs import Clients, RunDriver, RunStore, check_reward_service_change
+from rlmesh.coordinator.runs import (
+    Clients,
+    RunDriver,
+    RunStore,
+    check_reward_service_change,
+    generate_function_spec,
+)
 from rlmesh.reward import remote
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
 
@@ -117,6 +124,8 @@ def _summary(rec: dict) -> dict:
     return {**{k: rec[k] for k in RunSummary.model_fields if k in rec}, "num_rollouts": rec["config"]["num_rollouts"]}
 
 
+log = logging.getLogger(__name__)
+
 REDIS_RETRY_CAP_SECONDS = 2.0
 
 
@@ -127,6 +136,21 @@ def patient_redis_client(url: str, outage_seconds: float) -> aioredis.Redis:
         url, retry=Retry(ExponentialWithJitterBackoff(cap=REDIS_RETRY_CAP_SECONDS, base=0.1),
                          retries=max(int(outage_seconds / REDIS_RETRY_CAP_SECONDS), 1)),
         retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError])
+
+
+async def _check_generate_function(driver: RunDriver, config: RunConfig) -> None:
+    """A generate function the rollout service lacks, or options it refuses, are the
+    request's fault (422 naming them); a rollout service that does not answer now is not:
+    the run starts and its first rollout checks again."""
+    try:
+        await driver.clients.rollout.CheckGenerateFunction(generate_function_spec(config),
+                                                           timeout=driver.settings.call_deadline_seconds)
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            raise RequestValidationError([{"loc": ("body", "rollout", "generate"), "msg": e.details(),
+                                           "type": "generate_function"}]) from None
+        log.warning("could not check the generate function with the rollout service (%s); the run starts "
+                    "and its first rollout checks it", e.code().name)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -188,6 +212,8 @@ def create_app(settings: Settings) -> FastAPI:
         violations = limit_violations(config, settings.limits)
         if violations:
             raise RequestValidationError([{"loc": ("body", *loc), "msg": msg, "type": "limit"} for loc, msg in violations])
+        if config.rollout.generate.name:
+            await _check_generate_function(request.app.state.driver, config)
         run_id = await request.app.state.driver.submit(config)
         return RunCreated(id=run_id, status="pending")
 

@@ -464,7 +464,7 @@ class RunDriver:
             request = rollout_pb2.EvaluateRequest(
                 run_id=run_id, dataset=d.name, n_samples_per_prompt=cfg.eval.n_samples_per_prompt,
                 sampling=sampling_to_proto(cfg.eval.sampling), reward=_reward_spec(cfg), limit=cfg.eval.limit,
-                apply_chat_template=cfg.rollout.apply_chat_template)
+                apply_chat_template=cfg.rollout.apply_chat_template, generate=generate_function_spec(cfg))
             r = await self._patiently(run_id, cfg, self._service("rollout"), lambda request=request: self.clients.rollout.Evaluate(
                 request, timeout=self._deadline(cfg.eval.limit)))
             out.update(r.metrics)
@@ -485,7 +485,7 @@ class RunDriver:
             run_id=run_id, num_groups=num_groups, sampling=sampling_to_proto(ro.sampling),
             reward=_reward_spec(cfg), group_filter=ro.group_filter, over_sampling_groups=ro.over_sampling_groups,
             partial_rollout=ro.partial_rollout, mode="rl", max_concurrency=ro.max_concurrency,
-            apply_chat_template=ro.apply_chat_template)
+            apply_chat_template=ro.apply_chat_template, generate=generate_function_spec(cfg))
 
     async def _generate_batch(self, run_id: str, cfg: RunConfig) -> tuple[dict, float]:
         """Generate what the next batch misses; its metrics and how long it took."""
@@ -637,6 +637,11 @@ def check_reward_service_change(run_id: str, config: RunConfig, name: str, regis
         raise FailedPrecondition(
             f"run {run_id} is active and its reward uses the reward service '{name}' (or would take it in); "
             f"stop the run first (POST /runs/{run_id}/stop), or register the new service under another name")
+
+
+def generate_function_spec(cfg: RunConfig) -> rollout_pb2.GenerateFunction:
+    g = cfg.rollout.generate
+    return rollout_pb2.GenerateFunction(name=g.name, options_json=json.dumps(g.options) if g.options else "")
 
 
 def _reward_spec(cfg: RunConfig) -> reward_pb2.RewardSpec:

@@ -54,6 +54,7 @@ class AsyncLoop:
     def __init__(self, manager: RolloutManager, req: RolloutRequest) -> None:
         self.manager = manager
         self.req = req
+        self.generator = manager.generator(req.generate)
         self.target = req.num_groups + req.over_sampling_groups
         self.sem = asyncio.Semaphore(req.max_concurrency or manager.settings.max_concurrency)
         self.inflight: dict = {}  # id(sample) -> (engine, sample) while a request is out
@@ -128,7 +129,7 @@ class AsyncLoop:
         group = group_from_proto(prompt)
         for _ in range(MAX_ABORTS_PER_GROUP + 1):
             group = await self.manager._generate_group(group, self.req.sampling, self.sem,
-                                                       self.req.apply_chat_template, self.inflight)
+                                                       self.req.apply_chat_template, self.generator, self.inflight)
             aborted = [s for s in group.samples if s.status == Status.ABORTED]
             if not aborted:
                 return (await self.manager._score([group], self.req.reward))[0]
@@ -208,6 +209,7 @@ class AsyncRollouts:
         if req.group_filter not in GROUP_FILTERS:
             raise InvalidArgument(f"unknown group_filter {req.group_filter!r}; known: 'nonzero_std'")
         self.manager.check_limits(req)
+        self.manager.generator(req.generate)  # a bad choice is refused here, not in the loop
         others = [run for run, loop in self.loops.items() if run != req.run_id and loop.running]
         if others:
             raise FailedPrecondition(f"asynchronous generation is running for run {others[0]}; stop it first "

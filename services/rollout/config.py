@@ -1,10 +1,36 @@
 """Rollout service settings (flags, RLMESH_ROLLOUT_* environment variables, or YAML)."""
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import SettingsConfigDict
 
 from rlmesh.common.plugins import PluginPath
 from rlmesh.common.settings import ServiceSettings
+
+# The generate functions every rollout service has; `generate_functions` adds the operator's.
+BUILTIN_GENERATE_FUNCTIONS = {
+    "default": "rlmesh.rollout.generation:default_generate",
+    "agent": "rlmesh.rollout.agent:agent_generate",
+    "openai_agent": "rlmesh.rollout.openai_endpoint:openai_agent_generate",
+}
+
+
+class HttpTool(BaseModel):
+    """A tool served over HTTP: the agent loop POSTs the call's arguments as a JSON object
+    and gives the model the answer's body as the tool's output."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$", description="Name the model calls it by.")
+    url: str = Field(max_length=2048, description="http:// or https:// URL that takes the call's arguments.")
+    description: str = Field("", max_length=4096, description="What the tool does (shown to the model).")
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}},
+        description="JSON schema of the arguments (shown to the model through the chat template).")
+    timeout_seconds: float = Field(10.0, gt=0, le=600, description="Deadline of one call.")
+    retries: int = Field(2, ge=0, le=10, description="Retries of a call that failed to connect, timed out or got a 5xx.")
+    max_concurrency: int = Field(16, ge=1, le=1024, description="Calls of this tool in flight at once.")
 
 
 class Settings(ServiceSettings):
@@ -48,6 +74,30 @@ class Settings(ServiceSettings):
         "past it the sample is FAILED with the reason and the rollout goes on.")
     generate_function: PluginPath = Field(
         "rlmesh.rollout.generation:default_generate",
-        description="Generate function by import path (module:function): async (ctx, sample, sampling_params) -> "
-        "Sample or list of Samples. Set by the operator only; requests cannot.",
+        description="Generate function of runs that choose none (rollout.generate.name empty), by import path "
+        "(module:function): async (ctx, sample, sampling_params) -> Sample or list of Samples.",
     )
+    generate_functions: dict[str, PluginPath] = Field(
+        default_factory=dict, max_length=256,
+        description="Named generate functions runs may choose (rollout.generate.name), besides the built-in "
+        "'default', 'agent' and 'openai_agent': name -> import path of async (ctx, sample, sampling_params) -> "
+        "Sample or list of Samples. A function's `options_model` attribute (a pydantic model) validates the run's "
+        "rollout.generate.options; it reads them as ctx.options. Requests pick names, never import paths.",
+    )
+    tools: dict[str, PluginPath] = Field(
+        default_factory=dict, max_length=256,
+        description="Python tools the agent loop may call: name -> import path of a function (plain or async) "
+        "that takes the call's arguments as keyword arguments and returns text (anything else is sent as JSON). "
+        "Its schema is its `tool_schema` attribute (OpenAI function format) or is built from its signature and "
+        "docstring.",
+    )
+    http_tools: list[HttpTool] = Field(
+        default_factory=list, max_length=256, description="Tools served over HTTP, by URL (see HttpTool).")
+    agents: dict[str, PluginPath] = Field(
+        default_factory=dict, max_length=256,
+        description="Agents the 'openai_agent' generate function may run (its option `agent` names one): name -> "
+        "import path of async (base_url, sample) -> None that talks to the OpenAI-compatible endpoint at base_url "
+        "with any OpenAI client; what it generates there becomes the sample.",
+    )
+    openai_host: str = Field("127.0.0.1", description="Interface of the OpenAI-compatible endpoint agents call.")
+    openai_port: int = Field(0, ge=0, le=65535, description="Its port (0 = any free port).")

@@ -19,11 +19,16 @@ FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": 
 
 @dataclass
 class GenerateContext:
-    """What a generate function may use: the tokenizer and an engine to call."""
+    """What a generate function may use: the tokenizer, an engine to call, the run's options
+    for this function (an instance of its `options_model`, else None), the rollout
+    service's settings (the operator's registries of tools and agents) and its tools."""
 
     tokenizer: Any
     engine: SGLangClient
     apply_chat_template: bool = False
+    options: Any = None
+    settings: Any = None
+    tools: Any = None  # rlmesh.rollout.tools.ToolBox
 
 
 def prompt_ids(tokenizer: Any, sample: Sample, apply_chat_template: bool) -> list[int]:

@@ -13,15 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from pydantic import ValidationError
 
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlmesh.common.limits import within
 from rlmesh.common.plugins import load_plugin
 from rlmesh.common.retry import retry
 from rlmesh.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
-from rlmesh.rollout.config import Settings
+from rlmesh.rollout.config import BUILTIN_GENERATE_FUNCTIONS, Settings
 from rlmesh.rollout.engine_client import EngineError, EnginePool
 from rlmesh.rollout.generation import GenerateContext, sft_sample
+from rlmesh.rollout.tools import ToolBox
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,22 @@ class RewardChoice:
 
 
 @dataclass(frozen=True)
+class GenerateChoice:
+    """A registered generate function, by name, with the run's options for it."""
+
+    name: str = ""  # "": the service's generate_function
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Generator:
+    """A generate function ready to call: the function and its validated options."""
+
+    fn: GenerateFn
+    options: Any = None
+
+
+@dataclass(frozen=True)
 class RolloutRequest:
     """One rollout: generate, score and write `num_groups` groups of the run's prompts."""
 
@@ -57,6 +75,7 @@ class RolloutRequest:
     mode: str = "rl"  # "sft": each prompt's label becomes its response
     max_concurrency: int = 0  # 0 = the service default
     apply_chat_template: bool = False
+    generate: GenerateChoice = GenerateChoice()
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,7 @@ class EvalRequest:
     reward: RewardChoice = RewardChoice()
     limit: int = 0  # 0 = the whole dataset
     apply_chat_template: bool = False
+    generate: GenerateChoice = GenerateChoice()
 
 
 def keep_group(group: SampleGroup, group_filter: str) -> bool:
@@ -105,7 +125,8 @@ class RolloutManager:
         self.pool = pool
         self.buffer = buffer
         self.reward = reward
-        self.generate_fn: GenerateFn = load_plugin(settings.generate_function)
+        self.generate_functions = {**BUILTIN_GENERATE_FUNCTIONS, **settings.generate_functions}
+        self.tools = ToolBox(settings)
         self._tokenizer = None
         self._tokenizer_lock = asyncio.Lock()
 
@@ -123,10 +144,33 @@ class RolloutManager:
                 self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path, local_files_only=True)
             return self._tokenizer
 
+    def generator(self, choice: GenerateChoice) -> Generator:
+        """The generate function a run chose, with its options validated by the function's
+        `options_model` (which may check them against these settings: context["settings"])."""
+        if not choice.name:
+            if choice.options:
+                raise InvalidArgument("generate options given without a generate function name")
+            return Generator(load_plugin(self.settings.generate_function))
+        path = self.generate_functions.get(choice.name)
+        if path is None:
+            raise InvalidArgument(f"unknown generate function {choice.name!r}; this rollout service has: "
+                                  f"{', '.join(sorted(self.generate_functions))} (settings.generate_functions)")
+        fn = load_plugin(path)
+        model = getattr(fn, "options_model", None)
+        if model is None:
+            if choice.options:
+                raise InvalidArgument(f"generate function {choice.name!r} takes no options")
+            return Generator(fn)
+        try:
+            return Generator(fn, model.model_validate(choice.options, context={"settings": self.settings}))
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'options'}: {err['msg']}" for err in e.errors())
+            raise InvalidArgument(f"options of generate function {choice.name!r}: {problems}") from None
+
     # ---- one sample / one group ---------------------------------------------------------
 
-    async def _generate_group(self, group: SampleGroup, params: dict, sem: asyncio.Semaphore,
-                              chat: bool, inflight: dict, stop: asyncio.Event | None = None) -> SampleGroup:
+    async def _generate_group(self, group: SampleGroup, params: dict, sem: asyncio.Semaphore, chat: bool,
+                              generator: Generator, inflight: dict, stop: asyncio.Event | None = None) -> SampleGroup:
         tokenizer = await self.tokenizer()
 
         async def one(sample: Sample) -> list[Sample]:
@@ -143,10 +187,11 @@ class RolloutManager:
                 if stop is not None and stop.is_set():
                     return current  # aborted before it started: hand back untouched
                 # The next engine in turn: a retry goes to another engine when there are several.
-                ctx = GenerateContext(tokenizer=tokenizer, engine=self.pool.for_generation(), apply_chat_template=chat)
+                ctx = GenerateContext(tokenizer=tokenizer, engine=self.pool.for_generation(), apply_chat_template=chat,
+                                      options=generator.options, settings=self.settings, tools=self.tools)
                 inflight[id(sample)] = (ctx.engine, current)
                 try:
-                    return await self.generate_fn(ctx, current, params)
+                    return await generator.fn(ctx, current, params)
                 finally:
                     inflight.pop(id(sample), None)
 
@@ -222,6 +267,7 @@ class RolloutManager:
         start = time.monotonic()
         if req.mode == "sft":
             return await self._sft_rollout(req, start)
+        generator = self.generator(req.generate)
 
         params = req.sampling
         sem = asyncio.Semaphore(req.max_concurrency or self.settings.max_concurrency)
@@ -240,7 +286,7 @@ class RolloutManager:
             handled: set[str] = set()  # dropped by the filter (written ones are in `written`)
             stop = asyncio.Event()
             tasks = [asyncio.create_task(self._generate_group(group_from_proto(g), params, sem,
-                                                              req.apply_chat_template, inflight, stop))
+                                                              req.apply_chat_template, generator, inflight, stop))
                      for g in resp.groups]
             pending = set(tasks)
             try:
@@ -330,13 +376,14 @@ class RolloutManager:
             (req.sampling.get("max_new_tokens") or 0, limits.max_new_tokens, "max_new_tokens", "max_new_tokens"),
         ])
         limit = req.limit or max(limits.max_samples_per_call // max(req.n_samples_per_prompt, 1), 1)
+        generator = self.generator(req.generate)
         start = time.monotonic()
         resp = await self.buffer.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
             run_id=req.run_id, dataset=req.dataset, n_samples_per_prompt=req.n_samples_per_prompt, limit=limit),
             timeout=self.settings.buffer_timeout_seconds)
         sem = asyncio.Semaphore(self.settings.max_concurrency)
         groups = await asyncio.gather(*(self._generate_group(group_from_proto(g), req.sampling, sem,
-                                                             req.apply_chat_template, {})
+                                                             req.apply_chat_template, generator, {})
                                         for g in resp.groups))
         scored = await self._score(list(groups), req.reward) if groups else []
         metrics = rollout_metrics(scored, f"eval/{req.dataset}/")

@@ -4,15 +4,17 @@ and the engine pool (which relays weight updates to every engine), results becom
 from __future__ import annotations
 
 import functools
+import json
 
 from rlmesh.common import auth
+from rlmesh.common.errors import InvalidArgument
 from rlmesh.common.grpc_server import Service, ServiceBinding, aio_channel, start_service
 from rlmesh.common.paths import validate_run_id
 from rlmesh.common.sampling import sampling_to_sglang
 from rlmesh.rollout.async_rollout import AsyncRollouts, AsyncStatus
 from rlmesh.rollout.config import Settings
 from rlmesh.rollout.engine_client import EnginePool, TensorMeta, weight_group_world_size
-from rlmesh.rollout.rollout import EvalRequest, RewardChoice, RolloutManager, RolloutRequest
+from rlmesh.rollout.rollout import EvalRequest, GenerateChoice, RewardChoice, RolloutManager, RolloutRequest
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 DEFAULT_GROUP = "weight_update_group"
@@ -34,6 +36,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def StartAsyncRollout(self, request, context):
         return _async_response(await self.async_rollouts.start(rollout_request_from_proto(request)))
+
+    async def CheckGenerateFunction(self, request, context):
+        self.manager.generator(generate_choice_from_proto(request))
+        return rollout_pb2.CheckGenerateFunctionResponse()
 
     async def StopAsyncRollout(self, request, context):
         return _async_response(await self.async_rollouts.stop(validate_run_id(request.run_id)))
@@ -88,6 +94,7 @@ def rollout_request_from_proto(r: rollout_pb2.GenerateRolloutRequest) -> Rollout
         reward=reward_spec_from_proto(r.reward), group_filter=r.group_filter,
         over_sampling_groups=r.over_sampling_groups, partial_rollout=r.partial_rollout, mode=r.mode or "rl",
         max_concurrency=r.max_concurrency, apply_chat_template=r.apply_chat_template,
+        generate=generate_choice_from_proto(r.generate),
     )
 
 
@@ -95,8 +102,24 @@ def eval_request_from_proto(r: rollout_pb2.EvaluateRequest) -> EvalRequest:
     return EvalRequest(
         run_id=validate_run_id(r.run_id), dataset=r.dataset, n_samples_per_prompt=r.n_samples_per_prompt or 1,
         sampling=sampling_to_sglang(r.sampling), reward=reward_spec_from_proto(r.reward), limit=r.limit,
-        apply_chat_template=r.apply_chat_template,
+        apply_chat_template=r.apply_chat_template, generate=generate_choice_from_proto(r.generate),
     )
+
+
+# Room for a run's generate options (a JSON object).
+MAX_GENERATE_OPTIONS_BYTES = 64 * 1024
+
+
+def generate_choice_from_proto(g: rollout_pb2.GenerateFunction) -> GenerateChoice:
+    if len(g.options_json) > MAX_GENERATE_OPTIONS_BYTES:
+        raise InvalidArgument(f"generate options are {len(g.options_json)} bytes, more than {MAX_GENERATE_OPTIONS_BYTES}")
+    try:
+        options = json.loads(g.options_json) if g.options_json else {}
+    except ValueError as e:
+        raise InvalidArgument(f"generate options are not valid JSON: {e}") from None
+    if not isinstance(options, dict):
+        raise InvalidArgument("generate options must be a JSON object")
+    return GenerateChoice(name=g.name, options=options)
 
 
 def reward_spec_from_proto(spec: reward_pb2.RewardSpec) -> RewardChoice:
@@ -118,6 +141,7 @@ async def build(settings: Settings) -> Service:
     async def close() -> None:
         await async_rollouts.close()  # (hands their prompts back to the buffer)
         await pool.close()
+        await manager.tools.close()
         await buffer_channel.close()
         await reward_channel.close()
 

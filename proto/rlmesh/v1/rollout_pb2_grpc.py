@@ -54,6 +54,11 @@ class RolloutStub:
                 request_serializer=rlmesh_dot_v1_dot_rollout__pb2.StopAsyncRolloutRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_rollout__pb2.AsyncRolloutResponse.FromString,
                 _registered_method=True)
+        self.CheckGenerateFunction = channel.unary_unary(
+                '/rlmesh.v1.Rollout/CheckGenerateFunction',
+                request_serializer=rlmesh_dot_v1_dot_rollout__pb2.GenerateFunction.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_rollout__pb2.CheckGenerateFunctionResponse.FromString,
+                _registered_method=True)
         self.ListEngines = channel.unary_unary(
                 '/rlmesh.v1.Rollout/ListEngines',
                 request_serializer=rlmesh_dot_v1_dot_rollout__pb2.ListEnginesRequest.SerializeToString,
@@ -120,6 +125,14 @@ class RolloutServicer:
 
     def StopAsyncRollout(self, request, context):
         """Abort what is in flight and hand the unfinished groups back to the buffer. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckGenerateFunction(self, request, context):
+        """Whether this service has the named generate function and the options are valid for it
+        (INVALID_ARGUMENT with the reason otherwise): the coordinator asks before starting a run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -193,6 +206,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.StopAsyncRollout,
                     request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.StopAsyncRolloutRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_rollout__pb2.AsyncRolloutResponse.SerializeToString,
+            ),
+            'CheckGenerateFunction': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckGenerateFunction,
+                    request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.GenerateFunction.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_rollout__pb2.CheckGenerateFunctionResponse.SerializeToString,
             ),
             'ListEngines': grpc.unary_unary_rpc_method_handler(
                     servicer.ListEngines,
@@ -338,6 +356,33 @@ class Rollout:
             '/rlmesh.v1.Rollout/StopAsyncRollout',
             rlmesh_dot_v1_dot_rollout__pb2.StopAsyncRolloutRequest.SerializeToString,
             rlmesh_dot_v1_dot_rollout__pb2.AsyncRolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckGenerateFunction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Rollout/CheckGenerateFunction',
+            rlmesh_dot_v1_dot_rollout__pb2.GenerateFunction.SerializeToString,
+            rlmesh_dot_v1_dot_rollout__pb2.CheckGenerateFunctionResponse.FromString,
             options,
             channel_credentials,
             insecure,

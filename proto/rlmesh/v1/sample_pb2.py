@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/sample.proto\x12\trlmesh.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"M\n\x0fMultimodalInput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tmime_type\x18\x04 \x01(\t\"\xe2\x04\n\x06Sample\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x13\n\x0bgroup_index\x18\x02 \x01(\x03\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12\x0e\n\x06tokens\x18\x05 \x01(\x0c\x12\x10\n\x08response\x18\x06 \x01(\t\x12\x17\n\x0fresponse_length\x18\x07 \x01(\x05\x12\r\n\x05label\x18\x08 \x01(\t\x12\x0e\n\x06reward\x18\t \x01(\x01\x12\x42\n\x11reward_components\x18\n \x03(\x0b\x32\'.rlmesh.v1.Sample.RewardComponentsEntry\x12\x11\n\tloss_mask\x18\x0b \x01(\x0c\x12(\n\x06status\x18\x0c \x01(\x0e\x32\x18.rlmesh.v1.Sample.Status\x12\x15\n\rmetadata_json\x18\r \x01(\t\x12\x19\n\x11rollout_log_probs\x18\x0e \x01(\x0c\x12\x17\n\x0fweight_versions\x18\x0f \x03(\x03\x12\x35\n\x11multimodal_inputs\x18\x10 \x03(\x0b\x32\x1a.rlmesh.v1.MultimodalInput\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"d\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\r\n\tCOMPLETED\x10\x02\x12\r\n\tTRUNCATED\x10\x03\x12\x0b\n\x07\x41\x42ORTED\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\"i\n\x0bSampleGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x13\n\x0bgroup_index\x18\x02 \x01(\x03\x12\"\n\x07samples\x18\x03 \x03(\x0b\x32\x11.rlmesh.v1.Sample\x12\x0f\n\x07\x64\x61taset\x18\x04 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/sample.proto\x12\trlmesh.v1\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.rlmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"M\n\x0fMultimodalInput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tmime_type\x18\x04 \x01(\t\"\xe2\x04\n\x06Sample\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x13\n\x0bgroup_index\x18\x02 \x01(\x03\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.rlmesh.v1.ChatMessage\x12\x0e\n\x06tokens\x18\x05 \x01(\x0c\x12\x10\n\x08response\x18\x06 \x01(\t\x12\x17\n\x0fresponse_length\x18\x07 \x01(\x05\x12\r\n\x05label\x18\x08 \x01(\t\x12\x0e\n\x06reward\x18\t \x01(\x01\x12\x42\n\x11reward_components\x18\n \x03(\x0b\x32\'.rlmesh.v1.Sample.RewardComponentsEntry\x12\x11\n\tloss_mask\x18\x0b \x01(\x0c\x12(\n\x06status\x18\x0c \x01(\x0e\x32\x18.rlmesh.v1.Sample.Status\x12\x15\n\rmetadata_json\x18\r \x01(\t\x12\x19\n\x11rollout_log_probs\x18\x0e \x01(\x0c\x12\x17\n\x0fweight_versions\x18\x0f \x03(\x03\x12\x35\n\x11multimodal_inputs\x18\x10 \x03(\x0b\x32\x1a.rlmesh.v1.MultimodalInput\x1a\x37\n\x15RewardComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"d\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\r\n\tCOMPLETED\x10\x02\x12\r\n\tTRUNCATED\x10\x03\x12\x0b\n\x07\x41\x42ORTED\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\"i\n\x0bSampleGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x13\n\x0bgroup_index\x18\x02 \x01(\x03\x12\"\n\x07samples\x18\x03 \x03(\x0b\x32\x11.rlmesh.v1.Sample\x12\x0f\n\x07\x64\x61taset\x18\x04 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._loaded_options = None
   _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=37
-  _globals['_CHATMESSAGE']._serialized_end=81
-  _globals['_MULTIMODALINPUT']._serialized_start=83
-  _globals['_MULTIMODALINPUT']._serialized_end=160
-  _globals['_SAMPLE']._serialized_start=163
-  _globals['_SAMPLE']._serialized_end=773
-  _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_start=616
-  _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_end=671
-  _globals['_SAMPLE_STATUS']._serialized_start=673
-  _globals['_SAMPLE_STATUS']._serialized_end=773
-  _globals['_SAMPLEGROUP']._serialized_start=775
-  _globals['_SAMPLEGROUP']._serialized_end=880
+  _globals['_CHATMESSAGE']._serialized_end=158
+  _globals['_TOOLCALL']._serialized_start=160
+  _globals['_TOOLCALL']._serialized_end=220
+  _globals['_MULTIMODALINPUT']._serialized_start=222
+  _globals['_MULTIMODALINPUT']._serialized_end=299
+  _globals['_SAMPLE']._serialized_start=302
+  _globals['_SAMPLE']._serialized_end=912
+  _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_start=755
+  _globals['_SAMPLE_REWARDCOMPONENTSENTRY']._serialized_end=810
+  _globals['_SAMPLE_STATUS']._serialized_start=812
+  _globals['_SAMPLE_STATUS']._serialized_end=912
+  _globals['_SAMPLEGROUP']._serialized_start=914
+  _globals['_SAMPLEGROUP']._serialized_end=1019
 # @@protoc_insertion_point(module_scope)
