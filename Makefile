@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/rlmesh/v1/*.proto)
 
-.PHONY: demo test lint proto proto-check bench compose-check clean
+.PHONY: demo demo-agent test lint proto proto-check bench compose-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/rlmesh demo
+
+demo-agent: $(STAMP)
+	$(BIN)/rlmesh demo --task agent
 
 test: $(STAMP) proto-check lint
 	$(BIN)/python -m pytest -q

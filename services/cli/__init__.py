@@ -80,8 +80,10 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--data-dir", default=".rlmesh", help="where Redis data, logs and the tiny model live")
         p.add_argument("--redis-url", default="", help="use this Redis instead of starting an embedded one")
     u.add_argument("--model-path", default="", help="a local Hugging Face checkpoint directory (default: the tiny model)")
-    d.add_argument("--sft-steps", type=int, default=35, help="SFT warm-start steps before RL")
-    d.add_argument("--rollouts", type=int, default=80, help="RL iterations")
+    d.add_argument("--task", choices=("reverse", "agent"), default="reverse",
+                   help="reverse: reverse three letters; agent: call a tool to find a secret code (multi-turn)")
+    d.add_argument("--sft-steps", type=int, default=0, help="SFT warm-start steps before RL (default: the task's)")
+    d.add_argument("--rollouts", type=int, default=0, help="RL iterations (default: the task's)")
     d.add_argument("--coordinator-url", default="", help="use running services (default: the ones `rlmesh up` started, else start them)")
     sub.add_parser("reward", help="reward tools: `rlmesh reward check URL` runs the conformance suite against a remote reward service")
     h = sub.add_parser("health", help="exit 0 if the gRPC service at HOST:PORT reports SERVING (grpc.health.v1), else 1")

@@ -114,7 +114,16 @@ def run_demo(args) -> int:
     model_path = demo_dir / "tiny-model"
     if not (model_path / "config.json").exists():
         build_tiny_model(model_path)
-    train, held_out = write_task(datasets_dir(data_dir) / "demo")  # where the stack's buffer may read
+    if args.task == "agent":
+        from rlmesh.cli import agent_demo
+
+        # where the stack's buffer may read
+        train, held_out = agent_demo.write_task(datasets_dir(data_dir) / "demo")
+        config = agent_demo.agent_demo_config(str(model_path), train, held_out, args.sft_steps or 300,
+                                              args.rollouts or 40)
+    else:
+        train, held_out = write_task(datasets_dir(data_dir) / "demo")
+        config = demo_config(str(model_path), train, held_out, args.sft_steps or 35, args.rollouts or 80)
 
     stack = None
     url = args.coordinator_url
@@ -128,7 +137,6 @@ def run_demo(args) -> int:
             stack = start_stack(data_dir, str(model_path), redis_url=args.redis_url)
             url = stack.coordinator_url
     try:
-        config = demo_config(str(model_path), train, held_out, args.sft_steps, args.rollouts)
         with httpx.Client(base_url=url, timeout=60, headers=client_headers()) as http:
             r = http.post("/runs", json=config.model_dump(mode="json"))
             if r.status_code != 201:
@@ -150,7 +158,7 @@ def run_demo(args) -> int:
         if run["status"] != "completed":
             print(f"run {run['status']}: {run['error']}")
             return 1
-        plot = demo_dir / "reward.svg"
+        plot = demo_dir / f"reward-{args.task}.svg"
         write_plot(run["metrics"], plot)
         print(f"reward curves: {plot}; total {time.monotonic() - start:.0f} s")
         print(f"eval reward: before={_eval_reward(run['eval_before']):.2f} after={_eval_reward(run['eval_after']):.2f}")

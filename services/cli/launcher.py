@@ -23,6 +23,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rlmesh.cli import agent_demo
 from rlmesh.cli.embedded_redis import EmbeddedRedis, start_redis
 from rlmesh.common import auth
 from rlmesh.common.grpc_server import sync_channel
@@ -76,7 +77,9 @@ class Stack:
         may hold a password, and the stack's token, which the engine demands as its API key."""
         token = auth.ensure_stack_token()
         redis = {f"RLMESH_{name.upper()}_REDIS_URL": self.redis_url for name in ("buffer", "reward", "coordinator")}
-        return {**os.environ, **redis, "RLMESH_ENGINE_API_KEY": token, "RLMESH_ROLLOUT_ENGINE_API_KEY": token,
+        # The agent demo's tool, unless the operator registers tools of their own.
+        tools = {"RLMESH_ROLLOUT_TOOLS": json.dumps({agent_demo.TOOL_NAME: agent_demo.TOOL_IMPORT_PATH})}
+        return {**tools, **os.environ, **redis, "RLMESH_ENGINE_API_KEY": token, "RLMESH_ROLLOUT_ENGINE_API_KEY": token,
                 "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
     def spawn(self, name: str) -> subprocess.Popen:

@@ -101,14 +101,14 @@ def _tool_message(call: ToolCall, content: str) -> dict:
     return {"role": "tool", "content": content, "tool_call_id": call.id, "name": call.name}
 
 
-def _first_messages(sample: Sample) -> list[dict]:
-    if sample.messages:
-        return [dict(m) for m in sample.messages]
-    if sample.metadata.get("chat_template_applied"):
-        raise ValueError("this prompt was already chat-templated by the buffer (the dataset's apply_chat_template), "
-                         "so the agent loop cannot add its tools to it: leave the dataset's apply_chat_template off "
-                         "(the agent loop templates every prompt itself)")
-    return [{"role": "user", "content": sample.prompt}]
+def _first_turn(tokenizer: Any, sample: Sample, tools: list[dict]) -> tuple[list[dict], list[int]]:
+    """The conversation so far and its token ids, ending with the generation prompt."""
+    if sample.metadata.get("chat_template_applied") and not sample.messages:
+        # The buffer templated the text prompt (with the dataset's tools): its ids are used as
+        # they are; a stand-in first turn is enough to render what follows each model turn.
+        return [{"role": "user", "content": sample.prompt}], tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+    history = [dict(m) for m in sample.messages] or [{"role": "user", "content": sample.prompt}]
+    return history, tokenizer(render(tokenizer, history, tools, True), add_special_tokens=False)["input_ids"]
 
 
 async def agent_generate(ctx: GenerateContext, sample: Sample, sampling_params: dict) -> Sample:
@@ -121,8 +121,8 @@ async def agent_generate(ctx: GenerateContext, sample: Sample, sampling_params: 
 
     # An episode cut short (an abort) starts over: tools may have had effects, and the
     # conversation is rebuilt only from the start.
-    history = _first_messages(sample)
-    sample.tokens = list(tokenizer(render(tokenizer, history, tools, True), add_special_tokens=False)["input_ids"])
+    history, prompt = _first_turn(tokenizer, sample, tools)
+    sample.tokens = list(prompt)
     sample.response, sample.response_length = "", 0
     sample.loss_mask, sample.rollout_log_probs, sample.weight_versions = [], [], []
     turns: list[dict] = []

@@ -87,11 +87,13 @@ async def default_generate(ctx: GenerateContext, sample: Sample, sampling_params
 
 
 def sft_sample(tokenizer: Any, sample: Sample, apply_chat_template: bool) -> Sample:
-    """A supervised sample: the label is the response, every response token trained."""
+    """A supervised sample: the record's metadata `sft_response` (say, a whole agent
+    episode), else its label, is the response; every response token trained."""
+    target = sample.metadata.get("sft_response") or sample.label
     prompt = prompt_ids(tokenizer, sample, apply_chat_template)
-    answer = tokenizer(sample.label, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    answer = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     sample.tokens = prompt + answer
-    sample.response = sample.label
+    sample.response = target
     sample.response_length = len(answer)
     sample.loss_mask = [1] * len(answer)
     sample.rollout_log_probs = []

@@ -14,6 +14,7 @@ from rlmesh.common.sampling import sampling_to_sglang
 from rlmesh.rollout.async_rollout import AsyncRollouts, AsyncStatus
 from rlmesh.rollout.config import Settings
 from rlmesh.rollout.engine_client import EnginePool, TensorMeta, weight_group_world_size
+from rlmesh.rollout.openai_endpoint import close_shared_endpoint
 from rlmesh.rollout.rollout import EvalRequest, GenerateChoice, RewardChoice, RolloutManager, RolloutRequest
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
@@ -140,6 +141,7 @@ async def build(settings: Settings) -> Service:
 
     async def close() -> None:
         await async_rollouts.close()  # (hands their prompts back to the buffer)
+        await close_shared_endpoint()
         await pool.close()
         await manager.tools.close()
         await buffer_channel.close()

@@ -247,7 +247,7 @@ def agent_stack(redis_url, start_in_loop, engine_url, tmp_path):
 def test_a_run_trains_on_multi_turn_episodes(agent_stack, tmp_path, tiny_model_dir):
     api = agent_stack.api
     config = run_config(tmp_path, tiny_model_dir, {"name": "agent", "options": {
-        "tools": ["echo"], "tool_parser": "test_always_echo", "max_turns": 2}})
+        "tools": ["echo"], "tool_parser": "test_always_echo", "max_turns": 2, "max_response_tokens": 64}})
     # A third of the characters end a turn (see ONE_TOKEN_TURNS): most first turns end within 8.
     config["rollout"]["sampling"] = {"max_new_tokens": 8, "stop_token_ids": list(range(3, 35))}
     r = api.post("/runs", json=config)
@@ -282,3 +282,16 @@ def test_a_bad_generate_choice_is_refused_when_the_run_is_created(agent_stack, t
     r = agent_stack.api.post("/runs", json=run_config(tmp_path, tiny_model_dir, generate))
     assert r.status_code == 422 and message in r.text, r.text
     assert agent_stack.api.get("/runs").json() == []
+
+
+def test_the_agent_demo_warm_start_teaches_what_the_loop_builds(tiny_model_dir):
+    from rlmesh.cli import agent_demo
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    call = agent_demo.call_text("abc")
+    between = tool_turn_text(tokenizer, [{"role": "user", "content": "code abc="}], [], call,
+                             tokenizer.convert_tokens_to_ids(">"),
+                             [{"role": "tool", "content": agent_demo.code("abc"), "tool_call_id": "call_0"}])
+    assert agent_demo.episode_text("abc") == call + between + agent_demo.code("abc")
+    config = agent_demo.agent_demo_config(str(tiny_model_dir), tiny_model_dir / "a", tiny_model_dir / "b", 1, 1)
+    assert config.rollout.generate.name == "agent"

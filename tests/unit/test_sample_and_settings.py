@@ -28,7 +28,11 @@ from rlmesh.v1 import sample_pb2
 
 def full_sample() -> Sample:
     return Sample(
-        index=7, group_index=3, prompt="", messages=[{"role": "user", "content": "hi"}], tokens=[5, 6, 7, 8],
+        index=7, group_index=3, prompt="", tokens=[5, 6, 7, 8],
+        messages=[{"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": "", "tool_calls": [
+                      {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+                  {"role": "tool", "content": "2", "tool_call_id": "call_0", "name": "add"}],
         response="ab", response_length=2, label="ab", reward=0.5, reward_components={"exact_match": 0.5},
         loss_mask=[0, 1], status=Status.TRUNCATED, metadata={"dataset": "d", "n": 1},
         rollout_log_probs=[-0.5, -1.25], weight_versions=[3, 4],
