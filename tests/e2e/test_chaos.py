@@ -196,15 +196,21 @@ def test_a_run_survives_a_killed_process(chaos, tmp_path, tiny_model_dir, victim
 def test_a_frozen_peer_is_noticed_within_its_deadline(chaos, tmp_path, tiny_model_dir, victim):
     run_id = chaos.start_run(chaos_config(chaos.stack, tiny_model_dir))
     chaos.wait_rollout(run_id)
-    log = chaos.stack.log_file("rollout")
-    seen = len(log.read_text())
+    # Whoever calls the frozen peer next says what it waits for: the rollout service while
+    # generating or scoring, the coordinator (relaying the trainer) while weights are pushed.
+    logs = [chaos.stack.log_file(name) for name in ("rollout", "coordinator")]
+    seen = [len(log.read_text()) for log in logs]
+    what = ("the inference engines", "engines not answering") if victim == "engine" else ("reward service",)
+
+    def noticed() -> bool:
+        news = [log.read_text()[start:] for log, start in zip(logs, seen)]
+        return any("waiting" in text and any(w in text for w in what) for text in news)
+
     frozen = chaos.process(victim)
     frozen.send_signal(signal.SIGSTOP)
     try:
-        what = "the inference engines" if victim == "engine" else "reward service"
-        # Deadlines of 5 s (set for the stack): the rollout says what it waits for soon after.
-        eventually(lambda: what in log.read_text()[seen:] and "waiting" in log.read_text()[seen:],
-                   f"the rollout service noticing the frozen {victim}", timeout=60)
+        # Deadlines of 5 s (set for the stack): the caller says what it waits for soon after.
+        eventually(noticed, f"the frozen {victim} being noticed", timeout=60)
     finally:
         frozen.send_signal(signal.SIGCONT)
     try:
