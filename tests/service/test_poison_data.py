@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 
 import grpc
 import httpx
@@ -165,7 +166,8 @@ def test_a_group_whose_leases_keep_expiring_goes_to_the_dead_letter_list(buffer,
     put(stub, [group("g1"), group("g2")])
 
     first = lease(stub, num_groups=1, lease_seconds=0.001)
-    again = lease(stub, num_groups=1, lease_seconds=0.001, wait_seconds=5)  # after the first lease expired
+    time.sleep(0.1)  # the first lease has expired: g1 is due again, ahead of g2
+    again = lease(stub, num_groups=1, lease_seconds=0.001, wait_seconds=5)
     assert [b.groups[0].group_id for b in (first, again)] == ["g1", "g1"]
     # The second lease expires too: g1 has had its max_deliveries, and g2 comes next.
     after = lease(stub, num_groups=2, wait_seconds=0.2)
