@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from rlmesh.common.sample import Sample, Status
 from rlmesh.rollout.generation import FINISH_STATUS, GenerateContext, apply_engine_output
-from rlmesh.rollout.tool_parsers import ToolCall, parse_tool_calls, tool_parser_names
+from rlmesh.rollout.tool_parsers import ToolCall, ToolParserName, parse_tool_calls, tool_parser_names
 
 MAX_RESPONSE_TOKENS = 1 << 20
 
@@ -36,7 +36,7 @@ class AgentOptions(BaseModel):
     tools: list[str] | None = Field(
         None, max_length=256, description="Names of the rollout service's tools the model may call (settings "
         "tools / http_tools); default all of them. A dataset's own `tools` are shown to the model too.")
-    tool_parser: str = Field("hermes", description="How calls are read from a turn: " + ", ".join(tool_parser_names()))
+    tool_parser: ToolParserName = Field("hermes", description="How calls are read from a turn: " + ", ".join(tool_parser_names()))
     max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode.")
     max_tokens_per_turn: int = Field(0, ge=0, le=MAX_RESPONSE_TOKENS,
                                      description="Tokens one turn may generate; 0 = the run's max_new_tokens.")
@@ -46,13 +46,6 @@ class AgentOptions(BaseModel):
     tool_timeout_seconds: float = Field(10.0, gt=0, le=600, description="Longest one Python tool call may take "
                                         "(an HTTP tool has its own timeout).")
     max_tool_output_chars: int = Field(4096, ge=1, le=1 << 20, description="Longer tool outputs are cut.")
-
-    @field_validator("tool_parser")
-    @classmethod
-    def _known_parser(cls, name: str) -> str:
-        if name not in tool_parser_names():
-            raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(tool_parser_names())}")
-        return name
 
     @field_validator("tools")
     @classmethod

@@ -74,7 +74,13 @@ from rlmesh.common.plugins import load_plugin
 from rlmesh.common.sample import Sample, Status
 from rlmesh.rollout.engine_client import EngineError
 from rlmesh.rollout.generation import FINISH_STATUS, GenerateContext, apply_engine_output
-from rlmesh.rollout.tool_parsers import ToolCall, parse_tool_calls, render_tool_calls_for_template, tool_parser_names
+from rlmesh.rollout.tool_parsers import (
+    ToolCall,
+    ToolParserName,
+    parse_tool_calls,
+    render_tool_calls_for_template,
+    tool_parser_names,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +105,7 @@ class OpenAIAgentOptions(BaseModel):
 
     agent: str = Field(min_length=1, max_length=128, description="Which of the rollout service's agents "
                        "(settings.agents) runs each sample.")
-    tool_parser: str = Field("hermes", description="How tool calls are read from a chat answer when the request "
+    tool_parser: ToolParserName = Field("hermes", description="How tool calls are read from a chat answer when the request "
                              "offers tools: " + ", ".join(tool_parser_names()))
     max_calls: int = Field(16, ge=1, le=256, description="Model calls one sample's agent may make.")
     max_total_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="Tokens the model may generate over all of "
@@ -110,13 +116,6 @@ class OpenAIAgentOptions(BaseModel):
     tool_arguments_as_dict: bool = Field(
         True, description="Give the chat template the arguments of an assistant message's tool_calls as a dict "
         "(Hugging Face's convention: Qwen, Llama 3); false: as the JSON text the client sent.")
-
-    @field_validator("tool_parser")
-    @classmethod
-    def _known_parser(cls, name: str) -> str:
-        if name not in tool_parser_names():
-            raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(tool_parser_names())}")
-        return name
 
     @field_validator("agent")
     @classmethod

@@ -21,7 +21,9 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
 
 MAX_CALLS_PER_TURN = 16
 MAX_NAME_CHARS = 128
@@ -72,6 +74,16 @@ def register_tool_parser(name: str) -> Callable[[ToolParser], ToolParser]:
 def tool_parser_names() -> list[str]:
     """The names `parse_tool_calls` accepts, sorted."""
     return sorted(_PARSERS)
+
+
+def _registered_parser(name: str) -> str:
+    if name not in _PARSERS:
+        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(tool_parser_names())}")
+    return name
+
+
+# A setting or option that names a parser: checked against the registered ones.
+ToolParserName = Annotated[str, AfterValidator(_registered_parser)]
 
 
 def parse_tool_calls(parser_name: str, text: str, finish_reason: str | None = None) -> ParsedTurn:

@@ -23,6 +23,7 @@ from rlmesh.rollout.engine_client import EnginePool
 from rlmesh.rollout.generation import GenerateContext
 from rlmesh.rollout.tool_parsers import ParsedTurn, ToolCall, register_tool_parser
 from rlmesh.rollout.tools import ToolBox
+from tests.helpers.masks import mask_runs
 from tests.helpers.stack import start_local_stack, wait_for_run
 
 # ---- the operator's plug-ins for these tests (named by import path in settings) -------------
@@ -166,17 +167,6 @@ def run_episode(tiny_model_dir, engine_url, options: dict, sample: Sample, max_n
     return asyncio.run(go())
 
 
-def segments(mask: list[int]) -> list[tuple[int, int]]:
-    """(mask value, length) runs."""
-    out: list[list[int]] = []
-    for m in mask:
-        if out and out[-1][0] == m:
-            out[-1][1] += 1
-        else:
-            out.append([m, 1])
-    return [tuple(x) for x in out]
-
-
 def test_multi_turn_episode_keeps_the_engines_tokens_and_masks_tool_turns(tiny_model_dir, engine_url):
     sample = run_episode(tiny_model_dir, engine_url, {"tool_parser": "test_always_echo", "max_turns": 3,
                                                          "max_response_tokens": 200},
@@ -187,7 +177,7 @@ def test_multi_turn_episode_keeps_the_engines_tokens_and_masks_tool_turns(tiny_m
     assert sample.status == Status.TRUNCATED
     assert sample.response == turns[4]["content"]
     assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
-    runs = segments(sample.loss_mask)
+    runs = mask_runs(sample.loss_mask)
     assert [m for m, _ in runs] == [1, 0, 1, 0, 1]  # model, tool, model, tool, model
     assert all(lp == 0.0 for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if m == 0)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -32,6 +32,7 @@ from rlmesh.rollout.openai_endpoint import (
 )
 from rlmesh.rollout.rollout import GenerateChoice, RolloutManager
 from rlmesh.rollout.tool_parsers import ParsedTurn, ToolCall, register_tool_parser
+from tests.helpers.masks import mask_runs
 
 # What the agents below saw, for the tests to compare with the samples (tests run one at a time).
 SEEN: dict[str, Any] = {}
@@ -171,17 +172,6 @@ def trainer_log_probs(tiny_model_dir, s: Sample) -> list[float]:
     return [float(logp[first + j - 1, s.tokens[first + j]]) for j in range(s.response_length)]
 
 
-def runs(mask: list[int]) -> list[tuple[int, int]]:
-    """(mask value, length) runs."""
-    out: list[list[int]] = []
-    for m in mask:
-        if out and out[-1][0] == m:
-            out[-1][1] += 1
-        else:
-            out.append([m, 1])
-    return [tuple(x) for x in out]
-
-
 # ---- a conversation becomes one sample ------------------------------------------------------------
 
 
@@ -205,7 +195,7 @@ def test_a_tool_using_conversation_is_one_sample_of_the_engines_tokens(tiny_mode
                                                                  tokenize=True, add_generation_prompt=True,
                                                                  return_dict=False)
     # model turn, the tool turn the template put between, model turn
-    assert runs(sample.loss_mask) == [(1, 6), (0, len(tokenizer("\nT: 42\nA: ")["input_ids"])), (1, 6)]
+    assert mask_runs(sample.loss_mask) == [(1, 6), (0, len(tokenizer("\nT: 42\nA: ")["input_ids"])), (1, 6)]
     assert tokenizer.decode(sample.response_tokens[6:-6]) == "\nT: 42\nA: "
     generated = [t for t, m in zip(sample.response_tokens, sample.loss_mask) if m]
     assert tokenizer.decode(generated) == first.choices[0].message.content + second.choices[0].message.content
@@ -228,7 +218,7 @@ def test_a_turn_that_ends_with_tool_calls_says_so(tiny_model_dir, engine_url):
                       ONE_TOKEN_TURNS)
     first, second = SEEN["answers"]
     assert first.choices[0].finish_reason == second.choices[0].finish_reason == "tool_calls"
-    assert runs(sample.loss_mask)[0] == (1, 1) and runs(sample.loss_mask)[-1] == (1, 1)
+    assert mask_runs(sample.loss_mask)[0] == (1, 1) and mask_runs(sample.loss_mask)[-1] == (1, 1)
     assert sample.status == Status.COMPLETED
 
 
@@ -237,7 +227,7 @@ def test_completions_continue_the_same_sample(tiny_model_dir, engine_url):
     first, second = SEEN["answers"]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert sample.prompt_tokens == tokenizer("rev ab=")["input_ids"]
-    assert runs(sample.loss_mask) == [(1, 3), (0, 1), (1, 4)]  # the agent's "!" between the calls
+    assert mask_runs(sample.loss_mask) == [(1, 3), (0, 1), (1, 4)]  # the agent's "!" between the calls
     assert tokenizer.decode(sample.response_tokens) == first.choices[0].text + "!" + second.choices[0].text
     assert [lp for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if m] == pytest.approx(
         first.choices[0].logprobs.token_logprobs + second.choices[0].logprobs.token_logprobs)
