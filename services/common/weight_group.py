@@ -29,11 +29,18 @@ def init_weight_group(
     listen_fd: int | None = None,
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) the group. Rank 0 passes `listen_fd` from rendezvous_socket so
-    that its store listens on one interface only."""
+    that its store listens on one interface only.
+
+    The store is the one torch's `tcp://` rendezvous builds, which is what SGLang and the
+    RL trainers that drive it (slime, AReaL, OpenRLHF, SkyRL) use on both sides: every rank
+    checks in, and rank 0's store waits until all `world_size` ranks have. A rank that does
+    not check in leaves such a rank 0 waiting ("1/2 clients joined") until it times out.
+    So this blocks rank 0 until every engine has joined: call it concurrently with the
+    engines' /init_weights_update_group."""
     timeout = timedelta(seconds=timeout_seconds)
     store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False,
-        master_listen_fd=listen_fd,
+        master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=True,
+        multi_tenant=True, master_listen_fd=listen_fd,
     )
     prefixed = PrefixStore(group_name, store)
     # torch renamed pg_options -> backend_options; accept either.

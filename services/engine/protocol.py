@@ -60,11 +60,39 @@ def _per_prompt(name: str, value: Any, count: int) -> list[Any]:
     return [value] * count
 
 
+# Fields of SGLang's GenerateReqInput that this engine does not implement. A client that
+# sets one expects its effect (an image seen, an adapter applied, hidden states returned),
+# so it gets a 400 naming the field rather than an answer that silently ignored it.
+UNSUPPORTED_FIELDS = (
+    "input_embeds", "positional_embed_overrides", "image_data", "video_data", "audio_data",
+    "lora_path", "lora_id", "session_params", "return_hidden_states", "return_routed_experts",
+    "custom_logit_processor", "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "data_parallel_rank",
+)
+
+
+def _is_set(value: Any) -> bool:
+    """SGLang's defaults for these fields are None, False or empty (per prompt in a batch)."""
+    if isinstance(value, list) and all(v is None or v is False for v in value):
+        return False
+    return not (value is None or value is False or (isinstance(value, (str, dict, list)) and not value))
+
+
+def check_supported_fields(body: dict[str, Any]) -> None:
+    used = [name for name in UNSUPPORTED_FIELDS if _is_set(body.get(name))]
+    if used:
+        raise RequestError(
+            f"the rlmesh reference engine does not implement {', '.join(used)}: remove "
+            f"{'it' if len(used) == 1 else 'them'} from the request, or send it to an SGLang server"
+        )
+
+
 def parse_generate_body(body: Any, tokenizer: Any, vocab_size: int) -> tuple[list[GenerationRequest], bool]:
     """SGLang's /generate body -> requests in response order, and whether the answer is a
     list (a batch of prompts, or n > 1). A batch with n > 1 is prompt-major, like SGLang."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    check_supported_fields(body)
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise RequestError("provide exactly one of text or input_ids")

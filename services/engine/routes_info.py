@@ -88,6 +88,13 @@ def info_router(state: EngineState) -> APIRouter:
             "internal_states": [{"max_total_num_tokens": max_tokens, "last_gen_throughput": 0.0}],
         }
 
+    def weight_version() -> dict[str, Any]:
+        # SGLang before 0.5.21 served this; RL clients (AReaL's among them) still ask it
+        # first. Newer SGLang moved it into /model_info, which this engine serves too.
+        return {"weight_version": engine.weight_version}
+
+    for path in ("/get_weight_version", "/weight_version"):
+        router.add_api_route(path, weight_version, methods=["GET"])
     for path in ("/get_model_info", "/model_info"):
         router.add_api_route(path, model_info, methods=["GET"])
     for path in ("/get_server_info", "/server_info"):

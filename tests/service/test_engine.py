@@ -541,3 +541,49 @@ def test_bad_weight_update_is_refused_and_changes_nothing(engine_process, hf_mod
         missing = client.post("/update_weights_from_distributed", json={
             "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "wu-bad"})
         assert missing.status_code == 400 and "init_weights_update_group" in missing.json()["message"]
+
+
+def test_the_weight_group_rendezvous_is_the_one_sglang_clients_use(engine_process, hf_model):
+    """slime, AReaL, OpenRLHF and SkyRL build rank 0 with torch's `tcp://` rendezvous,
+    whose store waits until every rank has checked in: the engine must check in."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    with httpx.Client(base_url=engine_process, timeout=60, headers=client_headers()) as client:
+        port, group_name = _free_port(), "sglang-style"
+        joined = _in_background(client.post, "/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": group_name, "backend": "gloo"})
+        timeout = __import__("datetime").timedelta(seconds=30)
+        store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
+        store.set_timeout(timeout)
+        group, _ = _new_process_group_helper(world_size, rank, [], Backend("gloo"), PrefixStore(group_name, store),
+                                             group_name=group_name, timeout=timeout, backend_options=None)
+        _world.pg_group_ranks[group] = {0: 0, 1: 1}
+        r = joined.result(60)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+
+        name, tensor = _new_weights(hf_model, seed=11)[0]
+        answer = _in_background(client.post, "/update_weights_from_distributed", json={
+            "names": [name], "dtypes": ["float32"], "shapes": [list(tensor.shape)], "group_name": group_name,
+            "weight_version": "sglang-style"})
+        torch.distributed.broadcast(tensor, src=0, group=group)
+        assert answer.result(60).json()["success"] is True
+        _assert_engine_has(client, [(name, tensor)])
+        assert client.get("/get_weight_version").json() == {"weight_version": "sglang-style"}
+        assert client.post("/destroy_weights_update_group", json={"group_name": group_name}).json()["success"] is True
+        destroy_weight_group(group, group_name)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("image_data", "data:image/png;base64,AAAA"), ("lora_path", "adapter"), ("return_hidden_states", True),
+    ("return_routed_experts", True), ("custom_logit_processor", "{}"), ("session_params", {"id": "s"}),
+    ("input_embeds", [[0.0]]),
+])
+def test_request_fields_the_engine_does_not_implement_are_refused(client, field, value):
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}, field: value})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert field in message and "does not implement" in message
+    # Their SGLang defaults (unset) are fine.
+    ok = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}, field: None})
+    assert ok.status_code == 200
