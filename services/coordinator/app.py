@@ -399,12 +399,15 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+API_TASK = "rlmesh-coordinator-api"  # the task serving the API that start() runs
+
+
 async def start(settings: Settings) -> tuple[uvicorn.Server, int]:
     """Start the API in the running loop; returns the server and its bound port."""
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), lifespan="on")
     server = uvicorn.Server(config)
-    asyncio.get_running_loop().create_task(server.serve())
+    asyncio.get_running_loop().create_task(server.serve(), name=API_TASK)
     while not server.started:
         await asyncio.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
