@@ -326,7 +326,7 @@ class RunDriver:
         if status != "paused":
             return heartbeat
         log.info("run %s paused", run_id)
-        await self._stop_async_generation(run_id, cfg, heartbeat)
+        await self._stop_async_generation(run_id, cfg, heartbeat, keep_metrics=True)
         await self.store.update(run_id, held=1)
         while (status := await self.store.status(run_id)) == "paused":
             await asyncio.sleep(PAUSE_POLL_SECONDS)
@@ -679,7 +679,8 @@ class RunDriver:
             except (StopRequested, grpc.aio.AioRpcError, OutageTooLong) as e:
                 log.warning("run %s: generation heartbeat: %s", run_id, e)
 
-    async def _stop_async_generation(self, run_id: str, cfg: RunConfig | None, heartbeat: asyncio.Task | None) -> None:
+    async def _stop_async_generation(self, run_id: str, cfg: RunConfig | None, heartbeat: asyncio.Task | None,
+                                     keep_metrics: bool = False) -> None:
         """Stop the continuous generation (its unfinished prompts go back to the buffer).
         Best effort when the run is ending anyway (cfg None): a rollout service that is
         down has no loop to stop."""
@@ -696,7 +697,8 @@ class RunDriver:
             self._collect_async(run_id, reply)
         except grpc.aio.AioRpcError as e:
             log.warning("run %s: could not stop the generation loop: %s", run_id, e.details())
-        self._async_metrics.pop(run_id, None)
+        if not keep_metrics:  # (a pause keeps them for the next iteration's record)
+            self._async_metrics.pop(run_id, None)
 
 
 def _transient(e: BaseException) -> str | None:

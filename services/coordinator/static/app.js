@@ -312,9 +312,14 @@ function renderGroup(g) {
     const meta = s.metadata || {};
     if (meta.failure) response.append(el("p", "error", `failed: ${meta.failure}`));
     if (Array.isArray(meta.agent_turns) && meta.agent_turns.length) {
+      // An agent episode: the model's turns and the tools' answers (trained with loss mask 0).
+      const tools = meta.agent_turns.filter((t) => t.role === "tool").length;
       const turns = el("details", "turns");
-      turns.append(el("summary", "", `${meta.agent_turns.length} tool turns`));
-      turns.append(el("pre", "", JSON.stringify(meta.agent_turns, null, 2)));
+      turns.append(el("summary", "", `${meta.agent_turns.length} turns, ${tools} tool answers`));
+      for (const t of meta.agent_turns) {
+        const who = t.role === "tool" ? `tool${t.name ? " " + t.name : ""}` : t.role;
+        turns.append(el("pre", `turn turn-${t.role}`, `[${who}] ${t.content}`));
+      }
       response.append(turns);
     }
     tr.append(response);
