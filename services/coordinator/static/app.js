@@ -33,7 +33,7 @@ const CHARTS = [
   ["Buffer depth (groups)", ["buffer/queued_groups", "buffer/leased_groups", "buffer/partial_groups"]],
   ["Staleness (weight versions)", ["train/staleness_mean", "train/staleness_max"]],
   ["Failed, rejected and dropped",
-    ["rollout/failed_ratio", "train/failed_count", "train/rejected_groups", "rollout/groups_aborted",
+    ["rollout/failed_ratio", /^rollout\/failed\//, "train/failed_count", "train/rejected_groups", "rollout/groups_aborted",
       "rollout/groups_filtered", "buffer/dead_letter_groups", "buffer/stale_groups_dropped", /^buffer\/dropped\//]],
   ["SFT warm start: loss", ["sft/loss"], "sft_step"],
 ];
