@@ -21,13 +21,30 @@ PAGE_PREFIX = "/ui"
 _ARRAYS = ("tokens", "loss_mask", "rollout_log_probs", "multimodal_inputs")
 
 
+# The page shows text the model wrote: it runs only its own script and talks only to its
+# own origin, whatever that text holds.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+class _PageFiles(StaticFiles):
+    def file_response(self, *args, **kwargs):
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(PAGE_HEADERS)
+        return response
+
+
 def is_page_path(path: str) -> bool:
     """The page's own files (and the redirect to them): no token needed."""
     return path in ("/", PAGE_PREFIX) or path.startswith(PAGE_PREFIX + "/")
 
 
 def mount_page(app: FastAPI) -> None:
-    app.mount(PAGE_PREFIX, StaticFiles(directory=STATIC_DIR, html=True), name="page")
+    app.mount(PAGE_PREFIX, _PageFiles(directory=STATIC_DIR, html=True), name="page")
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

@@ -24,6 +24,7 @@ ARTIFACTS = Path(os.environ.get("RLMESH_TEST_ARTIFACTS", Path(__file__).parents[
 TIMEOUT_MS = 120_000
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright (the dev extra) is not installed")
+expect = playwright_api.expect
 
 
 @pytest.fixture
@@ -56,13 +57,19 @@ def test_a_person_starts_watches_pauses_resumes_and_stops_a_run(browser, redis_u
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(TIMEOUT_MS)
+    expect.set_options(timeout=TIMEOUT_MS)
+    # Script errors, and anything the page's Content-Security-Policy blocked, are bugs; a
+    # refused request (the wrong token's 401) is logged too, and is what the test asks for.
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" and "401" not in m.text else None)
     shot = lambda name: page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)  # noqa: E731
 
     # The page itself is served without the token; it asks for it, and a wrong one is refused.
     page.goto(f"http://{stack.addresses['coordinator']}/")
     page.locator("#token").fill("not-the-token")
     page.locator("#token-form button").click()
-    page.wait_for_function("document.querySelector('#login-error').textContent.includes('token')")
+    expect(page.locator("#login-error")).to_contain_text("token")
     shot("01-token-refused")
     page.locator("#token").fill(stack_token())
     page.locator("#token-form button").click()
@@ -75,7 +82,7 @@ def test_a_person_starts_watches_pauses_resumes_and_stops_a_run(browser, redis_u
     page.locator("#new-run summary").click()
     page.locator("#config-input").fill(json.dumps(config))
     page.locator("#start-run").click()
-    page.wait_for_function("document.querySelector('#run-status').textContent === 'running'")
+    expect(page.locator("#run-status")).to_have_text("running")
     run_id = page.locator("#run-id").text_content()
     assert api.get(f"/runs/{run_id}").json()["name"] == "page-demo"
 
@@ -87,7 +94,7 @@ def test_a_person_starts_watches_pauses_resumes_and_stops_a_run(browser, redis_u
 
     # Pause: the run comes to rest at a step boundary and makes no progress.
     page.locator("#pause").click()
-    page.wait_for_function("document.querySelector('#run-status').textContent === 'paused'")
+    expect(page.locator("#run-status")).to_have_text("paused")
     run = api.get(f"/runs/{run_id}").json()
     assert run["status"] == "paused" and run["held"]
     rollouts, points = run["rollout_id"], reward_points(page)
@@ -116,15 +123,16 @@ def test_a_person_starts_watches_pauses_resumes_and_stops_a_run(browser, redis_u
     # Resume: it trains again and the curve grows.
     page.locator('#tabs button[data-tab="curves"]').click()
     page.locator("#resume").click()
-    page.wait_for_function("document.querySelector('#run-status').textContent === 'running'")
+    expect(page.locator("#run-status")).to_have_text("running")
     wait_until(lambda: reward_points(page) > points + 2, what="the reward curve to grow after resuming")
     assert api.get(f"/runs/{run_id}").json()["rollout_id"] > rollouts
 
     # Stop.
     page.locator("#stop").click()
-    page.wait_for_function("document.querySelector('#run-status').textContent === 'stopped'")
+    expect(page.locator("#run-status")).to_have_text("stopped")
     run = wait_for_run(api, run_id)
     assert run["status"] == "stopped" and run["rollout_id"] < 100_000
     assert page.locator("#delete").is_enabled()
     shot("06-stopped")
+    assert errors == []
     print(f"screenshots in {ARTIFACTS}")

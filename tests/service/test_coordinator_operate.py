@@ -159,6 +159,7 @@ def test_the_page_is_served_without_the_token_and_the_api_needs_it(stack):
     assert r.status_code in (302, 307) and r.headers["location"] == "/ui/"
     page = bare.get("/ui/")
     assert page.status_code == 200 and "<title>rlmesh runs</title>" in page.text
+    assert "script-src 'self'" in page.headers["content-security-policy"]  # model output cannot run script
     for name in ("app.js", "chart.js", "style.css"):
         assert bare.get(f"/ui/{name}").status_code == 200
     assert bare.get("/runs").status_code == 401

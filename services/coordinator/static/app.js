@@ -126,7 +126,6 @@ function renderRuns() {
     tr.dataset.runId = r.id;
     if (r.id === state.selected) tr.className = "selected";
     const name = document.createElement("td");
-    name.innerHTML = "";
     name.append(document.createTextNode(r.name || "(unnamed)"), document.createElement("br"));
     const code = document.createElement("code");
     code.textContent = r.id;
