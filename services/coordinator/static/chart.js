@@ -30,6 +30,16 @@ function niceTicks(lo, hi, count) {
   return ticks;
 }
 
+// A long run has more points than a chart has pixels: draw every k-th (and the last).
+const MAX_DRAWN = 1000;
+function thin(points) {
+  if (points.length <= MAX_DRAWN) return points;
+  const stride = Math.ceil(points.length / MAX_DRAWN);
+  const kept = points.filter((_, i) => i % stride === 0);
+  if (kept[kept.length - 1] !== points[points.length - 1]) kept.push(points[points.length - 1]);
+  return kept;
+}
+
 class LineChart {
   constructor(title, width = 420, height = 220) {
     this.title = title;
@@ -96,7 +106,7 @@ class LineChart {
     let i = 0;
     for (const [name, pts] of this.series) {
       const color = COLORS[i++ % COLORS.length];
-      const sorted = [...pts].sort((a, b) => a[0] - b[0]);
+      const sorted = thin([...pts].sort((a, b) => a[0] - b[0]));
       const d = sorted.map((p, k) => `${k ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join("");
       this.svg.append(svgElement("path", { d, stroke: color, fill: "none", "stroke-width": 2 }));
       for (const p of sorted.length <= MAX_DOTS ? sorted : []) {
