@@ -35,6 +35,10 @@ class Settings(ServiceSettings):
         256, ge=0, description="In-process copy of recently written groups, so leases skip reading them back "
         "from Redis (0 = off; Redis stays the only state)."
     )
+    recent_groups: int = Field(
+        64, ge=0, le=4096, description="Newest stored groups kept per run for people to browse (GetRecentGroups, "
+        "the coordinator's GET /runs/{id}/samples and page), whatever became of them since; 0 = none kept."
+    )
     rate_window_seconds: float = Field(60.0, gt=0, description="Window of the per-second rates in the stats.")
     data_roots: list[Path] = Field(
         [Path("data")],

@@ -134,6 +134,15 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return buffer_pb2.ImportGroupsResponse(groups=stored, duplicates=duplicates)
 
 
+    async def GetRecentGroups(self, request, context) -> bytes:
+        if request.offset < 0 or request.limit < 0:
+            raise InvalidArgument(f"offset and limit must not be negative, got {request.offset} and {request.limit}")
+        at_most(request.limit, self.settings.limits.max_groups_per_call, "limit", "max_groups_per_call")
+        groups, total = await self.store.recent(request.run_id, request.offset, request.limit)
+        head = buffer_pb2.GetRecentGroupsResponse(total=total).SerializeToString()
+        return wire.repeated_messages(1, groups, head)  # GetRecentGroupsResponse.groups
+
+
 def _check_counts(groups, limits: Limits) -> None:
     """A write's counts within the operator's limits (each group's own invariants are the
     store's to check)."""
@@ -148,7 +157,7 @@ def _check_counts(groups, limits: Limits) -> None:
 
 # Requests parsed with their raw group bytes kept; responses that may arrive as bytes.
 _REQUEST_DESERIALIZERS = {"PutGroups": wire.PutGroupsWire, "ReturnPartialGroups": wire.PutGroupsWire}
-_BYTES_RESPONSES = {"GetPrompts", "GetEvalPrompts", "LeaseBatch"}
+_BYTES_RESPONSES = {"GetPrompts", "GetEvalPrompts", "LeaseBatch", "GetRecentGroups"}
 
 
 def _redis_outage_is_unavailable(handler):
@@ -191,6 +200,7 @@ def make_store(settings: Settings) -> BufferStore:
         cache_bytes=settings.cache_megabytes * 1024 * 1024,
         data_files=DataFiles.of(settings.data_roots, settings.dataset_max_files, settings.dataset_max_bytes),
         max_deliveries=settings.max_deliveries,
+        recent_groups=settings.recent_groups,
     )
 
 

@@ -24,6 +24,8 @@ Keys of a run live under `<prefix>:run:<run_id>:`:
   dead_letters    list of dead-lettered group ids (oldest first) + dead_groups hash
                   (group_id -> bytes) + dead_reasons hash (group_id -> why)
   stats           hash of counters;  rate_snapshots  zset of counter snapshots (rates)
+  recent          list of the newest stored groups' bytes (newest first), capped at
+                  recent_groups: what a person watching the run browses (GetRecentGroups)
 
 Groups stay serialized protobuf bytes from the writer to the trainer: the buffer checks
 them but never re-encodes them (see rlmesh.buffer.wire).
@@ -100,6 +102,7 @@ class BufferStore:
         cache_bytes: int = 0,
         data_files: DataFiles | None = None,
         max_deliveries: int = 5,
+        recent_groups: int = 64,
     ) -> None:
         self.redis = redis
         self.key_prefix = key_prefix
@@ -109,6 +112,7 @@ class BufferStore:
         self.cache = GroupCache(cache_bytes)
         self.data_files = data_files or DataFiles((), 1, 1)  # none: no dataset file can be read
         self.max_deliveries = max_deliveries
+        self.recent_groups = recent_groups
         self._put = redis.register_script(scripts.PUT_GROUPS)
         self._lease_fifo = redis.register_script(scripts.LEASE_FIFO)
         self._lease_chosen = redis.register_script(scripts.LEASE_CHOSEN)
@@ -298,7 +302,30 @@ class BufferStore:
         token = result[1].decode()
         for position in result[2:]:
             self.cache.put(token, groups[position].group_id, raw_groups[position])
+        await self._remember_recent(k, [raw_groups[position] for position in result[2:]])
         return result[0], len(groups) - result[0]
+
+    async def _remember_recent(self, k: RunKeys, raw_groups: list) -> None:
+        """Keep the newest stored groups for GetRecentGroups. Not atomic with the write: a
+        crash between the two loses only a view, never a group."""
+        if not self.recent_groups or not raw_groups:
+            return
+        newest = [bytes(raw) for raw in raw_groups[-self.recent_groups:]]
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.lpush(k.recent, *newest)  # LPUSH of a, b, c leaves c first: newest first
+            pipe.ltrim(k.recent, 0, self.recent_groups - 1)
+            await pipe.execute()
+
+    async def recent(self, run_id: str, offset: int, limit: int) -> tuple[list[bytes], int]:
+        """The newest stored groups' bytes (newest first), `limit` of them from `offset`,
+        and how many are kept."""
+        k = self.keys(run_id)
+        await self._spec(run_id)  # NotFound for an unknown run
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.lrange(k.recent, offset, offset + limit - 1 if limit else -1)
+            pipe.llen(k.recent)
+            groups, total = await pipe.execute()
+        return groups, total
 
     async def return_partial_groups(self, run_id: str, groups, raw_groups=None) -> int:
         if not groups:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Annotated, Literal
 
 import grpc
 import redis.asyncio as aioredis
@@ -27,6 +27,7 @@ from rlmesh.common.http_guard import guard
 from rlmesh.common.paths import RUN_ID_PATTERN
 from rlmesh.common.run_config import RunConfig, StrictModel, limit_violations
 from rlmesh.coordinator.config import Settings
+from rlmesh.coordinator.page import group_for_people, is_page_path, mount_page
 from rlmesh.coordinator.runs import (
     Clients,
     RunDriver,
@@ -35,7 +36,15 @@ from rlmesh.coordinator.runs import (
     generate_function_spec,
 )
 from rlmesh.reward import remote
-from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
+from rlmesh.v1 import (
+    buffer_pb2,
+    buffer_pb2_grpc,
+    reward_pb2,
+    reward_pb2_grpc,
+    rollout_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
 
 # Probes and the API's own description need no token; they reveal nothing about runs.
 OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
@@ -52,7 +61,8 @@ def _errors(*statuses: int) -> dict:
     meaning = {
         400: "The body is not JSON, or a service refused the request's values.",
         404: "No such run or reward service.",
-        409: "Conflicts with the current state (e.g. another run is active, or the run is not finished).",
+        409: "Conflicts with the current state (e.g. another run is active, the run is not finished, or it "
+             "has finished and cannot be paused or resumed).",
         413: "The request body is larger than max_request_bytes.",
         429: "A service is out of capacity; retry later.",
         501: "A service does not implement this.",
@@ -90,6 +100,8 @@ class RunSummary(BaseModel):
     error: str
     waiting_for: str = Field("", description="While the run rides out a service outage: the service it waits "
                              "for and its last error (its calls are retried until max_outage_seconds); else empty.")
+    held: bool = Field(False, description="A paused run has come to rest at a step boundary (nothing of it is "
+                       "in flight); false while it finishes the step it was in when paused.")
 
 
 class RunDetail(RunSummary):
@@ -98,6 +110,42 @@ class RunDetail(RunSummary):
     eval_after: dict
     latest_metrics: dict
     metrics: list[dict]
+
+
+class MetricRecords(BaseModel):
+    records: list[dict] = Field(description="Metric records from position `since`, oldest first (one per "
+                                "iteration, evaluation or SFT step), each with only the asked-for fields.")
+    next: int = Field(description="The `since` of the next call: it returns only records written after these.")
+    total: int = Field(description="Records the run has.")
+
+
+class RecentGroups(BaseModel):
+    groups: list[dict] = Field(description="The newest stored groups, newest first: prompt, responses, rewards "
+                               "and components, status, weight versions, metadata (an agent sample's tool turns "
+                               "are in metadata.agent_turns); no per-token arrays.")
+    offset: int
+    total: int = Field(description="Groups kept (the buffer keeps the newest recent_groups of a run).")
+
+
+class CheckpointInfo(BaseModel):
+    step: int
+    path: str = Field(description="On the trainer's machine, under its work_dir.")
+    automatic: bool = Field(description="Written every checkpoint_interval steps (pruned to keep_last); else saved "
+                            "on request.")
+    weight_version: int
+    written_at: float = Field(description="Unix seconds.")
+
+
+MetricField = Annotated[str, Field(min_length=1, max_length=200)]
+# Fields every filtered metric record keeps, so that a curve knows where a point lies.
+METRIC_KEYS = ("rollout_id", "sft_step", "step", "time")
+
+
+def _pick(record: dict, fields: list[str]) -> dict | None:
+    """The record's asked-for fields ('name', or 'prefix*'), plus METRIC_KEYS; None without any."""
+    picked = {k: v for k, v in record.items() if any(k == f or (f.endswith("*") and k.startswith(f[:-1]))
+                                                     for f in fields)}
+    return {**{k: record[k] for k in METRIC_KEYS if k in record}, **picked} if picked else None
 
 
 class RewardServiceSpec(StrictModel):
@@ -187,7 +235,7 @@ def create_app(settings: Settings) -> FastAPI:
     token = auth.required_token()
     if token:
         auth.add_http_token_check(
-            app, token, lambda path: path in OPEN_PATHS,
+            app, token, lambda path: path in OPEN_PATHS or is_page_path(path),
             lambda why: {"detail": f"this API needs the stack's token and the request carried {why}: send "
                                    f"'Authorization: Bearer <token>' ({auth.TOKEN_ENV} of the stack)"})
 
@@ -238,6 +286,68 @@ def create_app(settings: Settings) -> FastAPI:
         """Ask a run to stop at its next step; a finished run answers its final status."""
         return RunCreated(id=run_id, status=await request.app.state.driver.stop(run_id))
 
+    @app.post("/runs/{run_id}/pause", response_model=RunCreated, responses=_errors(404, 409))
+    async def pause_run(request: Request, run_id: str = RUN_ID):
+        """Hold a pending or running run at its next step boundary: the step in flight finishes (its
+        groups are trained, its weights pushed), then generation and training wait (fully_async: the
+        continuous generation stops and hands its unfinished prompts back to the buffer). `held` in
+        GET /runs/{id} turns true once it rests. Survives a coordinator restart. Pausing a paused run
+        is a no-op; 409 for a stopping or finished run."""
+        return RunCreated(id=run_id, status=await request.app.state.driver.pause(run_id))
+
+    @app.post("/runs/{run_id}/resume", response_model=RunCreated, responses=_errors(404, 409))
+    async def resume_run(request: Request, run_id: str = RUN_ID):
+        """Let a paused run carry on from where it rests; a no-op for a pending or running run,
+        409 for a stopping or finished one."""
+        return RunCreated(id=run_id, status=await request.app.state.driver.resume(run_id))
+
+    @app.get("/runs/{run_id}/metrics", response_model=MetricRecords, responses=_errors(404))
+    async def run_metrics(request: Request, run_id: str = RUN_ID,
+                          since: int = Query(0, ge=0, le=10**12, description="Position of the first record to "
+                                             "return: 0, or the `next` of the previous call (to poll for new ones)."),
+                          limit: int = Query(1000, ge=1, le=10_000, description="Records to return at most."),
+                          fields: list[MetricField] = Query([], max_length=100, description="Only these fields "
+                                                            "(repeat the parameter; 'train/*' = every field with "
+                                                            "that prefix); rollout_id, sft_step, step and time "
+                                                            "always come along. Records with none are left out. "
+                                                            "Empty = every field.")):
+        """A run's metric records from a cursor, optionally only some fields: what a curve polls."""
+        store: RunStore = request.app.state.store
+        await store.get(run_id)  # 404 for an unknown run
+        records, total = await store.metrics_since(run_id, since, limit)
+        next_since = min(since, total) + len(records)  # (a cursor past the end answers the end)
+        if fields:
+            records = [r for r in (_pick(rec, fields) for rec in records) if r is not None]
+        return MetricRecords(records=records, next=next_since, total=total)
+
+    @app.get("/runs/{run_id}/samples", response_model=RecentGroups, responses=_errors(*RELAYED))
+    async def run_samples(request: Request, run_id: str = RUN_ID,
+                          offset: int = Query(0, ge=0, le=4096, description="Groups to skip, newest first."),
+                          limit: int = Query(20, ge=1, le=100, description="Groups to return at most.")):
+        """The run's newest generated groups (kept by the buffer whatever became of them since),
+        paged newest first. Empty before the run's first group, and after the buffer lost its data."""
+        await request.app.state.store.get(run_id)  # 404 for an unknown run
+        try:
+            reply = await request.app.state.driver.clients.buffer.GetRecentGroups(
+                buffer_pb2.GetRecentGroupsRequest(run_id=run_id, offset=offset, limit=limit),
+                timeout=settings.call_deadline_seconds)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:  # the buffer has not set the run up (yet)
+                raise
+            return RecentGroups(groups=[], offset=offset, total=0)
+        return RecentGroups(groups=[group_for_people(g) for g in reply.groups], offset=offset, total=reply.total)
+
+    @app.get("/runs/{run_id}/checkpoints", response_model=list[CheckpointInfo], responses=_errors(*RELAYED))
+    async def run_checkpoints(request: Request, run_id: str = RUN_ID):
+        """The run's complete checkpoints in its checkpoint_dir on the trainer, oldest first (they stay
+        on disk after the run ends and after DELETE)."""
+        rec = await request.app.state.store.get(run_id)
+        reply = await request.app.state.driver.clients.trainer.ListCheckpoints(
+            trainer_pb2.ListCheckpointsRequest(run_id=run_id, checkpoint_dir=rec["config"].get("checkpoint_dir", "")),
+            timeout=settings.call_deadline_seconds)
+        return [CheckpointInfo(step=c.step, path=c.path, automatic=c.automatic, weight_version=c.weight_version,
+                               written_at=c.written_at) for c in reply.checkpoints]
+
     @app.delete("/runs/{run_id}", response_model=RunDeleted, responses=_errors(*RELAYED))
     async def delete_run(request: Request, run_id: str = RUN_ID):
         """Forget a finished run: its record, metrics and buffer data; checkpoints stay on disk.
@@ -284,7 +394,12 @@ def create_app(settings: Settings) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    mount_page(app)
+
     return app
+
+
+API_TASK = "rlmesh-coordinator-api"  # the task serving the API that start() runs
 
 
 async def start(settings: Settings) -> tuple[uvicorn.Server, int]:
@@ -292,7 +407,7 @@ async def start(settings: Settings) -> tuple[uvicorn.Server, int]:
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), lifespan="on")
     server = uvicorn.Server(config)
-    asyncio.get_running_loop().create_task(server.serve())
+    asyncio.get_running_loop().create_task(server.serve(), name=API_TASK)
     while not server.started:
         await asyncio.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]

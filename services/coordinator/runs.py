@@ -41,10 +41,12 @@ from rlmesh.v1 import (
 
 log = logging.getLogger(__name__)
 
-ACTIVE = ("pending", "running", "stopping")
+ACTIVE = ("pending", "running", "paused", "stopping")
 # one_step_off: how often to look whether the train step has leased its batch.
 LEASE_POLL_SECONDS = 0.05
 FINAL = ("completed", "stopped", "failed")
+# How often a paused run's loop looks whether it was resumed or stopped.
+PAUSE_POLL_SECONDS = 0.2
 
 
 # Compare-and-delete: release the active-run claim only if this run holds it.
@@ -58,6 +60,20 @@ if not status then return false end
 for i = 1, #ARGV - 1 do if status == ARGV[i] then return status end end
 redis.call('HSET', KEYS[1], 'status', 'stopping', 'updated_at', ARGV[#ARGV])
 return 'stopping'
+"""
+
+# Set status ARGV[#ARGV - 1] if the status is one of ARGV[1 .. #ARGV - 2]; returns the status
+# the run now has (false: no such run).
+_TRANSITION = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+for i = 1, #ARGV - 2 do
+  if status == ARGV[i] then
+    redis.call('HSET', KEYS[1], 'status', ARGV[#ARGV - 1], 'updated_at', ARGV[#ARGV])
+    return ARGV[#ARGV - 1]
+  end
+end
+return status
 """
 
 
@@ -82,7 +98,7 @@ class RunStore:
         await self.redis.hset(self._key(run_id), mapping={
             "id": run_id, "name": config.name, "config": config.model_dump_json(), "status": "pending",
             "phase": "setup", "rollout_id": 0, "weight_version": 0, "created_at": now, "updated_at": now,
-            "error": "", "waiting_for": "", "eval_before": "{}", "eval_after": "{}",
+            "error": "", "waiting_for": "", "eval_before": "{}", "eval_after": "{}", "held": 0,
         })
         try:
             await self._claim(run_id)
@@ -105,6 +121,14 @@ class RunStore:
 
     async def mark_stopping(self, run_id: str) -> str:
         status = await self.redis.eval(_MARK_STOPPING, 1, self._key(run_id), *FINAL, time.time())
+        if not status:
+            raise NotFound(f"unknown run {run_id!r}")
+        return status.decode()
+
+    async def transition(self, run_id: str, from_statuses: tuple[str, ...], to: str) -> str:
+        """Atomically set status `to` if the run's status is one of `from_statuses`; returns
+        the status it has now (NotFound for an unknown run)."""
+        status = await self.redis.eval(_TRANSITION, 1, self._key(run_id), *from_statuses, to, time.time())
         if not status:
             raise NotFound(f"unknown run {run_id!r}")
         return status.decode()
@@ -138,6 +162,7 @@ class RunStore:
         rec = {k.decode(): v.decode() for k, v in raw.items()}
         for k in ("rollout_id", "weight_version"):
             rec[k] = int(rec[k])
+        rec["held"] = rec.get("held", "0") == "1"  # (records written before pausing existed lack it)
         for k in ("created_at", "updated_at"):
             rec[k] = float(rec[k])
         for k in ("config", "eval_before", "eval_after"):
@@ -156,6 +181,16 @@ class RunStore:
 
     async def append_metrics(self, run_id: str, record: dict) -> None:
         await self.redis.rpush(self._key(run_id) + ":metrics", json.dumps(record))
+
+    async def metrics_since(self, run_id: str, since: int, limit: int) -> tuple[list[dict], int]:
+        """Up to `limit` metric records from position `since` (0 = the first ever written),
+        and how many records the run has: the next call's `since` is since + len(records)."""
+        key = self._key(run_id) + ":metrics"
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.lrange(key, since, since + limit - 1)
+            pipe.llen(key)
+            raw, total = await pipe.execute()
+        return [json.loads(r) for r in raw], total
 
     async def metrics(self, run_id: str, last: int | None = None) -> list[dict]:
         """The run's metric records, oldest first; only the newest `last` when given."""
@@ -247,6 +282,22 @@ class RunDriver:
                 await self.store.reclaim(rec["id"])
                 self.start(rec["id"])
 
+    async def pause(self, run_id: str) -> str:
+        """Ask a pending or running run to hold at its next step boundary (what is in flight
+        finishes first); idempotent. FailedPrecondition (409) for a stopping or finished run."""
+        status = await self.store.transition(run_id, ("pending", "running"), "paused")
+        if status != "paused":
+            raise FailedPrecondition(f"run {run_id} is {status}; only a pending or running run can be paused")
+        return status
+
+    async def resume(self, run_id: str) -> str:
+        """Let a paused run carry on; idempotent for a pending or running run.
+        FailedPrecondition (409) for a stopping or finished run."""
+        status = await self.store.transition(run_id, ("paused",), "running")
+        if status not in ("pending", "running"):
+            raise FailedPrecondition(f"run {run_id} is {status}; only a paused run can be resumed")
+        return status
+
     async def stop(self, run_id: str) -> str:
         """Ask an active run to stop; a finished one answers its final status (atomically: a
         run that finishes at this moment is not left 'stopping' forever)."""
@@ -263,6 +314,30 @@ class RunDriver:
         if await self.store.status(run_id) == "stopping":
             raise StopRequested
 
+    async def _step_boundary(self, run_id: str, cfg: RunConfig, heartbeat: asyncio.Task | None) -> asyncio.Task | None:
+        """Between steps, where nothing of the run is in flight: stop when asked; while paused,
+        hold here (held=1 tells the API the run has come to rest). In fully_async the
+        continuous generation is stopped first: its unfinished prompts go back to the buffer
+        and its finished groups stay queued, so nothing is lost; it restarts on resume.
+        Returns the heartbeat task to keep (a new one after a resume)."""
+        status = await self.store.status(run_id)
+        if status == "stopping":
+            raise StopRequested
+        if status != "paused":
+            return heartbeat
+        log.info("run %s paused", run_id)
+        await self._stop_async_generation(run_id, cfg, heartbeat, keep_metrics=True)
+        await self.store.update(run_id, held=1)
+        while (status := await self.store.status(run_id)) == "paused":
+            await asyncio.sleep(PAUSE_POLL_SECONDS)
+        await self.store.update(run_id, held=0)
+        if status == "stopping":
+            raise StopRequested
+        log.info("run %s resumed", run_id)
+        if heartbeat is None:
+            return None
+        return asyncio.create_task(self._async_heartbeat(run_id, cfg), name=f"heartbeat-{run_id}")
+
     async def _drive(self, run_id: str) -> None:
         heartbeat: asyncio.Task | None = None
         try:
@@ -270,7 +345,7 @@ class RunDriver:
             cfg = RunConfig.model_validate(rec["config"])
             if rec["status"] == "stopping":  # stopped while the coordinator was down
                 raise StopRequested
-            await self.store.update(run_id, status="running")
+            await self.store.transition(run_id, ("pending",), "running")  # (a paused run stays paused)
             await self._setup(run_id, cfg)
             if rec["phase"] in ("setup", "sft"):  # (a restart mid-warm-start redoes it)
                 await self._sft_warmup(run_id, cfg)
@@ -285,8 +360,11 @@ class RunDriver:
             next_generation: asyncio.Task | None = None
             try:
                 for rollout_id in range(rec["rollout_id"], cfg.num_rollouts):
-                    await self._check_stop(run_id)
+                    heartbeat = await self._step_boundary(run_id, cfg, heartbeat)
                     record, next_generation = await iteration(run_id, cfg, rollout_id, next_generation)
+                    record.update(await self._buffer_metrics(run_id, cfg))
+                    if record.get("iteration/seconds"):
+                        record["iteration/samples_per_second"] = record.get("train/samples", 0.0) / record["iteration/seconds"]
                     if cfg.eval.interval and (rollout_id + 1) % cfg.eval.interval == 0 and rollout_id + 1 < cfg.num_rollouts:
                         record.update(await self._evaluate(run_id, cfg))
                     await self.store.append_metrics(run_id, record)
@@ -449,7 +527,7 @@ class RunDriver:
         await self.store.update(run_id, phase="sft")
         batch = cfg.sft_warmup.batch_groups
         for step in range(cfg.sft_warmup.steps):
-            await self._check_stop(run_id)
+            await self._step_boundary(run_id, cfg, None)
             await self._generate(run_id, cfg, batch, lambda missing: rollout_pb2.GenerateRolloutRequest(
                 run_id=run_id, num_groups=missing, mode="sft", apply_chat_template=cfg.rollout.apply_chat_template))
             r = await self._train_step(run_id, cfg, trainer_pb2.TrainStepRequest(
@@ -473,6 +551,15 @@ class RunDriver:
     async def _stats(self, run_id: str, cfg: RunConfig) -> buffer_pb2.BufferStats:
         return await self._patiently(run_id, cfg, self._service("buffer"), lambda: self.clients.buffer.GetStats(
             buffer_pb2.GetStatsRequest(run_id=run_id), timeout=self.settings.call_deadline_seconds))
+
+    async def _buffer_metrics(self, run_id: str, cfg: RunConfig) -> dict[str, float]:
+        """The buffer's depth and what became of groups, for the iteration's record."""
+        s = await self._stats(run_id, cfg)
+        out = {f"buffer/{name}": float(getattr(s, name)) for name in (
+            "queued_groups", "leased_groups", "partial_groups", "dead_letter_groups", "stale_groups_dropped",
+            "stale_groups_kept", "redelivered_groups", "groups_written_per_second")}
+        out.update({f"buffer/dropped/{reason}": float(n) for reason, n in s.dropped_by_reason.items()})
+        return out
 
     async def _missing_groups(self, run_id: str, cfg: RunConfig, batch: int) -> int:
         """Groups to generate for a batch: an interrupted iteration (a coordinator restart, a
@@ -592,7 +679,8 @@ class RunDriver:
             except (StopRequested, grpc.aio.AioRpcError, OutageTooLong) as e:
                 log.warning("run %s: generation heartbeat: %s", run_id, e)
 
-    async def _stop_async_generation(self, run_id: str, cfg: RunConfig | None, heartbeat: asyncio.Task | None) -> None:
+    async def _stop_async_generation(self, run_id: str, cfg: RunConfig | None, heartbeat: asyncio.Task | None,
+                                     keep_metrics: bool = False) -> None:
         """Stop the continuous generation (its unfinished prompts go back to the buffer).
         Best effort when the run is ending anyway (cfg None): a rollout service that is
         down has no loop to stop."""
@@ -609,7 +697,8 @@ class RunDriver:
             self._collect_async(run_id, reply)
         except grpc.aio.AioRpcError as e:
             log.warning("run %s: could not stop the generation loop: %s", run_id, e.details())
-        self._async_metrics.pop(run_id, None)
+        if not keep_metrics:  # (a pause keeps them for the next iteration's record)
+            self._async_metrics.pop(run_id, None)
 
 
 def _transient(e: BaseException) -> str | None:

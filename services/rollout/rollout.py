@@ -109,13 +109,26 @@ def rollout_metrics(groups: list[SampleGroup], prefix: str) -> dict[str, float]:
     if not samples:
         return {}
     scored = [s.reward for s in samples if s.status != Status.FAILED]
-    return {
+    out = {
         f"{prefix}reward_mean": statistics.fmean(scored) if scored else 0.0,
         f"{prefix}response_length_mean": statistics.fmean(s.response_length for s in samples),
         f"{prefix}truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
         f"{prefix}failed_ratio": sum(s.status == Status.FAILED for s in samples) / len(samples),
         f"{prefix}samples": float(len(samples)),
     }
+    for s in samples:  # failed samples counted by what failed (a few fixed names: the keys stay bounded)
+        if s.status == Status.FAILED:
+            key = f"{prefix}failed/{_failure_kind(s)}"
+            out[key] = out.get(key, 0.0) + 1.0
+    return out
+
+
+def _failure_kind(sample: Sample) -> str:
+    """'generation' (the engine, a generate function or its time limit: metadata['failure']),
+    'reward' (scoring: metadata['reward_error']) or 'other'."""
+    if "failure" in sample.metadata:
+        return "generation"
+    return "reward" if "reward_error" in sample.metadata else "other"
 
 
 class RolloutManager:

@@ -53,6 +53,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def EndRun(self, request, context):
         return _status(await self.trainer.end_run(request.run_id))
 
+    async def ListCheckpoints(self, request, context):
+        found = await self.trainer.list_checkpoints(request.run_id, request.checkpoint_dir)
+        return trainer_pb2.ListCheckpointsResponse(checkpoints=[trainer_pb2.Checkpoint(
+            step=c.step, path=str(c.path), automatic=c.automatic, weight_version=c.weight_version,
+            written_at=c.written_at) for c in found])
+
 
 def binding(trainer: Trainer) -> ServiceBinding:
     return ServiceBinding(TrainerServicer(trainer), trainer_pb2_grpc.add_TrainerServicer_to_server, SERVICE_NAME)

@@ -461,9 +461,17 @@ class Trainer:
         return resolve_under(path, self._roots, what, "the trainer's work_dir")
 
     def _checkpoint_dir(self, run_id: str, config: TrainerRunConfig) -> Path:
-        if config.checkpoint_dir:
-            return self._under_work_dir(config.checkpoint_dir, "checkpoint_dir")
-        return self._under_work_dir(self._roots[0] / run_id / "checkpoints", "checkpoint_dir")
+        return self._checkpoints_at(run_id, config.checkpoint_dir)
+
+    def _checkpoints_at(self, run_id: str, checkpoint_dir: str) -> Path:
+        if checkpoint_dir:
+            return self._under_work_dir(checkpoint_dir, "checkpoint_dir")
+        return self._under_work_dir(self._roots[0] / validate_run_id(run_id) / "checkpoints", "checkpoint_dir")
+
+    async def list_checkpoints(self, run_id: str, checkpoint_dir: str = "") -> list[CheckpointInfo]:
+        """The complete checkpoints of `run_id` in its checkpoint directory (the run config's
+        checkpoint_dir, "" = the default), oldest step first; the run need not be set up here."""
+        return await asyncio.to_thread(list_checkpoints, self._checkpoints_at(run_id, checkpoint_dir), run_id)
 
     def _check_resume(self, config: TrainerRunConfig) -> None:
         """A model_path that is one of our checkpoints resumes it (optimizer state, step):
@@ -488,6 +496,29 @@ def _checkpoint_state(path: Path, run_id: str) -> dict | None:
         return None
     state = json.loads((path / STATE_FILE).read_text())
     return state if state.get("run_id") == run_id else None
+
+
+@dataclass
+class CheckpointInfo:
+    step: int
+    path: Path
+    automatic: bool  # written at checkpoint_interval (pruned to keep_last); else SaveCheckpoint's
+    weight_version: int
+    written_at: float  # unix seconds: when the checkpoint was marked complete
+
+
+def list_checkpoints(directory: Path, run_id: str) -> list[CheckpointInfo]:
+    """The complete checkpoints of `run_id` in `directory` (saves in progress are not listed),
+    oldest step first."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        if CHECKPOINT.fullmatch(entry.name) and (state := _checkpoint_state(entry, run_id)) is not None:
+            found.append(CheckpointInfo(
+                step=int(state.get("step", 0)), path=entry, automatic=bool(AUTO_CHECKPOINT.fullmatch(entry.name)),
+                weight_version=int(state.get("weight_version", 0)), written_at=(entry / COMPLETE_FILE).stat().st_mtime))
+    return sorted(found, key=lambda c: (c.step, c.path.name))
 
 
 def newest_checkpoint(directory: Path, run_id: str) -> Path | None:

@@ -102,7 +102,7 @@ def test_the_run_goes_on_when_the_service_dies(stack, tmp_path, tiny_model_dir, 
     assert run["status"] == "completed", run["error"]
     rollouts = [m for m in run["metrics"] if "rollout/failed_ratio" in m]
     assert len(rollouts) == 8 and rollouts[0]["rollout/failed_ratio"] == 0.0
-    assert rollouts[-1]["rollout/failed_ratio"] == 1.0
+    assert rollouts[-1]["rollout/failed_ratio"] == 1.0 and rollouts[-1]["rollout/failed/reward"] == 6.0
     assert rollouts[-1]["train/failed_count"] == 6.0  # never scored 0 silently: left out of training
 
     stats = judge_stats(reward)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -29,14 +29,15 @@ FINAL = ("completed", "failed", "stopped")
 class LocalStack:
     api: httpx.Client           # the coordinator's REST API
     addresses: dict[str, str]   # service name -> host:port
+    servers: dict[str, object] = field(default_factory=dict)  # service name -> its server
 
 
 def start_local_stack(start_in_loop, redis_url: str, engine_url: str, work_dir: Path, rollout_settings: dict | None = None,
                       **reward_settings) -> LocalStack:
-    addr = {}
+    addr, servers = {}, {}
 
     def up(name: str, start, settings) -> None:
-        _, port = start_in_loop(lambda: start(settings))
+        servers[name], port = start_in_loop(lambda: start(settings))
         addr[name] = f"127.0.0.1:{port}"
 
     up("buffer", start_buffer, BufferSettings(redis_url=redis_url, port=0))
@@ -52,7 +53,7 @@ def start_local_stack(start_in_loop, redis_url: str, engine_url: str, work_dir: 
         port=0, redis_url=redis_url, buffer_address=addr["buffer"], rollout_address=addr["rollout"],
         reward_address=addr["reward"], trainer_address=addr["trainer"]))
     api = httpx.Client(base_url=f"http://{addr['coordinator']}", timeout=30, headers=client_headers())
-    return LocalStack(api, addr)
+    return LocalStack(api, addr, servers)
 
 
 def wait_for_run(api: httpx.Client, run_id: str, done: Callable[[dict], bool] = lambda run: run["status"] in FINAL,

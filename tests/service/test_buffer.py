@@ -408,3 +408,36 @@ def test_run_ids_and_dataset_names_cannot_reach_other_keys(buffer, dataset):
     code, details = code_of(lambda: stub.CreateRun(buffer_pb2.CreateRunRequest(
         run_id="r1", n_samples_per_prompt=1, datasets=[buffer_pb2.DatasetSpec(name="__groups__", path=str(dataset))])))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "dataset name" in details
+
+
+def test_recent_groups_are_kept_capped_whatever_became_of_them(buffer, dataset):
+    stub = buffer(recent_groups=3)
+    create(stub, dataset)
+    written = []
+    for _ in range(4):
+        written += [completed(g) for g in prompts(stub, 1)]
+        put(stub, written[-1:])
+    put(stub, written[-1:])  # a duplicate write is not a new group
+    lease = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=4))
+    stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=lease.lease_id))  # trained: still shown
+
+    def recent(offset=0, limit=0):
+        r = stub.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="r1", offset=offset, limit=limit))
+        return [g.group_id for g in r.groups], r.total
+
+    newest_first = [g.group_id for g in reversed(written)][:3]
+    assert recent() == (newest_first, 3)
+    assert recent(offset=1, limit=1) == (newest_first[1:2], 3)
+    assert recent(offset=3) == ([], 3)
+    assert code_of(lambda: stub.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="r1", limit=-1)))[0] == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stub.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="nope")))[0] == \
+        grpc.StatusCode.NOT_FOUND
+    stub.DeleteRun(buffer_pb2.DeleteRunRequest(run_id="r1"))
+    assert code_of(lambda: stub.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="r1")))[0] == \
+        grpc.StatusCode.NOT_FOUND
+
+    off = buffer(recent_groups=0)  # none kept
+    create(off, dataset, run_id="r2")
+    put(off, [completed(g) for g in prompts(off, 1, run_id="r2")], run_id="r2")
+    assert off.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="r2")).total == 0

@@ -109,6 +109,7 @@ def test_one_failing_sample_fails_alone_and_the_rollout_completes(make_stack):
     buffer, rollout = make_stack(generate_function="tests.service.test_rollout_async:fails_for_the_second_sample")
     r = rollout.GenerateRollout(request(num_groups=2))
     assert r.groups_written == 2 and r.metrics["rollout/failed_ratio"] == pytest.approx(1 / 3)
+    assert r.metrics["rollout/failed/generation"] == 2 and "rollout/failed/reward" not in r.metrics
     groups = lease_and_ack(buffer, 2)
     failed = [s for g in groups for s in g.samples if s.status == Status.FAILED]
     assert [s.index % 3 for s in failed] == [1, 1]

@@ -80,6 +80,18 @@ def test_a_checkpoint_every_interval_and_only_the_newest_of_rlmeshs_own_kept(tin
     assert (state["step"], state["run_id"], state["written_by"]) == (7, "r1", "rlmesh")
     assert {"model.safetensors", "tokenizer.json", "optimizer.pt", "rng_state.pt", COMPLETE_FILE} <= set(names(newest))
 
+    # ListCheckpoints: the run's complete checkpoints, oldest first, after the run has ended
+    # (another run's and other tools' directories are not its); only under work_dir.
+    trainer = Trainer(Settings(work_dir=tmp_path))
+    listed = asyncio.run(trainer.list_checkpoints("r1"))
+    assert [(c.step, c.path, c.automatic) for c in listed] == [
+        (3, manual, False), (6, checkpoints / "step-000006", True), (7, newest, True)]
+    assert listed[-1].written_at == (newest / COMPLETE_FILE).stat().st_mtime
+    assert asyncio.run(trainer.list_checkpoints("r1", str(checkpoints))) == listed
+    assert asyncio.run(trainer.list_checkpoints("r2")) == []
+    with pytest.raises(trainer_module.errors.InvalidArgument, match="work_dir"):
+        asyncio.run(trainer.list_checkpoints("r1", "/etc"))
+
 
 def test_a_save_cut_short_is_ignored_and_cleaned_and_an_unmarked_one_never_loaded(tiny_model_dir, tmp_path):
     checkpoints = tmp_path / "r1" / "checkpoints"

@@ -358,3 +358,21 @@ class ImportGroupsResponse(_message.Message):
     groups: int
     duplicates: int
     def __init__(self, groups: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+
+class GetRecentGroupsRequest(_message.Message):
+    __slots__ = ("run_id", "offset", "limit")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    offset: int
+    limit: int
+    def __init__(self, run_id: _Optional[str] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class GetRecentGroupsResponse(_message.Message):
+    __slots__ = ("groups", "total")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[_sample_pb2.SampleGroup]
+    total: int
+    def __init__(self, groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...

@@ -109,6 +109,11 @@ class BufferStub:
                 request_serializer=rlmesh_dot_v1_dot_buffer__pb2.ImportGroupsRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.ImportGroupsResponse.FromString,
                 _registered_method=True)
+        self.GetRecentGroups = channel.unary_unary(
+                '/rlmesh.v1.Buffer/GetRecentGroups',
+                request_serializer=rlmesh_dot_v1_dot_buffer__pb2.GetRecentGroupsRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.GetRecentGroupsResponse.FromString,
+                _registered_method=True)
 
 
 class BufferServicer:
@@ -231,6 +236,14 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRecentGroups(self, request, context):
+        """For watching a run: the newest groups PutGroups stored (newest first), kept in a capped
+        list (recent_groups setting) whatever became of them since (trained or not).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -308,6 +321,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.ImportGroups,
                     request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.ImportGroupsRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_buffer__pb2.ImportGroupsResponse.SerializeToString,
+            ),
+            'GetRecentGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRecentGroups,
+                    request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.GetRecentGroupsRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_buffer__pb2.GetRecentGroupsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -715,6 +733,33 @@ class Buffer:
             '/rlmesh.v1.Buffer/ImportGroups',
             rlmesh_dot_v1_dot_buffer__pb2.ImportGroupsRequest.SerializeToString,
             rlmesh_dot_v1_dot_buffer__pb2.ImportGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRecentGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Buffer/GetRecentGroups',
+            rlmesh_dot_v1_dot_buffer__pb2.GetRecentGroupsRequest.SerializeToString,
+            rlmesh_dot_v1_dot_buffer__pb2.GetRecentGroupsResponse.FromString,
             options,
             channel_credentials,
             insecure,

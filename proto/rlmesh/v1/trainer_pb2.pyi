@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -106,3 +106,31 @@ class TrainerStatus(_message.Message):
     model_path: str
     resumed_step: int
     def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ..., resumed_step: _Optional[int] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("run_id", "checkpoint_dir")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    checkpoint_dir: str
+    def __init__(self, run_id: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("step", "path", "automatic", "weight_version", "written_at")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_AT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    automatic: bool
+    weight_version: int
+    written_at: float
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., automatic: _Optional[bool] = ..., weight_version: _Optional[int] = ..., written_at: _Optional[float] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...

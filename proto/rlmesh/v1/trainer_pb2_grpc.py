@@ -64,6 +64,11 @@ class TrainerStub:
                 request_serializer=rlmesh_dot_v1_dot_trainer__pb2.EndRunRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
                 _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/rlmesh.v1.Trainer/ListCheckpoints',
+                request_serializer=rlmesh_dot_v1_dot_trainer__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_trainer__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -112,6 +117,14 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCheckpoints(self, request, context):
+        """The complete checkpoints of a run in its checkpoint directory, oldest first; the run
+        need not be set up on this trainer (a finished run's checkpoints stay on disk).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +157,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.EndRun,
                     request_deserializer=rlmesh_dot_v1_dot_trainer__pb2.EndRunRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=rlmesh_dot_v1_dot_trainer__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_trainer__pb2.ListCheckpointsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +326,33 @@ class Trainer:
             '/rlmesh.v1.Trainer/EndRun',
             rlmesh_dot_v1_dot_trainer__pb2.EndRunRequest.SerializeToString,
             rlmesh_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Trainer/ListCheckpoints',
+            rlmesh_dot_v1_dot_trainer__pb2.ListCheckpointsRequest.SerializeToString,
+            rlmesh_dot_v1_dot_trainer__pb2.ListCheckpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,
