@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -134,6 +136,9 @@ def run_demo(args) -> int:
             print(f"using the services `rlmesh up` started ({url})")
         else:
             print("starting rlmesh (embedded Redis, CPU reference engine, tiny model):")
+            # SIGTERM (a CI job's timeout, `kill`) must stop the stack like Ctrl-C does,
+            # not leave its services running: exit through the `finally` below.
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
             stack = start_stack(data_dir, str(model_path), redis_url=args.redis_url)
             url = stack.coordinator_url
     try:
