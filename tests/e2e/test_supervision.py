@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import redis
@@ -75,3 +76,38 @@ def test_a_killed_service_and_redis_come_back_on_their_ports(tiny_model_dir, tmp
     assert all(p.poll() is not None for p in stack.processes.values()) and stack.redis.process.poll() is not None
     assert not (stack.data_dir / "up.json").exists()
     assert rlmesh_health(f"127.0.0.1:{free_port()}") == 1
+
+
+@pytest.mark.slow
+def test_a_terminated_demo_stops_the_stack_it_started(tmp_path):
+    """`kill` (or a CI job's timeout) on `rlmesh demo` must not leave its services running."""
+    def alive(pid: int) -> bool:
+        try:
+            return (Path("/proc") / str(pid) / "stat").read_text().split(")")[-1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    def children(pid: int) -> list[int]:  # the demo's services and Redis are its direct children
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().split(")")[-1].split()[1]) == pid:
+                    found.append(int(stat.parent.name))
+            except (OSError, ValueError):
+                pass
+        return found
+
+    demo = subprocess.Popen([sys.executable, "-m", "rlmesh.cli", "demo", "--data-dir", str(tmp_path), "--rollouts", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in demo.stdout:
+            if " started: " in line:  # the stack is up and the run submitted
+                break
+        stack = children(demo.pid)
+        assert len(stack) >= len(SERVICES) + 1  # the services, Redis
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(timeout=120) != 0
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    eventually(lambda: not any(alive(pid) for pid in stack), "every process of the demo's stack stopped")
