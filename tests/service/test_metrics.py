@@ -11,6 +11,8 @@ from rlmesh.common import auth
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.net import free_port
 from rlmesh.common.sample import Sample, Status, sample_from_proto, sample_to_proto
+from rlmesh.coordinator.app import start as start_coordinator
+from rlmesh.coordinator.config import Settings as CoordinatorSettings
 from rlmesh.reward.config import Settings as RewardSettings
 from rlmesh.reward.scoring import FAILURE_CAUSES
 from rlmesh.reward.server import start as start_reward
@@ -119,3 +121,27 @@ def test_reward_failures_are_counted_by_reason(loop_thread):
     assert label_values(samples, "rlmesh_reward_sample_failures_total", "reason") <= set(FAILURE_CAUSES)
     assert value(samples, "grpc_server_handled_total", grpc_service="rlmesh.v1.Reward", grpc_method="Score",
                  grpc_code="OK") == 3
+
+
+def test_coordinator_counts_rest_requests_by_route_and_runs_by_status(start_in_loop, redis_url, silent_address):
+    _, port = start_in_loop(lambda: start_coordinator(CoordinatorSettings(
+        port=0, redis_url=redis_url, buffer_address=silent_address, rollout_address=silent_address,
+        reward_address=silent_address, trainer_address=silent_address)))
+    base = f"http://127.0.0.1:{port}"
+    with httpx.Client(base_url=base, timeout=30, headers=auth.client_headers()) as api:
+        body = {"model_path": "/models/m", "datasets": [{"name": "d", "path": "d.jsonl"}]}
+        assert api.post("/runs", json=body).status_code == 201  # it waits on the silent services: stays active
+        for run_id in ("nope1", "nope2"):
+            assert api.get(f"/runs/{run_id}").status_code == 404
+        assert api.get("/made/up/path").status_code == 404
+    assert httpx.get(f"{base}/metrics").status_code == 401  # the stack's token, as every route
+    samples = scrape(f"{base}/metrics")
+    requests = "rlmesh_coordinator_http_requests_total"
+    assert value(samples, requests, method="POST", route="/runs", status="201") == 1
+    assert value(samples, requests, method="GET", route="/runs/{run_id}", status="404") == 2  # one label for all ids
+    assert value(samples, requests, route="unmatched", status="404") == 1
+    assert value(samples, requests, route="unmatched", status="401") == 1  # refused before routing
+    assert value(samples, "rlmesh_coordinator_http_request_seconds_count", method="POST", route="/runs") == 1
+    assert value(samples, "rlmesh_coordinator_runs", status="pending") + value(
+        samples, "rlmesh_coordinator_runs", status="running") == 1
+    assert value(samples, "rlmesh_coordinator_runs", status="completed") == 0
