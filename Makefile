@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.wire
 	$(BIN)/python -m bench.buffer
 	$(BIN)/python -m bench.reward
+	$(BIN)/python -m bench.metrics
 
 compose-check:
 	MODEL_DIR=/tmp DATA_DIR=/tmp RLMESH_TOKEN=check REDIS_PASSWORD=check docker-compose -f deploy/docker-compose.yml config -q
