@@ -296,7 +296,7 @@ async def start_service(build: Builder, settings: ServiceSettings) -> tuple[grpc
     embedding); returns the server and its bound port. Its /metrics endpoint (metrics_port)
     stops when the server does."""
     _, server, port, _, metrics_server = await _start(build, settings)
-    if metrics_server is not None:
+    if metrics_server is not None:  # callers stop what they started with server.stop(grace)
         stop = server.stop
 
         async def stop_both(grace):

@@ -107,7 +107,7 @@ class _Outcome:
     failed: list[str] = field(default_factory=list)  # names of the components that failed
     causes: list[str] = field(default_factory=list)  # kinds of the failures (FAILURE_CAUSES)
 
-    def fail(self, name: str, reason: str, cause: str) -> None:
+    def fail(self, name: str, reason: str, cause: str = "raised") -> None:
         self.errors.append(reason)
         if name not in self.failed:
             self.failed.append(name)
