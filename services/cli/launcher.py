@@ -73,7 +73,7 @@ class Stack:
                         "--work-dir", str(self.data_dir / "trainer")],
             "coordinator": ["--buffer-address", a("buffer"),
                             "--rollout-address", a("rollout"), "--reward-address", a("reward"),
-                            "--trainer-address", a("trainer")],
+                            "--trainer-address", a("trainer"), "--log-dir", str(self.data_dir / "run-logs")],
         }[name]
 
     def env(self) -> dict[str, str]:
