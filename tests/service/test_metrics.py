@@ -86,7 +86,7 @@ def test_metrics_endpoint_needs_the_stacks_token(buffer):
     assert httpx.get(f"http://127.0.0.1:{port}/", headers=auth.client_headers()).status_code == 404
 
 
-def test_metrics_endpoint_is_off_by_default_and_on_loopback(buffer):
+def test_metrics_endpoint_is_off_by_default_and_on_loopback():
     from rlmesh.buffer.config import Settings
 
     settings = Settings()
