@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch: an unpinned torch would pull several GB of CUDA packages.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,logging]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.wire
 	$(BIN)/python -m bench.buffer
 	$(BIN)/python -m bench.reward
+	$(BIN)/python -m bench.metrics
 
 compose-check:
 	MODEL_DIR=/tmp DATA_DIR=/tmp RLMESH_TOKEN=check REDIS_PASSWORD=check docker-compose -f deploy/docker-compose.yml config -q

@@ -6,10 +6,10 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from rlmesh.common.plugins import PluginPath
-from rlmesh.common.settings import ServiceSettings
+from rlmesh.common.settings import GrpcServiceSettings
 
 
-class Settings(ServiceSettings):
+class Settings(GrpcServiceSettings):
     model_config = SettingsConfigDict(env_prefix="RLMESH_BUFFER_", extra="forbid")
 
     port: int = Field(50051, description="gRPC port (0 = any free port).")
@@ -29,8 +29,6 @@ class Settings(ServiceSettings):
         "rlmesh.buffer.filters:highest_reward_variance_first (see rlmesh.buffer.filters).",
     )
     filter_window: int = Field(4096, ge=1, description="How many of the oldest queued groups a buffer filter sees.")
-    metrics_port: int = Field(0, ge=0, description="Port of the Prometheus /metrics HTTP endpoint (0 = off).")
-    metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds to.")
     cache_megabytes: int = Field(
         256, ge=0, description="In-process copy of recently written groups, so leases skip reading them back "
         "from Redis (0 = off; Redis stays the only state)."

@@ -1,89 +1,95 @@
-"""Prometheus metrics of every run in the buffer's Redis, in the text exposition format
-(version 0.0.4), served over a minimal HTTP endpoint (`GET /metrics`) when the
-`metrics_port` setting is not 0. Written by hand: it is a few lines, and saves a
-dependency."""
+"""The buffer's Prometheus metrics: the depths and counters of every run in its Redis
+(`rlmesh_buffer_*`, labelled by run), read from Redis before each scrape.
+
+Runs are a bounded label: the coordinator keeps at most max_finished_runs finished runs and
+deletes their buffer data beyond that (DeleteRun), and a run's series go with it."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from rlmesh.buffer.store import BufferStore
 from rlmesh.common.errors import NotFound
+from rlmesh.common.prometheus import ServiceMetrics
 
-log = logging.getLogger(__name__)
-
-# BufferStats field -> (metric name, type, help)
-_METRICS = [
+PREFIX = "rlmesh_buffer_"
+MAX_REASONS = 16  # drop reasons exported per run
+# BufferStats field -> (metric name without prefix and without a counter's _total, type, help)
+FIELDS = [
     ("queued_groups", "queued_groups", "gauge", "Completed groups waiting for training."),
     ("queued_samples", "queued_samples", "gauge", "Samples in the queued groups."),
     ("leased_groups", "leased_groups", "gauge", "Groups leased to a trainer, not yet acknowledged."),
     ("partial_groups", "partial_groups", "gauge", "Aborted groups waiting to resume."),
-    ("epoch", "epoch", "gauge", "Epoch of the first training dataset."),
-    ("groups_written", "groups_written_total", "counter", "Completed groups stored (duplicates not counted)."),
-    ("acknowledged_groups", "acknowledged_groups_total", "counter", "Groups acknowledged by a trainer."),
-    ("dropped_groups", "dropped_groups_total", "counter", "Groups dropped (filtered out by rollout, or stale)."),
-    ("stale_groups_dropped", "stale_groups_dropped_total", "counter", "Groups dropped as older than a lease's bound."),
-    ("stale_groups_kept", "stale_groups_kept_total", "counter", "Groups delivered although older than a lease's bound."),
-    ("redelivered_groups", "redelivered_groups_total", "counter", "Groups redelivered after a batch lease expired."),
     ("dead_letter_groups", "dead_letter_groups", "gauge",
      "Groups in the dead-letter list (rejected by a trainer, or delivered max_deliveries times); never delivered."),
-    ("prompts_handed_out", "prompts_handed_out_total", "counter", "Prompt groups handed to rollout workers."),
-    ("prompts_reissued", "prompts_reissued_total", "counter", "Prompts handed out again after their lease expired."),
-    ("partial_groups_returned", "partial_groups_returned_total", "counter", "Aborted groups handed back to resume."),
-    ("prompts_skipped", "prompts_skipped_total", "counter", "Dataset records skipped as longer than max_prompt_length."),
+    ("epoch", "epoch", "gauge", "Epoch of the first training dataset."),
+    ("groups_written", "groups_written", "counter", "Completed groups stored (duplicates not counted)."),
+    ("acknowledged_groups", "acknowledged_groups", "counter", "Groups acknowledged by a trainer."),
+    ("dropped_groups", "dropped_groups", "counter", "Groups dropped (filtered out by rollout, or stale)."),
+    ("stale_groups_dropped", "stale_groups_dropped", "counter", "Groups dropped as older than a lease's bound."),
+    ("stale_groups_kept", "stale_groups_kept", "counter", "Groups delivered although older than a lease's bound."),
+    ("redelivered_groups", "redelivered_groups", "counter", "Groups redelivered after a batch lease expired."),
+    ("prompts_handed_out", "prompts_handed_out", "counter", "Prompt groups handed to rollout workers."),
+    ("prompts_reissued", "prompts_reissued", "counter", "Prompts handed out again after their lease expired."),
+    ("partial_groups_returned", "partial_groups_returned", "counter", "Aborted groups handed back to resume."),
+    ("prompts_skipped", "prompts_skipped", "counter", "Dataset records skipped as longer than max_prompt_length."),
     ("groups_written_per_second", "groups_written_per_second", "gauge", "Groups written per second (rate window)."),
     ("groups_acknowledged_per_second", "groups_acknowledged_per_second", "gauge",
      "Groups acknowledged per second (rate window)."),
     ("prompts_handed_out_per_second", "prompts_handed_out_per_second", "gauge",
      "Prompt groups handed out per second (rate window)."),
 ]
-PREFIX = "rlmesh_buffer_"
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+class BufferCollector(Collector):
+    """Yields the stats read by the last refresh (one Redis read per run and scrape)."""
+
+    def __init__(self, store: BufferStore) -> None:
+        self.store = store
+        self.stats: dict[str, dict] = {}
+
+    async def refresh(self) -> None:
+        stats = {}
+        for run in await self.store.list_runs():
+            try:
+                stats[run] = await self.store.stats(run)
+            except NotFound:  # deleted meanwhile
+                continue
+        self.stats = stats
+
+    def describe(self):
+        return []  # the families depend on the runs present
+
+    def collect(self):
+        stats = self.stats
+        for field, name, kind, help_text in FIELDS:
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                PREFIX + name, help_text, labels=["run"])
+            for run, s in stats.items():
+                family.add_metric([run], float(s[field]))
+            yield family
+        by_reason = CounterMetricFamily(PREFIX + "dropped_groups_by_reason", "Groups dropped, by reason.",
+                                        labels=["run", "reason"])
+        for run, s in stats.items():
+            for reason, n in bounded_reasons(s["dropped_by_reason"]).items():
+                by_reason.add_metric([run, reason], float(n))
+        yield by_reason
 
 
-async def render(store: BufferStore) -> str:
-    stats = {}
-    for run in await store.list_runs():
-        try:
-            stats[run] = await store.stats(run)
-        except NotFound:  # deleted meanwhile
-            continue
-    lines: list[str] = []
-    for field, name, kind, help_text in _METRICS:
-        lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"]
-        lines += [f'{PREFIX}{name}{{run="{_label(run)}"}} {s[field]}' for run, s in stats.items()]
-    name = f"{PREFIX}dropped_groups_by_reason_total"
-    lines += [f"# HELP {name} Groups dropped, by reason.", f"# TYPE {name} counter"]
-    for run, s in stats.items():
-        lines += [f'{name}{{run="{_label(run)}",reason="{_label(reason)}"}} {n}'
-                  for reason, n in sorted(s["dropped_by_reason"].items())]
-    return "\n".join(lines) + "\n"
+def bounded_reasons(counts: dict[str, int], most: int = MAX_REASONS) -> dict[str, int]:
+    """The `most` - 1 commonest reasons, the rest summed as "other": drop reasons are words a
+    rollout worker chose, and each would be a series of its own."""
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    if len(ranked) <= most:
+        return dict(ranked)
+    kept = dict(ranked[:most - 1])
+    kept["other"] = kept.get("other", 0) + sum(n for _, n in ranked[most - 1:])
+    return kept
 
 
-async def start_metrics_server(store: BufferStore, host: str, port: int) -> asyncio.Server:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request_line = await reader.readline()
-            while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                pass  # headers: not needed
-            parts = request_line.decode("latin-1").split()
-            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
-                status, body = "200 OK", (await render(store)).encode()
-            else:
-                status, body = "404 Not Found", b"only GET /metrics is served here\n"
-        except Exception as e:
-            log.exception("metrics scrape failed")
-            status, body = "500 Internal Server Error", f"metrics failed: {type(e).__name__}: {e}\n".encode()
-        head = (f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-        try:
-            writer.write(head + body)
-            await writer.drain()
-        finally:
-            writer.close()
-
-    return await asyncio.start_server(handle, host, port)
+def register(metrics: ServiceMetrics, store: BufferStore) -> BufferCollector:
+    collector = BufferCollector(store)
+    metrics.registry.register(collector)
+    metrics.on_scrape(collector.refresh)
+    return collector

@@ -208,24 +208,11 @@ def _binding(store: BufferStore, settings: Settings) -> ServiceBinding:
     return ServiceBinding(BufferServicer(store, settings), add_buffer_servicer, _SERVICE.full_name)
 
 
-async def _start_metrics(store: BufferStore, settings: Settings):
-    if not settings.metrics_port:
-        return None
-    server = await metrics.start_metrics_server(store, settings.metrics_host, settings.metrics_port)
-    log.info("serving Prometheus metrics on http://%s:%d/metrics", settings.metrics_host, settings.metrics_port)
-    return server
-
-
 async def build(settings: Settings) -> Service:
     store = make_store(settings)
-    metrics_server = await _start_metrics(store, settings)
-
-    async def shutdown() -> None:
-        if metrics_server is not None:
-            metrics_server.close()
-        await store.redis.aclose()
-
-    return Service([_binding(store, settings)], on_shutdown=shutdown)
+    service = Service([_binding(store, settings)], on_shutdown=store.redis.aclose)
+    metrics.register(service.metrics, store)
+    return service
 
 
 start = functools.partial(start_service, build)

@@ -31,6 +31,9 @@ from rlmesh.common.net import free_port, redacted
 
 # Start order: each service's dependencies come before it.
 SERVICES = ("engine", "reward", "buffer", "rollout", "trainer", "coordinator")
+# gRPC services with a Prometheus endpoint of their own (metrics_port); the coordinator and the engine
+# serve /metrics on their HTTP port.
+METRICS_SERVICES = ("reward", "buffer", "rollout", "trainer")
 HTTP_SERVICES = ("engine", "coordinator")
 
 
@@ -56,12 +59,13 @@ class Stack:
     def flags(self, name: str) -> list[str]:
         a = self.address
         common = ["--host", "127.0.0.1", "--port", str(self.ports[name])]
+        if name in METRICS_SERVICES:  # Prometheus /metrics of each gRPC service, on loopback
+            common += ["--metrics-port", str(self.ports[f"{name}_metrics"])]
         return common + {
-            "engine": ["--model-path", self.model_path],
+            "engine": ["--model-path", self.model_path, "--enable-metrics"],
             # A local stack's judges run on this machine: let the reward service call loopback.
             "reward": ["--remote-allowed-networks", json.dumps(["127.0.0.0/8", "::1"])],
-            "buffer": ["--metrics-port", str(self.ports["buffer_metrics"]),
-                       "--data-roots", json.dumps([str(Path("data").resolve()), str(datasets_dir(self.data_dir))]),
+            "buffer": ["--data-roots", json.dumps([str(Path("data").resolve()), str(datasets_dir(self.data_dir))]),
                        "--export-dir", str(self.data_dir / "buffer" / "exports")],
             "rollout": ["--buffer-address", a("buffer"), "--reward-address", a("reward"),
                         "--engine-urls", json.dumps([f"http://{a('engine')}"])],
@@ -69,7 +73,7 @@ class Stack:
                         "--work-dir", str(self.data_dir / "trainer")],
             "coordinator": ["--buffer-address", a("buffer"),
                             "--rollout-address", a("rollout"), "--reward-address", a("reward"),
-                            "--trainer-address", a("trainer")],
+                            "--trainer-address", a("trainer"), "--log-dir", str(self.data_dir / "run-logs")],
         }[name]
 
     def env(self) -> dict[str, str]:
@@ -181,7 +185,7 @@ def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", time
         redis = start_redis(data_dir / "redis")
         redis_url = redis.url
         echo(f"  redis        {redacted(redis_url)} (embedded, append-only file in {data_dir / 'redis'})")
-    ports = {n: free_port() for n in (*SERVICES, "buffer_metrics")}
+    ports = {n: free_port() for n in (*SERVICES, *(f"{m}_metrics" for m in METRICS_SERVICES))}
     stack = Stack(data_dir=data_dir, redis_url=redis_url, ports=ports, model_path=model_path, redis=redis)
     _write_private(stack.token_file, auth.ensure_stack_token())
     try:
@@ -194,7 +198,9 @@ def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", time
             except RuntimeError as e:
                 raise RuntimeError(f"{e}; see {stack.log_file(name)}") from None
             echo(f"  {name:<12} {stack.address(name)}")
-        echo(f"  {'metrics':<12} http://127.0.0.1:{stack.ports['buffer_metrics']}/metrics (buffer, Prometheus)")
+        for name in METRICS_SERVICES:
+            echo(f"  {'metrics':<12} http://127.0.0.1:{stack.ports[name + '_metrics']}/metrics ({name}, Prometheus)")
+        echo(f"  {'metrics':<12} http://{stack.address('coordinator')}/metrics, http://{stack.address('engine')}/metrics")
     except BaseException:
         stack.stop()
         raise

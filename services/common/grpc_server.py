@@ -9,7 +9,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import grpc
@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rlmesh.common import auth, tls
 from rlmesh.common.errors import RlmeshError
+from rlmesh.common.prometheus import GrpcMetricsInterceptor, ServiceMetrics, start_metrics_server
 from rlmesh.common.sample import ConversionError
 from rlmesh.common.settings import ServiceSettings
 
@@ -214,12 +215,14 @@ class ServiceBinding:
 @dataclass
 class Service:
     """What a service's `build(settings)` returns: its servicers, what to start once the
-    server runs (given its health servicer, to report the service's own state), and what to
-    close after the server stops (clients, channels, side servers)."""
+    server runs (given its health servicer, to report the service's own state), what to
+    close after the server stops (clients, channels, side servers), and its Prometheus
+    metrics (the server adds the gRPC ones; served on the metrics_port setting)."""
 
     bindings: list[ServiceBinding]
     on_shutdown: Callable[[], Awaitable[None]] | None = None
     on_start: Callable[[health.aio.HealthServicer], Awaitable[None]] | None = None
+    metrics: ServiceMetrics = field(default_factory=ServiceMetrics)
 
 
 Builder = Callable[[Any], Awaitable[Service]]
@@ -229,13 +232,19 @@ async def start_server(
     bindings: Iterable[ServiceBinding],
     address: str,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    metrics: ServiceMetrics | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start a server on `address` ("host:port", port 0 picks a free one); returns it,
-    the bound port and its health servicer (all services marked SERVING)."""
+    the bound port and its health servicer (all services marked SERVING). With `metrics`,
+    every call is counted and timed there."""
     token = auth.required_token()
-    interceptors = [_AuthInterceptor(token)] if token else []
-    server = grpc.aio.server(interceptors=[*interceptors, _StatusInterceptor()], options=channel_options(max_message_bytes))
     bindings = list(bindings)
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if metrics is not None:  # outermost: it sees the calls the others refuse
+        interceptors.append(GrpcMetricsInterceptor(metrics, _method_names([b.full_name for b in bindings])))
+    if token:
+        interceptors.append(_AuthInterceptor(token))
+    server = grpc.aio.server(interceptors=[*interceptors, _StatusInterceptor()], options=channel_options(max_message_bytes))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for b in bindings:
@@ -253,27 +262,55 @@ async def start_server(
     return server, port, health_servicer
 
 
-async def start_service(build: Builder, settings: ServiceSettings) -> tuple[grpc.aio.Server, int]:
-    """Build a service from its settings and start it in the running loop (tests and
-    embedding); returns the server and its bound port."""
+def _method_names(services: list[str]) -> set[str]:
+    """Every method of these services and of health checking, as gRPC names them ("/pkg.Service/Method")."""
+    from google.protobuf import descriptor_pool
+
+    names = set()
+    for full_name in [*services, health.SERVICE_NAME]:
+        try:
+            service = descriptor_pool.Default().FindServiceByName(full_name)
+        except KeyError:
+            continue
+        names.update(f"/{full_name}/{m.name}" for m in service.methods)
+    return names
+
+
+async def _start(build: Builder, settings: ServiceSettings):
     service = await build(settings)
     server, port, health_servicer = await start_server(
-        service.bindings, f"{settings.host}:{settings.port}", settings.max_message_bytes
+        service.bindings, f"{settings.host}:{settings.port}", settings.max_message_bytes, service.metrics
     )
+    metrics_port = getattr(settings, "metrics_port", 0)
+    metrics_server = None
+    if metrics_port:
+        metrics_server = await start_metrics_server(service.metrics, settings.metrics_host, metrics_port)
+        log.info("serving Prometheus metrics on http://%s:%d/metrics", settings.metrics_host, metrics_port)
     if service.on_start is not None:
         await service.on_start(health_servicer)
+    return service, server, port, health_servicer, metrics_server
+
+
+async def start_service(build: Builder, settings: ServiceSettings) -> tuple[grpc.aio.Server, int]:
+    """Build a service from its settings and start it in the running loop (tests and
+    embedding); returns the server and its bound port. Its /metrics endpoint (metrics_port)
+    stops when the server does."""
+    _, server, port, _, metrics_server = await _start(build, settings)
+    if metrics_server is not None:  # callers stop what they started with server.stop(grace)
+        stop = server.stop
+
+        async def stop_both(grace):
+            metrics_server.close()
+            return await stop(grace)
+
+        server.stop = stop_both
     return server, port
 
 
 async def serve_service(build: Builder, settings: ServiceSettings, grace_seconds: float = 30.0) -> None:
     """Serve until SIGTERM/SIGINT, then report NOT_SERVING, let in-flight calls finish
     (up to grace_seconds) and close what the service opened."""
-    service = await build(settings)
-    server, port, health_servicer = await start_server(
-        service.bindings, f"{settings.host}:{settings.port}", settings.max_message_bytes
-    )
-    if service.on_start is not None:
-        await service.on_start(health_servicer)
+    service, server, port, health_servicer, metrics_server = await _start(build, settings)
     log.info("serving gRPC on port %d", port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -283,5 +320,7 @@ async def serve_service(build: Builder, settings: ServiceSettings, grace_seconds
     log.info("shutting down: finishing in-flight calls (up to %.0f s)", grace_seconds)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_seconds)
+    if metrics_server is not None:
+        metrics_server.close()
     if service.on_shutdown is not None:
         await service.on_shutdown()

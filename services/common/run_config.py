@@ -230,6 +230,26 @@ TrainingMode = Literal["sync", "one_step_off", "fully_async"]
 DEFAULT_MAX_STALENESS = {"sync": None, "one_step_off": 1, "fully_async": 2}
 
 
+class WandbConfig(StrictModel):
+    """Weights & Biases logging of the run's metric records (the names the coordinator's API shows)."""
+
+    project: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,128}$", description="The W&B project.")
+    entity: str = Field("", pattern=r"^[A-Za-z0-9_.-]{0,128}$", description="The W&B team or user (empty = the "
+                        "default of the coordinator's credentials).")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="'offline' writes the run under the coordinator's log_dir (upload it later with "
+        "`wandb sync`); 'online' sends it to W&B and needs WANDB_API_KEY in the coordinator's environment.")
+
+
+class LoggingConfig(StrictModel):
+    """Where the coordinator logs each metric record besides its API (files go under its log_dir setting,
+    in a directory per run). A logger that fails is skipped with a warning (counted in
+    rlmesh_coordinator_run_log_failures_total); the run goes on."""
+
+    tensorboard: bool = Field(False, description="Write TensorBoard event files (<log_dir>/<run id>/tensorboard).")
+    wandb: WandbConfig | None = Field(None, description="Log to Weights & Biases (<log_dir>/<run id>/wandb).")
+
+
 class RunConfig(TrainingConfig):
     """The body of `POST /runs`: the run's own fields, the services' sections, and the
     trainer's fields (TrainingConfig) at the top level."""
@@ -264,6 +284,8 @@ class RunConfig(TrainingConfig):
     max_outage_seconds: float = Field(600.0, gt=0, le=7 * 24 * 3600, description="How long the run rides out a "
                                       "service that is down, restarting or not answering (its calls retried with "
                                       "backoff) before it fails naming that service.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="TensorBoard and W&B logging "
+                                   "of the run's metrics (optional: pip install 'rlmesh[logging]').")
 
     @model_validator(mode="after")
     def _has_training_data(self):

@@ -30,6 +30,17 @@ class ServiceSettings(BaseSettings):
                            "for (see rlmesh.common.limits), e.g. {\"max_groups_per_call\": 8192}.")
 
 
+class GrpcServiceSettings(ServiceSettings):
+    """Settings of every gRPC service (buffer, rollout, reward, trainer): ServiceSettings and
+    its Prometheus endpoint. (The coordinator and the reference engine serve /metrics on
+    their own HTTP port.)"""
+
+    metrics_port: int = Field(0, ge=0, le=65535, description="Port of the Prometheus GET /metrics HTTP endpoint "
+                              "(0 = off). It needs the stack's bearer token, like every port.")
+    metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds to (0.0.0.0 where "
+                              "Prometheus scrapes from another host, e.g. in Kubernetes).")
+
+
 def _is_scalar(annotation: Any) -> bool:
     origin = typing.get_origin(annotation)
     if origin is typing.Union or origin is getattr(__import__("types"), "UnionType", None):

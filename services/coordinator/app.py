@@ -25,8 +25,10 @@ from rlmesh.common.errors import HTTP_STATUS_BY_GRPC_CODE, RlmeshError
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.http_guard import guard
 from rlmesh.common.paths import RUN_ID_PATTERN
+from rlmesh.common.prometheus import metrics_response
 from rlmesh.common.run_config import RunConfig, StrictModel, limit_violations
 from rlmesh.coordinator.config import Settings
+from rlmesh.coordinator.observe import CoordinatorMetrics
 from rlmesh.coordinator.page import group_for_people, is_page_path, mount_page
 from rlmesh.coordinator.runs import (
     Clients,
@@ -202,6 +204,7 @@ async def _check_generate_function(driver: RunDriver, config: RunConfig) -> None
 
 
 def create_app(settings: Settings) -> FastAPI:
+    metrics = CoordinatorMetrics(lambda: app.state.store.list())
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         redis = aioredis.Redis.from_url(settings.redis_url)  # the API's: a Redis outage answers 503 at once
@@ -217,7 +220,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.store = RunStore(redis, settings.key_prefix)
         # The loop's own client rides out a Redis restart instead of losing track of the run.
         app.state.driver = RunDriver(RunStore(patient_redis, settings.key_prefix), clients, settings.train_wait_seconds,
-                                     settings.max_finished_runs, settings=settings)
+                                     settings.max_finished_runs, settings=settings, metrics=metrics)
         app.state.reward = reward_pb2_grpc.RewardStub(channels["reward"])
         await app.state.driver.resume_active()
         yield
@@ -238,6 +241,12 @@ def create_app(settings: Settings) -> FastAPI:
             app, token, lambda path: path in OPEN_PATHS or is_page_path(path),
             lambda why: {"detail": f"this API needs the stack's token and the request carried {why}: send "
                                    f"'Authorization: Bearer <token>' ({auth.TOKEN_ENV} of the stack)"})
+    metrics.http.install(app)  # (after the token check: counts the requests it refuses too)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics(request: Request):
+        """Prometheus metrics (text format), with the stack's token like every route."""
+        return metrics_response(await metrics.service.render())
 
     @app.exception_handler(RlmeshError)
     async def rlmesh_error(request: Request, exc: RlmeshError):

@@ -1,5 +1,7 @@
 """Coordinator settings (flags, RLMESH_COORDINATOR_* environment variables, or YAML)."""
 
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -39,3 +41,6 @@ class Settings(ServiceSettings):
     async_heartbeat_seconds: float = Field(5.0, gt=0, description="fully_async runs: how often the coordinator "
                                            "checks that the rollout service's generation loop runs (and restarts it).")
     retry_backoff_max_seconds: float = Field(10.0, gt=0, description="Longest delay between retries.")
+    log_dir: Path = Field(Path(".rlmesh/run-logs"), description="Where runs that ask for TensorBoard or W&B "
+                          "logging (their config's `logging`) write them: <log_dir>/<run id>/tensorboard and "
+                          ".../wandb. Relative to the working directory.")

@@ -29,6 +29,7 @@ from rlmesh.common.retry import Backoff, OutageTooLong, retry, transient_grpc_er
 from rlmesh.common.run_config import RunConfig
 from rlmesh.common.sampling import sampling_to_proto
 from rlmesh.coordinator.config import Settings
+from rlmesh.coordinator.observe import CoordinatorMetrics, RunLoggers
 from rlmesh.v1 import (
     buffer_pb2,
     buffer_pb2_grpc,
@@ -234,7 +235,8 @@ class RunDriver:
     """Drives runs; one run trains at a time (the trainer holds one policy)."""
 
     def __init__(self, store: RunStore, clients: Clients, train_wait_seconds: float,
-                 max_finished_runs: int = 100, settings: Settings | None = None) -> None:
+                 max_finished_runs: int = 100, settings: Settings | None = None,
+                 metrics: CoordinatorMetrics | None = None) -> None:
         self.store = store
         self.clients = clients
         self.train_wait_seconds = train_wait_seconds
@@ -243,6 +245,8 @@ class RunDriver:
         self.backoff = Backoff(self.settings.retry_backoff_base_seconds, self.settings.retry_backoff_max_seconds)
         self.tasks: dict[str, asyncio.Task] = {}
         self._async_metrics: dict[str, dict[str, float]] = {}  # fully_async: generation metrics since the last record
+        self.metrics = metrics
+        self.run_logs = RunLoggers(self.settings.log_dir, metrics.log_failures if metrics is not None else None)
 
     async def submit(self, config: RunConfig) -> str:
         run_id = await self.store.create(config)
@@ -307,6 +311,12 @@ class RunDriver:
         for t in self.tasks.values():
             t.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.run_logs.close_all()
+
+    async def _append(self, run_id: str, cfg: RunConfig, record: dict) -> None:
+        """Keep a metric record (the API serves it) and hand it to the run's loggers."""
+        await self.store.append_metrics(run_id, record)
+        await self.run_logs.log(run_id, cfg, record)
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -351,7 +361,7 @@ class RunDriver:
                 await self._sft_warmup(run_id, cfg)
                 before = await self._evaluate(run_id, cfg)
                 await self.store.update(run_id, phase="rl", eval_before=before)
-                await self.store.append_metrics(run_id, {"rollout_id": 0, "time": time.time(), **before})
+                await self._append(run_id, cfg, {"rollout_id": 0, "time": time.time(), **before})
             rec = await self.store.get(run_id)
             if cfg.mode == "fully_async":
                 heartbeat = asyncio.create_task(self._async_heartbeat(run_id, cfg), name=f"heartbeat-{run_id}")
@@ -367,15 +377,18 @@ class RunDriver:
                         record["iteration/samples_per_second"] = record.get("train/samples", 0.0) / record["iteration/seconds"]
                     if cfg.eval.interval and (rollout_id + 1) % cfg.eval.interval == 0 and rollout_id + 1 < cfg.num_rollouts:
                         record.update(await self._evaluate(run_id, cfg))
-                    await self.store.append_metrics(run_id, record)
+                    await self._append(run_id, cfg, record)
                     await self.store.update(run_id, rollout_id=rollout_id + 1)
+                    if self.metrics is not None:
+                        self.metrics.iteration(cfg.mode, record)
             finally:
                 if next_generation is not None:
                     next_generation.cancel()
                     await asyncio.gather(next_generation, return_exceptions=True)
             await self._stop_async_generation(run_id, cfg, heartbeat)
             after = await self._evaluate(run_id, cfg)
-            await self.store.append_metrics(run_id, {"rollout_id": cfg.num_rollouts, "time": time.time(), **after})
+            await self._append(run_id, cfg, {"rollout_id": cfg.num_rollouts, "time": time.time(), **after})
+            await self.run_logs.close(run_id)  # (flushed before the run says it is done)
             await self.store.update(run_id, phase="done", status="completed", eval_after=after)
             await self._end(run_id)
         except StopRequested:
@@ -465,6 +478,7 @@ class RunDriver:
         except grpc.aio.AioRpcError as e:
             log.warning("EndRun for %s: %s", run_id, e.details())
         await self.store.release(run_id)
+        await self.run_logs.close(run_id)
         await self._prune()
 
     async def _publish_once(self, run_id: str) -> dict:
@@ -532,8 +546,8 @@ class RunDriver:
                 run_id=run_id, num_groups=missing, mode="sft", apply_chat_template=cfg.rollout.apply_chat_template))
             r = await self._train_step(run_id, cfg, trainer_pb2.TrainStepRequest(
                 run_id=run_id, num_groups=batch, wait_seconds=self.train_wait_seconds, loss="sft"))
-            await self.store.append_metrics(run_id, {"sft_step": step + 1, "time": time.time(),
-                                                     **{f"sft/{k}": v for k, v in r.metrics.items()}})
+            await self._append(run_id, cfg, {"sft_step": step + 1, "time": time.time(),
+                                             **{f"sft/{k}": v for k, v in r.metrics.items()}})
         await self._publish(run_id, cfg)
 
     async def _evaluate(self, run_id: str, cfg: RunConfig) -> dict:

@@ -45,6 +45,10 @@ class Settings(ServiceSettings):
         "(empty = the stack's token). Best set through the environment (RLMESH_ENGINE_API_KEY), not a flag.",
         repr=False,
     )
+    enable_metrics: bool = Field(
+        False, description="As SGLang's --enable-metrics: serve Prometheus metrics at GET /metrics, with SGLang's "
+        "names (sglang:num_running_reqs, sglang:num_queue_reqs, sglang:gen_throughput, sglang:prompt_tokens_total, "
+        "sglang:generation_tokens_total; label model_name), open like SGLang's.")
     reported_version: str = Field(
         "0.5.23", description="SGLang version reported by /get_server_info (the API level this engine mimics)."
     )

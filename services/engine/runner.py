@@ -75,6 +75,9 @@ class Engine:
         self._finish_checker = FinishChecker(tokenizer, self.eos_ids)
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
         self.last_step_time = time.monotonic()
+        # Totals for the metrics (SGLang's prompt_tokens_total, generation_tokens_total).
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
     # -- thread-safe API ---------------------------------------------------
 
@@ -99,6 +102,13 @@ class Engine:
     def num_active(self) -> int:
         with self._cv:
             return len(self._active)
+
+    def load(self) -> tuple[int, int]:
+        """(requests decoding now, requests waiting for room in the batch)."""
+        with self._cv:
+            waiting = len(self._waiting)
+            active = len(self._active)
+        return max(active - waiting, 0), waiting
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         """Queue requests; RequestError if a rid is already in flight (nothing is queued then)."""
@@ -297,6 +307,7 @@ class Engine:
         """Run prompt (+ output so far, for retracted requests) through the model, choose
         each row's next token; returns the rows still generating."""
         sequences = [r.prompt_ids + r.output_ids for r in reqs]
+        self.prompt_tokens_total += sum(len(r.prompt_ids) for r in reqs if not r.output_ids)
         want_inputs = any(r.return_logprob and not r.output_ids for r in reqs)
         logits, cache, mask = prefill_forward(self.model, sequences, self.pad_id, self.device, all_logits=want_inputs)
         width = mask.shape[1]
@@ -331,6 +342,7 @@ class Engine:
     def _append(self, req: GenerationRequest, choice: Choice) -> bool:
         """Record a new token; finish the request if it is done. Returns True if finished."""
         req.output_ids.append(choice.token)
+        self.generation_tokens_total += 1
         if req.return_logprob:
             req.output_logprobs.append(choice.logprob)
             if req.top_logprobs_num > 0:

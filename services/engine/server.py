@@ -23,9 +23,11 @@ from fastapi.responses import JSONResponse
 
 from rlmesh.common import auth
 from rlmesh.common.http_guard import BodyLimit
+from rlmesh.common.prometheus import metrics_response
 from rlmesh.engine.config import Settings
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, ServerClosing, error_response, result_response
+from rlmesh.engine.metrics import engine_metrics
 from rlmesh.engine.routes_control import control_router
 from rlmesh.engine.routes_generation import generation_router
 from rlmesh.engine.routes_info import info_router
@@ -100,6 +102,12 @@ def create_app(settings: Settings) -> FastAPI:
 
     for router in (generation_router(state), control_router(state), info_router(state), weights_router(state)):
         app.include_router(router)
+    if settings.enable_metrics:
+        metrics = engine_metrics(state.engine, settings.served_model_name or settings.model_path)
+
+        @app.get("/metrics", include_in_schema=False)
+        async def prometheus_metrics():
+            return metrics_response(await metrics.render())
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     return app
 

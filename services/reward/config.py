@@ -12,12 +12,12 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlmesh.common.plugins import PluginPath
-from rlmesh.common.settings import ServiceSettings
+from rlmesh.common.settings import GrpcServiceSettings
 from rlmesh.reward.url_policy import UrlPolicy
 from rlmesh.reward.verifiers import DEFAULT_MAX_ANSWER_CHARS, VERIFIERS
 
 
-class Settings(ServiceSettings):
+class Settings(GrpcServiceSettings):
     model_config = SettingsConfigDict(env_prefix="RLMESH_REWARD_", extra="forbid")
 
     host: str = Field("127.0.0.1", description="Address to listen on.")

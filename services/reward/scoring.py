@@ -63,6 +63,13 @@ class Component:
         return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None))  # noqa: B004 - async __call__ of an object
 
 
+# Why a component gave no score, in a word (the metrics count failed samples by these):
+RAISED = "raised"  # the function raised
+INVALID_VALUE = "invalid_value"  # it returned something that is not a finite reward (or the wrong count)
+FAILURE_CAUSES = (RAISED, INVALID_VALUE, "timeout", "worker_died", "stopping",  # (built-in verifiers' too)
+                  "remote_failed", "missing_score")  # a remote service's call failed; or lacked the named score
+
+
 class _ComponentFailed(Exception):
     """A component could not score a sample; the message goes into metadata["reward_error"]."""
 
@@ -98,11 +105,14 @@ class _Outcome:
     values: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # names of the components that failed
+    causes: list[str] = field(default_factory=list)  # kinds of the failures (FAILURE_CAUSES)
 
-    def fail(self, name: str, reason: str) -> None:
+    def fail(self, name: str, reason: str, cause: str = "raised") -> None:
         self.errors.append(reason)
         if name not in self.failed:
             self.failed.append(name)
+        if cause not in self.causes:
+            self.causes.append(cause)
 
 
 @dataclass
@@ -110,6 +120,8 @@ class ScorerStats:
     samples_scored: int = 0
     samples_failed: int = 0
     failures_by_component: dict[str, int] = field(default_factory=dict)
+    # Failed samples by the kind of failure (one of FAILURE_CAUSES; a sample counts once per kind).
+    failures_by_cause: dict[str, int] = field(default_factory=dict)
 
 
 # A sample with its component weights, and the group it came from (None: scored alone).
@@ -321,7 +333,7 @@ class Scorer:
             outcome = outcomes[id(sample)]
             if isinstance(result, str):
                 for name in names:
-                    outcome.fail(name, result)
+                    outcome.fail(name, result, "remote_failed")
                 continue
             # Every named score is kept on the sample, asked for or not: it explains the total.
             for key, value in result.named.items():
@@ -331,14 +343,15 @@ class Scorer:
                 if key:
                     if key not in result.named:
                         outcome.fail(name, f"{service} returned no score named '{key}' "
-                                           f"(it returned: {', '.join(result.named) or 'a single score'})")
+                                           f"(it returned: {', '.join(result.named) or 'a single score'})",
+                                     "missing_score")
                 elif result.total is not None:
                     outcome.values[name] = result.total
                 elif reward_key and reward_key in result.named:
                     outcome.values[name] = result.named[reward_key]
                 else:
                     outcome.fail(name, f"{service} returned named scores ({', '.join(result.named)}); name one in the "
-                                       f"spec as '{service}/<name>' or set reward_key")
+                                       f"spec as '{service}/<name>' or set reward_key", "missing_score")
 
     def _verifier_texts(self, sample: Sample) -> tuple[str, str]:
         """What a built-in verifier reads: the tails of the response and the label."""
@@ -352,12 +365,12 @@ class Scorer:
         )
         for (name, _, outcome), result in zip(calls, results):
             if isinstance(result, VerifierError):
-                outcome.fail(name, str(result))
+                outcome.fail(name, str(result), result.cause)
                 continue
             try:
                 outcome.values[name] = _as_reward(result, reward_key, name)
             except _ComponentFailed as e:
-                outcome.fail(name, str(e))
+                outcome.fail(name, str(e), INVALID_VALUE)
 
     def _sample_job(self, component: Component, sample: Sample, outcome: _Outcome, reward_key: str) -> Callable[[], Any]:
         def record(result: Any) -> None:
@@ -368,10 +381,10 @@ class Scorer:
                 try:
                     record(await component.fn(sample))
                 except _ComponentFailed as e:
-                    outcome.fail(component.name, str(e))
+                    outcome.fail(component.name, str(e), INVALID_VALUE)
                 except Exception as e:
                     log.warning("reward component %s failed on sample %d", component.name, sample.index, exc_info=True)
-                    outcome.fail(component.name, _describe(component.name, e))
+                    outcome.fail(component.name, _describe(component.name, e), RAISED)
             return run_async
 
         def run_sync() -> None:
@@ -381,11 +394,11 @@ class Scorer:
                 else:
                     record(component.fn(sample))
             except _ComponentFailed as e:
-                outcome.fail(component.name, str(e))
+                outcome.fail(component.name, str(e), INVALID_VALUE)
             except Exception as e:
                 if component.kind != "builtin":
                     log.warning("reward component %s failed on sample %d", component.name, sample.index, exc_info=True)
-                outcome.fail(component.name, _describe(component.name, e))
+                outcome.fail(component.name, _describe(component.name, e), RAISED)
         return run_sync
 
     @staticmethod
@@ -403,29 +416,29 @@ class Scorer:
             for outcome, value in zip(outcomes, values):
                 outcome.values[component.name] = value
 
-        def fail(reason: str) -> None:
+        def fail(reason: str, cause: str) -> None:
             for outcome in outcomes:
-                outcome.fail(component.name, reason)
+                outcome.fail(component.name, reason, cause)
 
         if component.is_async:
             async def run_async() -> None:
                 try:
                     record(await component.fn(members))
                 except _ComponentFailed as e:
-                    fail(str(e))
+                    fail(str(e), INVALID_VALUE)
                 except Exception as e:
                     log.warning("group reward component %s failed", component.name, exc_info=True)
-                    fail(_describe(component.name, e))
+                    fail(_describe(component.name, e), RAISED)
             return run_async
 
         def run_sync() -> None:
             try:
                 record(component.fn(members))
             except _ComponentFailed as e:
-                fail(str(e))
+                fail(str(e), INVALID_VALUE)
             except Exception as e:
                 log.warning("group reward component %s failed", component.name, exc_info=True)
-                fail(_describe(component.name, e))
+                fail(_describe(component.name, e), RAISED)
         return run_sync
 
     def _write_back(self, sample: Sample, weights: dict[str, float], outcome: _Outcome) -> None:
@@ -438,6 +451,8 @@ class Scorer:
             self.stats.samples_failed += 1
             for name in outcome.failed:
                 self.stats.failures_by_component[name] = self.stats.failures_by_component.get(name, 0) + 1
+            for cause in outcome.causes:
+                self.stats.failures_by_cause[cause] = self.stats.failures_by_cause.get(cause, 0) + 1
             return
         sample.reward = sum(weight * outcome.values[name] for name, weight in weights.items())
         self.stats.samples_scored += 1

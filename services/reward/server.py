@@ -12,6 +12,7 @@ from rlmesh.common.errors import InvalidArgument
 from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
 from rlmesh.common.limits import Limits, at_most, within
 from rlmesh.common.sample import group_from_proto, group_to_proto, sample_from_proto, sample_to_proto
+from rlmesh.reward import metrics
 from rlmesh.reward.config import Settings
 from rlmesh.reward.registry import RemoteRegistry
 from rlmesh.reward.remote import RemoteDefaults, RemoteServiceConfig
@@ -167,7 +168,9 @@ async def build(settings: Settings, verifiers: dict[str, str] | None = None) -> 
         pool.close()
         await registry.close()
 
-    return Service([_binding(scorer, registry, settings.limits)], on_shutdown=on_shutdown, on_start=on_start)
+    service = Service([_binding(scorer, registry, settings.limits)], on_shutdown=on_shutdown, on_start=on_start)
+    metrics.register(service.metrics, scorer, registry)
+    return service
 
 
 start = functools.partial(start_service, build)

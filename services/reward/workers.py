@@ -49,7 +49,12 @@ _MAX_ERROR_CHARS = 1000
 
 class VerifierError(Exception):
     """A verifier gave no score for a sample (it raised, ran out of time, or its worker
-    died); the message is the reason the sample fails with."""
+    died); the message is the reason the sample fails with, `cause` its kind (a word from
+    a short list: raised, timeout, worker_died, stopping; counted in the metrics)."""
+
+    def __init__(self, message: str, cause: str = "raised") -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 def _serve(conn: Connection, verifiers: dict[str, str]) -> None:
@@ -166,7 +171,7 @@ class VerifierPool:
         self._idle.clear()
         while self._pending:
             call = self._pending.popleft()
-            _resolve(call.future, error=VerifierError(f"{call.name}: the reward service is stopping"))
+            _resolve(call.future, error=VerifierError(f"{call.name}: the reward service is stopping", "stopping"))
 
     def overloaded(self) -> bool:
         """True while a call has waited longer than overload_seconds for a free worker."""
@@ -185,7 +190,7 @@ class VerifierPool:
         verifier's value, or a VerifierError saying why there is none. One await for a
         whole request: no task per sample."""
         if self._closed:
-            error = VerifierError("the reward service is stopping; its verifier workers are closed")
+            error = VerifierError("the reward service is stopping; its verifier workers are closed", "stopping")
             return [error for _ in calls]
         self.start()
         loop, now = asyncio.get_running_loop(), time.monotonic()
@@ -254,13 +259,13 @@ class VerifierPool:
         except asyncio.TimeoutError:
             error = VerifierError(
                 f"{batch[done].name}: verifier timeout: no result within {self.timeout_seconds:g} s "
-                "(verifier_timeout_seconds); the sample is too costly to check, its worker was stopped"
+                "(verifier_timeout_seconds); the sample is too costly to check, its worker was stopped", "timeout"
             )
         except (EOFError, OSError):
-            error = VerifierError(f"{batch[done].name}: the verifier's worker process died on this sample")
+            error = VerifierError(f"{batch[done].name}: the verifier's worker process died on this sample", "worker_died")
         except BaseException:  # cancelled: the pool closes
             for call in batch[done:]:
-                _resolve(call.future, error=VerifierError(f"{call.name}: the reward service is stopping"))
+                _resolve(call.future, error=VerifierError(f"{call.name}: the reward service is stopping", "stopping"))
             self._retire(worker)
             raise
         _resolve(batch[done].future, error=error)

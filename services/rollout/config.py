@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import SettingsConfigDict
 
 from rlmesh.common.plugins import PluginPath
-from rlmesh.common.settings import ServiceSettings
+from rlmesh.common.settings import GrpcServiceSettings
 
 # The generate functions every rollout service has; `generate_functions` adds the operator's.
 BUILTIN_GENERATE_FUNCTIONS = {
@@ -33,7 +33,7 @@ class HttpTool(BaseModel):
     max_concurrency: int = Field(16, ge=1, le=1024, description="Calls of this tool in flight at once.")
 
 
-class Settings(ServiceSettings):
+class Settings(GrpcServiceSettings):
     model_config = SettingsConfigDict(env_prefix="RLMESH_ROLLOUT_", extra="forbid")
 
     port: int = Field(50052, description="gRPC port (0 = any free port).")

@@ -12,6 +12,7 @@ import httpx
 
 from rlmesh.common.auth import credential_headers
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.rollout.metrics import RolloutMetrics
 
 
 @dataclass
@@ -63,6 +64,7 @@ class SGLangClient:
         self.seconds_per_token = seconds_per_token
         self._has_weight_session: bool | None = None  # SGLang >= 0.5.21 wants begin/end
         self._live_rids: dict[str, str] = {}  # rid a caller knows -> rid of the retry in flight
+        self.metrics: RolloutMetrics | None = None  # counts tokens and requests (set by the pool)
 
     async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
         try:
@@ -84,6 +86,16 @@ class SGLangClient:
                 "return_logprob": return_logprob, "logprob_start_len": -1}
         # Finite and sized from the work asked for: a frozen engine is noticed within it.
         timeout = self.generate_timeout + self.seconds_per_token * int(sampling_params.get("max_new_tokens") or 128)
+        started = self.metrics.started() if self.metrics is not None else 0.0
+        answer = None
+        try:
+            answer = await self._generate(body, rid, timeout)
+            return answer
+        finally:
+            if self.metrics is not None:
+                self.metrics.finished(started, answer)
+
+    async def _generate(self, body: dict, rid: str, timeout: float) -> dict:
         try:
             for attempt in range(GENERATE_ATTEMPTS):
                 if attempt:
@@ -174,13 +186,15 @@ class EnginePool:
     router), control and weight calls sent to every engine."""
 
     def __init__(self, engine_urls: list[str], router_url: str, timeout: float, weight_timeout: float,
-                 api_key: str = "", generate_timeout: float | None = None, seconds_per_token: float = 0.0) -> None:
+                 api_key: str = "", generate_timeout: float | None = None, seconds_per_token: float = 0.0,
+                 metrics: RolloutMetrics | None = None) -> None:
         self.http = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS),
             headers=credential_headers(api_key) or None)
         self.timeout, self.weight_timeout = timeout, weight_timeout
         self._generate_timeouts = (generate_timeout, seconds_per_token)
+        self.metrics = metrics
         self.router = self._client(router_url) if router_url else None
         self.engines = [self._client(u) for u in engine_urls]
         self._next = itertools.cycle(range(max(len(self.engines), 1)))
@@ -195,7 +209,9 @@ class EnginePool:
             self.engines = [known.get(u.rstrip("/")) or self._client(u) for u in urls]
 
     def _client(self, url: str) -> SGLangClient:
-        return SGLangClient(url, self.http, self.timeout, self.weight_timeout, *self._generate_timeouts)
+        client = SGLangClient(url, self.http, self.timeout, self.weight_timeout, *self._generate_timeouts)
+        client.metrics = self.metrics
+        return client
 
     def for_generation(self) -> SGLangClient:
         if self.router:

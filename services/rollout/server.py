@@ -10,10 +10,12 @@ from rlmesh.common import auth
 from rlmesh.common.errors import InvalidArgument
 from rlmesh.common.grpc_server import Service, ServiceBinding, aio_channel, start_service
 from rlmesh.common.paths import validate_run_id
+from rlmesh.common.prometheus import ServiceMetrics
 from rlmesh.common.sampling import sampling_to_sglang
 from rlmesh.rollout.async_rollout import AsyncRollouts, AsyncStatus
 from rlmesh.rollout.config import Settings
 from rlmesh.rollout.engine_client import EnginePool, TensorMeta, weight_group_world_size
+from rlmesh.rollout.metrics import RolloutMetrics
 from rlmesh.rollout.openai_endpoint import close_shared_endpoint
 from rlmesh.rollout.rollout import EvalRequest, GenerateChoice, RewardChoice, RolloutManager, RolloutRequest
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
@@ -129,9 +131,10 @@ def reward_spec_from_proto(spec: reward_pb2.RewardSpec) -> RewardChoice:
 
 async def build(settings: Settings) -> Service:
     """The servicer over an engine pool and clients of the buffer and reward services."""
+    metrics = ServiceMetrics()
     pool = EnginePool(settings.engine_urls, settings.router_url, settings.request_timeout_seconds,
                       settings.weight_update_timeout_seconds, settings.engine_api_key or auth.stack_token() or "",
-                      settings.generate_timeout_seconds, settings.generate_seconds_per_token)
+                      settings.generate_timeout_seconds, settings.generate_seconds_per_token, RolloutMetrics(metrics))
     buffer_channel = aio_channel(settings.buffer_address, settings.max_message_bytes)
     reward_channel = aio_channel(settings.reward_address, settings.max_message_bytes)
     manager = RolloutManager(settings, pool, buffer_pb2_grpc.BufferStub(buffer_channel),
@@ -149,7 +152,7 @@ async def build(settings: Settings) -> Service:
 
     binding = ServiceBinding(RolloutServicer(manager, pool, async_rollouts), rollout_pb2_grpc.add_RolloutServicer_to_server,
                              rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name)
-    return Service([binding], on_shutdown=close)
+    return Service([binding], on_shutdown=close, metrics=metrics)
 
 
 start = functools.partial(start_service, build)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rlmesh.common.settings import ServiceSettings
+from rlmesh.common.settings import GrpcServiceSettings
 
 # Before policy losses were chosen on their own, GSPO was asked for as an advantage
 # estimator; that spelling still means GRPO's advantages with GSPO's loss.
@@ -180,7 +180,7 @@ class AlgorithmConfig(BaseModel):
         return self
 
 
-class Settings(ServiceSettings):
+class Settings(GrpcServiceSettings):
     model_config = SettingsConfigDict(env_prefix="RLMESH_TRAINER_", extra="forbid")
 
     port: int = Field(50054, description="gRPC port (0 = any free port).")

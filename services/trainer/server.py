@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 
 from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
+from rlmesh.common.prometheus import ServiceMetrics
 from rlmesh.trainer.config import Settings
+from rlmesh.trainer.metrics import TrainerMetrics
 from rlmesh.trainer.trainer import RunStatus, Trainer, parse_run_config
 from rlmesh.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -21,8 +23,9 @@ def _status(status: RunStatus) -> trainer_pb2.TrainerStatus:
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Trainer, metrics: TrainerMetrics | None = None) -> None:
         self.trainer = trainer
+        self.metrics = metrics
 
     async def InitRun(self, request, context):
         config = parse_run_config(request.config_json)
@@ -30,6 +33,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def TrainStep(self, request, context):
         result = await self.trainer.train_step(request.run_id, request.num_groups, request.wait_seconds, request.loss)
+        if self.metrics is not None and result.seconds:
+            self.metrics.step(request.loss, result.seconds, result.groups_trained, result.samples_trained)
         return trainer_pb2.TrainStepResponse(
             step=result.step,
             groups_trained=result.groups_trained,
@@ -39,6 +44,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def PublishWeights(self, request, context):
         result = await self.trainer.publish_weights(request.run_id, request.version, request.method)
+        if self.metrics is not None:
+            self.metrics.publish(result.seconds, result.bytes)
         return trainer_pb2.PublishWeightsResponse(
             version=request.version, seconds=result.seconds, bytes=result.bytes, buckets=result.buckets
         )
@@ -60,15 +67,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             written_at=c.written_at) for c in found])
 
 
-def binding(trainer: Trainer) -> ServiceBinding:
-    return ServiceBinding(TrainerServicer(trainer), trainer_pb2_grpc.add_TrainerServicer_to_server, SERVICE_NAME)
+def binding(trainer: Trainer, metrics: TrainerMetrics | None = None) -> ServiceBinding:
+    return ServiceBinding(TrainerServicer(trainer, metrics), trainer_pb2_grpc.add_TrainerServicer_to_server,
+                          SERVICE_NAME)
 
 
 async def build(settings: Settings, trainer: Trainer | None = None) -> Service:
     """The trainer service; pass a Trainer to keep a handle on it (tests close it themselves).
     On shutdown an in-flight step finishes, then the run's resources go."""
     trainer = trainer or Trainer(settings)
-    return Service([binding(trainer)], on_shutdown=trainer.close)
+    metrics = ServiceMetrics()
+    return Service([binding(trainer, TrainerMetrics(metrics))], on_shutdown=trainer.close, metrics=metrics)
 
 
 start = functools.partial(start_service, build)

@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -86,6 +87,7 @@ class StepResult:
     groups_trained: int
     samples_trained: int
     metrics: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0  # the forward/backward passes and the optimizer step, not the wait for a batch
 
 
 @dataclass
@@ -257,12 +259,14 @@ class Trainer:
 
     async def _train(self, run: _Run, groups: list[SampleGroup], loss: str) -> StepResult:
         step = run.backend.sft_step if loss == "sft" else run.backend.train_step
+        started = time.perf_counter()
         metrics = await asyncio.to_thread(step, groups)
         return StepResult(
             step=run.backend.step,
             groups_trained=int(metrics["groups"]),
             samples_trained=int(metrics["samples"]),
             metrics=metrics,
+            seconds=time.perf_counter() - started,
         )
 
     # ---------------------------------------------------------------- buffer

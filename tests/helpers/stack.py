@@ -13,6 +13,7 @@ import httpx
 from rlmesh.buffer.config import Settings as BufferSettings
 from rlmesh.buffer.server import start as start_buffer
 from rlmesh.common.auth import client_headers
+from rlmesh.common.net import free_port
 from rlmesh.coordinator.app import start as start_coordinator
 from rlmesh.coordinator.config import Settings as CoordinatorSettings
 from rlmesh.reward.config import Settings as RewardSettings
@@ -30,13 +31,17 @@ class LocalStack:
     api: httpx.Client           # the coordinator's REST API
     addresses: dict[str, str]   # service name -> host:port
     servers: dict[str, object] = field(default_factory=dict)  # service name -> its server
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # gRPC service -> its /metrics (metrics=True)
 
 
 def start_local_stack(start_in_loop, redis_url: str, engine_url: str, work_dir: Path, rollout_settings: dict | None = None,
-                      **reward_settings) -> LocalStack:
-    addr, servers = {}, {}
+                      coordinator_settings: dict | None = None, metrics: bool = False, **reward_settings) -> LocalStack:
+    addr, servers, metrics_urls = {}, {}, {}
 
     def up(name: str, start, settings) -> None:
+        if metrics and name != "coordinator":
+            settings.metrics_port = free_port()
+            metrics_urls[name] = f"http://127.0.0.1:{settings.metrics_port}/metrics"
         servers[name], port = start_in_loop(lambda: start(settings))
         addr[name] = f"127.0.0.1:{port}"
 
@@ -51,9 +56,9 @@ def start_local_stack(start_in_loop, redis_url: str, engine_url: str, work_dir: 
         port=0, buffer_address=addr["buffer"], rollout_address=addr["rollout"], work_dir=work_dir / "trainer"))
     up("coordinator", start_coordinator, CoordinatorSettings(
         port=0, redis_url=redis_url, buffer_address=addr["buffer"], rollout_address=addr["rollout"],
-        reward_address=addr["reward"], trainer_address=addr["trainer"]))
+        reward_address=addr["reward"], trainer_address=addr["trainer"], **(coordinator_settings or {})))
     api = httpx.Client(base_url=f"http://{addr['coordinator']}", timeout=30, headers=client_headers())
-    return LocalStack(api, addr, servers)
+    return LocalStack(api, addr, servers, metrics_urls)
 
 
 def wait_for_run(api: httpx.Client, run_id: str, done: Callable[[dict], bool] = lambda run: run["status"] in FINAL,

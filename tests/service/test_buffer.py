@@ -8,10 +8,12 @@ import json
 import grpc
 import httpx
 
+from rlmesh.common.auth import client_headers
 from rlmesh.common.net import free_port
 from rlmesh.common.sample import group_from_proto
 from rlmesh.v1 import buffer_pb2, sample_pb2
 from tests.helpers.buffer import code_of, completed, create, prompts, put, stats
+from tests.helpers.prometheus import scrape, value
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 
@@ -392,11 +394,13 @@ def test_stats_over_grpc_and_as_prometheus_metrics(buffer, dataset):
     assert (s.queued_groups, s.acknowledged_groups, s.groups_written, s.prompts_handed_out) == (1, 2, 3, 3)
     assert s.groups_written_per_second > 0 and s.groups_acknowledged_per_second > 0 and s.rate_window_seconds > 0
 
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    url = f"http://127.0.0.1:{port}/metrics"
+    text = httpx.get(url, headers=client_headers()).text
     assert "# TYPE rlmesh_buffer_groups_written_total counter" in text
-    assert 'rlmesh_buffer_groups_written_total{run="r1"} 3' in text
-    assert 'rlmesh_buffer_queued_groups{run="r1"} 1' in text
-    assert 'rlmesh_buffer_acknowledged_groups_total{run="r1"} 2' in text
+    samples = scrape(url)
+    assert value(samples, "rlmesh_buffer_groups_written_total", run="r1") == 3
+    assert value(samples, "rlmesh_buffer_queued_groups", run="r1") == 1
+    assert value(samples, "rlmesh_buffer_acknowledged_groups_total", run="r1") == 2
     assert httpx.get(f"http://127.0.0.1:{port}/other").status_code == 404
 
 

@@ -587,3 +587,34 @@ def test_request_fields_the_engine_does_not_implement_are_refused(client, field,
     # Their SGLang defaults (unset) are fine.
     ok = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}, field: None})
     assert ok.status_code == 200
+
+
+# -- /metrics (SGLang's --enable-metrics) --------------------------------------------
+
+
+def test_metrics_under_sglangs_names_count_tokens_and_show_running_requests(loop_thread, tiny_model_dir):
+    from tests.helpers.prometheus import scrape, value
+
+    server, port = loop_thread.run(start(_settings(tiny_model_dir, enable_metrics=True, served_model_name="tiny")))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=60, headers=client_headers()) as c:
+            for prompt in ([1, 2, 3], [4, 5, 6, 7]):
+                _greedy(c, prompt, n=5)
+            samples = scrape(f"{base}/metrics", headers={})  # open, like SGLang's
+            assert value(samples, "sglang:generation_tokens_total", model_name="tiny") == 10
+            assert value(samples, "sglang:prompt_tokens_total", model_name="tiny") == 7
+            assert value(samples, "sglang:num_running_reqs") == value(samples, "sglang:num_queue_reqs") == 0
+            running = _in_background(c.post, "/generate", json={"input_ids": [1, 2], "sampling_params": LONG})
+            _wait_until_in_flight(c)
+            samples = scrape(f"{base}/metrics", headers={})
+            assert value(samples, "sglang:num_running_reqs") + value(samples, "sglang:num_queue_reqs") == 1
+            assert value(samples, "sglang:gen_throughput") >= 0
+            c.post("/abort_request", json={"abort_all": True})
+            assert running.result(timeout=60).status_code == 200
+    finally:
+        loop_thread.run(server.stop())
+
+
+def test_metrics_are_off_unless_enabled(client):
+    assert client.get("/metrics").status_code == 404

@@ -11,7 +11,6 @@ import math
 import time
 
 import grpc
-import httpx
 import pytest
 
 from rlmesh.buffer.config import Settings as BufferSettings
@@ -27,6 +26,8 @@ from rlmesh.v1 import buffer_pb2, trainer_pb2
 from rlmesh.v1.buffer_pb2_grpc import BufferStub
 from rlmesh.v1.trainer_pb2_grpc import TrainerStub
 from tests.helpers.buffer import code_of, put, stats
+from tests.helpers.prometheus import scrape
+from tests.helpers.prometheus import value as metric_value
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 Rejection = buffer_pb2.RejectGroupsRequest.Rejection
@@ -184,7 +185,7 @@ def test_a_group_whose_leases_keep_expiring_goes_to_the_dead_letter_list(buffer,
     [line] = export_dead_letters(stub, tmp_path / "dead.jsonl")
     assert line["group_id"] == "g1" and "delivered 2 times and never acknowledged" in line["reason"]
     assert "max_deliveries is 2" in line["reason"]
-    assert 'rlmesh_buffer_dead_letter_groups{run="r1"} 1' in httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert metric_value(scrape(f"http://127.0.0.1:{port}/metrics"), "rlmesh_buffer_dead_letter_groups", run="r1") == 1
 
 
 def test_reject_groups_errors(buffer, dataset):

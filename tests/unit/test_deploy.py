@@ -1,12 +1,18 @@
 """The compose file's safe defaults: only the coordinator is published (on loopback unless
 the operator says otherwise), the services talk on an internal network, every rlmesh
 service gets the stack's token, Redis demands a password that the services use, every
-service has a healthcheck, and the image runs as an unprivileged user."""
+service has a healthcheck, and the image runs as an unprivileged user. The Kubernetes
+manifests (deploy/k8s): every rendered object valid against the Kubernetes schemas, probes on
+the gRPC health service, resources, no root, secrets from a Secret, Redis persistent, the
+trainer's ranks behind a headless Service."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -57,3 +63,169 @@ def test_every_rlmesh_service_has_a_healthcheck_on_its_own_port():
 def test_the_image_runs_as_an_unprivileged_user():
     users = [line.split()[1] for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("USER ")]
     assert users and not users[-1].startswith(("0", "root"))
+
+
+# ---------------------------------------------------------------- Kubernetes (deploy/k8s)
+
+K8S = DEPLOY / "k8s"
+OVERLAYS = ("cpu", "gpu")
+KUBERNETES_VERSION = "1.33"  # the schemas kubernetes-validate checks against (it ships them: no network)
+GRPC_PORTS = {"buffer": 50051, "rollout": 50052, "reward": 50053, "trainer": 50054}
+
+
+def _merge(base, patch):
+    """Strategic merge as kustomize does it for what the overlays patch: maps merge, lists of
+    named items (containers, env, volumes) merge by name, other lists are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            merged[key] = _merge(base[key], value) if key in base else value
+        return merged
+    named = lambda items: isinstance(items, list) and items and all(isinstance(i, dict) and "name" in i for i in items)  # noqa: E731
+    if named(base) and named(patch):
+        merged = [dict(i) for i in base]
+        index = {item["name"]: n for n, item in enumerate(merged)}
+        for item in patch:
+            if item["name"] in index:
+                merged[index[item["name"]]] = _merge(merged[index[item["name"]]], item)
+            else:
+                merged.append(item)
+        return merged
+    return patch
+
+
+def render(directory: Path) -> list[dict]:
+    """The objects of a kustomization that uses `resources` (files and kustomizations) and
+    `patches` (strategic merge patches by file) only, as `kubectl kustomize` renders them."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    assert set(kustomization) <= {"apiVersion", "kind", "resources", "patches"}, "a feature render() lacks"
+    objects: list[dict] = []
+    for resource in kustomization.get("resources", []):
+        path = directory / resource
+        objects += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for patch in kustomization.get("patches", []):
+        assert set(patch) == {"path"}, "render() applies patches given by path only"
+        for doc in yaml.safe_load_all((directory / patch["path"]).read_text()):
+            (n,) = [i for i, o in enumerate(objects) if (o["kind"], o["metadata"]["name"]) ==
+                    (doc["kind"], doc["metadata"]["name"])]
+            objects[n] = _merge(objects[n], doc)
+    return objects
+
+
+def rendered() -> dict[str, list[dict]]:
+    return {overlay: render(K8S / "overlays" / overlay) for overlay in OVERLAYS}
+
+
+def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def test_every_object_is_valid_against_the_kubernetes_schemas():
+    import kubernetes_validate
+
+    for overlay, objects in rendered().items():
+        assert objects
+        for obj in objects:
+            try:
+                kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                raise AssertionError(f"{overlay}: {obj['kind']}/{obj['metadata']['name']}: {e.message}") from None
+            assert "namespace" not in obj["metadata"]  # namespace-agnostic: -n or an overlay decides
+
+
+@pytest.mark.skipif(not shutil.which("kubectl"), reason="no kubectl here to cross-check the renderer with")
+def test_the_renderer_agrees_with_kubectl_kustomize():
+    for overlay, objects in rendered().items():
+        out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True,
+                             text=True, timeout=120, check=True).stdout
+        key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+        assert sorted(yaml.safe_load_all(out), key=key) == sorted(objects, key=key)
+
+
+def test_the_services_engine_and_redis_are_there_with_probes_resources_and_no_root():
+    for overlay, objects in rendered().items():
+        workloads = {**by_kind(objects, "Deployment"), **by_kind(objects, "StatefulSet")}
+        assert set(workloads) == {"redis", "buffer", "rollout", "reward", "trainer", "coordinator", "engine"}
+        for name, workload in workloads.items():
+            pod = workload["spec"]["template"]["spec"]
+            for container in pod["containers"]:
+                assert container["readinessProbe"] and container["livenessProbe"], (overlay, name)
+                assert container["resources"]["requests"]["memory"] and container["resources"]["limits"]["memory"]
+                assert container["securityContext"]["allowPrivilegeEscalation"] is False
+            if name != "engine" or overlay == "cpu":  # (SGLang's image runs as root)
+                assert pod["securityContext"]["runAsNonRoot"] is True, (overlay, name)
+            if name in GRPC_PORTS:  # the standard gRPC health service, on the port the service serves
+                (container,) = pod["containers"]
+                port = int(container["args"][container["args"].index("--port") + 1])
+                assert port == GRPC_PORTS[name]
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    assert container[probe]["grpc"] == {"port": port}, (name, probe)
+                assert "--metrics-port" in container["args"]  # Prometheus on every gRPC service
+        engine = workloads["engine"]["spec"]["template"]["spec"]["containers"][0]
+        gpus = engine["resources"]["limits"].get("nvidia.com/gpu")
+        trainer_gpus = workloads["trainer"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"].get(
+            "nvidia.com/gpu")
+        if overlay == "gpu":
+            assert engine["image"].startswith("lmsysorg/sglang") and gpus == 1 and trainer_gpus == 1
+            assert "--enable-metrics" in engine["args"]
+        else:
+            assert engine["image"].startswith("rlmesh") and gpus is None and trainer_gpus is None
+            assert engine["args"][:2] == ["serve", "engine"] and "--enable-metrics" in engine["args"]
+
+
+def test_redis_persists_its_append_only_file_on_a_volume():
+    for objects in rendered().values():
+        redis = by_kind(objects, "StatefulSet")["redis"]
+        (claim,) = redis["spec"]["volumeClaimTemplates"]
+        (container,) = redis["spec"]["template"]["spec"]["containers"]
+        assert {"name": claim["metadata"]["name"], "mountPath": "/data"} in container["volumeMounts"]
+        assert "--appendonly yes" in " ".join(container["command"]) and "requirepass" in " ".join(container["command"])
+
+
+def test_secrets_come_from_the_secret_never_from_the_manifests():
+    for objects in rendered().values():
+        assert not by_kind(objects, "Secret")  # created by the operator (see base/kustomization.yaml)
+        for workload in [*by_kind(objects, "Deployment").values(), *by_kind(objects, "StatefulSet").values()]:
+            pod = workload["spec"]["template"]["spec"]
+            for container in [*pod.get("initContainers", []), *pod["containers"]]:
+                env = {e["name"]: e for e in container.get("env", [])}
+                for name in ("RLMESH_TOKEN", "REDIS_PASSWORD"):
+                    if name in env:
+                        assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "rlmesh-secrets"
+                redis_urls = [e["value"] for n, e in env.items() if n.endswith("_REDIS_URL")]
+                assert all(url.startswith("redis://:$(REDIS_PASSWORD)@redis:6379") for url in redis_urls)
+                if workload["metadata"]["name"] in (*GRPC_PORTS, "coordinator"):
+                    assert "RLMESH_TOKEN" in env
+
+
+def test_the_trainer_ranks_find_each_other_through_a_headless_service():
+    for objects in rendered().values():
+        trainer = by_kind(objects, "StatefulSet")["trainer"]
+        headless = by_kind(objects, "Service")[trainer["spec"]["serviceName"]]
+        assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+        labels = trainer["spec"]["template"]["metadata"]["labels"]
+        assert headless["spec"]["selector"].items() <= labels.items()
+        (container,) = trainer["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["MASTER_ADDR"]["value"] == f"trainer-0.{headless['metadata']['name']}"
+        assert "apps.kubernetes.io/pod-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+        master = container["args"][container["args"].index("--weight-sync-master-address") + 1]
+        assert master == f"$(POD_NAME).{headless['metadata']['name']}"
+
+
+def test_every_service_selects_pods_and_names_ports_they_have():
+    for overlay, objects in rendered().items():
+        pods = [w["spec"]["template"] for w in [*by_kind(objects, "Deployment").values(),
+                                                 *by_kind(objects, "StatefulSet").values()]]
+        for name, service in by_kind(objects, "Service").items():
+            selector = service["spec"]["selector"].items()
+            chosen = [p for p in pods if {k: v for k, v in selector if k != "apps.kubernetes.io/pod-index"}.items()
+                      <= p["metadata"]["labels"].items()]
+            assert chosen, (overlay, name)
+            ports = {p["name"] for pod in chosen for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+            assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports, (overlay, name)
+        claims = {c["metadata"]["name"] for c in by_kind(objects, "PersistentVolumeClaim").values()}
+        for pod in pods:
+            used = {v["persistentVolumeClaim"]["claimName"] for v in pod["spec"].get("volumes", [])
+                    if "persistentVolumeClaim" in v}
+            assert used <= claims, (overlay, used - claims)

@@ -12,3 +12,14 @@ def test_means_are_weighted_by_samples_and_counts_add_up():
     merge_sample_metrics(total, {}, "rollout/samples")  # an empty window changes nothing
     assert total == {"rollout/samples": 8, "rollout/reward_mean": 0.25, "rollout/truncated_ratio": 0.375,
                      "rollout/groups_written": 4}
+
+
+def test_drop_reasons_exported_are_bounded():
+    from rlmesh.buffer.metrics import bounded_reasons
+
+    few = {"filtered": 3, "stale": 1}
+    assert bounded_reasons(few) == few
+    many = {f"reason{i}": i for i in range(1, 41)}
+    kept = bounded_reasons(many, most=4)
+    assert kept == {"reason40": 40, "reason39": 39, "reason38": 38, "other": sum(range(1, 38))}
+    assert sum(kept.values()) == sum(many.values())
