@@ -625,7 +625,8 @@ class TorchBackend:
                 )
             self._optimizer_step(self._optimizers["sft"], totals)
             metrics.update(totals.metrics())
-            metrics["sft_nll"] = metrics["loss"]
+            if "loss" in metrics:  # not on a pipeline stage before the last (the loss is taken there)
+                metrics["sft_nll"] = metrics["loss"]
             return metrics
 
     def _sft_loss(self, logits: Tensor, mb: MicroBatch, num_tokens: Tensor, totals: _Totals) -> Tensor:

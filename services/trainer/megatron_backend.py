@@ -346,7 +346,7 @@ class _HFCheckpoint:
         self._where: dict[str, object] = {}
         for f in files:
             handle = safe_open(str(f), framework="pt")
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
                 self._where[name] = handle
 
     def __call__(self, name: str) -> Tensor:
@@ -436,6 +436,8 @@ class MegatronBackend(TorchBackend):
         self.layout = hf_layout(self.hf_config, self.tp, self.pp)
         # The global rank of the last stage's first TP rank: the metrics of a step come from it.
         self._last_stage_rank = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
+        self._tp_sharded = {u.local: u.kind != "replicated" for u in _units(self.layout, self.pp) if u.stage == self.pp_rank}
+        self._tp_sharded["output_layer.weight"] = True  # also the last stage's copy of a tied embedding
         super().__init__(config, device, mixed_precision, resume_from)
 
     # ---------------------------------------------------------------- model
@@ -520,13 +522,14 @@ class MegatronBackend(TorchBackend):
             return self.policy.embedding.word_embeddings.weight
         return self.policy.output_layer.weight if self.last_stage else None
 
-    def _counted_once(self, param: Tensor) -> bool:
+    def _counted_once(self, name: str, param: Tensor) -> bool:
         """Whether this rank's copy of a parameter counts in the global gradient norm:
         TP-replicated parameters (norms) count on TP rank 0 only; the last stage's copy of
-        a tied embedding not at all."""
+        a tied embedding not at all. (From the conversion table: megatron marks its
+        sharded parameters only when it initialises them itself.)"""
         if self.last_stage and not self.first_stage and param is self._tied_embedding():
             return False
-        return bool(getattr(param, "tensor_model_parallel", False)) or self.tp_rank == 0
+        return self._tp_sharded[name] or self.tp_rank == 0
 
     def _clip_grad_norm(self, max_norm: float) -> float:
         tied = self._tied_embedding()
@@ -535,7 +538,7 @@ class MegatronBackend(TorchBackend):
             if tied.grad is None:
                 tied.grad = torch.zeros_like(tied)
             dist.all_reduce(tied.grad, group=self._ps.get_embedding_group())
-        grads = [p.grad for p in self._params if p.grad is not None and self._counted_once(p)]
+        grads = [p.grad for n, p in self.policy.named_parameters() if p.grad is not None and self._counted_once(n, p)]
         square = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in grads:
             square += g.double().pow(2).sum()
