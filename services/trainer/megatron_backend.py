@@ -41,11 +41,13 @@ from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.trainer import megatron_cpu
 from rlmesh.trainer.backend import (
     OPTIMIZER_FILE,
+    RNG_FILE,
     CheckpointSnapshot,
     MicroBatch,
     TorchBackend,
     _cpu_copy,
     _rng_state,
+    _set_rng_state,
     token_log_probs,
 )
 
@@ -649,6 +651,8 @@ class MegatronBackend(TorchBackend):
                     "exp_avg_sq": moments["exp_avg_sq"][local].to(self.device),
                 }
             opt.scheduler.load_state_dict(entry["scheduler"])
+        if (path / RNG_FILE).is_file():
+            _set_rng_state(torch.load(path / RNG_FILE, weights_only=True), self.device)
         self.step = int(state.get("step", 0))
         log.info("resumed from checkpoint %s at step %d (megatron TP=%d PP=%d)", path, self.step, self.tp, self.pp)
         return state

@@ -4,7 +4,7 @@
 its gradients (by HF name) and their global norm, then RL and SFT optimizer steps with
 their metrics, then the weights a push would send. In-process it runs TorchBackend; under
 torchrun (`python -m torch.distributed.run --nproc-per-node N -m tests.helpers.megatron_worker
-MODEL_DIR TP PP OUT`) every rank runs MegatronBackend and the ranks that hold a result save
+compare MODEL_DIR TP PP OUT`) every rank runs MegatronBackend and the ranks that hold a result save
 it under OUT (rank 0: gradients, metrics, weights; the last stage's first rank: logits, loss).
 """
 
@@ -99,13 +99,37 @@ def _megatron_hf(backend, local: dict) -> dict:
     return gather_hf(backend.layout, local)
 
 
+def resume_script(backend, out_dir: Path, save: bool) -> dict[str, torch.Tensor]:
+    """With `save`: a step, a checkpoint (OUT/checkpoint), another step. Without (the
+    backend resumed from that checkpoint): the other step. Returns the weights after."""
+    from rlmesh.trainer.backend import write_checkpoint
+
+    if save:
+        backend.train_step(groups())
+        snapshot = backend.snapshot()
+        if torch.distributed.get_rank() == 0:
+            write_checkpoint(snapshot, out_dir / "checkpoint")
+        torch.distributed.barrier()
+    backend.train_step(groups())
+    return backend.hf_state_dict()
+
+
 def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from rlmesh.trainer.megatron_backend import MegatronBackend
 
-    model_dir, tp, pp, out_dir = Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
-    backend = MegatronBackend(run_config(model_dir, "megatron", tp, pp), torch.device("cpu"), mixed_precision=False)
+    mode, model_dir, tp, pp, out_dir = argv[0], Path(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
+    config = run_config(model_dir, "megatron", tp, pp)
+    if mode != "compare":  # resume-save / resume-load
+        load = mode == "resume-load"
+        backend = MegatronBackend(config, torch.device("cpu"), False, out_dir / "checkpoint" if load else None)
+        weights = resume_script(backend, out_dir, save=not load)
+        if dist.get_rank() == 0:
+            torch.save(weights, out_dir / f"{mode}.pt")
+        dist.destroy_process_group()
+        return
+    backend = MegatronBackend(config, torch.device("cpu"), mixed_precision=False)
     result = script(backend)
     rank = dist.get_rank()
     if rank == 0:

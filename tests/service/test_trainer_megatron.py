@@ -64,13 +64,17 @@ def torch_result(model) -> dict:
         backend.close()
 
 
-def run_megatron(model_dir: Path, tp: int, pp: int, out: Path) -> dict:
+def torchrun_worker(mode: str, model_dir: Path, tp: int, pp: int, out: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "tests.helpers.megatron_worker", str(model_dir), str(tp), str(pp), str(out)]
+           "-m", "tests.helpers.megatron_worker", mode, str(model_dir), str(tp), str(pp), str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def run_megatron(model_dir: Path, tp: int, pp: int, out: Path) -> dict:
+    torchrun_worker("compare", model_dir, tp, pp, out)
     return {
         **torch.load(out / "rank0.pt", weights_only=True),
         **torch.load(out / "last_stage.pt", weights_only=True),
@@ -105,3 +109,16 @@ def test_megatron_matches_the_torch_backend(model, torch_result, tp, pp, tmp_pat
             assert g[name] == pytest.approx(w[name], rel=1e-4, abs=1e-5), f"step {step} metric {name}"
     # ... and the weight set a push sends: HF names, shapes and values as the torch backend's.
     assert_close_dicts(got["weights"], want["weights"], WEIGHTS_ATOL, "pushed weight")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_at_other_parallel_sizes(tmp_path):
+    """A checkpoint written at TP=2 (HF weights, AdamW moments by HF name, step, scheduler)
+    resumed at PP=2: the next step gives the weights the uninterrupted TP=2 run has."""
+    model_dir = build_model("qwen2", tmp_path / "qwen2")
+    torchrun_worker("resume-save", model_dir, 2, 1, tmp_path)
+    torchrun_worker("resume-load", model_dir, 1, 2, tmp_path)
+    assert json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())["step"] == 2
+    continued = torch.load(tmp_path / "resume-save.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "resume-load.pt", weights_only=True)
+    assert_close_dicts(resumed, continued, WEIGHTS_ATOL, "weight after resuming")
