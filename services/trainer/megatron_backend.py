@@ -370,7 +370,7 @@ def init_parallel(tp: int, pp: int, device: torch.device) -> None:
     megatron_cpu.apply()
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         else:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
