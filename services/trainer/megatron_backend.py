@@ -326,12 +326,12 @@ def gather_hf(layout: HFLayout, local: Mapping[str, Tensor]) -> dict[str, Tensor
                         dist.send(tensor, dst=pp_ranks[0])
         elif rank == 0:  # the owner is another stage's first TP rank
             for name in unit.hf:
-                out[name] = torch.empty(_hf_shape(layout, name), dtype=local_dtype(local))
+                out[name] = torch.empty(_hf_shape(layout, name), dtype=_dtype_of(local))
                 dist.recv(out[name], src=pp_ranks[unit.stage])
     return {name: out[name] for name in hf_names(layout)} if rank == 0 else {}
 
 
-def local_dtype(local: Mapping[str, Tensor]) -> torch.dtype:
+def _dtype_of(local: Mapping[str, Tensor]) -> torch.dtype:
     return next(iter(local.values())).dtype
 
 
@@ -436,7 +436,8 @@ class MegatronBackend(TorchBackend):
         except (OSError, ValueError) as e:
             raise errors.InvalidArgument(f"model_path: cannot read a Hugging Face config from {str(path)!r}: {e}") from None
         self.layout = hf_layout(self.hf_config, self.tp, self.pp)
-        # The global rank of the last stage's first TP rank: the metrics of a step come from it.
+        # The global rank of this TP rank's last pipeline stage: log-probs and the metrics of a
+        # step are taken there and broadcast over the pipeline group.
         self._last_stage_rank = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
         self._tp_sharded = {u.local: u.kind != "replicated" for u in _units(self.layout, self.pp) if u.stage == self.pp_rank}
         self._tp_sharded["output_layer.weight"] = True  # also the last stage's copy of a tied embedding
