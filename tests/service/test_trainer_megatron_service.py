@@ -97,7 +97,7 @@ def test_megatron_tp2_service_trains_like_the_torch_backend(
         stub, "m1", config(model_dir, backend="megatron", tensor_parallel_size=2, micro_batch_size=4)
     )
     torch_metrics, torch_dir = train_and_save(
-        trainer_server(buffer_address=buffer_address), "t1", config(model_dir, micro_batch_size=4)
+        trainer_server(buffer_address=buffer_address, port=0), "t1", config(model_dir, micro_batch_size=4)
     )
 
     assert set(megatron_metrics) == set(torch_metrics)
