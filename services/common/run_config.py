@@ -193,6 +193,19 @@ class TrainingConfig(StrictModel):
         "rlmesh wrote are deleted (SaveCheckpoint's are never deleted)."
     )
     seed: int = Field(0, ge=0, le=INT64_MAX, description="Seed of the trainer's random state.")
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="How the trainer holds the model: 'torch' (a transformers model, one device) or "
+        "'megatron' (a megatron-core GPTModel with tensor/pipeline parallelism; Llama and Qwen2 families; needs the "
+        "`megatron` extra, and a trainer started under torchrun with TP x PP processes, see README)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="TP: ranks each layer is split over (backend 'megatron').")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="PP: pipeline stages the layers are cut into (backend 'megatron').")
+
+    @model_validator(mode="after")
+    def _parallel_sizes_need_megatron(self):
+        if self.backend == "torch" and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size above 1 need backend 'megatron'")
+        return self
 
 
 class TrainerRunConfig(TrainingConfig):

@@ -17,6 +17,7 @@ The model stays in eval mode: dropout would make the ratio differ from 1 for no 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ import os
 import random
 import shutil
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -406,11 +407,8 @@ class TorchBackend:
         torch.manual_seed(config.seed)
 
         source = resume_from or Path(config.model_path)
-        self.policy = _load_model(str(source), device, "checkpoint to resume" if resume_from else "model_path")
-        pad = self.policy.config.pad_token_id
-        self.pad_token_id = int(pad) if pad is not None else 0
-        # The rows of the input embedding: token ids must be below it.
-        self.vocab_size = int(self.policy.get_input_embeddings().num_embeddings)
+        self.policy = self._load_model(str(source), "checkpoint to resume" if resume_from else "model_path")
+        self.pad_token_id, self.vocab_size = self._token_space()
 
         # Starting from one of our checkpoints resumes it (see _resume); its reference
         # is still the model the run began from, not the checkpoint.
@@ -420,7 +418,7 @@ class TorchBackend:
         )
         self.reference: PreTrainedModel | None = None
         if self.needs_reference:
-            self.reference = _load_model(self.reference_path, device)
+            self.reference = self._load_model(self.reference_path, "reference_model_path")
             self.reference.requires_grad_(False)
 
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -430,6 +428,15 @@ class TorchBackend:
             _build_optimizer(params, config.sft_optimizer) if config.sft_optimizer else self._optimizers["rl"]
         )
         self.resumed_state: dict = self._resume(source, saved_state) if saved_state else {}
+
+    def _load_model(self, path: str, what: str) -> PreTrainedModel:
+        return _load_model(path, self.device, what)
+
+    def _token_space(self) -> tuple[int, int]:
+        """(pad token id, vocabulary size): token ids must be below the rows of the input
+        embedding."""
+        pad = self.policy.config.pad_token_id
+        return (int(pad) if pad is not None else 0), int(self.policy.get_input_embeddings().num_embeddings)
 
     @property
     def needs_reference(self) -> bool:
@@ -468,8 +475,17 @@ class TorchBackend:
             out.extend(lp[k, : samples[i].response_length] for k, i in enumerate(chunk))
         return out
 
+    def _backward(self, model: PreTrainedModel, mb: MicroBatch, loss_of: Callable[[Tensor], Tensor]) -> None:
+        """Forward `mb`, take the loss of its response logits (_response_logits), backward.
+        A parallel backend may compute the loss on some of its ranks only."""
+        loss_of(self._response_logits(model, mb)).backward()
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        """Scale the gradients to a norm of at most `max_norm`; returns the norm before."""
+        return float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
+
     def _optimizer_step(self, opt: _Optimizer, totals: _Totals) -> None:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, opt.config.grad_clip))
+        grad_norm = self._clip_grad_norm(opt.config.grad_clip)
         totals.lr = opt.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
             opt.optimizer.step()
@@ -534,7 +550,11 @@ class TorchBackend:
             num_tokens = mini_masks.sum().clamp(min=1)
             num_seqs = (mini_masks.sum(dim=1) > 0).sum().clamp(min=1)
             for chunk, mb in self._micro_batches(mini, samples):
-                self._rl_micro_step(mb, fixed.rows(chunk, mb.response_width), num_seqs, num_tokens, totals)
+                rows = fixed.rows(chunk, mb.response_width)
+                self._backward(
+                    self.policy, mb, functools.partial(self._rl_loss, mb=mb, fixed=rows, num_seqs=num_seqs,
+                                                       num_tokens=num_tokens, totals=totals)
+                )
             self._optimizer_step(opt, totals)
 
         metrics.update(totals.metrics())
@@ -549,12 +569,12 @@ class TorchBackend:
                 present[i, : s.response_length] = 1.0
         return values, present
 
-    def _rl_micro_step(
-        self, mb: MicroBatch, fixed: _FixedTokens, num_seqs: Tensor, num_tokens: Tensor, totals: _Totals
-    ) -> None:
+    def _rl_loss(
+        self, logits: Tensor, mb: MicroBatch, fixed: _FixedTokens, num_seqs: Tensor, num_tokens: Tensor, totals: _Totals
+    ) -> Tensor:
+        """The loss of one micro-batch from its response logits; its metrics go to `totals`."""
         a = self.algorithm
         mask, old = mb.mask, fixed.old
-        logits = self._response_logits(self.policy, mb)
         # Padded and loss-mask-0 positions hold log-probs of junk targets: pin them to the
         # old values (ratio 1, KL 0) so no term there can overflow into a NaN gradient.
         log_probs = torch.where(mask > 0, token_log_probs(logits, mb.targets), old)
@@ -578,7 +598,6 @@ class TorchBackend:
             totals.add_step_value("kl_loss", float(kl_loss.detach()))
         if a.entropy_coef:
             loss = loss - a.entropy_coef * aggregate(entropy)
-        loss.backward()
 
         totals.add_step_value("loss", float(loss.detach()))
         totals.add_step_value("pg_loss", float(pg_loss.detach()))
@@ -586,6 +605,7 @@ class TorchBackend:
         totals.add_token_sum("clip_frac", float(algo.masked_sum(clipped, mask)))
         totals.add_token_mean("approx_kl", float(algo.approx_kl(log_probs.detach(), old, mask)), float(mask.sum()))
         totals.add_token_sum("entropy", float(algo.masked_sum(entropy.detach(), mask)))
+        return loss
 
     # ---------------------------------------------------------------- SFT step
 
@@ -600,14 +620,19 @@ class TorchBackend:
             num_tokens = torch.tensor(max(sum(s.num_trained_tokens for s in samples), 1.0), device=self.device)
             totals = _Totals()
             for _, mb in self._micro_batches(range(len(samples)), samples):
-                log_probs = self._response_log_probs(self.policy, mb)
-                loss = algo.nll_loss(log_probs, mb.mask, num_tokens)
-                loss.backward()
-                totals.add_step_value("loss", float(loss.detach()))
+                self._backward(
+                    self.policy, mb, functools.partial(self._sft_loss, mb=mb, num_tokens=num_tokens, totals=totals)
+                )
             self._optimizer_step(self._optimizers["sft"], totals)
             metrics.update(totals.metrics())
-            metrics["sft_nll"] = metrics["loss"]
+            if "loss" in metrics:  # not on a pipeline stage before the last (the loss is taken there)
+                metrics["sft_nll"] = metrics["loss"]
             return metrics
+
+    def _sft_loss(self, logits: Tensor, mb: MicroBatch, num_tokens: Tensor, totals: _Totals) -> Tensor:
+        loss = algo.nll_loss(token_log_probs(logits, mb.targets), mb.mask, num_tokens)
+        totals.add_step_value("loss", float(loss.detach()))
+        return loss
 
     # ---------------------------------------------------------------- weights and checkpoints
 

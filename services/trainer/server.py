@@ -3,10 +3,14 @@ rlmesh.trainer.trainer.Trainer; errors are raised as rlmesh.common.errors."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 
-from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
+import torch
+
+from rlmesh.common.grpc_server import Service, ServiceBinding, serve_service, start_service
 from rlmesh.common.prometheus import ServiceMetrics
+from rlmesh.trainer import ranks
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.metrics import TrainerMetrics
 from rlmesh.trainer.trainer import RunStatus, Trainer, parse_run_config
@@ -81,3 +85,20 @@ async def build(settings: Settings, trainer: Trainer | None = None) -> Service:
 
 
 start = functools.partial(start_service, build)
+
+
+async def serve(settings: Settings) -> None:
+    """`rlmesh serve trainer`. Under torchrun (a backend over several ranks, see ranks.py)
+    rank 0 serves gRPC and leads; the other ranks follow it and serve nothing."""
+    if ranks.world_size() == 1:
+        await serve_service(build, settings)
+        return
+    device_type = "cuda" if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if ranks.rank() != 0:
+        await asyncio.to_thread(ranks.follow, device_type)
+        return
+    ranks.init_ranks(device_type)
+    try:
+        await serve_service(build, settings)
+    finally:
+        ranks.stop_followers()

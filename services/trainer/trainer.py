@@ -1,4 +1,5 @@
-"""The trainer's plain logic: one run at a time, its model on a TorchBackend, batches
+"""The trainer's plain logic: one run at a time, its model on a backend (TorchBackend, or
+MegatronBackend over torchrun's ranks: ranks.open_backend), batches
 leased from the buffer and acknowledged after the optimizer step, weights pushed to
 the engines through the rollout service. No gRPC server here (see server.py); the
 model work runs on a worker thread so the event loop stays responsive."""
@@ -41,6 +42,7 @@ from rlmesh.trainer.backend import (
     write_checkpoint,
 )
 from rlmesh.trainer.config import Settings
+from rlmesh.trainer.ranks import open_backend
 from rlmesh.trainer.weight_sync import PushResult, WeightPusher
 from rlmesh.v1 import buffer_pb2, sample_pb2
 from rlmesh.v1.buffer_pb2_grpc import BufferStub
@@ -160,7 +162,7 @@ class Trainer:
                 )
             device = resolve_device(config.device if config.device != "auto" else self.settings.device)
             resume = await asyncio.to_thread(newest_checkpoint, checkpoints, run_id)
-            backend = await asyncio.to_thread(TorchBackend, config, device, self.settings.mixed_precision, resume)
+            backend = await asyncio.to_thread(open_backend, config, device, self.settings.mixed_precision, resume)
             run = _Run(
                 run_id, config, backend,
                 weight_version=int(backend.resumed_state.get("weight_version", 0)),
