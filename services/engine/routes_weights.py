@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -11,12 +12,16 @@ from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, error_response, json_body, result_response
 from rlmesh.engine.weights import (
     WeightUpdateError,
+    apply_delta,
     check_against_model,
+    check_delta_targets,
     checkpoint_for_model,
     load_into_model,
+    parse_delta,
     parse_specs,
     read_checkpoint,
     receive,
+    receive_delta,
     weights_by_name,
 )
 
@@ -53,19 +58,36 @@ def weights_router(state: EngineState) -> APIRouter:
         body = await json_body(request)
         specs = parse_specs(body.get("names"), body.get("dtypes"), body.get("shapes"))
         load_format = body.get("load_format")
+        delta = None
+        if body.get("rlmesh_delta") is not None:
+            if not state.settings.weight_delta:
+                raise WeightUpdateError("this engine does not accept delta updates (weight_delta is off); push in full")
+            delta = parse_delta(body["rlmesh_delta"], specs)
         async with state.weight_lock:
             group = state.groups.get(str(body.get("group_name") or "weight_update_group"))
             if body.get("abort_all_requests"):
                 engine.abort(abort_all=True, message="Aborted for a weight update.")
             # Receive everything before judging it, so rank 0's broadcasts never hang.
-            named = await asyncio.to_thread(receive, specs, group, load_format, engine.device)
-            check_against_model(model, named)
+            if delta is None:
+                named = await asyncio.to_thread(receive, specs, group, load_format, engine.device)
+                check_against_model(model, named)
 
-            def apply() -> None:
-                load_into_model(model, named)
-                state.set_weight_version(body.get("weight_version"))
+                def apply() -> None:
+                    load_into_model(model, named)
+                    state.set_weight_version(body.get("weight_version"))
+            else:
+                received = await asyncio.to_thread(receive_delta, specs, delta, group, engine.device)
+                check_against_model(model, [(s.name, torch.empty(s.shape, device="meta")) for s in specs])
+                check_delta_targets(model, specs)
 
-            await state.in_engine(apply)
+                def apply() -> None:
+                    apply_delta(model, received, engine.weight_version)
+                    state.set_weight_version(body.get("weight_version"))
+
+            # Queued while the lock is held, so buckets apply in the order they arrived; the
+            # next bucket's broadcast is received while this one is copied into the model.
+            applied = state.in_engine(apply)
+        await applied
         return result_response(True, "Succeeded to update parameter online.")
 
     @router.post("/update_weights_from_disk")

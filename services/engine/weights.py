@@ -7,7 +7,12 @@
   "flattened_bucket", a single uint8 broadcast holding the tensors' bytes back to back in
   `names` order with no padding (SGLang's `FlattenedTensorBucket.from_specs`: tensor i
   starts where tensor i-1 ends);
-- `update_weights_from_disk`: the safetensors (or .bin) files of a checkpoint directory.
+- `update_weights_from_disk`: the safetensors (or .bin) files of a checkpoint directory;
+- an rlmesh extension SGLang does not have, delta updates (docs/engine-api.md, "Delta
+  weight updates"): `update_weights_from_distributed` with an `rlmesh_delta` field receives
+  one uint8 broadcast holding only the changed elements of a bucket (their flat indices
+  into the bucket, then their values) and writes them over the current weights, which
+  must be at the delta's base version.
 
 Tensors are matched to the model by Hugging Face name (`model.state_dict()` names, tied
 aliases such as lm_head.weight included). Unlike SGLang, a bad name or shape is found
@@ -137,11 +142,112 @@ def receive(
         raise WeightUpdateError(f"receiving the broadcast failed: {type(e).__name__}: {e}") from e
     received, offset = [], 0
     for spec in specs:
-        # clone: a dtype view needs its start aligned to the dtype size, the bucket has no padding.
-        chunk = bucket[offset : offset + spec.nbytes].clone()
+        chunk = bucket[offset : offset + spec.nbytes]
+        if offset % spec.dtype.itemsize:
+            # A dtype view needs its start aligned to the dtype size and the bucket has no
+            # padding: only a bucket mixing dtypes gets here (rlmesh's hold one dtype each).
+            chunk = chunk.clone()
         received.append((spec.name, chunk.view(spec.dtype).reshape(spec.shape)))
         offset += spec.nbytes
     return received
+
+
+# -- delta updates (an rlmesh extension) ---------------------------------------
+
+DELTA_INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
+
+
+@dataclass(frozen=True)
+class WeightDelta:
+    """The changed elements of one bucket: `count` flat element indices into the bucket's
+    tensors laid end to end in `names` order (strictly increasing), and their values in
+    the bucket's one dtype, applied over the weights of version `base_version`."""
+
+    count: int
+    index_dtype: torch.dtype
+    base_version: str
+
+
+@dataclass
+class ReceivedDelta:
+    specs: list[TensorSpec]
+    indices: torch.Tensor  # int64, strictly increasing, in [0, total elements)
+    values: torch.Tensor
+    base_version: str
+
+
+def parse_delta(raw: Any, specs: Sequence[TensorSpec]) -> WeightDelta:
+    if not isinstance(raw, dict):
+        raise WeightUpdateError("rlmesh_delta must be an object {count, index_dtype, base_version}")
+    count, index_dtype, base = raw.get("count"), raw.get("index_dtype"), raw.get("base_version")
+    total = sum(math.prod(s.shape) for s in specs)
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= total:
+        raise WeightUpdateError(f"rlmesh_delta.count must be an integer in [0, {total}] (the bucket's elements), got {count!r}")
+    if index_dtype not in DELTA_INDEX_DTYPES:
+        raise WeightUpdateError(f"rlmesh_delta.index_dtype must be one of {sorted(DELTA_INDEX_DTYPES)}, got {index_dtype!r}")
+    if not isinstance(base, str) or not base:
+        raise WeightUpdateError("rlmesh_delta.base_version must name the weight version the delta applies to")
+    if len({s.dtype for s in specs}) != 1:
+        raise WeightUpdateError("a delta bucket must hold tensors of one dtype")
+    return WeightDelta(count, DELTA_INDEX_DTYPES[index_dtype], base)
+
+
+def receive_delta(
+    specs: Sequence[TensorSpec], delta: WeightDelta, group: dist.ProcessGroup, device: torch.device
+) -> ReceivedDelta:
+    """Receive one delta bucket (a uint8 broadcast: the indices, then the values), and
+    check the indices before anything is applied."""
+    value_dtype = specs[0].dtype
+    index_bytes = delta.count * delta.index_dtype.itemsize
+    payload = torch.empty(index_bytes + delta.count * value_dtype.itemsize, dtype=torch.uint8, device=device)
+    try:
+        if payload.numel():
+            dist.broadcast(payload, src=0, group=group)
+    except Exception as e:
+        raise WeightUpdateError(f"receiving the delta broadcast failed: {type(e).__name__}: {e}") from e
+    # The values start at a multiple of the index size (4 or 8), so their view is aligned.
+    indices = payload[:index_bytes].view(delta.index_dtype).long()
+    values = payload[index_bytes:].view(value_dtype)
+    total = sum(math.prod(s.shape) for s in specs)
+    if indices.numel() and (
+        int(indices[0]) < 0 or int(indices[-1]) >= total or not bool((indices[1:] > indices[:-1]).all())
+    ):
+        raise WeightUpdateError(f"delta indices must be strictly increasing and in [0, {total}). No weights were changed.")
+    return ReceivedDelta(list(specs), indices, values, delta.base_version)
+
+
+def apply_delta(model: torch.nn.Module, delta: ReceivedDelta, weight_version: str) -> int:
+    """Write a delta's values over the model's weights; run in the engine thread. The
+    weights must be at the delta's base version, else nothing is changed. Values are
+    converted to the model's dtype as a full update's copy converts them, so the result
+    is bit for bit the one a full update of the same tensors gives."""
+    if weight_version != delta.base_version:
+        raise WeightUpdateError(
+            f"this delta applies to weight version {delta.base_version!r} but the engine holds {weight_version!r}; "
+            "push the weights in full. No weights were changed."
+        )
+    targets = model_tensors(model)
+    starts = [0]
+    for spec in delta.specs:
+        starts.append(starts[-1] + math.prod(spec.shape))
+    bounds = torch.searchsorted(delta.indices, torch.tensor(starts, dtype=torch.long)).tolist()
+    with torch.no_grad():
+        for i, spec in enumerate(delta.specs):
+            lo, hi = bounds[i], bounds[i + 1]
+            if lo == hi:
+                continue
+            target = targets[spec.name].data
+            flat = target.view(-1)  # parameters are contiguous (checked by check_delta_targets)
+            flat[delta.indices[lo:hi] - starts[i]] = delta.values[lo:hi].to(flat.dtype)
+    return int(delta.indices.numel())
+
+
+def check_delta_targets(model: torch.nn.Module, specs: Sequence[TensorSpec]) -> None:
+    """A delta writes into the weights in place: every target must be contiguous."""
+    targets = model_tensors(model)
+    scattered = [s.name for s in specs if not targets[s.name].is_contiguous()]
+    if scattered:
+        raise WeightUpdateError(f"cannot apply a delta to non-contiguous tensors {scattered[:10]}; push in full")
 
 
 # -- the model's side --------------------------------------------------------

@@ -12,6 +12,7 @@ import httpx
 
 from rlmesh.common.auth import credential_headers
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
 
 
 @dataclass
@@ -22,10 +23,20 @@ class EngineState:
     healthy: bool = True
     model_path: str = ""
     tokenizer_path: str = ""
+    weight_delta_format: str = ""  # the rlmesh delta-update format it accepts; "" = none (SGLang)
 
 
 class EngineError(Unavailable):
     pass
+
+
+@dataclass(frozen=True)
+class WeightDelta:
+    """A delta bucket's announcement (the rlmesh extension, docs/engine-api.md)."""
+
+    count: int
+    index_dtype: str
+    base_version: str
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,7 @@ class SGLangClient:
         self.generate_timeout = generate_timeout or timeout
         self.seconds_per_token = seconds_per_token
         self._has_weight_session: bool | None = None  # SGLang >= 0.5.21 wants begin/end
+        self.weight_delta_format = ""  # as its /get_server_info said when last asked (states())
         self._live_rids: dict[str, str] = {}  # rid a caller knows -> rid of the retry in flight
 
     async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
@@ -210,12 +222,14 @@ class EnginePool:
                 info, server = await asyncio.gather(e.model_info(), e.server_info())
             except Unavailable:
                 return EngineState(url=e.url, healthy=False)
+            e.weight_delta_format = str(server.get("rlmesh_weight_delta") or "")
             return EngineState(
                 url=e.url,
                 tp_size=int(server.get("tp_size", 1)),
                 weight_version=str(info.get("weight_version", "default")),
                 model_path=info.get("model_path", ""),
                 tokenizer_path=info.get("tokenizer_path", "") or info.get("model_path", ""),
+                weight_delta_format=e.weight_delta_format,
             )
 
         return list(await asyncio.gather(*(one(e) for e in self.engines)))
@@ -257,10 +271,14 @@ class EnginePool:
         return len(states)
 
     async def update_weights(self, tensors: list[TensorMeta], group_name: str, weight_version: str,
-                             flush_cache: bool, load_format: str) -> None:
-        """Every engine receives one bucket of the trainer's broadcast (in `tensors` order)."""
+                             flush_cache: bool, load_format: str, delta: WeightDelta | None = None) -> None:
+        """Every engine receives one bucket of the trainer's broadcast (in `tensors` order),
+        whole or, with `delta`, only its changed elements."""
         if not tensors:
             raise InvalidArgument("a weight update needs at least one tensor")
+        if delta is not None and not all(e.weight_delta_format == WEIGHT_DELTA_FORMAT for e in self.engines):
+            # Checked before any engine is called, so no rank waits on a broadcast that never comes.
+            raise FailedPrecondition(f"not every engine accepts {WEIGHT_DELTA_FORMAT} delta updates; push in full")
         body = {
             "names": [t.name for t in tensors],
             "dtypes": [t.dtype for t in tensors],
@@ -271,6 +289,9 @@ class EnginePool:
             "weight_version": weight_version or None,  # None: unchanged (earlier buckets)
             "load_format": load_format or None,
         }
+        if delta is not None:
+            body["rlmesh_delta"] = {"count": delta.count, "index_dtype": delta.index_dtype,
+                                    "base_version": delta.base_version}
 
         async def one(engine: SGLangClient) -> None:
             await engine.begin_weight_update()
