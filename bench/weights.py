@@ -11,7 +11,9 @@ weight_sync_dtype), over gloo on loopback.
 
 - raw broadcast: rank 0 broadcasts the push's buckets (same sizes, same bucketing) to a
   second process that receives them into a preallocated buffer: the transport's ceiling.
-- full push: WeightPusher.push_distributed, delta off (every byte sent).
+- full push: WeightPusher.push_distributed, delta off (every byte sent), of bfloat16
+  parameters (a bf16 trainer's; push_gb_per_s) and of the float32 master weights
+  converted on the way (push_from_fp32_gb_per_s).
 - disk push: save safetensors, then UpdateWeightsFromDisk.
 - delta push: one AdamW step (lr 1e-6, a usual RL learning rate; random gradients) on the
   float32 master weights, then a push with delta on: only the elements whose bfloat16
@@ -60,6 +62,7 @@ buffer = torch.empty(max(sizes), dtype=torch.uint8)
 for _ in range(rounds):
     for n in sizes:
         dist.broadcast(buffer[:n], src=0, group=group)
+dist.destroy_process_group(group)
 """
 
 
@@ -180,15 +183,20 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         first = await pusher.push_distributed(named, version, full, wire)  # opens the group
         print(f"first push (with the group's setup): {first.seconds:.2f} s", flush=True)
 
-        push_s, raw_s = [], []
-        for _ in range(args.rounds):  # interleaved: a busy machine slows both alike
+        # A bf16 trainer (bf16 parameters, fp32 master weights in the optimizer) pushes its
+        # parameters as they are; an fp32 one converts each bucket on the way.
+        as_sent = [(n, t.to(wire)) for n, t in named]
+        push_s, cast_s, raw_s = [], [], []
+        for _ in range(args.rounds):  # interleaved: a busy machine slows all alike
             raw_s.append(await asyncio.to_thread(raw.once))
             version += 1
-            result = await pusher.push_distributed(named, version, full, wire)
-            push_s.append(result.seconds)
-            print(f"raw broadcast {raw_s[-1]:.2f} s, push {push_s[-1]:.2f} s ({result.buckets} buckets)", flush=True)
+            push_s.append((await pusher.push_distributed(as_sent, version, full)).seconds)
+            version += 1
+            cast_s.append((await pusher.push_distributed(named, version, full, wire)).seconds)
+            print(f"raw broadcast {raw_s[-1]:.2f} s, push {push_s[-1]:.2f} s, push from fp32 {cast_s[-1]:.2f} s", flush=True)
         raw.close()
-        push_time, raw_time = statistics.median(push_s), statistics.median(raw_s)
+        del as_sent
+        push_time, cast_time, raw_time = (statistics.median(x) for x in (push_s, cast_s, raw_s))
 
         def save(target: Path) -> Path:
             from safetensors.torch import save_file
@@ -212,6 +220,9 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         exact = all(
             torch.equal(engine_tensor(url, n, 64), t[:64].to(wire).float()) for n, t in named[: args.check_tensors]
         )
+    except BaseException:
+        print(f"engine log (tail):\n{(work / 'engine.log').read_text()[-4000:]}", file=sys.stderr)
+        raise
     finally:
         await pusher.close()
         await rollout.stop(None)
@@ -225,6 +236,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         "push_gb_per_s": round(wire_bytes / push_time / GB, 3),
         "raw_broadcast_gb_per_s": round(wire_bytes / raw_time / GB, 3),
         "push_vs_raw": round(raw_time / push_time, 3),
+        "push_from_fp32_gb_per_s": round(wire_bytes / cast_time / GB, 3),
         "dist_push_s": round(push_time, 3),
         "disk_push_s": round(disk.seconds, 3),
         "dist_vs_disk_speedup": round(disk.seconds / push_time, 2),

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, error_response, json_body, result_response
 from rlmesh.engine.weights import (
+    ReceiveBuffers,
     WeightUpdateError,
     apply_delta,
     check_against_model,
@@ -21,6 +22,7 @@ from rlmesh.engine.weights import (
     parse_specs,
     read_checkpoint,
     receive,
+    receive_bytes,
     receive_delta,
     weights_by_name,
 )
@@ -29,6 +31,7 @@ from rlmesh.engine.weights import (
 def weights_router(state: EngineState) -> APIRouter:
     router = APIRouter()
     engine, model = state.engine, state.model
+    buffers = ReceiveBuffers()
 
     @router.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
@@ -51,6 +54,7 @@ def weights_router(state: EngineState) -> APIRouter:
         body = await json_body(request)
         async with state.weight_lock:
             state.groups.destroy(str(body.get("group_name") or "weight_update_group"))
+            buffers.clear()
         return result_response(True, "Succeeded to destroy custom process group.")
 
     @router.post("/update_weights_from_distributed")
@@ -68,26 +72,36 @@ def weights_router(state: EngineState) -> APIRouter:
             if body.get("abort_all_requests"):
                 engine.abort(abort_all=True, message="Aborted for a weight update.")
             # Receive everything before judging it, so rank 0's broadcasts never hang.
-            if delta is None:
-                named = await asyncio.to_thread(receive, specs, group, load_format, engine.device)
-                check_against_model(model, named)
+            buffer = None
+            try:
+                if delta is None:
+                    if load_format in (None, "flattened_bucket"):
+                        buffer = buffers.take(receive_bytes(specs, load_format), engine.device)
+                    named = await asyncio.to_thread(receive, specs, group, load_format, engine.device, buffer)
+                    check_against_model(model, named)
 
-                def apply() -> None:
-                    load_into_model(model, named)
-                    state.set_weight_version(body.get("weight_version"))
-            else:
-                received = await asyncio.to_thread(receive_delta, specs, delta, group, engine.device)
-                check_against_model(model, [(s.name, torch.empty(s.shape, device="meta")) for s in specs])
-                check_delta_targets(model, specs)
+                    def apply() -> None:
+                        load_into_model(model, named)
+                        state.set_weight_version(body.get("weight_version"))
+                else:
+                    received = await asyncio.to_thread(receive_delta, specs, delta, group, engine.device)
+                    check_against_model(model, [(s.name, torch.empty(s.shape, device="meta")) for s in specs])
+                    check_delta_targets(model, specs)
 
-                def apply() -> None:
-                    apply_delta(model, received, engine.weight_version)
-                    state.set_weight_version(body.get("weight_version"))
+                    def apply() -> None:
+                        apply_delta(model, received, engine.weight_version)
+                        state.set_weight_version(body.get("weight_version"))
 
-            # Queued while the lock is held, so buckets apply in the order they arrived; the
-            # next bucket's broadcast is received while this one is copied into the model.
-            applied = state.in_engine(apply)
-        await applied
+                # Queued while the lock is held, so buckets apply in the order they arrived;
+                # the next bucket's broadcast is received while this one is copied in.
+                applied = engine.run_between_steps(apply)
+            except BaseException:
+                if buffer is not None:
+                    buffers.give(buffer)
+                raise
+            if buffer is not None:
+                applied.add_done_callback(lambda _: buffers.give(buffer))  # free once the model has it
+        await asyncio.wrap_future(applied)
         return result_response(True, "Succeeded to update parameter online.")
 
     @router.post("/update_weights_from_disk")

@@ -23,6 +23,7 @@ engine thread between decode steps."""
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,21 +123,61 @@ class WeightGroups:
             self.destroy(name)
 
 
+class ReceiveBuffers:
+    """Receive buffers kept from one bucket to the next: receiving into a fresh 64 MiB
+    tensor costs about as much in page faults as the transfer itself. A buffer is taken
+    for a bucket and given back once the bucket is in the model; `keep` are kept."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes and b.device == device]
+            if fits:  # the smallest that fits (list.remove would compare tensors by value)
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buffer)
+            self._free.sort(key=torch.Tensor.numel, reverse=True)
+            del self._free[self.keep :]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+ALIGN_BYTES = 64  # where each tensor starts in a receive buffer, for load_format null
+
+
 def receive(
-    specs: Sequence[TensorSpec], group: dist.ProcessGroup, load_format: str | None, device: torch.device
+    specs: Sequence[TensorSpec],
+    group: dist.ProcessGroup,
+    load_format: str | None,
+    device: torch.device,
+    buffer: torch.Tensor | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Receive the tensors broadcast by rank 0, in `specs` order."""
+    """Receive the tensors broadcast by rank 0, in `specs` order, into `buffer` (uint8,
+    at least receive_bytes(specs, load_format)) or fresh memory. The tensors returned
+    are views of it."""
     if load_format not in (None, "flattened_bucket"):
         raise WeightUpdateError(f"unknown load_format {load_format!r}; use null or 'flattened_bucket'")
+    if buffer is None:
+        buffer = torch.empty(receive_bytes(specs, load_format), dtype=torch.uint8, device=device)
     try:
         if load_format is None:
-            received = []
+            received, offset = [], 0
             for spec in specs:
-                tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+                tensor = buffer[offset : offset + spec.nbytes].view(spec.dtype).reshape(spec.shape)
                 dist.broadcast(tensor, src=0, group=group)
                 received.append((spec.name, tensor))
+                offset += -(-spec.nbytes // ALIGN_BYTES) * ALIGN_BYTES
             return received
-        bucket = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=device)
+        bucket = buffer[: receive_bytes(specs, load_format)]
         dist.broadcast(bucket, src=0, group=group)
     except Exception as e:
         raise WeightUpdateError(f"receiving the broadcast failed: {type(e).__name__}: {e}") from e
@@ -150,6 +191,12 @@ def receive(
         received.append((spec.name, chunk.view(spec.dtype).reshape(spec.shape)))
         offset += spec.nbytes
     return received
+
+
+def receive_bytes(specs: Sequence[TensorSpec], load_format: str | None) -> int:
+    if load_format is None:
+        return sum(-(-s.nbytes // ALIGN_BYTES) * ALIGN_BYTES for s in specs)
+    return sum(s.nbytes for s in specs)
 
 
 # -- delta updates (an rlmesh extension) ---------------------------------------

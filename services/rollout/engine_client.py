@@ -73,6 +73,7 @@ class SGLangClient:
         self.generate_timeout = generate_timeout or timeout
         self.seconds_per_token = seconds_per_token
         self._has_weight_session: bool | None = None  # SGLang >= 0.5.21 wants begin/end
+        self._in_session = False  # begun and not yet ended
         self.weight_delta_format = ""  # as its /get_server_info said when last asked (states())
         self._live_rids: dict[str, str] = {}  # rid a caller knows -> rid of the retry in flight
 
@@ -151,16 +152,24 @@ class SGLangClient:
         return await self._check(r, path)
 
     async def begin_weight_update(self) -> None:
-        if self._has_weight_session is False:
+        """Open a weight-update session unless one is open: a push's buckets share one."""
+        if self._has_weight_session is False or self._in_session:
             return
-        r = await self._post("/begin_weight_update", {"selector": "all"})
-        self._has_weight_session = r.status_code != 404
-        if self._has_weight_session:
-            await self._check(r, "/begin_weight_update")
+        self._in_session = True
+        try:
+            r = await self._post("/begin_weight_update", {"selector": "all"})
+            self._has_weight_session = r.status_code != 404
+            if self._has_weight_session:
+                await self._check(r, "/begin_weight_update")
+        except BaseException:
+            self._in_session = False
+            raise
 
     async def end_weight_update(self) -> None:
-        if self._has_weight_session:
-            await self._check(await self._post("/end_weight_update", {}), "/end_weight_update")
+        if self._in_session:
+            self._in_session = False
+            if self._has_weight_session:
+                await self._check(await self._post("/end_weight_update", {}), "/end_weight_update")
 
     async def _check(self, r: httpx.Response, path: str) -> dict:
         try:
@@ -293,11 +302,17 @@ class EnginePool:
             body["rlmesh_delta"] = {"count": delta.count, "index_dtype": delta.index_dtype,
                                     "base_version": delta.base_version}
 
+        last = flush_cache or bool(weight_version)  # the push's last bucket (it carries the version)
+
         async def one(engine: SGLangClient) -> None:
+            # One session per push, not per bucket: two round trips less per bucket.
             await engine.begin_weight_update()
             try:
                 await engine.weight_call("/update_weights_from_distributed", body)
-            finally:
+            except BaseException:
+                await engine.end_weight_update()
+                raise
+            if last:
                 await engine.end_weight_update()
 
         await asyncio.gather(*(one(e) for e in self.engines))

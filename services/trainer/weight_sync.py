@@ -101,11 +101,20 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def flatten_bucket(bucket: Sequence[tuple[str, Tensor]], device: torch.device, wire_dtype: torch.dtype | None) -> Tensor:
+def flatten_bucket(
+    bucket: Sequence[tuple[str, Tensor]], device: torch.device, wire_dtype: torch.dtype | None, out: list[Tensor] | None = None
+) -> Tensor:
     """The bucket's tensors end to end in one 1-D tensor of the wire dtype: one pass,
-    converting as it copies."""
+    converting as it copies. With `out` (a one-element list), that tensor's memory is
+    reused when large enough, and replaced otherwise."""
     dtype = wire_dtype or bucket[0][1].dtype
-    flat = torch.empty(sum(t.numel() for _, t in bucket), dtype=dtype, device=device)
+    numel = sum(t.numel() for _, t in bucket)
+    if out is not None and out[0] is not None and out[0].numel() >= numel and out[0].dtype == dtype:
+        flat = out[0][:numel]
+    else:
+        flat = torch.empty(numel, dtype=dtype, device=device)
+        if out is not None:
+            out[0] = flat
     offset = 0
     for _, t in bucket:
         flat[offset : offset + t.numel()].view(t.shape).copy_(t.detach())
@@ -339,6 +348,9 @@ class WeightPusher:
         use_delta = config.delta and group.delta_ok
         if not use_delta:
             group.sent.clear()
+        # Two flattening buffers, alternating: bucket k's is free again once bucket k+1 is
+        # being prepared (bucket k has left rank 0 then). Fresh memory would cost page faults.
+        staging: list[list[Tensor | None]] = [[None], [None]]
 
         def prepare(k: int) -> _Bucket | None:
             """Bucket k as it will travel; None when it is unchanged and may be skipped."""
@@ -357,7 +369,12 @@ class WeightPusher:
                 load_format=config.load_format,
             )
             if not use_delta:
-                return _Bucket(request, lambda: broadcast_bucket(bucket, group.group, flattened, device, wire_dtype), False)
+                flat = None
+                if flattened or not all(
+                    t.device == device and t.dtype == (wire_dtype or t.dtype) and t.is_contiguous() for _, t in bucket
+                ):
+                    flat = flatten_bucket(bucket, device, wire_dtype, staging[k % 2])  # here, beside the last broadcast
+                return _Bucket(request, lambda: broadcast_bucket(bucket, group.group, flattened, device, flat=flat), False)
             key = tuple(name for name, _ in bucket)
             flat = flatten_bucket(bucket, device, wire_dtype)
             base = group.sent.pop(key, None)  # popped: if this push fails, the base is unsure
