@@ -253,7 +253,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=9, help="decoder layers (9: about 1.06 GB in bfloat16)")
     parser.add_argument("--rounds", type=int, default=3, help="timed full pushes and raw broadcasts (medians)")
     parser.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MiB (the run config's default)")
-    parser.add_argument("--load-format", default="flattened_bucket", choices=["", "flattened_bucket"])
+    parser.add_argument("--load-format", default="", choices=["", "flattened_bucket"],
+                        help="the run config's load_format (default \"\": one broadcast per tensor)")
     parser.add_argument("--lr", type=float, default=1e-6, help="learning rate of the optimizer step before the delta")
     parser.add_argument("--check-tensors", type=int, default=12, help="tensors compared with the engine afterwards")
     args = parser.parse_args()
