@@ -12,11 +12,13 @@ from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, error_response, json_body, result_response
 from rlmesh.engine.weights import (
     ReceiveBuffers,
+    TensorPool,
     WeightUpdateError,
     apply_delta,
     check_against_model,
     check_delta_targets,
     checkpoint_for_model,
+    install_into_model,
     load_into_model,
     parse_delta,
     parse_specs,
@@ -31,7 +33,8 @@ from rlmesh.engine.weights import (
 def weights_router(state: EngineState) -> APIRouter:
     router = APIRouter()
     engine, model = state.engine, state.model
-    buffers = ReceiveBuffers()
+    buffers = ReceiveBuffers()  # for flattened buckets
+    pool = TensorPool()  # for tensors received one by one
 
     @router.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
@@ -55,6 +58,7 @@ def weights_router(state: EngineState) -> APIRouter:
         async with state.weight_lock:
             state.groups.destroy(str(body.get("group_name") or "weight_update_group"))
             buffers.clear()
+            pool.clear()
         return result_response(True, "Succeeded to destroy custom process group.")
 
     @router.post("/update_weights_from_distributed")
@@ -75,13 +79,18 @@ def weights_router(state: EngineState) -> APIRouter:
             buffer = None
             try:
                 if delta is None:
-                    if load_format in (None, "flattened_bucket"):
+                    if load_format == "flattened_bucket":
                         buffer = buffers.take(receive_bytes(specs, load_format), engine.device)
-                    named = await asyncio.to_thread(receive, specs, group, load_format, engine.device, buffer)
+                    # Room for the memory of two buckets in flight (one applied, one received).
+                    pool.limit_bytes = max(pool.limit_bytes, 2 * receive_bytes(specs, load_format))
+                    named = await asyncio.to_thread(receive, specs, group, load_format, engine.device, buffer, pool)
                     check_against_model(model, named)
 
                     def apply() -> None:
-                        load_into_model(model, named)
+                        if load_format is None:
+                            install_into_model(model, named, pool)
+                        else:
+                            load_into_model(model, named)
                         state.set_weight_version(body.get("weight_version"))
                 else:
                     received = await asyncio.to_thread(receive_delta, specs, delta, group, engine.device)

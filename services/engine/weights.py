@@ -151,7 +151,41 @@ class ReceiveBuffers:
             self._free.clear()
 
 
-ALIGN_BYTES = 64  # where each tensor starts in a receive buffer, for load_format null
+class TensorPool:
+    """Memory for tensors received one per broadcast (load_format null), recycled by size:
+    a received tensor is put in the model in place of the old one (no copy), and the old
+    one's memory receives a later tensor of the same size (layers repeat their shapes), so
+    a push neither copies nor page-faults fresh memory. Holds at most `limit_bytes` free."""
+
+    def __init__(self) -> None:
+        self.limit_bytes = 0
+        self._free: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((spec.nbytes, str(device)))
+            if free:
+                self._bytes -= spec.nbytes
+                return free.pop().view(spec.dtype).reshape(spec.shape)
+        return torch.empty(spec.shape, dtype=spec.dtype, device=device)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Recycle a tensor's memory, if it is a whole storage nobody else uses."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if (not tensor.is_contiguous() or tensor.storage_offset() or tensor.untyped_storage().nbytes() != nbytes
+                or not nbytes):
+            return
+        with self._lock:
+            if self._bytes + nbytes <= self.limit_bytes:
+                self._free.setdefault((nbytes, str(tensor.device)), []).append(tensor.detach().reshape(-1).view(torch.uint8))
+                self._bytes += nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._bytes = 0
 
 
 def receive(
@@ -160,23 +194,23 @@ def receive(
     load_format: str | None,
     device: torch.device,
     buffer: torch.Tensor | None = None,
+    pool: TensorPool | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Receive the tensors broadcast by rank 0, in `specs` order, into `buffer` (uint8,
-    at least receive_bytes(specs, load_format)) or fresh memory. The tensors returned
-    are views of it."""
+    """Receive the tensors broadcast by rank 0, in `specs` order: one per broadcast into
+    tensors from `pool` (or fresh ones), or a flattened bucket into `buffer` (uint8, at
+    least the bucket's bytes) or fresh memory, the tensors returned being views of it."""
     if load_format not in (None, "flattened_bucket"):
         raise WeightUpdateError(f"unknown load_format {load_format!r}; use null or 'flattened_bucket'")
-    if buffer is None:
-        buffer = torch.empty(receive_bytes(specs, load_format), dtype=torch.uint8, device=device)
     try:
         if load_format is None:
-            received, offset = [], 0
+            received = []
             for spec in specs:
-                tensor = buffer[offset : offset + spec.nbytes].view(spec.dtype).reshape(spec.shape)
+                tensor = pool.take(spec, device) if pool else torch.empty(spec.shape, dtype=spec.dtype, device=device)
                 dist.broadcast(tensor, src=0, group=group)
                 received.append((spec.name, tensor))
-                offset += -(-spec.nbytes // ALIGN_BYTES) * ALIGN_BYTES
             return received
+        if buffer is None:
+            buffer = torch.empty(receive_bytes(specs, load_format), dtype=torch.uint8, device=device)
         bucket = buffer[: receive_bytes(specs, load_format)]
         dist.broadcast(bucket, src=0, group=group)
     except Exception as e:
@@ -194,8 +228,6 @@ def receive(
 
 
 def receive_bytes(specs: Sequence[TensorSpec], load_format: str | None) -> int:
-    if load_format is None:
-        return sum(-(-s.nbytes // ALIGN_BYTES) * ALIGN_BYTES for s in specs)
     return sum(s.nbytes for s in specs)
 
 
@@ -330,6 +362,27 @@ def load_into_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Ten
     with torch.no_grad():
         for name, tensor in named:
             targets[name].data.copy_(tensor)
+            count += 1
+    return count
+
+
+def install_into_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], pool: TensorPool) -> int:
+    """Put received tensors (each its own memory, from receive with load_format null) in
+    the model: swapped in for the old ones where dtype, device and layout match (the old
+    memory goes to `pool`), copied in otherwise (the received memory goes to `pool`).
+    Run between decode steps."""
+    targets = model_tensors(model)
+    count = 0
+    with torch.no_grad():
+        for name, tensor in named:
+            target = targets[name]
+            if (target.dtype == tensor.dtype and target.device == tensor.device and target.shape == tensor.shape
+                    and target.is_contiguous() and tensor.is_contiguous()):
+                old, target.data = target.data, tensor
+                pool.give(old)
+            else:
+                target.data.copy_(tensor)
+                pool.give(tensor)
             count += 1
     return count
 
