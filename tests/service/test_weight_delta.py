@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.run_config import WeightSyncConfig
 from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
-from rlmesh.engine.weights import ReceivedDelta, TensorSpec, WeightUpdateError, apply_delta, parse_delta
+from rlmesh.engine.weights import ReceivedDelta, TensorPool, TensorSpec, WeightUpdateError, apply_delta, parse_delta
 from rlmesh.rollout.config import Settings as RolloutSettings
 from rlmesh.rollout.server import start as start_rollout
 from rlmesh.trainer.weight_sync import WeightPusher, changed_elements, delta_payload
@@ -186,3 +186,19 @@ def test_engines_without_delta_updates_get_full_pushes(loop_thread, bf16_engine,
                 assert_engine_holds(engine, weights)
         finally:
             loop_thread.run(pusher.close())
+
+
+def test_engine_recycles_only_whole_tensors_of_the_same_size():
+    pool = TensorPool()
+    pool.limit_bytes = 64
+    spec = TensorSpec("w", BF16, (4, 4))  # 32 bytes
+    whole = torch.ones(4, 4, dtype=BF16)
+    pool.give(whole[:2])  # a view of a larger storage: never recycled
+    pool.give(torch.ones(8, dtype=BF16))  # another size
+    pool.give(whole)
+    again = pool.take(spec, torch.device("cpu"))
+    assert again.data_ptr() == whole.data_ptr() and again.shape == (4, 4) and again.dtype == BF16
+    assert pool.take(spec, torch.device("cpu")).data_ptr() != whole.data_ptr()  # none left: fresh memory
+    big = torch.ones(64, dtype=BF16)
+    pool.give(big)  # more than limit_bytes: dropped
+    assert pool.take(TensorSpec("x", BF16, (64,)), torch.device("cpu")).data_ptr() != big.data_ptr()
