@@ -348,8 +348,9 @@ class WeightPusher:
         use_delta = config.delta and group.delta_ok
         if not use_delta:
             group.sent.clear()
-        # Two flattening buffers, alternating: bucket k's is free again once bucket k+1 is
-        # being prepared (bucket k has left rank 0 then). Fresh memory would cost page faults.
+        # Two flattening buffers, alternating (fresh memory would cost page faults): bucket
+        # k's is reused by bucket k+2, prepared only once bucket k has left rank 0 (over
+        # NCCL: once the engines have answered for it).
         staging: list[list[Tensor | None]] = [[None], [None]]
 
         def prepare(k: int) -> _Bucket | None:
