@@ -5,11 +5,14 @@ service, and the engines end up holding exactly what a full push gives them."""
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlmesh.common.auth import client_headers
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.run_config import WeightSyncConfig
 from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
@@ -19,6 +22,7 @@ from rlmesh.rollout.server import start as start_rollout
 from rlmesh.trainer.weight_sync import WeightPusher, changed_elements, delta_payload
 from rlmesh.v1 import rollout_pb2
 from rlmesh.v1.rollout_pb2_grpc import RolloutStub
+from tests.service.test_engine import Trainer
 from tests.service.test_trainer import EngineProcess
 
 BF16 = torch.bfloat16
@@ -202,3 +206,41 @@ def test_engine_recycles_only_whole_tensors_of_the_same_size():
     big = torch.ones(64, dtype=BF16)
     pool.give(big)  # more than limit_bytes: dropped
     assert pool.take(TensorSpec("x", BF16, (64,)), torch.device("cpu")).data_ptr() != big.data_ptr()
+
+
+@pytest.mark.slow
+def test_the_engine_applies_a_delta_over_its_base_version_only(bf16_engine):
+    """The engine's side of the wire form, driven by hand over HTTP and a gloo group."""
+    name = "model.norm.weight"
+    with httpx.Client(base_url=bf16_engine.url, timeout=60, headers=client_headers()) as client:
+        trainer = Trainer(client, "wu-delta")
+        try:
+            old = (torch.randn(64) * 0.05).to(BF16)
+            assert trainer.send([(name, old)], "d1").json()["success"] is True
+            new = old.clone()
+            new[[3, 40]] += 1
+
+            def send_delta(indices: torch.Tensor, base_version: str) -> httpx.Response:
+                payload, index_dtype = delta_payload(new, indices)
+                body = {"names": [name], "dtypes": ["bfloat16"], "shapes": [[64]], "group_name": "wu-delta",
+                        "weight_version": "d2", "rlmesh_delta": {"count": indices.numel(), "index_dtype": index_dtype,
+                                                                  "base_version": base_version}}
+                with ThreadPoolExecutor(1) as pool:
+                    answer = pool.submit(client.post, "/update_weights_from_distributed", json=body)
+                    torch.distributed.broadcast(payload, src=0, group=trainer.group)
+                    return answer.result(60)
+
+            indices = changed_elements(new, old)
+            for bad_indices, base, message in [
+                (indices, "d0", "applies to weight version 'd0' but the engine holds 'd1'"),
+                (indices.flip(0), "d1", "strictly increasing"),
+            ]:
+                r = send_delta(bad_indices, base)
+                assert r.status_code == 400 and message in r.json()["message"], r.text
+                assert bf16_engine.weight_version() == "d1"
+                assert_engine_holds(bf16_engine, [(name, old)])  # nothing changed
+            assert send_delta(indices, "d1").json()["success"] is True
+            assert bf16_engine.weight_version() == "d2"
+            assert_engine_holds(bf16_engine, [(name, new)])
+        finally:
+            trainer.close()
