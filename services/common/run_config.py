@@ -163,6 +163,16 @@ class WeightSyncConfig(StrictModel):
     method: Literal["distributed", "disk"] = Field(
         "distributed", description="Broadcast over a process group, or write a checkpoint the engines load."
     )
+    delta: bool = Field(
+        False, description="Distributed pushes send only the elements whose bits changed since the last push "
+        "(indices and values per bucket) to engines that accept rlmesh delta updates (the reference engine; "
+        "SGLang gets full pushes). The trainer keeps a copy of what it last pushed, as sent (set the trainer's "
+        "weight_sync_dtype to the engines' dtype, e.g. bfloat16, for small deltas)."
+    )
+    delta_max_changed_fraction: float = Field(
+        0.25, ge=0, le=1, description="A bucket in which more than this fraction of elements changed is sent "
+        "whole (a delta element costs its index too: 4 bytes more)."
+    )
 
 
 class TrainingConfig(StrictModel):

@@ -14,6 +14,10 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
+# The rlmesh delta-update format (docs/engine-api.md, "Delta weight updates"): engines that
+# accept it say so in /get_server_info as "rlmesh_weight_delta"; SGLang says nothing.
+WEIGHT_DELTA_FORMAT = "rlmesh-delta-v1"
+
 # Rank 0's TCP store is the rendezvous server: keep it alive as long as its group.
 _stores: dict[str, dist.Store] = {}
 

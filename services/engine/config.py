@@ -27,6 +27,10 @@ class Settings(ServiceSettings):
     num_threads: int = Field(2, ge=0, description="torch.set_num_threads for the engine process; 0 leaves torch's default.")
     weight_version: str = Field("default", description="Weight version reported until the first weight update.")
     seed: int | None = Field(None, description="Seed of the sampling random generator; empty means random.")
+    weight_delta: bool = Field(
+        True, description="Accept rlmesh delta weight updates (only changed elements; docs/engine-api.md) and "
+        "advertise them in /get_server_info. Off, the engine behaves like SGLang, which has none: pushes come in full."
+    )
     weight_group_timeout_s: float = Field(
         300.0, gt=0, description="How long joining a weight-update group or receiving a broadcast may take."
     )

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, request_listener, set_once
 from rlmesh.engine.protocol import GenerationRequest
@@ -84,6 +85,7 @@ def info_router(state: EngineState) -> APIRouter:
             "random_seed": settings.seed,
             "version": settings.reported_version,
             "engine": "rlmesh-reference",
+            "rlmesh_weight_delta": WEIGHT_DELTA_FORMAT if settings.weight_delta else None,
             "weight_version": engine.weight_version,
             "internal_states": [{"max_total_num_tokens": max_tokens, "last_gen_throughput": 0.0}],
         }

@@ -4,19 +4,28 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, error_response, json_body, result_response
 from rlmesh.engine.weights import (
+    ReceiveBuffers,
+    TensorPool,
     WeightUpdateError,
+    apply_delta,
     check_against_model,
+    check_delta_targets,
     checkpoint_for_model,
+    install_into_model,
     load_into_model,
+    parse_delta,
     parse_specs,
     read_checkpoint,
     receive,
+    receive_bytes,
+    receive_delta,
     weights_by_name,
 )
 
@@ -24,6 +33,8 @@ from rlmesh.engine.weights import (
 def weights_router(state: EngineState) -> APIRouter:
     router = APIRouter()
     engine, model = state.engine, state.model
+    buffers = ReceiveBuffers()  # for flattened buckets
+    pool = TensorPool()  # for tensors received one by one
 
     @router.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
@@ -46,6 +57,8 @@ def weights_router(state: EngineState) -> APIRouter:
         body = await json_body(request)
         async with state.weight_lock:
             state.groups.destroy(str(body.get("group_name") or "weight_update_group"))
+            buffers.clear()
+            pool.clear()
         return result_response(True, "Succeeded to destroy custom process group.")
 
     @router.post("/update_weights_from_distributed")
@@ -53,19 +66,51 @@ def weights_router(state: EngineState) -> APIRouter:
         body = await json_body(request)
         specs = parse_specs(body.get("names"), body.get("dtypes"), body.get("shapes"))
         load_format = body.get("load_format")
+        delta = None
+        if body.get("rlmesh_delta") is not None:
+            if not state.settings.weight_delta:
+                raise WeightUpdateError("this engine does not accept delta updates (weight_delta is off); push in full")
+            delta = parse_delta(body["rlmesh_delta"], specs)
         async with state.weight_lock:
             group = state.groups.get(str(body.get("group_name") or "weight_update_group"))
             if body.get("abort_all_requests"):
                 engine.abort(abort_all=True, message="Aborted for a weight update.")
             # Receive everything before judging it, so rank 0's broadcasts never hang.
-            named = await asyncio.to_thread(receive, specs, group, load_format, engine.device)
-            check_against_model(model, named)
+            buffer = None
+            try:
+                if delta is None:
+                    if load_format == "flattened_bucket":
+                        buffer = buffers.take(receive_bytes(specs, load_format), engine.device)
+                    # Room for the memory of two buckets in flight (one applied, one received).
+                    pool.limit_bytes = max(pool.limit_bytes, 2 * receive_bytes(specs, load_format))
+                    named = await asyncio.to_thread(receive, specs, group, load_format, engine.device, buffer, pool)
+                    check_against_model(model, named)
 
-            def apply() -> None:
-                load_into_model(model, named)
-                state.set_weight_version(body.get("weight_version"))
+                    def apply() -> None:
+                        if load_format is None:
+                            install_into_model(model, named, pool)
+                        else:
+                            load_into_model(model, named)
+                        state.set_weight_version(body.get("weight_version"))
+                else:
+                    received = await asyncio.to_thread(receive_delta, specs, delta, group, engine.device)
+                    check_against_model(model, [(s.name, torch.empty(s.shape, device="meta")) for s in specs])
+                    check_delta_targets(model, specs)
 
-            await state.in_engine(apply)
+                    def apply() -> None:
+                        apply_delta(model, received, engine.weight_version)
+                        state.set_weight_version(body.get("weight_version"))
+
+                # Queued while the lock is held, so buckets apply in the order they arrived;
+                # the next bucket's broadcast is received while this one is copied in.
+                applied = engine.run_between_steps(apply)
+            except BaseException:
+                if buffer is not None:
+                    buffers.give(buffer)
+                raise
+            if buffer is not None:
+                applied.add_done_callback(lambda _: buffers.give(buffer))  # free once the model has it
+        await asyncio.wrap_future(applied)
         return result_response(True, "Succeeded to update parameter online.")
 
     @router.post("/update_weights_from_disk")

@@ -7,7 +7,12 @@
   "flattened_bucket", a single uint8 broadcast holding the tensors' bytes back to back in
   `names` order with no padding (SGLang's `FlattenedTensorBucket.from_specs`: tensor i
   starts where tensor i-1 ends);
-- `update_weights_from_disk`: the safetensors (or .bin) files of a checkpoint directory.
+- `update_weights_from_disk`: the safetensors (or .bin) files of a checkpoint directory;
+- an rlmesh extension SGLang does not have, delta updates (docs/engine-api.md, "Delta
+  weight updates"): `update_weights_from_distributed` with an `rlmesh_delta` field receives
+  one uint8 broadcast holding only the changed elements of a bucket (their flat indices
+  into the bucket, then their values) and writes them over the current weights, which
+  must be at the delta's base version.
 
 Tensors are matched to the model by Hugging Face name (`model.state_dict()` names, tied
 aliases such as lm_head.weight included). Unlike SGLang, a bad name or shape is found
@@ -18,6 +23,7 @@ engine thread between decode steps."""
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,31 +123,210 @@ class WeightGroups:
             self.destroy(name)
 
 
+class ReceiveBuffers:
+    """Receive buffers kept from one bucket to the next: receiving into a fresh 64 MiB
+    tensor costs about as much in page faults as the transfer itself. A buffer is taken
+    for a bucket and given back once the bucket is in the model; `keep` are kept."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes and b.device == device]
+            if fits:  # the smallest that fits (list.remove would compare tensors by value)
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buffer)
+            self._free.sort(key=torch.Tensor.numel, reverse=True)
+            del self._free[self.keep :]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+class TensorPool:
+    """Memory for tensors received one per broadcast (load_format null), recycled by size:
+    a received tensor is put in the model in place of the old one (no copy), and the old
+    one's memory receives a later tensor of the same size (layers repeat their shapes), so
+    a push neither copies nor page-faults fresh memory. Holds at most `limit_bytes` free."""
+
+    def __init__(self) -> None:
+        self.limit_bytes = 0
+        self._free: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((spec.nbytes, str(device)))
+            if free:
+                self._bytes -= spec.nbytes
+                return free.pop().view(spec.dtype).reshape(spec.shape)
+        return torch.empty(spec.shape, dtype=spec.dtype, device=device)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Recycle a tensor's memory, if it is a whole storage nobody else uses."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if (not tensor.is_contiguous() or tensor.storage_offset() or tensor.untyped_storage().nbytes() != nbytes
+                or not nbytes):
+            return
+        with self._lock:
+            if self._bytes + nbytes <= self.limit_bytes:
+                self._free.setdefault((nbytes, str(tensor.device)), []).append(tensor.detach().reshape(-1).view(torch.uint8))
+                self._bytes += nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._bytes = 0
+
+
 def receive(
-    specs: Sequence[TensorSpec], group: dist.ProcessGroup, load_format: str | None, device: torch.device
+    specs: Sequence[TensorSpec],
+    group: dist.ProcessGroup,
+    load_format: str | None,
+    device: torch.device,
+    buffer: torch.Tensor | None = None,
+    pool: TensorPool | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Receive the tensors broadcast by rank 0, in `specs` order."""
+    """Receive the tensors broadcast by rank 0, in `specs` order: one per broadcast into
+    tensors from `pool` (or fresh ones), or a flattened bucket into `buffer` (uint8, at
+    least the bucket's bytes) or fresh memory, the tensors returned being views of it."""
     if load_format not in (None, "flattened_bucket"):
         raise WeightUpdateError(f"unknown load_format {load_format!r}; use null or 'flattened_bucket'")
     try:
         if load_format is None:
             received = []
             for spec in specs:
-                tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+                tensor = pool.take(spec, device) if pool else torch.empty(spec.shape, dtype=spec.dtype, device=device)
                 dist.broadcast(tensor, src=0, group=group)
                 received.append((spec.name, tensor))
             return received
-        bucket = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=device)
+        if buffer is None:
+            buffer = torch.empty(receive_bytes(specs, load_format), dtype=torch.uint8, device=device)
+        bucket = buffer[: receive_bytes(specs, load_format)]
         dist.broadcast(bucket, src=0, group=group)
     except Exception as e:
         raise WeightUpdateError(f"receiving the broadcast failed: {type(e).__name__}: {e}") from e
     received, offset = [], 0
     for spec in specs:
-        # clone: a dtype view needs its start aligned to the dtype size, the bucket has no padding.
-        chunk = bucket[offset : offset + spec.nbytes].clone()
+        chunk = bucket[offset : offset + spec.nbytes]
+        if offset % spec.dtype.itemsize:
+            # A dtype view needs its start aligned to the dtype size and the bucket has no
+            # padding: only a bucket mixing dtypes gets here (rlmesh's hold one dtype each).
+            chunk = chunk.clone()
         received.append((spec.name, chunk.view(spec.dtype).reshape(spec.shape)))
         offset += spec.nbytes
     return received
+
+
+def receive_bytes(specs: Sequence[TensorSpec], load_format: str | None) -> int:
+    return sum(s.nbytes for s in specs)
+
+
+# -- delta updates (an rlmesh extension) ---------------------------------------
+
+DELTA_INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
+
+
+@dataclass(frozen=True)
+class WeightDelta:
+    """The changed elements of one bucket: `count` flat element indices into the bucket's
+    tensors laid end to end in `names` order (strictly increasing), and their values in
+    the bucket's one dtype, applied over the weights of version `base_version`."""
+
+    count: int
+    index_dtype: torch.dtype
+    base_version: str
+
+
+@dataclass
+class ReceivedDelta:
+    specs: list[TensorSpec]
+    indices: torch.Tensor  # int64, strictly increasing, in [0, total elements)
+    values: torch.Tensor
+    base_version: str
+
+
+def parse_delta(raw: Any, specs: Sequence[TensorSpec]) -> WeightDelta:
+    if not isinstance(raw, dict):
+        raise WeightUpdateError("rlmesh_delta must be an object {count, index_dtype, base_version}")
+    count, index_dtype, base = raw.get("count"), raw.get("index_dtype"), raw.get("base_version")
+    total = sum(math.prod(s.shape) for s in specs)
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= total:
+        raise WeightUpdateError(f"rlmesh_delta.count must be an integer in [0, {total}] (the bucket's elements), got {count!r}")
+    if index_dtype not in DELTA_INDEX_DTYPES:
+        raise WeightUpdateError(f"rlmesh_delta.index_dtype must be one of {sorted(DELTA_INDEX_DTYPES)}, got {index_dtype!r}")
+    if not isinstance(base, str) or not base:
+        raise WeightUpdateError("rlmesh_delta.base_version must name the weight version the delta applies to")
+    if len({s.dtype for s in specs}) != 1:
+        raise WeightUpdateError("a delta bucket must hold tensors of one dtype")
+    return WeightDelta(count, DELTA_INDEX_DTYPES[index_dtype], base)
+
+
+def receive_delta(
+    specs: Sequence[TensorSpec], delta: WeightDelta, group: dist.ProcessGroup, device: torch.device
+) -> ReceivedDelta:
+    """Receive one delta bucket (a uint8 broadcast: the indices, then the values), and
+    check the indices before anything is applied."""
+    value_dtype = specs[0].dtype
+    index_bytes = delta.count * delta.index_dtype.itemsize
+    payload = torch.empty(index_bytes + delta.count * value_dtype.itemsize, dtype=torch.uint8, device=device)
+    try:
+        if payload.numel():
+            dist.broadcast(payload, src=0, group=group)
+    except Exception as e:
+        raise WeightUpdateError(f"receiving the delta broadcast failed: {type(e).__name__}: {e}") from e
+    # The values start at a multiple of the index size (4 or 8), so their view is aligned.
+    indices = payload[:index_bytes].view(delta.index_dtype).long()
+    values = payload[index_bytes:].view(value_dtype)
+    total = sum(math.prod(s.shape) for s in specs)
+    if indices.numel() and (
+        int(indices[0]) < 0 or int(indices[-1]) >= total or not bool((indices[1:] > indices[:-1]).all())
+    ):
+        raise WeightUpdateError(f"delta indices must be strictly increasing and in [0, {total}). No weights were changed.")
+    return ReceivedDelta(list(specs), indices, values, delta.base_version)
+
+
+def apply_delta(model: torch.nn.Module, delta: ReceivedDelta, weight_version: str) -> int:
+    """Write a delta's values over the model's weights; run in the engine thread. The
+    weights must be at the delta's base version, else nothing is changed. Values are
+    converted to the model's dtype as a full update's copy converts them, so the result
+    is bit for bit the one a full update of the same tensors gives."""
+    if weight_version != delta.base_version:
+        raise WeightUpdateError(
+            f"this delta applies to weight version {delta.base_version!r} but the engine holds {weight_version!r}; "
+            "push the weights in full. No weights were changed."
+        )
+    targets = model_tensors(model)
+    starts = [0]
+    for spec in delta.specs:
+        starts.append(starts[-1] + math.prod(spec.shape))
+    bounds = torch.searchsorted(delta.indices, torch.tensor(starts, dtype=torch.long)).tolist()
+    with torch.no_grad():
+        for i, spec in enumerate(delta.specs):
+            lo, hi = bounds[i], bounds[i + 1]
+            if lo == hi:
+                continue
+            target = targets[spec.name].data
+            flat = target.view(-1)  # parameters are contiguous (checked by check_delta_targets)
+            flat[delta.indices[lo:hi] - starts[i]] = delta.values[lo:hi].to(flat.dtype)
+    return int(delta.indices.numel())
+
+
+def check_delta_targets(model: torch.nn.Module, specs: Sequence[TensorSpec]) -> None:
+    """A delta writes into the weights in place: every target must be contiguous."""
+    targets = model_tensors(model)
+    scattered = [s.name for s in specs if not targets[s.name].is_contiguous()]
+    if scattered:
+        raise WeightUpdateError(f"cannot apply a delta to non-contiguous tensors {scattered[:10]}; push in full")
 
 
 # -- the model's side --------------------------------------------------------
@@ -177,6 +362,27 @@ def load_into_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Ten
     with torch.no_grad():
         for name, tensor in named:
             targets[name].data.copy_(tensor)
+            count += 1
+    return count
+
+
+def install_into_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], pool: TensorPool) -> int:
+    """Put received tensors (each its own memory, from receive with load_format null) in
+    the model: swapped in for the old ones where dtype, device and layout match (the old
+    memory goes to `pool`), copied in otherwise (the received memory goes to `pool`).
+    Run between decode steps."""
+    targets = model_tensors(model)
+    count = 0
+    with torch.no_grad():
+        for name, tensor in named:
+            target = targets[name]
+            if (target.dtype == tensor.dtype and target.device == tensor.device and target.shape == tensor.shape
+                    and target.is_contiguous() and tensor.is_contiguous()):
+                old, target.data = target.data, tensor
+                pool.give(old)
+            else:
+                target.data.copy_(tensor)
+                pool.give(tensor)
             count += 1
     return count
 

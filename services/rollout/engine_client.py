@@ -12,6 +12,7 @@ import httpx
 
 from rlmesh.common.auth import credential_headers
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
 from rlmesh.rollout.metrics import RolloutMetrics
 
 
@@ -23,10 +24,20 @@ class EngineState:
     healthy: bool = True
     model_path: str = ""
     tokenizer_path: str = ""
+    weight_delta_format: str = ""  # the rlmesh delta-update format it accepts; "" = none (SGLang)
 
 
 class EngineError(Unavailable):
     pass
+
+
+@dataclass(frozen=True)
+class WeightDelta:
+    """A delta bucket's announcement (the rlmesh extension, docs/engine-api.md)."""
+
+    count: int
+    index_dtype: str
+    base_version: str
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,8 @@ class SGLangClient:
         self.generate_timeout = generate_timeout or timeout
         self.seconds_per_token = seconds_per_token
         self._has_weight_session: bool | None = None  # SGLang >= 0.5.21 wants begin/end
+        self._in_session = False  # begun and not yet ended
+        self.weight_delta_format = ""  # as its /get_server_info said when last asked (states())
         self._live_rids: dict[str, str] = {}  # rid a caller knows -> rid of the retry in flight
         self.metrics: RolloutMetrics | None = None  # counts tokens and requests (set by the pool)
 
@@ -151,16 +164,24 @@ class SGLangClient:
         return await self._check(r, path)
 
     async def begin_weight_update(self) -> None:
-        if self._has_weight_session is False:
+        """Open a weight-update session unless one is open: a push's buckets share one."""
+        if self._has_weight_session is False or self._in_session:
             return
-        r = await self._post("/begin_weight_update", {"selector": "all"})
-        self._has_weight_session = r.status_code != 404
-        if self._has_weight_session:
-            await self._check(r, "/begin_weight_update")
+        self._in_session = True
+        try:
+            r = await self._post("/begin_weight_update", {"selector": "all"})
+            self._has_weight_session = r.status_code != 404
+            if self._has_weight_session:
+                await self._check(r, "/begin_weight_update")
+        except BaseException:
+            self._in_session = False
+            raise
 
     async def end_weight_update(self) -> None:
-        if self._has_weight_session:
-            await self._check(await self._post("/end_weight_update", {}), "/end_weight_update")
+        if self._in_session:
+            self._in_session = False
+            if self._has_weight_session:
+                await self._check(await self._post("/end_weight_update", {}), "/end_weight_update")
 
     async def _check(self, r: httpx.Response, path: str) -> dict:
         try:
@@ -226,12 +247,14 @@ class EnginePool:
                 info, server = await asyncio.gather(e.model_info(), e.server_info())
             except Unavailable:
                 return EngineState(url=e.url, healthy=False)
+            e.weight_delta_format = str(server.get("rlmesh_weight_delta") or "")
             return EngineState(
                 url=e.url,
                 tp_size=int(server.get("tp_size", 1)),
                 weight_version=str(info.get("weight_version", "default")),
                 model_path=info.get("model_path", ""),
                 tokenizer_path=info.get("tokenizer_path", "") or info.get("model_path", ""),
+                weight_delta_format=e.weight_delta_format,
             )
 
         return list(await asyncio.gather(*(one(e) for e in self.engines)))
@@ -273,10 +296,14 @@ class EnginePool:
         return len(states)
 
     async def update_weights(self, tensors: list[TensorMeta], group_name: str, weight_version: str,
-                             flush_cache: bool, load_format: str) -> None:
-        """Every engine receives one bucket of the trainer's broadcast (in `tensors` order)."""
+                             flush_cache: bool, load_format: str, delta: WeightDelta | None = None) -> None:
+        """Every engine receives one bucket of the trainer's broadcast (in `tensors` order),
+        whole or, with `delta`, only its changed elements."""
         if not tensors:
             raise InvalidArgument("a weight update needs at least one tensor")
+        if delta is not None and not all(e.weight_delta_format == WEIGHT_DELTA_FORMAT for e in self.engines):
+            # Checked before any engine is called, so no rank waits on a broadcast that never comes.
+            raise FailedPrecondition(f"not every engine accepts {WEIGHT_DELTA_FORMAT} delta updates; push in full")
         body = {
             "names": [t.name for t in tensors],
             "dtypes": [t.dtype for t in tensors],
@@ -287,12 +314,21 @@ class EnginePool:
             "weight_version": weight_version or None,  # None: unchanged (earlier buckets)
             "load_format": load_format or None,
         }
+        if delta is not None:
+            body["rlmesh_delta"] = {"count": delta.count, "index_dtype": delta.index_dtype,
+                                    "base_version": delta.base_version}
+
+        last = flush_cache or bool(weight_version)  # the push's last bucket (it carries the version)
 
         async def one(engine: SGLangClient) -> None:
+            # One session per push, not per bucket: two round trips less per bucket.
             await engine.begin_weight_update()
             try:
                 await engine.weight_call("/update_weights_from_distributed", body)
-            finally:
+            except BaseException:
+                await engine.end_weight_update()
+                raise
+            if last:
                 await engine.end_weight_update()
 
         await asyncio.gather(*(one(e) for e in self.engines))

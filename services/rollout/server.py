@@ -14,7 +14,7 @@ from rlmesh.common.prometheus import ServiceMetrics
 from rlmesh.common.sampling import sampling_to_sglang
 from rlmesh.rollout.async_rollout import AsyncRollouts, AsyncStatus
 from rlmesh.rollout.config import Settings
-from rlmesh.rollout.engine_client import EnginePool, TensorMeta, weight_group_world_size
+from rlmesh.rollout.engine_client import EnginePool, TensorMeta, WeightDelta, weight_group_world_size
 from rlmesh.rollout.metrics import RolloutMetrics
 from rlmesh.rollout.openai_endpoint import close_shared_endpoint
 from rlmesh.rollout.rollout import EvalRequest, GenerateChoice, RewardChoice, RolloutManager, RolloutRequest
@@ -51,7 +51,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         states = await self.pool.states()
         return rollout_pb2.ListEnginesResponse(
             engines=[rollout_pb2.EngineInfo(url=s.url, tp_size=s.tp_size, weight_version=s.weight_version,
-                                            healthy=s.healthy, model_path=s.model_path) for s in states],
+                                            healthy=s.healthy, model_path=s.model_path,
+                                            weight_delta_format=s.weight_delta_format) for s in states],
             weight_group_world_size=weight_group_world_size(states),
         )
 
@@ -72,7 +73,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def UpdateWeights(self, request, context):
         await self.pool.update_weights(
             [TensorMeta(t.name, t.dtype, tuple(t.shape)) for t in request.tensors],
-            request.group_name or DEFAULT_GROUP, request.weight_version, request.flush_cache, request.load_format)
+            request.group_name or DEFAULT_GROUP, request.weight_version, request.flush_cache, request.load_format,
+            WeightDelta(request.delta.count, request.delta.index_dtype, request.delta.base_version)
+            if request.HasField("delta") else None)
         return self._done(f"{len(request.tensors)} tensors at version {request.weight_version}")
 
     async def DestroyWeightUpdateGroup(self, request, context):

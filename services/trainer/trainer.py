@@ -405,8 +405,8 @@ class Trainer:
                 result = await run.pusher.push_from_disk(run.backend.save_weights, directory, version)
             run.weight_version = version
             log.info(
-                "run %s: weights v%d pushed (%s, %d bytes, %d buckets, %.2f s)",
-                run.run_id, version, method, result.bytes, result.buckets, result.seconds,
+                "run %s: weights v%d pushed (%s, %d bytes, %d buckets, %d as deltas, %.2f s)",
+                run.run_id, version, method, result.bytes, result.buckets, result.delta_buckets, result.seconds,
             )
             return result
 

@@ -12,6 +12,18 @@ Distributed push (the default):
    time broadcasts the tensors from rank 0 (one broadcast per tensor, or one uint8
    broadcast of their bytes concatenated in order for load_format="flattened_bucket";
    with one dtype per bucket every offset is a multiple of the element size).
+   Buckets are pipelined: the next bucket is prepared (converted, flattened) while one
+   is broadcast, and over gloo its UpdateWeights starts as soon as the broadcast before
+   it has left rank 0 (every engine has taken that bucket's request then, and applies it
+   while receiving the next); the answers are collected as they come, all of them before
+   the push returns.
+4. Delta pushes (weight_sync.delta, engines advertising the rlmesh delta format): the
+   trainer keeps each bucket as last sent; a bucket is then sent as the flat indices of
+   the elements whose bits changed plus their values (one uint8 broadcast), or whole when
+   more than delta_max_changed_fraction of it changed. Unchanged buckets are skipped (but
+   the last, which carries the version). The engines check that they hold the delta's
+   base version, so a delta never lands on other weights; a failed or disk push drops
+   the copy and the next push is full.
 
 Disk push (the fallback): save a Hugging Face directory, then UpdateWeightsFromDisk.
 """
@@ -24,7 +36,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -35,7 +47,12 @@ from torch import Tensor
 from rlmesh.common import errors
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.run_config import WeightSyncConfig
-from rlmesh.common.weight_group import destroy_weight_group, init_weight_group, rendezvous_socket
+from rlmesh.common.weight_group import (
+    WEIGHT_DELTA_FORMAT,
+    destroy_weight_group,
+    init_weight_group,
+    rendezvous_socket,
+)
 from rlmesh.v1 import rollout_pb2
 from rlmesh.v1.rollout_pb2_grpc import RolloutStub
 
@@ -44,8 +61,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class PushResult:
     seconds: float
-    bytes: int
+    bytes: int  # broadcast (delta buckets count their indices and values)
     buckets: int
+    delta_buckets: int = 0  # buckets sent as deltas (skipped unchanged ones included)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -83,22 +101,89 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def flatten_bucket(
+    bucket: Sequence[tuple[str, Tensor]], device: torch.device, wire_dtype: torch.dtype | None, out: list[Tensor] | None = None
+) -> Tensor:
+    """The bucket's tensors end to end in one 1-D tensor of the wire dtype: one pass,
+    converting as it copies. With `out` (a one-element list), that tensor's memory is
+    reused when large enough, and replaced otherwise."""
+    dtype = wire_dtype or bucket[0][1].dtype
+    numel = sum(t.numel() for _, t in bucket)
+    if out is not None and out[0] is not None and out[0].numel() >= numel and out[0].dtype == dtype:
+        flat = out[0][:numel]
+    else:
+        flat = torch.empty(numel, dtype=dtype, device=device)
+        if out is not None:
+            out[0] = flat
+    offset = 0
+    for _, t in bucket:
+        flat[offset : offset + t.numel()].view(t.shape).copy_(t.detach())
+        offset += t.numel()
+    return flat
+
+
 def broadcast_bucket(
     bucket: Sequence[tuple[str, Tensor]],
     group: dist.ProcessGroup,
     flattened: bool,
     device: torch.device,
     wire_dtype: torch.dtype | None = None,
+    flat: Tensor | None = None,
 ) -> int:
-    """Send one bucket from rank 0; returns the bytes sent."""
-    tensors = [t.detach().to(device=device, dtype=wire_dtype or t.dtype).contiguous() for _, t in bucket]
+    """Send one bucket whole from rank 0 (from `flat`, its flatten_bucket, when given);
+    returns the bytes sent."""
+    if flat is None and not flattened and all(
+        t.device == device and t.dtype == (wire_dtype or t.dtype) and t.is_contiguous() for _, t in bucket
+    ):
+        for _, t in bucket:  # already as sent: no copy
+            dist.broadcast(t.detach(), src=0, group=group)
+        return sum(t.numel() * t.element_size() for _, t in bucket)
+    if flat is None:
+        flat = flatten_bucket(bucket, device, wire_dtype)
     if flattened:
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
-        dist.broadcast(flat, src=0, group=group)
-        return flat.numel()
-    for t in tensors:
-        dist.broadcast(t, src=0, group=group)
-    return sum(t.numel() * t.element_size() for t in tensors)
+        dist.broadcast(flat.view(torch.uint8), src=0, group=group)
+    else:
+        offset = 0
+        for _, t in bucket:
+            dist.broadcast(flat[offset : offset + t.numel()], src=0, group=group)
+            offset += t.numel()
+    return flat.numel() * flat.element_size()
+
+
+_SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def changed_elements(new: Tensor, old: Tensor) -> Tensor:
+    """Flat indices (int64, increasing) where the bits of two flat tensors of one dtype
+    differ: compared as integers, so -0.0 vs 0.0 and NaN payloads count as changes."""
+    bits = _SAME_SIZE_INTEGER[new.element_size()]
+    return (new.view(bits) != old.view(bits)).nonzero().squeeze(1)
+
+
+def delta_payload(flat: Tensor, indices: Tensor) -> tuple[Tensor, str]:
+    """One uint8 tensor: the indices (int32 when the bucket allows, else int64), then the
+    values at them. The values start at a multiple of the index size, aligned for any dtype."""
+    index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
+    index_bytes = indices.numel() * index_dtype.itemsize
+    payload = torch.empty(index_bytes + indices.numel() * flat.element_size(), dtype=torch.uint8, device=flat.device)
+    payload[:index_bytes].view(index_dtype).copy_(indices)
+    torch.index_select(flat, 0, indices, out=payload[index_bytes:].view(flat.dtype))
+    return payload, dtype_name(index_dtype)
+
+
+@dataclass
+class _Bucket:
+    """One bucket ready to go: its UpdateWeights request and the broadcast that goes with it."""
+
+    request: rollout_pb2.UpdateWeightsRequest
+    send: Callable[[], int]
+    is_delta: bool
+
+
+def _broadcast_payload(payload: Tensor, group: dist.ProcessGroup) -> int:
+    if payload.numel():  # an empty delta (the unchanged last bucket) has nothing to send
+        dist.broadcast(payload, src=0, group=group)
+    return payload.numel()
 
 
 def _destroy_if_created(name: str) -> Callable[[asyncio.Future], None]:
@@ -115,6 +200,10 @@ class _Group:
     name: str
     key: tuple  # what the engines looked like when it was opened
     version: str = ""  # the weight version last pushed through it
+    delta_ok: bool = False  # every engine accepts rlmesh delta updates
+    # Per bucket (its names), what the engines hold as last sent through this group: the
+    # base of the next delta. Empty when delta pushes are off or the engines' state is unsure.
+    sent: dict[tuple[str, ...], Tensor] = field(default_factory=dict)
 
 
 class WeightPusher:
@@ -191,11 +280,13 @@ class WeightPusher:
                 f"(weight group world size {world_size})"
             )
         key = (backend, world_size, tuple((e.url, e.tp_size) for e in engines.engines))
+        delta_ok = all(e.weight_delta_format == WEIGHT_DELTA_FORMAT for e in engines.engines)
         if self._group is not None:
             # An engine that does not report the version we last pushed has restarted (or
             # been updated by someone else): it is no longer in our group.
             stale = [e.url for e in engines.engines if e.weight_version != self._group.version]
             if self._group.key == key and not stale:
+                self._group.delta_ok = delta_ok
                 return self._group
             log.info("engines changed since the weight group was opened (%s): opening a new one", stale or "membership")
             await self._close_group()
@@ -216,7 +307,7 @@ class WeightPusher:
             lambda: init_weight_group(backend, self.master_address, port, world_size, 0, name, self.timeout, listen_fd),
             abandon=lambda pending: pending.add_done_callback(_destroy_if_created(name)),
         )
-        self._group = _Group(group=group, name=name, key=key)
+        self._group = _Group(group=group, name=name, key=key, delta_ok=delta_ok)
         log.info("weight group %s open: %d ranks over %s", name, world_size, backend)
         return self._group
 
@@ -254,8 +345,18 @@ class WeightPusher:
         group = await self._ensure_group(backend)
         flattened = config.load_format == "flattened_bucket"
         buckets = plan_buckets(tensors, config.bucket_bytes, wire_dtype)
-        sent = 0
-        for k, bucket in enumerate(buckets):
+        use_delta = config.delta and group.delta_ok
+        if not use_delta:
+            group.sent.clear()
+        # Two flattening buffers, alternating (fresh memory would cost page faults): bucket
+        # k's is reused by bucket k+2, prepared only once bucket k has left rank 0 (over
+        # NCCL: once the engines have answered for it).
+        staging: list[list[Tensor | None]] = [[None], [None]]
+
+        def prepare(k: int) -> _Bucket | None:
+            """Bucket k as it will travel; None when it is unchanged and may be skipped."""
+            bucket = buckets[k]
+            last = k == len(buckets) - 1
             request = rollout_pb2.UpdateWeightsRequest(
                 group_name=group.name,
                 tensors=[
@@ -264,19 +365,89 @@ class WeightPusher:
                 ],
                 # The version and the cache flush come with the last bucket only: an engine
                 # never reports a version it holds only part of.
-                weight_version=str(version) if k == len(buckets) - 1 else "",
-                flush_cache=k == len(buckets) - 1,
+                weight_version=str(version) if last else "",
+                flush_cache=last,
                 load_format=config.load_format,
             )
-            _, nbytes = await self._together(
-                f"UpdateWeights bucket {k + 1}/{len(buckets)}",
-                self._stub.UpdateWeights(request, timeout=self.timeout),
-                lambda b=bucket: broadcast_bucket(b, group.group, flattened, device, wire_dtype),
-                abandon=self._abandon_group,
-            )
-            sent += nbytes
+            if not use_delta:
+                flat = None
+                if flattened or not all(
+                    t.device == device and t.dtype == (wire_dtype or t.dtype) and t.is_contiguous() for _, t in bucket
+                ):
+                    flat = flatten_bucket(bucket, device, wire_dtype, staging[k % 2])  # here, beside the last broadcast
+                return _Bucket(request, lambda: broadcast_bucket(bucket, group.group, flattened, device, flat=flat), False)
+            key = tuple(name for name, _ in bucket)
+            flat = flatten_bucket(bucket, device, wire_dtype)
+            base = group.sent.pop(key, None)  # popped: if this push fails, the base is unsure
+            if base is not None and base.dtype == flat.dtype and base.numel() == flat.numel() and group.version:
+                indices = changed_elements(flat, base)
+                del base
+                if indices.numel() <= config.delta_max_changed_fraction * flat.numel():
+                    group.sent[key] = flat
+                    if not indices.numel() and not last:
+                        return None
+                    payload, index_dtype = delta_payload(flat, indices)
+                    request.load_format = ""
+                    request.delta.CopyFrom(rollout_pb2.WeightDelta(
+                        count=indices.numel(), index_dtype=index_dtype, base_version=group.version))
+                    return _Bucket(request, lambda: _broadcast_payload(payload, group.group), True)
+            group.sent[key] = flat
+            return _Bucket(request, lambda: broadcast_bucket(bucket, group.group, flattened, device, flat=flat), False)
+
+        sent = delta_buckets = 0
+        pending: list[asyncio.Future] = []  # UpdateWeights calls not answered yet, oldest first
+        ready = asyncio.ensure_future(asyncio.to_thread(prepare, 0))
+        try:
+            for k in range(len(buckets)):
+                item = await ready
+                if k + 1 < len(buckets):
+                    ready = asyncio.ensure_future(asyncio.to_thread(prepare, k + 1))
+                if item is None or item.is_delta:
+                    delta_buckets += 1
+                if item is None:
+                    continue
+                what = f"UpdateWeights bucket {k + 1}/{len(buckets)}"
+                pending.append(asyncio.ensure_future(
+                    self._call(what, self._stub.UpdateWeights(item.request, timeout=self.timeout))))
+                sent += await self._broadcast_beside(what, item.send, pending)
+                if backend != "gloo":
+                    # gloo's root finishes a broadcast only once every rank has posted its
+                    # receive, so the engines have bucket k's request before k+1's is sent;
+                    # NCCL's root may finish first, so there each bucket is answered first.
+                    for answer in pending:
+                        await answer
+                    pending.clear()
+            for answer in pending:
+                await answer
+        except BaseException:
+            group.sent.clear()  # what the engines hold is unsure now: the next push is full
+            for answer in pending:
+                answer.cancel()
+            if not ready.done():  # let the bucket being prepared finish before the copies are dropped
+                ready.add_done_callback(lambda _: group.sent.clear())
+            raise
         group.version = str(version)
-        return PushResult(seconds=time.monotonic() - start, bytes=sent, buckets=len(buckets))
+        return PushResult(seconds=time.monotonic() - start, bytes=sent, buckets=len(buckets), delta_buckets=delta_buckets)
+
+    async def _broadcast_beside(self, what: str, send: Callable[[], int], pending: list[asyncio.Future]) -> int:
+        """Broadcast one bucket while its UpdateWeights call (the last of `pending`) runs;
+        returns once the broadcast has left rank 0, dropping the calls answered by then.
+        A call that fails first abandons the group (our broadcast may never complete)."""
+        mine = asyncio.ensure_future(asyncio.to_thread(send))
+        while True:
+            await asyncio.wait({mine, *pending}, return_when=asyncio.FIRST_COMPLETED)
+            for answer in [a for a in pending if a.done()]:
+                if answer.exception() is not None:
+                    self._abandon_group(mine)
+                    raise answer.exception()
+                pending.remove(answer)
+            if mine.done():
+                break
+        if mine.exception() is not None:
+            self._abandon_group(mine)
+            e = mine.exception()
+            raise errors.Unavailable(f"weight transfer ({what}) failed on the trainer side: {type(e).__name__}: {e}")
+        return mine.result()
 
     async def push_from_disk(self, save: Callable[[Path], Path], directory: Path, version: int) -> PushResult:
         """Save the weights under directory/v<version>, have the engines load them, then
@@ -293,6 +464,7 @@ class WeightPusher:
         )
         if self._group is not None:
             self._group.version = str(version)  # the engines moved on together; the group still holds
+            self._group.sent.clear()  # ... but hold the checkpoint's weights, not what we last broadcast
         for old in directory.glob("v*"):
             if old != target and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)

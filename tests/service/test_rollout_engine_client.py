@@ -10,8 +10,8 @@ import json
 import httpx
 import pytest
 
-from rlmesh.common.errors import InvalidArgument, Unavailable
-from rlmesh.rollout.engine_client import EnginePool, SGLangClient, TensorMeta
+from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.rollout.engine_client import EnginePool, SGLangClient, TensorMeta, WeightDelta
 
 ANSWER = {"text": "x", "output_ids": [5], "meta_info": {"id": "r", "finish_reason": {"type": "stop", "matched": 1},
                                                       "weight_version": "3", "output_token_logprobs": [[-0.1, 5, None]]}}
@@ -91,3 +91,23 @@ def test_the_pool_relays_weight_updates_to_every_engine_with_its_rank_offset():
     for seen in (seen_a, seen_b):
         update = next(s for s in seen if s["path"] == "/update_weights_from_distributed")
         assert (update["names"], update["shapes"], update["weight_version"]) == (["w"], [[2, 3]], "7")
+
+
+def test_a_push_is_one_weight_update_session_and_deltas_go_only_to_engines_that_take_them():
+    async def scenario():
+        server, port, seen = await flaky_engine(0)
+        async with server:
+            pool = EnginePool([f"http://127.0.0.1:{port}"], "", 5, 5)
+            try:
+                for k, version in enumerate(["", "", "8"]):  # three buckets, the version with the last
+                    await pool.update_weights([TensorMeta(f"w{k}", "bfloat16", (2,))], "g", version, bool(version), "")
+                await pool.states()  # this engine's /get_server_info has no rlmesh_weight_delta
+                with pytest.raises(FailedPrecondition, match="not every engine accepts rlmesh-delta-v1"):
+                    await pool.update_weights([TensorMeta("w", "bfloat16", (2,))], "g", "9", True, "",
+                                              WeightDelta(count=1, index_dtype="int32", base_version="8"))
+            finally:
+                await pool.close()
+        return seen
+
+    paths = [s["path"] for s in asyncio.run(scenario()) if "weight" in s["path"]]
+    assert paths == ["/begin_weight_update"] + ["/update_weights_from_distributed"] * 3 + ["/end_weight_update"]

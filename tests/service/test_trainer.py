@@ -443,8 +443,8 @@ class EngineProcess:
     one process cannot hold both ends of a weight group (torch registers groups by
     name, and both ends must use the same name)."""
 
-    def __init__(self, model_dir: Path, log_path: Path) -> None:
-        self.model_dir, self.log_path = model_dir, log_path
+    def __init__(self, model_dir: Path, log_path: Path, extra_args: tuple[str, ...] = ()) -> None:
+        self.model_dir, self.log_path, self.extra_args = model_dir, log_path, extra_args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
@@ -452,7 +452,7 @@ class EngineProcess:
 
     def start(self) -> None:
         command = [sys.executable, "-m", "rlmesh.cli", "serve", "engine", "--model-path", str(self.model_dir),
-                   "--port", str(self.port), "--num-threads", "1", "--weight-group-timeout-s", "60"]
+                   "--port", str(self.port), "--num-threads", "1", "--weight-group-timeout-s", "60", *self.extra_args]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -153,18 +153,20 @@ class ListEnginesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("url", "tp_size", "weight_version", "healthy", "model_path")
+    __slots__ = ("url", "tp_size", "weight_version", "healthy", "model_path", "weight_delta_format")
     URL_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DELTA_FORMAT_FIELD_NUMBER: _ClassVar[int]
     url: str
     tp_size: int
     weight_version: str
     healthy: bool
     model_path: str
-    def __init__(self, url: _Optional[str] = ..., tp_size: _Optional[int] = ..., weight_version: _Optional[str] = ..., healthy: _Optional[bool] = ..., model_path: _Optional[str] = ...) -> None: ...
+    weight_delta_format: str
+    def __init__(self, url: _Optional[str] = ..., tp_size: _Optional[int] = ..., weight_version: _Optional[str] = ..., healthy: _Optional[bool] = ..., model_path: _Optional[str] = ..., weight_delta_format: _Optional[str] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
     __slots__ = ("engines", "weight_group_world_size")
@@ -209,18 +211,30 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("group_name", "tensors", "weight_version", "flush_cache", "load_format")
+    __slots__ = ("group_name", "tensors", "weight_version", "flush_cache", "load_format", "delta")
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     FLUSH_CACHE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     group_name: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     weight_version: str
     flush_cache: bool
     load_format: str
-    def __init__(self, group_name: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., weight_version: _Optional[str] = ..., flush_cache: _Optional[bool] = ..., load_format: _Optional[str] = ...) -> None: ...
+    delta: WeightDelta
+    def __init__(self, group_name: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., weight_version: _Optional[str] = ..., flush_cache: _Optional[bool] = ..., load_format: _Optional[str] = ..., delta: _Optional[_Union[WeightDelta, _Mapping]] = ...) -> None: ...
+
+class WeightDelta(_message.Message):
+    __slots__ = ("count", "index_dtype", "base_version")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    index_dtype: str
+    base_version: str
+    def __init__(self, count: _Optional[int] = ..., index_dtype: _Optional[str] = ..., base_version: _Optional[str] = ...) -> None: ...
 
 class DestroyWeightUpdateGroupRequest(_message.Message):
     __slots__ = ("group_name",)

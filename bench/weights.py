@@ -1,0 +1,274 @@
+"""The measurement behind weight pushes: how close a full push (the gRPC handshake
+through the rollout service, the broadcast, the engine's load) comes to a raw
+torch.distributed broadcast of the same bytes, how it compares with the disk path, and
+how small a delta push is after one optimizer step.
+
+Everything is local and real: a Llama-architecture model of about 1 GB in bfloat16 is
+built with random weights under a temporary directory, the CPU reference engine serves
+it in its own process (dtype bfloat16), the rollout service runs in this process, and
+the trainer side holds float32 master weights pushed as bfloat16 (the trainer's
+weight_sync_dtype), over gloo on loopback.
+
+- raw broadcast: rank 0 broadcasts the push's buckets (same sizes, same bucketing) to a
+  second process that receives them into a preallocated buffer: the transport's ceiling.
+- full push: WeightPusher.push_distributed, delta off (every byte sent), of bfloat16
+  parameters (a bf16 trainer's; push_gb_per_s) and of the float32 master weights
+  converted on the way (push_from_fp32_gb_per_s).
+- disk push: save safetensors, then UpdateWeightsFromDisk.
+- delta push: one AdamW step (lr 1e-6, a usual RL learning rate; random gradients) on the
+  float32 master weights, then a push with delta on: only the elements whose bfloat16
+  bits changed travel. The engine's weights are then compared with the trainer's.
+
+    python -m bench.weights [--layers 9] [--rounds 3]
+
+The last line printed is one JSON object with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from rlmesh.common.auth import client_headers, ensure_stack_token
+from rlmesh.common.net import free_port
+from rlmesh.common.run_config import WeightSyncConfig
+from rlmesh.common.weight_group import destroy_weight_group, init_weight_group, rendezvous_socket
+from rlmesh.rollout.config import Settings as RolloutSettings
+from rlmesh.rollout.server import start as start_rollout
+from rlmesh.trainer.weight_sync import WeightPusher, plan_buckets
+
+GB = 1e9
+
+RAW_RECEIVER = """
+import json, sys
+import torch, torch.distributed as dist
+from rlmesh.common.weight_group import init_weight_group
+port, name, sizes, rounds = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+group = init_weight_group("gloo", "127.0.0.1", port, 2, 1, name, 300)
+buffer = torch.empty(max(sizes), dtype=torch.uint8)
+for _ in range(rounds):
+    for n in sizes:
+        dist.broadcast(buffer[:n], src=0, group=group)
+dist.destroy_process_group(group)
+"""
+
+
+def build_model(out: Path, layers: int) -> Path:
+    """A Llama-architecture model (hidden 2048, vocab 32000, tied embeddings) with random
+    bfloat16 weights, saved as a Hugging Face directory with the tiny character tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlmesh.cli.tiny_model import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    del model
+    gc.collect()
+    return out
+
+
+def master_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's float32 copy of the checkpoint, in file order."""
+    from safetensors import safe_open
+
+    named = []
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 (a safetensors reader, not a dict)
+                named.append((name, reader.get_tensor(name).float()))
+    return named
+
+
+def start_engine(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "rlmesh.cli", "serve", "engine", "--model-path", str(model_dir), "--port", str(port),
+               "--dtype", "bfloat16", "--num-threads", "1", "--max-batch-size", "1", "--context-length", "64"]
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the engine exited:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("the engine did not start in 600 s")
+
+
+class RawBroadcast:
+    """Rank 0 of a two-rank gloo group whose other rank only receives."""
+
+    def __init__(self, sizes: list[int], rounds: int) -> None:
+        self.sizes = sizes
+        name = f"raw-{free_port()}"
+        port, fd = rendezvous_socket("127.0.0.1")
+        self.receiver = subprocess.Popen(
+            [sys.executable, "-c", RAW_RECEIVER, str(port), name, json.dumps(sizes), str(rounds)])
+        self.group = init_weight_group("gloo", "127.0.0.1", port, 2, 0, name, 300, fd)
+        self.name = name
+        self.buffer = torch.empty(max(sizes), dtype=torch.uint8)
+
+    def once(self) -> float:
+        start = time.perf_counter()
+        for n in self.sizes:
+            dist.broadcast(self.buffer[:n], src=0, group=self.group)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.receiver.wait(timeout=120)
+        destroy_weight_group(self.group, self.name)
+
+
+def adamw_step(named: list[tuple[str, torch.Tensor]], lr: float) -> None:
+    """One AdamW step with random gradients, one parameter at a time (the optimizer's
+    state is dropped after each, to keep memory at the weights' size)."""
+    generator = torch.Generator().manual_seed(1)
+    for _, t in named:
+        p = torch.nn.Parameter(t, requires_grad=True)
+        p.grad = torch.randn(t.shape, generator=generator)
+        optimizer = torch.optim.AdamW([p], lr=lr, weight_decay=0.0)
+        optimizer.step()
+        del optimizer, p
+
+
+def engine_tensor(url: str, name: str, rows: int) -> torch.Tensor:
+    r = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": rows}, headers=client_headers(),
+                   timeout=300)
+    r.raise_for_status()
+    return torch.tensor(r.json(), dtype=torch.float32)
+
+
+async def run(args: argparse.Namespace, work: Path) -> dict:
+    model_dir = build_model(work / "model", args.layers)
+    named = master_weights(model_dir)
+    wire = torch.bfloat16
+    wire_bytes = sum(t.numel() for _, t in named) * wire.itemsize
+    print(f"model: {len(named)} tensors, {wire_bytes / GB:.3f} GB as bfloat16", flush=True)
+
+    engine, url = start_engine(model_dir, work / "engine.log")
+    rollout, port = await start_rollout(RolloutSettings(port=0, engine_urls=[url]))
+    pusher = WeightPusher(f"127.0.0.1:{port}", "bench", timeout_seconds=600)
+    full = WeightSyncConfig(backend="gloo", load_format=args.load_format, bucket_bytes=args.bucket_mb * 2**20)
+    sizes = [sum(t.numel() for _, t in b) * wire.itemsize for b in plan_buckets(named, full.bucket_bytes, wire)]
+    raw = RawBroadcast(sizes, args.rounds)
+    try:
+        version = 0
+        first = await pusher.push_distributed(named, version, full, wire)  # opens the group
+        print(f"first push (with the group's setup): {first.seconds:.2f} s", flush=True)
+
+        # A bf16 trainer (bf16 parameters, fp32 master weights in the optimizer) pushes its
+        # parameters as they are; an fp32 one converts each bucket on the way.
+        as_sent = [(n, t.to(wire)) for n, t in named]
+        push_s, cast_s, raw_s = [], [], []
+        for _ in range(args.rounds):  # interleaved: a busy machine slows all alike
+            raw_s.append(await asyncio.to_thread(raw.once))
+            version += 1
+            push_s.append((await pusher.push_distributed(as_sent, version, full)).seconds)
+            version += 1
+            cast_s.append((await pusher.push_distributed(named, version, full, wire)).seconds)
+            print(f"raw broadcast {raw_s[-1]:.2f} s, push {push_s[-1]:.2f} s, push from fp32 {cast_s[-1]:.2f} s", flush=True)
+        raw.close()
+        del as_sent
+        push_time, cast_time, raw_time = (statistics.median(x) for x in (push_s, cast_s, raw_s))
+
+        def save(target: Path) -> Path:
+            from safetensors.torch import save_file
+
+            target.mkdir(parents=True, exist_ok=True)
+            save_file({n: t.to(wire).contiguous() for n, t in named}, str(target / "model.safetensors"))
+            return target
+
+        version += 1
+        disk = await pusher.push_from_disk(save, work / "disk", version)
+        print(f"disk push {disk.seconds:.2f} s", flush=True)
+        shutil.rmtree(work / "disk", ignore_errors=True)
+
+        delta_cfg = full.model_copy(update={"delta": True})
+        version += 1
+        base = await pusher.push_distributed(named, version, delta_cfg, wire)  # the delta's base
+        await asyncio.to_thread(adamw_step, named, args.lr)
+        version += 1
+        delta = await pusher.push_distributed(named, version, delta_cfg, wire)
+        print(f"delta push after one AdamW step: {delta.bytes} bytes of {base.bytes} ({delta.seconds:.2f} s)", flush=True)
+        exact = all(
+            torch.equal(engine_tensor(url, n, 64), t[:64].to(wire).float()) for n, t in named[: args.check_tensors]
+        )
+    except BaseException:
+        print(f"engine log (tail):\n{(work / 'engine.log').read_text()[-4000:]}", file=sys.stderr)
+        raise
+    finally:
+        await pusher.close()
+        await rollout.stop(None)
+        engine.terminate()
+        engine.wait(timeout=60)
+
+    return {
+        "model_bytes": wire_bytes,
+        "bucket_bytes": full.bucket_bytes,
+        "load_format": args.load_format or "per_tensor",
+        "push_gb_per_s": round(wire_bytes / push_time / GB, 3),
+        "raw_broadcast_gb_per_s": round(wire_bytes / raw_time / GB, 3),
+        # Paired: each round's push against the raw broadcast just before it (the machine's
+        # load drifts between rounds), the median of those ratios.
+        "push_vs_raw": round(statistics.median(r / p for r, p in zip(raw_s, push_s)), 3),
+        "push_from_fp32_gb_per_s": round(wire_bytes / cast_time / GB, 3),
+        "dist_push_s": round(push_time, 3),
+        "disk_push_s": round(disk.seconds, 3),
+        "dist_vs_disk_speedup": round(disk.seconds / push_time, 2),
+        "full_push_bytes": base.bytes,
+        "delta_push_bytes": delta.bytes,
+        "delta_fraction": round(delta.bytes / base.bytes, 4),
+        "delta_push_s": round(delta.seconds, 3),
+        "delta_exact_on_checked_tensors": exact,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=9, help="decoder layers (9: about 1.06 GB in bfloat16)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed full pushes and raw broadcasts (medians)")
+    parser.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MiB (the run config's default)")
+    parser.add_argument("--load-format", default="", choices=["", "flattened_bucket"],
+                        help="the run config's load_format (default \"\": one broadcast per tensor)")
+    parser.add_argument("--lr", type=float, default=1e-6, help="learning rate of the optimizer step before the delta")
+    parser.add_argument("--check-tensors", type=int, default=12, help="tensors compared with the engine afterwards")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ensure_stack_token()  # the engine and rollout processes started here and their clients share it
+    work = Path(tempfile.mkdtemp(prefix="rlmesh-bench-weights-"))
+    try:
+        results = asyncio.run(run(args, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
