@@ -205,6 +205,9 @@ class RolloutManager:
                 inflight[id(sample)] = (ctx.engine, current)
                 try:
                     return await generator.fn(ctx, current, params)
+                except EngineError:
+                    self.pool.mark_down(ctx.engine)  # out of the rotation: the retry goes to another
+                    raise
                 finally:
                     inflight.pop(id(sample), None)
 

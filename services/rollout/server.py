@@ -50,7 +50,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.ListEnginesResponse(
             engines=[rollout_pb2.EngineInfo(url=s.url, tp_size=s.tp_size, weight_version=s.weight_version,
                                             healthy=s.healthy, model_path=s.model_path) for s in states],
-            weight_group_world_size=weight_group_world_size(states),
+            # The weight group holds the engines that answer (one that is down joins a later one).
+            weight_group_world_size=weight_group_world_size([s for s in states if s.healthy]),
         )
 
     async def PauseGeneration(self, request, context):
