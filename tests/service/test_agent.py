@@ -6,6 +6,7 @@ runs choose the loop (and its options) through the REST API."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,7 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.common.auth import stack_token
-from rlmesh.common.sample import Sample, Status
+from rlmesh.common.run_config import TrainerRunConfig
+from rlmesh.common.sample import Sample, SampleGroup, Status
 from rlmesh.rollout.agent import AgentOptions, agent_generate, tool_turn_text
 from rlmesh.rollout.config import HttpTool
 from rlmesh.rollout.config import Settings as RolloutSettings
@@ -23,6 +25,7 @@ from rlmesh.rollout.engine_client import EnginePool
 from rlmesh.rollout.generation import GenerateContext
 from rlmesh.rollout.tool_parsers import ParsedTurn, ToolCall, register_tool_parser
 from rlmesh.rollout.tools import ToolBox
+from rlmesh.trainer.backend import TorchBackend
 from tests.helpers.masks import mask_runs
 from tests.helpers.stack import start_local_stack, wait_for_run
 
@@ -193,6 +196,17 @@ def test_multi_turn_episode_keeps_the_engines_tokens_and_masks_tool_turns(tiny_m
     for j, (m, engine_lp) in enumerate(zip(sample.loss_mask, sample.rollout_log_probs)):
         if m:
             assert float(logp[start + j - 1, sample.tokens[start + j]]) == pytest.approx(engine_lp, abs=1e-4)
+
+    # ... and so are the trainer's own: its first step recomputes the log-probs of the
+    # masked-in tokens (padded, micro-batched) and compares them with the engine's.
+    other = copy.deepcopy(sample)
+    sample.reward, other.reward = 1.0, 0.0
+    backend = TorchBackend(TrainerRunConfig.model_validate({
+        "model_path": str(tiny_model_dir), "micro_batch_size": 2, "optimizer": {"lr": 1e-3}, "device": "cpu"}),
+        torch.device("cpu"))
+    metrics = backend.train_step([SampleGroup("g0", 0, [sample, other])])
+    assert metrics["train_rollout_logprob_abs_diff"] < 1e-4
+    assert metrics["trained_tokens"] == 2 * sum(sample.loss_mask)  # the tool turns are not trained
 
 
 def test_a_turn_without_calls_ends_the_episode(tiny_model_dir, engine_url):
