@@ -9,6 +9,7 @@ import asyncio
 import copy
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -62,8 +63,14 @@ async def flaky_generate(ctx, sample: Sample, sampling_params: dict) -> Sample:
     return await default_generate(ctx, sample, sampling_params)
 
 
+def stuck() -> str:
+    """A plain function that hangs (its thread cannot be stopped; the call is abandoned)."""
+    time.sleep(3)
+    return "too late"
+
+
 TOOLS = {"echo": "tests.service.test_agent:echo", "explode": "tests.service.test_agent:explode",
-         "sleepy": "tests.service.test_agent:sleepy"}
+         "sleepy": "tests.service.test_agent:sleepy", "stuck": "tests.service.test_agent:stuck"}
 
 
 # ---- tools --------------------------------------------------------------------------------
@@ -94,6 +101,13 @@ def test_tool_failures_come_back_as_text():
     assert "did not answer within 0.2 s" in slow.text
     assert "TypeError" in bad_args.text
     assert "no tool named 'explode'" in not_offered.text
+
+
+def test_a_hanging_plain_function_tool_times_out():
+    box = ToolBox(RolloutSettings(tools=TOOLS))
+    result = asyncio.run(box.call("stuck", {}, ["stuck"], 0.3))
+    # The call gave up at its deadline (the sample goes on); the thread finished later, unheard.
+    assert not result.ok and result.text == "error: tool 'stuck' did not answer within 0.3 s"
 
 
 @pytest.fixture
@@ -127,6 +141,32 @@ def test_http_tools_are_retried_and_answer_with_their_body(http_tool_url):
     assert result.ok and result.text == "5" and len(calls) == 2
 
 
+def test_an_http_tool_that_never_answers_fails_as_text_after_its_retries():
+    hung = []
+    stop = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            hung.append(1)
+            stop.wait(30)  # never answers within the tool's timeout
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/slow"
+        box = ToolBox(RolloutSettings(http_tools=[HttpTool(name="slow", url=url, retries=1, timeout_seconds=0.3)]))
+        result = asyncio.run(box.call("slow", {}, ["slow"], 5))
+    finally:
+        stop.set()
+        server.shutdown()
+    assert not result.ok and "ReadTimeout" in result.text and "after 2 tries" in result.text
+    assert len(hung) == 2
+
+
 def test_options_are_checked_against_the_service():
     settings = RolloutSettings(tools=TOOLS)
     with pytest.raises(ValueError, match="unknown tools 'grep'"):
@@ -152,7 +192,8 @@ def test_a_tool_turn_is_what_the_chat_template_puts_between_turns(tiny_model_dir
 ONE_TOKEN_TURNS = {"stop_token_ids": list(range(3, 99))}
 
 
-def run_episode(tiny_model_dir, engine_url, options: dict, sample: Sample, max_new_tokens: int = 6) -> Sample:
+def run_episode(tiny_model_dir, engine_url, options: dict, sample: Sample, max_new_tokens: int = 6,
+                sampling: dict = ONE_TOKEN_TURNS) -> Sample:
     settings = RolloutSettings(tools=TOOLS, engine_urls=[engine_url])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
 
@@ -163,7 +204,7 @@ def run_episode(tiny_model_dir, engine_url, options: dict, sample: Sample, max_n
                                   options=AgentOptions.model_validate(options, context={"settings": settings}),
                                   tools=ToolBox(settings))
             return await agent_generate(ctx, sample, {"max_new_tokens": max_new_tokens, "temperature": 1.0,
-                                                      **ONE_TOKEN_TURNS})
+                                                      **sampling})
         finally:
             await pool.close()
 
@@ -214,6 +255,14 @@ def test_a_turn_without_calls_ends_the_episode(tiny_model_dir, engine_url):
     assert [t["role"] for t in sample.metadata["agent_turns"]] == ["assistant"]
     assert sample.status in (Status.COMPLETED, Status.TRUNCATED)
     assert set(sample.loss_mask) == {1}
+
+
+def test_the_turn_limit_cuts_a_turn_and_its_calls_are_not_run(tiny_model_dir, engine_url):
+    # No stop tokens: the turn runs to its own limit (2), not to the run's max_new_tokens (6).
+    sample = run_episode(tiny_model_dir, engine_url, {"tool_parser": "test_always_echo", "max_turns": 3,
+                                                         "max_tokens_per_turn": 2}, Sample(prompt="hi"), sampling={})
+    assert [t["role"] for t in sample.metadata["agent_turns"]] == ["assistant"]
+    assert sample.response_length == 2 and sample.status == Status.TRUNCATED
 
 
 def test_the_response_budget_bounds_the_episode(tiny_model_dir, engine_url):
