@@ -368,8 +368,10 @@ class EnginePool:
 
     async def destroy_weight_group(self, group_name: str) -> None:
         members = self._groups.pop(group_name, self.engines)
+        # A member that died since has no group left to destroy.
+        alive = [e for e in members if e.url not in self._down] or members
         await asyncio.gather(*(e.weight_call("/destroy_weights_update_group", {"group_name": group_name})
-                               for e in members))
+                               for e in alive))
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         if not model_path:

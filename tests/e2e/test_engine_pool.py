@@ -13,7 +13,7 @@ from tests.e2e.test_runs import run_config
 from tests.helpers.stack import start_local_stack, wait_for_run
 from tests.service.test_trainer import EngineProcess
 
-ROLLOUTS = 7
+ROLLOUTS = 10
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_a_run_goes_on_while_an_engine_is_dead_and_takes_it_back_when_it_returns
     # It rejoins at the next weight push: the same weights as a.
     run = wait_for_run(api, run_id, lambda run: (run["status"] != "running"
                                                  or b.weight_version() == a.weight_version()))
-    assert run["status"] == "running", run["error"]
+    assert run["status"] == "running", (run["rollout_id"], run["error"])
 
     # Back in the rotation: with a gone for good, b alone finishes the run.
     pause(api, run_id)
@@ -73,7 +73,7 @@ def test_a_run_goes_on_while_an_engine_is_dead_and_takes_it_back_when_it_returns
 def pause(api, run_id: str) -> None:
     assert api.post(f"/runs/{run_id}/pause").json()["status"] == "paused"
     run = wait_for_run(api, run_id, lambda run: run["held"] or run["status"] not in ("running", "paused"), timeout=120)
-    assert run["status"] == "paused" and run["rollout_id"] < ROLLOUTS, run["error"]
+    assert run["status"] == "paused" and run["rollout_id"] < ROLLOUTS, (run["rollout_id"], run["error"])
 
 
 def resume(api, run_id: str) -> None:
