@@ -304,7 +304,7 @@ class EnginePool:
         everyone = await self.states()
         members = [(e, s) for e, s in zip(self.engines, everyone) if s.healthy]
         if not members:
-            raise Unavailable(f"no engine answers: {', '.join(s.url for s in everyone)}")
+            raise Unavailable(f"engines not answering: {', '.join(s.url for s in everyone)}")
         states = [s for _, s in members]
         expected = weight_group_world_size(states)
         if world_size != expected:
@@ -378,7 +378,7 @@ class EnginePool:
             raise InvalidArgument("model_path is required")
         members = [e for e, s in zip(self.engines, await self.states()) if s.healthy]
         if not members:
-            raise Unavailable("no engine answers: weights not loaded")
+            raise Unavailable("engines not answering: weights not loaded")
         await asyncio.gather(*(e.weight_call("/update_weights_from_disk", {
             "model_path": model_path, "weight_version": weight_version, "flush_cache": True})
             for e in members))

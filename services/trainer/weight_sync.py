@@ -191,7 +191,7 @@ class WeightPusher:
         up = [e for e in engines.engines if e.healthy]
         down = [e.url for e in engines.engines if not e.healthy]
         if not up:
-            raise errors.Unavailable(f"no engine answers, weights not pushed: {', '.join(down)}")
+            raise errors.Unavailable(f"engines not answering, weights not pushed: {', '.join(down)}")
         if down:
             log.warning("pushing weights to the engines that answer; left out until they answer: %s", ", ".join(down))
         key = (backend, world_size, tuple((e.url, e.tp_size) for e in up))
