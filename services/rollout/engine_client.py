@@ -273,10 +273,10 @@ class EnginePool:
     # ---- control and weight updates: every engine, at once ------------------------------
 
     async def _each_answering(self, call: Callable[[SGLangClient], Awaitable[object]]) -> None:
-        """A control call to every engine not known down; one that does not answer leaves
-        the pool (a dead engine generates nothing, so it needs no pausing). Fails only when
-        no engine answered."""
-        engines = [e for e in self.engines if e.url not in self._down] or self.engines
+        """A control call to every engine (one thought down may still be finishing requests);
+        one that does not answer leaves the pool (a dead engine generates nothing, so it
+        needs no pausing). Fails only when no engine answered."""
+        engines = list(self.engines)
         results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
         for engine, result in zip(engines, results):
             if isinstance(result, EngineError):
