@@ -72,3 +72,21 @@ def test_over_sampling_the_dynamic_filter_and_partial_rollout_work_in_each_mode(
     rl_groups = [g for g in written if len(g.samples) == 3]
     assert len(rl_groups) >= 3 * 2
     assert all(len({smp.reward for smp in g.samples}) > 1 for g in rl_groups)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pause_mode", ["in_place", "retract"])
+def test_fully_async_keeps_requests_in_flight_across_weight_pushes(services, tmp_path, tiny_model_dir,  # noqa: F811
+                                                                   pause_mode):
+    api, buffer = services
+    config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=3), "mode": "fully_async", "pause_mode": pause_mode}
+    config["rollout"]["sampling"] = {"max_new_tokens": 24, "ignore_eos": True}  # long enough to span a push
+    r = api.post("/runs", json=config)
+    assert r.status_code == 201, r.text
+    run = wait_for_run(api, r.json()["id"])
+    assert run["status"] == "completed", run["error"]
+    rl = [m for m in run["metrics"] if "iteration/seconds" in m]
+    assert [m["rollout_id"] for m in rl] == [1, 2, 3] and all(m["train/samples"] == 6 for m in rl)
+    assert max(m.get("train/staleness_max", 0.0) for m in rl) <= 2
+    s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run["id"]))
+    assert s.leased_groups == 0 and s.acknowledged_groups == 2 + 3 * 2
