@@ -57,7 +57,9 @@ class DatasetConfig(StrictModel):
     prompt_key: Key = Field("prompt", description="Key of the prompt: text, or a list of chat messages.")
     label_key: Key = Field("label", description="Key of the label the verifiers compare against.")
     metadata_key: str = Field("", max_length=128, description="Key of a per-record dict (or JSON text) kept as sample metadata.")
-    tools_key: str = Field("", max_length=128, description="Tool definitions per record (land in sample metadata['tools']).")
+    tools_key: str = Field("tools", max_length=128, description="Key of a record's tool definitions (OpenAI "
+                           "function schemas, or their JSON text): in sample metadata['tools'], shown to the model "
+                           "through the chat template; '' = none.")
     tokenizer_path: str = Field("", description="Tokenizer for chat templates and token lengths; default the run's model.")
     apply_chat_template: bool = Field(False, description="Template prompts with the tokenizer's chat template.")
     max_prompt_length: int = Field(0, ge=0, le=INT32_MAX, description="Skip (and count) longer prompts; tokens, 0 = no limit.")

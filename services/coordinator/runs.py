@@ -580,19 +580,26 @@ class RunDriver:
         failed GenerateRollout) may have written some already (queued, not lost); only the rest."""
         return max(batch - (await self._stats(run_id, cfg)).queued_groups, 0)
 
-    def _rollout_request(self, run_id: str, cfg: RunConfig, num_groups: int) -> rollout_pb2.GenerateRolloutRequest:
+    def _rollout_request(self, run_id: str, cfg: RunConfig, num_groups: int,
+                         min_weight_version: int = 0) -> rollout_pb2.GenerateRolloutRequest:
         ro = cfg.rollout
         return rollout_pb2.GenerateRolloutRequest(
             run_id=run_id, num_groups=num_groups, sampling=sampling_to_proto(ro.sampling),
             reward=_reward_spec(cfg), group_filter=ro.group_filter, over_sampling_groups=ro.over_sampling_groups,
             partial_rollout=ro.partial_rollout, mode="rl", max_concurrency=ro.max_concurrency,
-            apply_chat_template=ro.apply_chat_template, generate=generate_function_spec(cfg))
+            apply_chat_template=ro.apply_chat_template, generate=generate_function_spec(cfg),
+            min_weight_version=min_weight_version)
 
     async def _generate_batch(self, run_id: str, cfg: RunConfig) -> tuple[dict, float]:
         """Generate what the next batch misses; its metrics and how long it took."""
         t0 = time.monotonic()
+        # The trainer leases this batch with min_weight_version = its version then - the bound;
+        # one_step_off trains it one version later than the weights it is generated with.
+        bound = cfg.staleness_bound
+        oldest = 0 if bound is None else max(
+            (await self.store.get(run_id))["weight_version"] + (cfg.mode == "one_step_off") - bound, 0)
         g = await self._generate(run_id, cfg, cfg.rollout.rollout_batch_size,
-                                 lambda missing: self._rollout_request(run_id, cfg, missing))
+                                 lambda missing: self._rollout_request(run_id, cfg, missing, oldest))
         return dict(g.metrics), time.monotonic() - t0
 
     async def _timed_train_step(self, run_id: str, cfg: RunConfig) -> tuple[trainer_pb2.TrainStepResponse, float]:

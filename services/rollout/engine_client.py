@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -14,6 +16,8 @@ from rlmesh.common.auth import credential_headers
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
 from rlmesh.rollout.metrics import RolloutMetrics
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -202,9 +206,24 @@ def _error_message(r: httpx.Response) -> str:
         return r.text[:300]
 
 
+def _version_number(version: str) -> int:
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return 0  # "default": never updated
+
+
 class EnginePool:
     """All engines of the rollout service: generation spread over them (or sent to the
-    router), control and weight calls sent to every engine."""
+    router), control and weight calls sent to every engine that answers.
+
+    Membership: an engine whose call broke (refused, reset, timed out, 5xx) leaves the
+    generation rotation at once, so its samples are retried on the others and new ones
+    are not sent to it. It rejoins once it answers again (states(), which ListEngines
+    and so every weight push calls, probes every engine) AND holds the newest weights: a
+    restarted engine, back on its base weights, first receives the trainer's next push
+    (its weight group counts only the engines that answer). With no engine in the
+    rotation, generation tries them all (the rollout waits and retries as for one engine)."""
 
     def __init__(self, engine_urls: list[str], router_url: str, timeout: float, weight_timeout: float,
                  api_key: str = "", generate_timeout: float | None = None, seconds_per_token: float = 0.0,
@@ -218,9 +237,34 @@ class EnginePool:
         self.metrics = metrics
         self.router = self._client(router_url) if router_url else None
         self.engines = [self._client(u) for u in engine_urls]
-        self._next = itertools.cycle(range(max(len(self.engines), 1)))
+        self._next = itertools.count()
+        self._down: set[str] = set()  # urls whose last call broke or that did not answer a probe
+        self._versions: dict[str, int] = {}  # url -> the weight version it last reported or received
+        self._current: int | None = None  # the version of the last weight update (None: none yet)
+        self._groups: dict[str, list[SGLangClient]] = {}  # weight group name -> the engines in it
         if not self.engines and not self.router:
             raise ValueError("the rollout service needs engine_urls or a router_url")
+
+    # ---- membership ---------------------------------------------------------------------
+
+    def mark_down(self, engine: SGLangClient) -> None:
+        """An engine's call broke: out of the generation rotation until it answers again."""
+        if engine is not self.router and engine.url not in self._down:
+            log.warning("engine %s left the pool (its samples are retried on the others)", engine.url)
+            self._down.add(engine.url)
+
+    def _set_up(self, engine: SGLangClient, version: str | int) -> None:
+        if engine.url in self._down:
+            log.info("engine %s answers again", engine.url)
+        self._down.discard(engine.url)
+        self._versions[engine.url] = _version_number(str(version))
+
+    def in_rotation(self) -> list[SGLangClient]:
+        """Engines that answer and hold the weights of the last update (any that answer
+        when none holds them: say, every engine restarted before the trainer pushed again)."""
+        up = [e for e in self.engines if e.url not in self._down]
+        current = [e for e in up if self._versions.get(e.url, 0) == self._current]
+        return current if self._current is not None and current else up
 
     async def refresh_workers(self) -> None:
         """Behind a router, the engines are the router's workers."""
@@ -237,7 +281,8 @@ class EnginePool:
     def for_generation(self) -> SGLangClient:
         if self.router:
             return self.router
-        return self.engines[next(self._next) % len(self.engines)]
+        engines = self.in_rotation() or self.engines  # none left: try them all (the caller retries)
+        return engines[next(self._next) % len(engines)]
 
     async def states(self) -> list[EngineState]:
         await self.refresh_workers()
@@ -246,8 +291,10 @@ class EnginePool:
             try:
                 info, server = await asyncio.gather(e.model_info(), e.server_info())
             except Unavailable:
+                self.mark_down(e)
                 return EngineState(url=e.url, healthy=False)
             e.weight_delta_format = str(server.get("rlmesh_weight_delta") or "")
+            self._set_up(e, info.get("weight_version", "default"))
             return EngineState(
                 url=e.url,
                 tp_size=int(server.get("tp_size", 1)),
@@ -264,36 +311,62 @@ class EnginePool:
 
     # ---- control and weight updates: every engine, at once ------------------------------
 
+    async def _each_answering(self, call: Callable[[SGLangClient], Awaitable[object]]) -> None:
+        """A control call to every engine (one thought down may still be finishing requests);
+        one that does not answer leaves the pool (a dead engine generates nothing, so it
+        needs no pausing). Fails only when no engine answered."""
+        engines = list(self.engines)
+        results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
+        for engine, result in zip(engines, results):
+            if isinstance(result, EngineError):
+                self.mark_down(engine)
+            elif isinstance(result, BaseException):
+                raise result
+        if all(isinstance(r, BaseException) for r in results):
+            raise results[0]
+
     async def pause(self, mode: str) -> None:
         if mode not in PAUSE_MODES:
             raise InvalidArgument(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-        await asyncio.gather(*(e.pause(mode) for e in self.engines))
+        await self._each_answering(lambda e: e.pause(mode))
 
     async def resume(self) -> None:
-        await asyncio.gather(*(e.resume() for e in self.engines))
+        await self._each_answering(lambda e: e.resume())
 
     async def init_weight_group(self, master_address: str, master_port: int, world_size: int,
                                 group_name: str, backend: str) -> int:
-        """Every engine joins the trainer's weight-update group (the trainer is rank 0; an
-        engine's TP ranks follow the ranks of the engines before it). Returns how many joined."""
+        """Every engine that answers joins the trainer's weight-update group (the trainer is
+        rank 0; an engine's TP ranks follow the ranks of the engines before it); one that is
+        down is left out and joins the next group once it answers. Returns how many joined."""
         if world_size < 2:
             raise InvalidArgument("world_size must count the trainer (rank 0) and every engine rank")
-        states = await self.states()
-        unhealthy = [s.url for s in states if not s.healthy]
-        if unhealthy:
-            raise Unavailable(f"engines not answering: {unhealthy}")
+        everyone = await self.states()
+        members = [(e, s) for e, s in zip(self.engines, everyone) if s.healthy]
+        if not members:
+            raise Unavailable(f"engines not answering: {', '.join(s.url for s in everyone)}")
+        states = [s for _, s in members]
         expected = weight_group_world_size(states)
         if world_size != expected:
-            raise InvalidArgument(f"world_size {world_size} does not match the engines: 1 + TP sizes = {expected}")
+            message = f"world_size {world_size} does not match the engines that answer: 1 + TP sizes = {expected}"
+            if world_size > weight_group_world_size(everyone):
+                raise InvalidArgument(message)
+            # Engines left or came back since the caller counted them (ListEngines): it asks again.
+            raise Unavailable(message)
+        self._groups[group_name] = [e for e, _ in members]
         offsets = itertools.accumulate((s.tp_size for s in states[:-1]), initial=1)
         await asyncio.gather(*(
             e.weight_call("/init_weights_update_group", {
                 "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
                 "world_size": world_size, "group_name": group_name, "backend": backend,
             })
-            for e, rank_offset in zip(self.engines, offsets)
+            for e, rank_offset in zip(self._groups[group_name], offsets)
         ))
         return len(states)
+
+    def _members(self, group_name: str) -> list[SGLangClient]:
+        # A group this pool did not open (a rollout service restarted under the trainer):
+        # every engine, as before; a failure makes the trainer open a new group.
+        return self._groups.get(group_name, self.engines)
 
     async def update_weights(self, tensors: list[TensorMeta], group_name: str, weight_version: str,
                              flush_cache: bool, load_format: str, delta: WeightDelta | None = None) -> None:
@@ -301,7 +374,8 @@ class EnginePool:
         whole or, with `delta`, only its changed elements."""
         if not tensors:
             raise InvalidArgument("a weight update needs at least one tensor")
-        if delta is not None and not all(e.weight_delta_format == WEIGHT_DELTA_FORMAT for e in self.engines):
+        members = self._members(group_name)
+        if delta is not None and not all(e.weight_delta_format == WEIGHT_DELTA_FORMAT for e in members):
             # Checked before any engine is called, so no rank waits on a broadcast that never comes.
             raise FailedPrecondition(f"not every engine accepts {WEIGHT_DELTA_FORMAT} delta updates; push in full")
         body = {
@@ -321,28 +395,46 @@ class EnginePool:
         last = flush_cache or bool(weight_version)  # the push's last bucket (it carries the version)
 
         async def one(engine: SGLangClient) -> None:
-            # One session per push, not per bucket: two round trips less per bucket.
-            await engine.begin_weight_update()
             try:
-                await engine.weight_call("/update_weights_from_distributed", body)
-            except BaseException:
-                await engine.end_weight_update()
+                # One session per push, not per bucket: two round trips less per bucket.
+                await engine.begin_weight_update()
+                try:
+                    await engine.weight_call("/update_weights_from_distributed", body)
+                except BaseException:
+                    await engine.end_weight_update()
+                    raise
+                if last:
+                    await engine.end_weight_update()
+            except EngineError:
+                self.mark_down(engine)  # the trainer opens a new group without it
                 raise
-            if last:
-                await engine.end_weight_update()
 
-        await asyncio.gather(*(one(e) for e in self.engines))
+        await asyncio.gather(*(one(e) for e in members))
+        if weight_version:  # the last bucket: these engines hold the new weights
+            self._updated(members, weight_version)
+
+    def _updated(self, engines: list[SGLangClient], weight_version: str) -> None:
+        self._current = _version_number(weight_version)
+        for e in engines:
+            self._set_up(e, weight_version)
 
     async def destroy_weight_group(self, group_name: str) -> None:
+        members = self._groups.pop(group_name, self.engines)
+        # A member that died since has no group left to destroy.
+        alive = [e for e in members if e.url not in self._down] or members
         await asyncio.gather(*(e.weight_call("/destroy_weights_update_group", {"group_name": group_name})
-                               for e in self.engines))
+                               for e in alive))
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         if not model_path:
             raise InvalidArgument("model_path is required")
+        members = [e for e, s in zip(self.engines, await self.states()) if s.healthy]
+        if not members:
+            raise Unavailable("engines not answering: weights not loaded")
         await asyncio.gather(*(e.weight_call("/update_weights_from_disk", {
             "model_path": model_path, "weight_version": weight_version, "flush_cache": True})
-            for e in self.engines))
+            for e in members))
+        self._updated(members, weight_version)
 
     async def close(self) -> None:
         await self.http.aclose()

@@ -34,11 +34,11 @@ class GenerateContext:
 def prompt_ids(tokenizer: Any, sample: Sample, apply_chat_template: bool) -> list[int]:
     if sample.metadata.get("chat_template_applied"):  # the buffer templated it (with any tools)
         return tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
-    if sample.messages:
-        return list(tokenizer.apply_chat_template(sample.messages, tokenize=True, add_generation_prompt=True, return_dict=False))
-    if apply_chat_template:
-        messages = [{"role": "user", "content": sample.prompt}]
-        return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+    if sample.messages or apply_chat_template:
+        messages = sample.messages or [{"role": "user", "content": sample.prompt}]
+        # The dataset's tool definitions (its `tools` key) are shown to the model as its template shows tools.
+        return list(tokenizer.apply_chat_template(messages, tools=sample.metadata.get("tools") or None, tokenize=True,
+                                                  add_generation_prompt=True, return_dict=False))
     return tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
 
 

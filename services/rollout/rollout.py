@@ -76,6 +76,8 @@ class RolloutRequest:
     max_concurrency: int = 0  # 0 = the service default
     apply_chat_template: bool = False
     generate: GenerateChoice = GenerateChoice()
+    # Partial samples with tokens older than this weight version start over (0: resume any).
+    min_weight_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,9 @@ class RolloutManager:
                 inflight[id(sample)] = (ctx.engine, current)
                 try:
                     return await generator.fn(ctx, current, params)
+                except EngineError:
+                    self.pool.mark_down(ctx.engine)  # out of the rotation: the retry goes to another
+                    raise
                 finally:
                     inflight.pop(id(sample), None)
 
@@ -298,8 +303,9 @@ class RolloutManager:
             inflight: dict = {}
             handled: set[str] = set()  # dropped by the filter (written ones are in `written`)
             stop = asyncio.Event()
-            tasks = [asyncio.create_task(self._generate_group(group_from_proto(g), params, sem,
-                                                              req.apply_chat_template, generator, inflight, stop))
+            tasks = [asyncio.create_task(self._generate_group(
+                         restart_stale(group_from_proto(g), req.min_weight_version), params, sem,
+                         req.apply_chat_template, generator, inflight, stop))
                      for g in resp.groups]
             pending = set(tasks)
             try:
@@ -402,6 +408,17 @@ class RolloutManager:
         metrics = rollout_metrics(scored, f"eval/{req.dataset}/")
         metrics[f"eval/{req.dataset}/seconds"] = time.monotonic() - start
         return metrics
+
+
+def restart_stale(group: SampleGroup, min_weight_version: int) -> SampleGroup:
+    """A sample of a partial group (aborted, or finished before its group was) begun under
+    weights older than min_weight_version starts over: its group, trained, would be past
+    the trainer's staleness bound and dropped (one_step_off would then wait for a batch
+    that never fills)."""
+    for s in group.samples:
+        if s.weight_versions and min(s.weight_versions) < min_weight_version:
+            reset_sample(s)
+    return group
 
 
 def reset_sample(s: Sample) -> None:

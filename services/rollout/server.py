@@ -53,7 +53,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             engines=[rollout_pb2.EngineInfo(url=s.url, tp_size=s.tp_size, weight_version=s.weight_version,
                                             healthy=s.healthy, model_path=s.model_path,
                                             weight_delta_format=s.weight_delta_format) for s in states],
-            weight_group_world_size=weight_group_world_size(states),
+            # The weight group holds the engines that answer (one that is down joins a later one).
+            weight_group_world_size=weight_group_world_size([s for s in states if s.healthy]),
         )
 
     async def PauseGeneration(self, request, context):
@@ -100,7 +101,7 @@ def rollout_request_from_proto(r: rollout_pb2.GenerateRolloutRequest) -> Rollout
         reward=reward_spec_from_proto(r.reward), group_filter=r.group_filter,
         over_sampling_groups=r.over_sampling_groups, partial_rollout=r.partial_rollout, mode=r.mode or "rl",
         max_concurrency=r.max_concurrency, apply_chat_template=r.apply_chat_template,
-        generate=generate_choice_from_proto(r.generate),
+        generate=generate_choice_from_proto(r.generate), min_weight_version=max(r.min_weight_version, 0),
     )
 
 

@@ -270,21 +270,25 @@ class WeightPusher:
 
     async def _ensure_group(self, backend: str) -> _Group:
         engines = await self._call("ListEngines", self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout))
+        # world size: 1 + the TP ranks of the engines that answer. One that is down is
+        # left out of the pool (and this group) and joins a later group once it answers.
         world_size = engines.weight_group_world_size
-        down = [e.url for e in engines.engines if not e.healthy]
-        if down:
-            raise errors.Unavailable(f"engines not answering, weights not pushed: {', '.join(down)}")
-        if world_size < 2 or not engines.engines:
+        if not engines.engines:
             raise errors.FailedPrecondition(
-                f"the rollout service at {self.rollout_address} has no engines to receive weights "
-                f"(weight group world size {world_size})"
+                f"the rollout service at {self.rollout_address} has no engines to receive weights"
             )
-        key = (backend, world_size, tuple((e.url, e.tp_size) for e in engines.engines))
-        delta_ok = all(e.weight_delta_format == WEIGHT_DELTA_FORMAT for e in engines.engines)
+        up = [e for e in engines.engines if e.healthy]
+        down = [e.url for e in engines.engines if not e.healthy]
+        if not up:
+            raise errors.Unavailable(f"engines not answering, weights not pushed: {', '.join(down)}")
+        if down:
+            log.warning("pushing weights to the engines that answer; left out until they answer: %s", ", ".join(down))
+        key = (backend, world_size, tuple((e.url, e.tp_size) for e in up))
+        delta_ok = all(e.weight_delta_format == WEIGHT_DELTA_FORMAT for e in up)
         if self._group is not None:
             # An engine that does not report the version we last pushed has restarted (or
             # been updated by someone else): it is no longer in our group.
-            stale = [e.url for e in engines.engines if e.weight_version != self._group.version]
+            stale = [e.url for e in up if e.weight_version != self._group.version]
             if self._group.key == key and not stale:
                 self._group.delta_ok = delta_ok
                 return self._group

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from rlmesh.v1 import buffer_pb2
+from rlmesh.common.grpc_server import sync_channel
+from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
 from tests.e2e.test_runs import run_config, services  # noqa: F401 - the fixture
-from tests.helpers.stack import wait_for_run
+from tests.helpers.stack import start_local_stack, wait_for_run
 
 
 @pytest.mark.slow
@@ -42,3 +43,50 @@ def test_async_modes_need_a_staleness_bound_of_at_least_one(services, tmp_path, 
     assert r.status_code == 422 and "max_staleness" in r.text
     r = api.post("/runs", json={**run_config(tmp_path, tiny_model_dir, 2), "mode": "sometimes"})
     assert r.status_code == 422 and "mode" in r.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
+def test_over_sampling_the_dynamic_filter_and_partial_rollout_work_in_each_mode(
+        redis_url, start_in_loop, engine_url, tmp_path, tiny_model_dir, mode):
+    stack = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path,
+                              custom_functions={"parity": "tests.helpers.reward:first_char_parity"})
+    buffer = buffer_pb2_grpc.BufferStub(sync_channel(stack.addresses["buffer"]))
+    config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=3), "mode": mode,
+              "reward": {"components": {"parity": 1.0}}}
+    config["rollout"].update(group_filter="nonzero_std", over_sampling_groups=1, partial_rollout=True)
+    r = stack.api.post("/runs", json=config)
+    assert r.status_code == 201, r.text
+    run = wait_for_run(stack.api, r.json()["id"])
+    assert run["status"] == "completed", run["error"]
+    rl = [m for m in run["metrics"] if "iteration/seconds" in m]
+    assert [m["rollout_id"] for m in rl] == [1, 2, 3]
+    assert all(m["train/samples"] == 6 for m in rl)  # a full batch of kept groups every step
+    assert "eval/held_out/reward_mean" in run["eval_after"]
+
+    s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run["id"]))
+    assert s.leased_groups == 0 and s.acknowledged_groups == 2 + 3 * 2
+    assert s.dropped_groups == s.dropped_by_reason.get("nonzero_std", 0)
+    # Every RL group written has rewards that differ; the filter dropped the others.
+    written = buffer.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id=run["id"])).groups
+    rl_groups = [g for g in written if len(g.samples) == 3]
+    assert len(rl_groups) >= 3 * 2
+    assert all(len({smp.reward for smp in g.samples}) > 1 for g in rl_groups)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pause_mode", ["in_place", "retract"])
+def test_fully_async_keeps_requests_in_flight_across_weight_pushes(services, tmp_path, tiny_model_dir,  # noqa: F811
+                                                                   pause_mode):
+    api, buffer = services
+    config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=3), "mode": "fully_async", "pause_mode": pause_mode}
+    config["rollout"]["sampling"] = {"max_new_tokens": 24, "ignore_eos": True}  # long enough to span a push
+    r = api.post("/runs", json=config)
+    assert r.status_code == 201, r.text
+    run = wait_for_run(api, r.json()["id"])
+    assert run["status"] == "completed", run["error"]
+    rl = [m for m in run["metrics"] if "iteration/seconds" in m]
+    assert [m["rollout_id"] for m in rl] == [1, 2, 3] and all(m["train/samples"] == 6 for m in rl)
+    assert max(m.get("train/staleness_max", 0.0) for m in rl) <= 2
+    s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run["id"]))
+    assert s.leased_groups == 0 and s.acknowledged_groups == 2 + 3 * 2

@@ -11,6 +11,12 @@ def length_bonus(sample: Sample) -> float:
     return min(len(sample.response), 10) / 10
 
 
+def first_char_parity(sample: Sample) -> float:
+    """1 when the response starts with a character of even code: an untrained model's
+    samples of one prompt often differ, and often do not (the dynamic filter has work)."""
+    return float(bool(sample.response) and ord(sample.response[0]) % 2 == 0)
+
+
 async def async_contains_label(sample: Sample) -> dict:
     await asyncio.sleep(0)
     return {"score": float(sample.label in sample.response), "pred_len": len(sample.response)}

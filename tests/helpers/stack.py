@@ -50,8 +50,8 @@ def start_local_stack(start_in_loop, redis_url: str, engine_url: str, work_dir: 
     up("reward", start_reward, RewardSettings(
         port=0, redis_url=redis_url, **{"remote_allowed_networks": ["127.0.0.0/8"], **reward_settings}))
     up("rollout", start_rollout, RolloutSettings(
-        port=0, buffer_address=addr["buffer"], reward_address=addr["reward"], engine_urls=[engine_url],
-        **(rollout_settings or {})))
+        port=0, buffer_address=addr["buffer"], reward_address=addr["reward"],
+        **{"engine_urls": [engine_url], **(rollout_settings or {})}))
     up("trainer", start_trainer, TrainerSettings(
         port=0, buffer_address=addr["buffer"], rollout_address=addr["rollout"], work_dir=work_dir / "trainer"))
     up("coordinator", start_coordinator, CoordinatorSettings(

@@ -6,8 +6,10 @@ runs choose the loop (and its options) through the REST API."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -15,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.common.auth import stack_token
-from rlmesh.common.sample import Sample, Status
+from rlmesh.common.run_config import TrainerRunConfig
+from rlmesh.common.sample import Sample, SampleGroup, Status
 from rlmesh.rollout.agent import AgentOptions, agent_generate, tool_turn_text
 from rlmesh.rollout.config import HttpTool
 from rlmesh.rollout.config import Settings as RolloutSettings
@@ -23,6 +26,7 @@ from rlmesh.rollout.engine_client import EnginePool
 from rlmesh.rollout.generation import GenerateContext
 from rlmesh.rollout.tool_parsers import ParsedTurn, ToolCall, register_tool_parser
 from rlmesh.rollout.tools import ToolBox
+from rlmesh.trainer.backend import TorchBackend
 from tests.helpers.masks import mask_runs
 from tests.helpers.stack import start_local_stack, wait_for_run
 
@@ -59,8 +63,14 @@ async def flaky_generate(ctx, sample: Sample, sampling_params: dict) -> Sample:
     return await default_generate(ctx, sample, sampling_params)
 
 
+def stuck() -> str:
+    """A plain function that hangs (its thread cannot be stopped; the call is abandoned)."""
+    time.sleep(3)
+    return "too late"
+
+
 TOOLS = {"echo": "tests.service.test_agent:echo", "explode": "tests.service.test_agent:explode",
-         "sleepy": "tests.service.test_agent:sleepy"}
+         "sleepy": "tests.service.test_agent:sleepy", "stuck": "tests.service.test_agent:stuck"}
 
 
 # ---- tools --------------------------------------------------------------------------------
@@ -91,6 +101,13 @@ def test_tool_failures_come_back_as_text():
     assert "did not answer within 0.2 s" in slow.text
     assert "TypeError" in bad_args.text
     assert "no tool named 'explode'" in not_offered.text
+
+
+def test_a_hanging_plain_function_tool_times_out():
+    box = ToolBox(RolloutSettings(tools=TOOLS))
+    result = asyncio.run(box.call("stuck", {}, ["stuck"], 0.3))
+    # The call gave up at its deadline (the sample goes on); the thread finished later, unheard.
+    assert not result.ok and result.text == "error: tool 'stuck' did not answer within 0.3 s"
 
 
 @pytest.fixture
@@ -124,6 +141,32 @@ def test_http_tools_are_retried_and_answer_with_their_body(http_tool_url):
     assert result.ok and result.text == "5" and len(calls) == 2
 
 
+def test_an_http_tool_that_never_answers_fails_as_text_after_its_retries():
+    hung = []
+    stop = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            hung.append(1)
+            stop.wait(30)  # never answers within the tool's timeout
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/slow"
+        box = ToolBox(RolloutSettings(http_tools=[HttpTool(name="slow", url=url, retries=1, timeout_seconds=0.3)]))
+        result = asyncio.run(box.call("slow", {}, ["slow"], 5))
+    finally:
+        stop.set()
+        server.shutdown()
+    assert not result.ok and "ReadTimeout" in result.text and "after 2 tries" in result.text
+    assert len(hung) == 2
+
+
 def test_options_are_checked_against_the_service():
     settings = RolloutSettings(tools=TOOLS)
     with pytest.raises(ValueError, match="unknown tools 'grep'"):
@@ -149,7 +192,8 @@ def test_a_tool_turn_is_what_the_chat_template_puts_between_turns(tiny_model_dir
 ONE_TOKEN_TURNS = {"stop_token_ids": list(range(3, 99))}
 
 
-def run_episode(tiny_model_dir, engine_url, options: dict, sample: Sample, max_new_tokens: int = 6) -> Sample:
+def run_episode(tiny_model_dir, engine_url, options: dict, sample: Sample, max_new_tokens: int = 6,
+                sampling: dict = ONE_TOKEN_TURNS) -> Sample:
     settings = RolloutSettings(tools=TOOLS, engine_urls=[engine_url])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
 
@@ -160,7 +204,7 @@ def run_episode(tiny_model_dir, engine_url, options: dict, sample: Sample, max_n
                                   options=AgentOptions.model_validate(options, context={"settings": settings}),
                                   tools=ToolBox(settings))
             return await agent_generate(ctx, sample, {"max_new_tokens": max_new_tokens, "temperature": 1.0,
-                                                      **ONE_TOKEN_TURNS})
+                                                      **sampling})
         finally:
             await pool.close()
 
@@ -194,12 +238,31 @@ def test_multi_turn_episode_keeps_the_engines_tokens_and_masks_tool_turns(tiny_m
         if m:
             assert float(logp[start + j - 1, sample.tokens[start + j]]) == pytest.approx(engine_lp, abs=1e-4)
 
+    # ... and so are the trainer's own: its first step recomputes the log-probs of the
+    # masked-in tokens (padded, micro-batched) and compares them with the engine's.
+    other = copy.deepcopy(sample)
+    sample.reward, other.reward = 1.0, 0.0
+    backend = TorchBackend(TrainerRunConfig.model_validate({
+        "model_path": str(tiny_model_dir), "micro_batch_size": 2, "optimizer": {"lr": 1e-3}, "device": "cpu"}),
+        torch.device("cpu"))
+    metrics = backend.train_step([SampleGroup("g0", 0, [sample, other])])
+    assert metrics["train_rollout_logprob_abs_diff"] < 1e-4
+    assert metrics["trained_tokens"] == 2 * sum(sample.loss_mask)  # the tool turns are not trained
+
 
 def test_a_turn_without_calls_ends_the_episode(tiny_model_dir, engine_url):
     sample = run_episode(tiny_model_dir, engine_url, {"tool_parser": "none"}, Sample(prompt="hi"))
     assert [t["role"] for t in sample.metadata["agent_turns"]] == ["assistant"]
     assert sample.status in (Status.COMPLETED, Status.TRUNCATED)
     assert set(sample.loss_mask) == {1}
+
+
+def test_the_turn_limit_cuts_a_turn_and_its_calls_are_not_run(tiny_model_dir, engine_url):
+    # No stop tokens: the turn runs to its own limit (2), not to the run's max_new_tokens (6).
+    sample = run_episode(tiny_model_dir, engine_url, {"tool_parser": "test_always_echo", "max_turns": 3,
+                                                         "max_tokens_per_turn": 2}, Sample(prompt="hi"), sampling={})
+    assert [t["role"] for t in sample.metadata["agent_turns"]] == ["assistant"]
+    assert sample.response_length == 2 and sample.status == Status.TRUNCATED
 
 
 def test_the_response_budget_bounds_the_episode(tiny_model_dir, engine_url):

@@ -114,3 +114,27 @@ def test_one_failing_sample_fails_alone_and_the_rollout_completes(make_stack):
     failed = [s for g in groups for s in g.samples if s.status == Status.FAILED]
     assert [s.index % 3 for s in failed] == [1, 1]
     assert all(s.metadata["failure"] == "KeyError: 'tool_result'" for s in failed)
+
+
+@pytest.mark.slow
+def test_partial_samples_older_than_the_bound_start_over_instead_of_resuming(make_stack, tiny_model_dir):
+    """one_step_off trains a batch one version after it was generated: the coordinator asks
+    for min_weight_version = that version - max_staleness, so a resumed group is never too
+    stale to be trained (the trainer would drop it and wait for a batch that never fills)."""
+    buffer, rollout = make_stack()
+    long = sampling_to_proto(SamplingConfig(max_new_tokens=48, ignore_eos=True))
+    (engine,) = rollout.ListEngines(rollout_pb2.ListEnginesRequest()).engines
+    old = int(engine.weight_version) if engine.weight_version.isdigit() else 0
+    first = rollout.GenerateRollout(request(num_groups=1, over_sampling_groups=3, partial_rollout=True, sampling=long))
+    assert first.metrics["rollout/groups_aborted"] == 3 and stats(buffer).partial_groups == 3
+    rollout.UpdateWeightsFromDisk(rollout_pb2.UpdateWeightsFromDiskRequest(
+        model_path=str(tiny_model_dir), weight_version=str(old + 1)))
+
+    second = rollout.GenerateRollout(request(num_groups=3, partial_rollout=True, sampling=long,
+                                             min_weight_version=old + 1))
+    assert second.groups_written == 3
+    lease_and_ack(buffer, 1)  # the first rollout's group
+    for group in lease_and_ack(buffer, 3):  # the partial groups, started over under the new weights
+        for s in group.samples:
+            assert s.weight_versions == [old + 1] and s.response_length == 48
+            assert len(s.rollout_log_probs) == len(s.loss_mask) == 48

@@ -1,6 +1,8 @@
 """The SGLang client survives a connection that breaks under it (a pooled keep-alive
 connection closed by the server, an engine restarting), and the engine pool relays weight
-updates to every engine with its rank offset: real HTTP on loopback."""
+updates to every engine with its rank offset; an engine that is down leaves the pool (no
+generation, not in the weight group) and rejoins once it answers and has received the
+weights: real HTTP on loopback."""
 
 from __future__ import annotations
 
@@ -11,15 +13,18 @@ import httpx
 import pytest
 
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.common.net import free_port
 from rlmesh.rollout.engine_client import EnginePool, SGLangClient, TensorMeta, WeightDelta
 
 ANSWER = {"text": "x", "output_ids": [5], "meta_info": {"id": "r", "finish_reason": {"type": "stop", "matched": 1},
                                                       "weight_version": "3", "output_token_logprobs": [[-0.1, 5, None]]}}
 
 
-async def flaky_engine(drop_first: int, tp_size: int = 1):
-    """An HTTP server that hangs up on the first `drop_first` /generate requests, then answers."""
+async def flaky_engine(drop_first: int, tp_size: int = 1, port: int = 0):
+    """An HTTP server that hangs up on the first `drop_first` /generate requests, then answers
+    (and reports the weight version it was last given)."""
     seen: list[dict] = []
+    version = {"weight_version": "default"}
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         head = await reader.readuntil(b"\r\n\r\n")
@@ -30,13 +35,15 @@ async def flaky_engine(drop_first: int, tp_size: int = 1):
         if path == "/generate" and sum(s["path"] == "/generate" for s in seen) <= drop_first:
             writer.close()  # hang up without an answer
             return
-        answers = {"/generate": ANSWER, "/get_server_info": {"tp_size": tp_size}}
+        if body.get("weight_version"):
+            version["weight_version"] = body["weight_version"]
+        answers = {"/generate": ANSWER, "/get_server_info": {"tp_size": tp_size}, "/get_model_info": version}
         payload = json.dumps(answers.get(path, {})).encode()
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(payload), payload))
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
     return server, server.sockets[0].getsockname()[1], seen
 
 
@@ -76,6 +83,9 @@ def test_the_pool_relays_weight_updates_to_every_engine_with_its_rank_offset():
             pool = EnginePool([f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"], "", 5, 5)
             try:
                 with pytest.raises(InvalidArgument, match="1 \\+ TP sizes = 4"):
+                    await pool.init_weight_group("10.0.0.1", 29500, 5, "g", "gloo")
+                # fewer ranks than the engines have: they changed since the caller counted, it asks again
+                with pytest.raises(Unavailable, match="1 \\+ TP sizes = 4"):
                     await pool.init_weight_group("10.0.0.1", 29500, 3, "g", "gloo")
                 assert await pool.init_weight_group("10.0.0.1", 29500, 4, "g", "gloo") == 2
                 await pool.update_weights([TensorMeta("w", "float32", (2, 3))], "g", "7", True, "")
@@ -111,3 +121,40 @@ def test_a_push_is_one_weight_update_session_and_deltas_go_only_to_engines_that_
 
     paths = [s["path"] for s in asyncio.run(scenario()) if "weight" in s["path"]]
     assert paths == ["/begin_weight_update"] + ["/update_weights_from_distributed"] * 3 + ["/end_weight_update"]
+
+
+def test_an_engine_that_is_down_leaves_the_pool_and_rejoins_once_it_has_the_weights():
+    async def scenario():
+        a, port_a, seen_a = await flaky_engine(0)
+        port_b = free_port()  # b is down: nothing listens there yet
+        url_a, url_b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
+        pool = EnginePool([url_a, url_b], "", 5, 5)
+        try:
+            async with a:
+                states = await pool.states()
+                assert [s.healthy for s in states] == [True, False]
+                assert {pool.for_generation().url for _ in range(4)} == {url_a}
+                await pool.pause("abort")  # b does not answer: tolerated, a is paused
+                await pool.resume()
+                # the weight group holds the engines that answer: the trainer and a
+                assert await pool.init_weight_group("10.0.0.1", 29500, 2, "g1", "gloo") == 1
+                await pool.update_weights([TensorMeta("w", "float32", (2,))], "g1", "7", True, "")
+
+                b, _, seen_b = await flaky_engine(0, port=port_b)  # b is back, on its base weights
+                async with b:
+                    await pool.states()
+                    assert {pool.for_generation().url for _ in range(4)} == {url_a}  # not before it has them
+                    assert await pool.init_weight_group("10.0.0.1", 29501, 3, "g2", "gloo") == 2
+                    await pool.update_weights([TensorMeta("w", "float32", (2,))], "g2", "8", True, "")
+                    assert {pool.for_generation().url for _ in range(4)} == {url_a, url_b}
+                # b is gone again; a call that broke on it takes it out at once (the rollout does this)
+                pool.mark_down(next(e for e in pool.engines if e.url == url_b))
+                assert {pool.for_generation().url for _ in range(4)} == {url_a}
+        finally:
+            await pool.close()
+        return seen_a, seen_b
+
+    seen_a, seen_b = asyncio.run(scenario())
+    assert [s["path"] for s in seen_a].count("/pause_generation") == 1
+    assert [s.get("rank_offset") for s in seen_b if s["path"] == "/init_weights_update_group"] == [2]
+    assert not any(s["path"] == "/update_weights_from_distributed" and s["group_name"] == "g1" for s in seen_b)
