@@ -165,6 +165,22 @@ class WeightSyncConfig(StrictModel):
     )
 
 
+ModuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$", max_length=128)]
+
+
+class LoraConfig(StrictModel):
+    """LoRA adapters (PEFT) on the policy: only they train; the engines get merged weights."""
+
+    rank: int = Field(8, ge=1, le=1024, description="Rank r of each adapter's B A.")
+    alpha: float = Field(16.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input, in training passes only.")
+    target_modules: Literal["all-linear"] | list[ModuleName] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, max_length=64,
+        description="Names (or name suffixes) of the linear layers to adapt, or 'all-linear' (all but the "
+        "output head); checked against the model when the run starts.",
+    )
+
+
 class TrainingConfig(StrictModel):
     """The trainer's part of a run, declared once: `POST /runs` has these fields at its top
     level and the trainer receives them unchanged (in TrainerRunConfig)."""
@@ -175,6 +191,14 @@ class TrainingConfig(StrictModel):
     sft_optimizer: OptimizerConfig | None = Field(None, description="Optimizer for SFT steps; default `optimizer`.")
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward (gradient accumulation).")
     num_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout batch.")
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters instead of the whole model (torch backend); the KL reference is then "
+        "the base model with the adapters disabled, and checkpoints hold the adapters."
+    )
+    data_parallel: Literal["none", "fsdp2"] = Field(
+        "none", description="'fsdp2': shard the model with FSDP2 across the processes of a torchrun job, each "
+        "training its share of every mini-batch (torch backend; not with lora)."
+    )
     weight_sync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="How new weights reach the engines."
     )
@@ -193,6 +217,13 @@ class TrainingConfig(StrictModel):
         "rlmesh wrote are deleted (SaveCheckpoint's are never deleted)."
     )
     seed: int = Field(0, ge=0, le=INT64_MAX, description="Seed of the trainer's random state.")
+
+    @model_validator(mode="after")
+    def _lora_not_sharded(self):
+        if self.lora is not None and self.data_parallel != "none":
+            raise ValueError("lora with data_parallel 'fsdp2' is not supported: LoRA's adapters are small enough to "
+                             "train unsharded; use one or the other")
+        return self
 
 
 class TrainerRunConfig(TrainingConfig):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -39,6 +40,9 @@ from rlmesh.common import errors
 from rlmesh.common.run_config import OptimizerConfig, TrainerRunConfig
 from rlmesh.common.sample import SampleGroup, Status, validate_arrays
 from rlmesh.trainer import algorithms as algo
+from rlmesh.trainer import lora
+from rlmesh.trainer.critic import VALUE_HEAD_FILE, build_value_head
+from rlmesh.trainer.fsdp import DataParallel
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +157,7 @@ class MicroBatch:
     logit_index: Tensor  # [b, R] position whose logits predict response token j
     targets: Tensor  # [b, R] the response tokens
     mask: Tensor  # [b, R] float: 1 = trained token
+    stand_in: bool = False  # run only to match the other ranks' collectives (data parallelism)
 
     @property
     def response_width(self) -> int:
@@ -251,11 +256,13 @@ class _FixedTokens:
     ref: Tensor | None  # log-probs of the reference model
     advantages: Tensor
     is_weights: Tensor | None  # rollout importance weights (1 where the engine sent no log-probs)
+    values: Tensor | None = None  # the critic's values before the update (advantage_estimator 'gae')
+    returns: Tensor | None = None  # and its regression targets
 
     def rows(self, index: Sequence[int], width: int) -> _FixedTokens:
         """The rows of a micro-batch, cut to its response width."""
         pick = torch.as_tensor(list(index), device=self.old.device)
-        fields = (self.old, self.ref, self.advantages, self.is_weights)
+        fields = (self.old, self.ref, self.advantages, self.is_weights, self.values, self.returns)
         return _FixedTokens(*(t[pick, :width] if t is not None else None for t in fields))
 
 
@@ -292,11 +299,13 @@ class CheckpointSnapshot:
     goes on."""
 
     model: PreTrainedModel  # for save_pretrained's config; its parameters are not read
-    weights: dict[str, Tensor]
+    weights: dict[str, Tensor] | None  # None: no full model (a LoRA run saves its adapters in `tensor_files`)
     optimizers: dict
     rng: dict
     state: dict  # what trainer_state.json holds besides the caller's extra
     extras_from: Path  # the run's model directory: tokenizer and the like
+    tensor_files: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # file name -> safetensors content
+    text_files: dict[str, str] = field(default_factory=dict)  # file name -> content
 
 
 def write_checkpoint(snapshot: CheckpointSnapshot, path: Path, extra: dict | None = None) -> Path:
@@ -305,8 +314,13 @@ def write_checkpoint(snapshot: CheckpointSnapshot, path: Path, extra: dict | Non
     COMPLETE_FILE last. Not atomic by itself: the trainer writes to a hidden directory and
     renames it into place."""
     path.mkdir(parents=True)
-    # save_pretrained pops the tensors it has written from the dict it is given.
-    snapshot.model.save_pretrained(path, state_dict=dict(snapshot.weights))
+    if snapshot.weights is not None:
+        # save_pretrained pops the tensors it has written from the dict it is given.
+        snapshot.model.save_pretrained(path, state_dict=dict(snapshot.weights))
+    for name, tensors in snapshot.tensor_files.items():
+        save_file(tensors, path / name)
+    for name, text in snapshot.text_files.items():
+        (path / name).write_text(text)
     _copy_model_extras(snapshot.extras_from, path)
     torch.save(snapshot.optimizers, path / OPTIMIZER_FILE)
     torch.save(snapshot.rng, path / RNG_FILE)
@@ -405,8 +419,20 @@ class TorchBackend:
         self._autocast_dtype = torch.bfloat16 if (mixed_precision and device.type == "cuda") else None
         torch.manual_seed(config.seed)
 
+        self.dp = DataParallel.from_config(config)
         source = resume_from or Path(config.model_path)
-        self.policy = _load_model(str(source), device, "checkpoint to resume" if resume_from else "model_path")
+        saved_state = _read_state(source)
+        # A LoRA checkpoint holds adapters only: the model comes from the base it names.
+        lora_base = saved_state.get(lora.BASE_MODEL_STATE_KEY)
+        if lora_base and config.lora is None:
+            raise errors.InvalidArgument(f"{source} holds LoRA adapters; resuming it needs the run config's lora section")
+        if lora_base:
+            self.policy = _load_model(lora_base, device, f"the base model of LoRA checkpoint {source}")
+        else:
+            self.policy = _load_model(str(source), device, "checkpoint to resume" if resume_from else "model_path")
+        self.base_model_path = lora_base or str(source)
+        if config.lora is not None:
+            self.policy = lora.wrap(self.policy, config.lora, adapters_from=source if lora_base else None)
         pad = self.policy.config.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else 0
         # The rows of the input embedding: token ids must be below it.
@@ -414,16 +440,27 @@ class TorchBackend:
 
         # Starting from one of our checkpoints resumes it (see _resume); its reference
         # is still the model the run began from, not the checkpoint.
-        saved_state = _read_state(source)
         self.reference_path = (
             config.reference_model_path or saved_state.get("reference_model_path") or config.model_path
         )
         self.reference: PreTrainedModel | None = None
-        if self.needs_reference:
+        # With LoRA, the reference is the base model: the policy with its adapters disabled.
+        self.reference_is_base = config.lora is not None and self.reference_path in (config.model_path, lora_base)
+        if self.needs_reference and not self.reference_is_base:
             self.reference = _load_model(self.reference_path, device)
             self.reference.requires_grad_(False)
 
+        # PPO's critic: a value head on the policy's last hidden state (see critic.py).
+        self.critic = None
+        if self.estimator.needs_critic:
+            hidden_size = self.policy.get_input_embeddings().embedding_dim
+            self.critic = build_value_head(hidden_size, device, source if saved_state else None)
+        if self.dp.mode != "none":
+            self.dp.shard(self.policy, self.critic)
+
         params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.critic is not None:
+            params += list(self.critic.parameters())
         self._params = params
         self._optimizers = {"rl": _build_optimizer(params, config.optimizer)}
         self._optimizers["sft"] = (
@@ -436,6 +473,10 @@ class TorchBackend:
         a = self.algorithm
         return a.kl_loss_coef > 0 or a.kl_coef > 0
 
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or (self.reference_is_base and self.needs_reference)
+
     # ---------------------------------------------------------------- forward helpers
 
     def _autocast(self):
@@ -446,30 +487,71 @@ class TorchBackend:
     def _response_logits(self, model: PreTrainedModel, mb: MicroBatch) -> Tensor:
         """Float32 logits [b, R, V] at the positions that predict the response tokens,
         divided by the sampling temperature."""
+        return self._response_outputs(model, mb)[0]
+
+    def _response_outputs(self, model: PreTrainedModel, mb: MicroBatch, values: bool = False) -> tuple[Tensor, Tensor | None]:
+        """_response_logits, and with `values` the critic's values [b, R] of the same
+        positions (the state before each response token)."""
         with self._autocast():
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        index = mb.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        return logits.gather(1, index).float() / self.temperature
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
+                        output_hidden_states=values)
+        index = mb.logit_index.unsqueeze(-1)
+        logits = out.logits.gather(1, index.expand(-1, -1, out.logits.shape[-1])).float() / self.temperature
+        if not values:
+            return logits, None
+        hidden = out.hidden_states[-1]
+        return logits, self.critic(hidden.gather(1, index.expand(-1, -1, hidden.shape[-1])))
 
     def _response_log_probs(self, model: PreTrainedModel, mb: MicroBatch) -> Tensor:
         return token_log_probs(self._response_logits(model, mb), mb.targets)
 
     def _micro_batches(self, indices: Sequence[int], samples: Sequence[TrainSample]) -> Iterator[tuple[list[int], MicroBatch]]:
+        """Micro-batches of at most micro_batch_size samples of `indices`: all of them in
+        one process; with data parallelism this rank's share, as many micro-batches on every
+        rank (a rank with none left runs a stand-in whose mask is all 0: a sharded model's
+        every forward and backward is a collective)."""
         size = self.config.micro_batch_size
-        for start in range(0, len(indices), size):
-            chunk = list(indices[start : start + size])
-            yield chunk, collate([samples[i] for i in chunk], self.pad_token_id, self.device)
+        if self.dp.world == 1:
+            for start in range(0, len(indices), size):
+                chunk = list(indices[start : start + size])
+                yield chunk, collate([samples[i] for i in chunk], self.pad_token_id, self.device)
+            return
+        for chunk in self.dp.micro_chunks(indices, size):
+            if chunk:
+                yield chunk, collate([samples[i] for i in chunk], self.pad_token_id, self.device)
+            else:
+                mb = collate([samples[indices[0]]], self.pad_token_id, self.device)
+                mb.mask, mb.stand_in = torch.zeros_like(mb.mask), True
+                yield [indices[0]], mb
 
     @torch.no_grad()
-    def _log_probs_per_sample(self, model: PreTrainedModel, samples: Sequence[TrainSample]) -> list[Tensor]:
-        out: list[Tensor] = []
+    def _old_pass(self, model: PreTrainedModel, samples: Sequence[TrainSample], width: int,
+                  values: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Log-probs [B, width] of every response token under `model` (and with `values`
+        the critic's values), right-padded with 0; with data parallelism each rank scores
+        its share and the rows are summed across ranks."""
+        log_probs = torch.zeros(len(samples), width, device=self.device)
+        critic_values = torch.zeros(len(samples), width, device=self.device) if values else None
         for chunk, mb in self._micro_batches(range(len(samples)), samples):
-            lp = self._response_log_probs(model, mb)
-            out.extend(lp[k, : samples[i].response_length] for k, i in enumerate(chunk))
-        return out
+            lp, v = self._response_outputs(model, mb, values)
+            if mb.stand_in:  # see _micro_batches: run, nothing kept
+                continue
+            lp = token_log_probs(lp, mb.targets)
+            for k, i in enumerate(chunk):
+                r = samples[i].response_length
+                log_probs[i, :r] = lp[k, :r]
+                if critic_values is not None:
+                    critic_values[i, :r] = v[k, :r]
+        return self.dp.sum(log_probs), self.dp.sum(critic_values) if critic_values is not None else None
+
+    def _reference_log_probs(self, samples: Sequence[TrainSample], width: int) -> Tensor:
+        if self.reference is not None:
+            return self._old_pass(self.reference, samples, width)[0]
+        with self.policy.disable_adapter():  # LoRA: the base model is the reference
+            return self._old_pass(self.policy, samples, width)[0]
 
     def _optimizer_step(self, opt: _Optimizer, totals: _Totals) -> None:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, opt.config.grad_clip))
+        grad_norm = self.dp.to_float(torch.nn.utils.clip_grad_norm_(self._params, opt.config.grad_clip))
         totals.lr = opt.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
             opt.optimizer.step()
@@ -500,10 +582,10 @@ class TorchBackend:
         #    Everything per token is kept as [B, W] tensors, right-padded with zeros.
         width = max(max(s.response_length for s in samples), 1)
         masks = pad_to([s.loss_mask.to(device) for s in samples], width)
-        old = pad_to(self._log_probs_per_sample(self.policy, samples), width)
+        old, values = self._old_pass(self.policy, samples, width, values=self.critic is not None)
         ref = None
-        if self.reference is not None:
-            ref = pad_to(self._log_probs_per_sample(self.reference, samples), width)
+        if self.has_reference:
+            ref = self._reference_log_probs(samples, width)
         rollout, has_rollout = self._rollout_log_probs(samples, width)
         if has_rollout.any():
             metrics["train_rollout_logprob_abs_diff"] = float(
@@ -522,9 +604,15 @@ class TorchBackend:
         if ref is not None and a.kl_coef > 0:
             kl_for_reward = algo.kl_penalty(old, ref, a.kl_estimator)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device)
-        advantages = algo.compute_advantages(a, rewards, batch.group_sizes, masks, kl_for_reward)
+        advantages, returns = algo.compute_advantages_and_returns(
+            a, rewards, batch.group_sizes, masks, kl_for_reward, values
+        )
         metrics["advantage_abs_mean"] = float(algo.masked_mean(advantages.abs(), masks))
-        fixed = _FixedTokens(old, ref, advantages, is_weights)
+        if values is not None and returns is not None:
+            metrics["value_mean"] = float(algo.masked_mean(values, masks))
+            metrics["return_mean"] = float(algo.masked_mean(returns, masks))
+            metrics["explained_variance"] = float(algo.explained_variance(values, returns, masks))
+        fixed = _FixedTokens(old, ref, advantages, is_weights, values, returns)
 
         # 3. One optimizer step per mini-batch.
         opt = self._optimizers["rl"]
@@ -533,11 +621,12 @@ class TorchBackend:
             mini_masks = masks[mini.start : mini.stop]
             num_tokens = mini_masks.sum().clamp(min=1)
             num_seqs = (mini_masks.sum(dim=1) > 0).sum().clamp(min=1)
-            for chunk, mb in self._micro_batches(mini, samples):
-                self._rl_micro_step(mb, fixed.rows(chunk, mb.response_width), num_seqs, num_tokens, totals)
+            with lora.dropout_active(self.policy):
+                for chunk, mb in self._micro_batches(mini, samples):
+                    self._rl_micro_step(mb, fixed.rows(chunk, mb.response_width), num_seqs, num_tokens, totals)
             self._optimizer_step(opt, totals)
 
-        metrics.update(totals.metrics())
+        metrics.update(self.dp.reduce_totals(totals).metrics())
         return metrics
 
     def _rollout_log_probs(self, samples: Sequence[TrainSample], width: int) -> tuple[Tensor, Tensor]:
@@ -554,7 +643,7 @@ class TorchBackend:
     ) -> None:
         a = self.algorithm
         mask, old = mb.mask, fixed.old
-        logits = self._response_logits(self.policy, mb)
+        logits, values = self._response_outputs(self.policy, mb, values=self.critic is not None)
         # Padded and loss-mask-0 positions hold log-probs of junk targets: pin them to the
         # old values (ratio 1, KL 0) so no term there can overflow into a NaN gradient.
         log_probs = torch.where(mask > 0, token_log_probs(logits, mb.targets), old)
@@ -571,14 +660,20 @@ class TorchBackend:
 
         pg_loss = aggregate(pg)
         loss = pg_loss
-        if self.reference is not None and a.kl_loss_coef > 0:
+        if self.has_reference and a.kl_loss_coef > 0:
             ref = torch.where(mask > 0, fixed.ref, old)
             kl_loss = aggregate(algo.kl_penalty(log_probs, ref, a.kl_estimator))
             loss = loss + a.kl_loss_coef * kl_loss
             totals.add_step_value("kl_loss", float(kl_loss.detach()))
         if a.entropy_coef:
             loss = loss - a.entropy_coef * aggregate(entropy)
-        loss.backward()
+        if values is not None:
+            value_loss = algo.clipped_value_loss(values, fixed.values, fixed.returns, mask, a.value_clip, num_tokens)
+            loss = loss + a.value_loss_coef * value_loss
+            totals.add_step_value("value_loss", float(value_loss.detach()))
+        # Each rank's loss is its share of the batch's (the counts are the whole batch's):
+        # summed over ranks it is one process's loss, and the sharded model averages.
+        (loss * self.dp.world).backward()
 
         totals.add_step_value("loss", float(loss.detach()))
         totals.add_step_value("pg_loss", float(pg_loss.detach()))
@@ -602,10 +697,10 @@ class TorchBackend:
             for _, mb in self._micro_batches(range(len(samples)), samples):
                 log_probs = self._response_log_probs(self.policy, mb)
                 loss = algo.nll_loss(log_probs, mb.mask, num_tokens)
-                loss.backward()
+                (loss * self.dp.world).backward()
                 totals.add_step_value("loss", float(loss.detach()))
             self._optimizer_step(self._optimizers["sft"], totals)
-            metrics.update(totals.metrics())
+            metrics.update(self.dp.reduce_totals(totals).metrics())
             metrics["sft_nll"] = metrics["loss"]
             return metrics
 
@@ -613,15 +708,25 @@ class TorchBackend:
 
     def state_dict_for_sync(self) -> Iterator[tuple[str, Tensor]]:
         """(Hugging Face name, tensor) for every parameter, in module order. Tied
-        weights appear once (as the input embedding), as in save_pretrained."""
+        weights appear once (as the input embedding), as in save_pretrained. With LoRA,
+        the base model's names and the merged weights W + scale * B A; with data
+        parallelism the full tensors (every rank must iterate: each is gathered)."""
+        if self.config.lora is not None:
+            yield from lora.merged_named_parameters(self.policy)
+            return
         for name, param in self.policy.named_parameters():
-            yield name, param.detach()
+            yield name, self.dp.full(param.detach())
 
     def save_weights(self, path: Path) -> Path:
         """A complete Hugging Face model directory (safetensors, config, tokenizer)."""
         with self._lock:
             path.mkdir(parents=True, exist_ok=True)
-            self.policy.save_pretrained(path)
+            if self.config.lora is not None:
+                merged = dict(lora.merged_named_parameters(self.policy))
+                self.policy.get_base_model().save_pretrained(path, state_dict=merged)
+            else:
+                self.dp.refuse_unsharded("saving weights to disk")
+                self.policy.save_pretrained(path)
             _copy_model_extras(Path(self.config.model_path), path)
             return path
 
@@ -629,17 +734,32 @@ class TorchBackend:
         """Everything a checkpoint holds, copied to CPU memory (cheap next to a step for
         the models this backend trains), so that writing it can overlap the next steps."""
         with self._lock:
+            self.dp.refuse_unsharded("checkpoints")
             optimizers = {
                 name: {"optimizer": o.optimizer.state_dict(), "scheduler": o.scheduler.state_dict()}
                 for name, o in self._distinct_optimizers().items()
             }
+            state = {"step": self.step, "reference_model_path": self.reference_path}
+            tensor_files, text_files = {}, {}
+            weights = None
+            if self.config.lora is not None:  # the adapters only, in PEFT's own format
+                state[lora.BASE_MODEL_STATE_KEY] = self.base_model_path
+                adapters, adapter_config = lora.adapter_files(self.policy)
+                tensor_files[lora.ADAPTER_WEIGHTS] = _cpu_copy(adapters, {})
+                text_files[lora.ADAPTER_CONFIG] = adapter_config
+            else:
+                weights = _cpu_copy(self.policy.state_dict(), {})
+            if self.critic is not None:
+                tensor_files[VALUE_HEAD_FILE] = _cpu_copy(self.critic.state_dict(), {})
             return CheckpointSnapshot(
                 model=self.policy,
-                weights=_cpu_copy(self.policy.state_dict(), {}),
+                weights=weights,
                 optimizers=_cpu_copy(optimizers, {}),
                 rng=_rng_state(self.device),
-                state={"step": self.step, "reference_model_path": self.reference_path},
+                state=state,
                 extras_from=Path(self.config.model_path),
+                tensor_files=tensor_files,
+                text_files=text_files,
             )
 
     def save_checkpoint(self, path: Path, extra_state: dict | None = None) -> Path:
@@ -669,6 +789,7 @@ class TorchBackend:
         with self._lock:
             self.policy = None  # type: ignore[assignment]
             self.reference = None
+            self.critic = None
             self._optimizers.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
