@@ -3,9 +3,14 @@ rlmesh.trainer.trainer.Trainer; errors are raised as rlmesh.common.errors."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import signal
 
-from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
+import torch
+
+from rlmesh.common.grpc_server import Service, ServiceBinding, serve_service, start_service
+from rlmesh.trainer import ranks
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.trainer import RunStatus, Trainer, parse_run_config
 from rlmesh.v1 import trainer_pb2, trainer_pb2_grpc
@@ -66,3 +71,24 @@ async def build(settings: Settings, trainer: Trainer | None = None) -> Service:
 
 
 start = functools.partial(start_service, build)
+
+
+async def serve(settings: Settings) -> None:
+    """`rlmesh serve trainer`: one process; or, started by torchrun (data_parallel 'fsdp2'
+    runs), rank 0 serves and the other ranks follow it (see ranks.py)."""
+    if not ranks.in_torchrun():
+        await serve_service(build, settings)
+        return
+    group = ranks.init_ranks(settings.device)
+    if torch.distributed.get_rank() != 0:
+        # A follower leaves when rank 0 says so (after its graceful shutdown, which still
+        # needs it) or when rank 0 is gone; torchrun's SIGTERM reaches every rank.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        await asyncio.to_thread(ranks.follow, group)
+        return
+    trainer = Trainer(settings, backend_factory=ranks.leader_factory(group))
+    try:
+        await serve_service(functools.partial(build, trainer=trainer), settings)
+    finally:
+        ranks.shutdown(group)

@@ -123,8 +123,11 @@ class _Run:
 
 
 class Trainer:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, backend_factory: Callable[..., TorchBackend] = TorchBackend) -> None:
         self.settings = settings
+        # (config, device, mixed_precision, resume_from) -> the run's backend; under torchrun,
+        # rank 0's announces every call to the other ranks (ranks.leader_factory).
+        self._backend_factory = backend_factory
         # work_dir resolved: the one directory the trainer writes under (and resumes from).
         self._roots = resolve_roots([settings.work_dir])
         self._run: _Run | None = None
@@ -158,7 +161,8 @@ class Trainer:
                 )
             device = resolve_device(config.device if config.device != "auto" else self.settings.device)
             resume = await asyncio.to_thread(newest_checkpoint, checkpoints, run_id)
-            backend = await asyncio.to_thread(TorchBackend, config, device, self.settings.mixed_precision, resume)
+            backend = await asyncio.to_thread(self._backend_factory, config, device, self.settings.mixed_precision,
+                                              resume)
             run = _Run(
                 run_id, config, backend,
                 weight_version=int(backend.resumed_state.get("weight_version", 0)),

@@ -7,17 +7,29 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
+from rlmesh.cli.launcher import wait_until_ready
 from rlmesh.common import errors
+from rlmesh.common.grpc_server import sync_channel
+from rlmesh.common.net import free_port
 from rlmesh.trainer.backend import TorchBackend
+from rlmesh.v1 import trainer_pb2
+from rlmesh.v1.trainer_pb2_grpc import TrainerStub
 from tests.helpers.fsdp_worker import STEPS
-from tests.service.test_trainer import CPU, config, make_groups
+from tests.service import test_trainer
+from tests.service.test_trainer import CPU, config, fill_buffer, make_groups
+
+# The real buffer, engine and rollout service of the trainer's tests.
+buffer_address, engine, rollout_address = test_trainer.buffer_address, test_trainer.engine, test_trainer.rollout_address
 
 REPO = Path(__file__).resolve().parents[2]
 # Float sums in another order (two shards and an all-reduce instead of one sum).
@@ -70,3 +82,60 @@ def test_two_ranks_train_like_one_process(two_ranks, tiny_model_dir, case):
 def test_fsdp2_outside_a_torch_distributed_job_is_a_clear_error(tiny_model_dir):
     with pytest.raises(errors.InvalidArgument, match="torchrun"):
         TorchBackend(config(tiny_model_dir, data_parallel="fsdp2"), CPU)
+
+
+def serving(stub: TrainerStub) -> bool:
+    try:
+        stub.GetStatus(trainer_pb2.GetStatusRequest(run_id="none"), timeout=2)
+    except grpc.RpcError as e:
+        return e.code() == grpc.StatusCode.NOT_FOUND
+    return True
+
+
+@pytest.mark.slow
+def test_the_trainer_service_on_two_ranks(buffer_address, rollout_address, engine, tiny_model_dir, tmp_path):
+    """`torchrun -m rlmesh.cli serve trainer`: rank 0 serves gRPC, rank 1 follows; a step
+    leased from the buffer trains like one process, and the engine receives the full
+    weights."""
+    port = free_port()
+    log = tmp_path / "trainer.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "rlmesh.cli", "serve", "trainer", "--port", str(port), "--device", "cpu",
+         "--work-dir", str(tmp_path / "work"), "--buffer-address", buffer_address, "--rollout-address", rollout_address],
+        env=env, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )
+    try:
+        stub = TrainerStub(sync_channel(f"127.0.0.1:{port}"))
+        wait_until_ready(lambda: serving(stub), proc, "the 2-rank trainer", timeout=180)
+        fill_buffer(buffer_address, "r1", tmp_path / "train.jsonl")
+        cfg = config(tiny_model_dir, data_parallel="fsdp2")
+        stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=cfg.model_dump_json()))
+        result = stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="r1", num_groups=2, wait_seconds=10))
+        assert (result.step, result.groups_trained, result.samples_trained) == (1, 2, 4)
+
+        # The same groups (fill_buffer puts the first two samples of each) in one process.
+        single = TorchBackend(config(tiny_model_dir), CPU)
+        expected = single.train_step([replace(g, samples=g.samples[:2]) for g in make_groups()])
+        for key in ("loss", "pg_loss", "entropy", "grad_norm", "trained_tokens"):
+            assert result.metrics[key] == pytest.approx(expected[key], rel=1e-4, abs=ATOL), key
+
+        stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=1))
+        assert engine.weight_version() == "1"
+        for name, value in single.state_dict_for_sync():
+            torch.testing.assert_close(engine.tensor(name), value, atol=ATOL, rtol=0, msg=name)
+
+        with pytest.raises(grpc.RpcError) as e:
+            stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id="r1"))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "fsdp2" in e.value.details()
+        stub.EndRun(trainer_pb2.EndRunRequest(run_id="r1"))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        print(log.read_text()[-5000:])
