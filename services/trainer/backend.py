@@ -55,7 +55,8 @@ COMPLETE_FILE = "checkpoint_complete"
 # Files of a model directory that save_pretrained writes itself (or a checkpoint's own);
 # everything else at the top level (tokenizer, chat template) is copied over so a
 # checkpoint is a complete model.
-_WRITTEN_BY_SAVE = {"config.json", "generation_config.json", OPTIMIZER_FILE, STATE_FILE, RNG_FILE, COMPLETE_FILE}
+_WRITTEN_BY_SAVE = {"config.json", "generation_config.json", OPTIMIZER_FILE, STATE_FILE, RNG_FILE, COMPLETE_FILE,
+                    lora.ADAPTER_CONFIG}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 

@@ -177,6 +177,19 @@ class AlgorithmConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _critic_settings_need_a_critic(self):
+        if _algorithms().get_advantage_estimator(self.advantage_estimator).needs_critic:
+            return self
+        # Only values that differ from the defaults: a dumped config lists every field.
+        inert = [name for name, default in (("gae_lambda", 1.0), ("value_loss_coef", 0.5), ("value_clip", 0.2))
+                 if getattr(self, name) != default]
+        if inert:
+            critics = ", ".join(n for n, e in _algorithms().ADVANTAGE_ESTIMATORS.items() if e.needs_critic)
+            raise ValueError(f"{', '.join(inert)} set, but only an estimator with a critic uses them ({critics}), "
+                             f"not {self.advantage_estimator!r}")
+        return self
+
+    @model_validator(mode="after")
     def _rollout_is_bounds(self):
         if self.rollout_is_upper is None:
             # Only values that differ from the defaults: a dumped config lists every field.

@@ -299,6 +299,14 @@ def test_the_gae_estimator_shapes_token_rewards_with_the_kl():
     close(returns, [[0.7, 0.8], [-0.3, 0.0]])
 
 
+def test_critic_settings_only_with_a_critic():
+    assert AlgorithmConfig(advantage_estimator="gae", gae_lambda=0.9, value_clip=None).value_clip is None
+    with pytest.raises(ValidationError, match="gae_lambda, value_clip set, but only an estimator with a critic"):
+        AlgorithmConfig(advantage_estimator="grpo", gae_lambda=0.9, value_clip=None)
+    # A dumped config (every field, at its default) validates again.
+    AlgorithmConfig.model_validate(AlgorithmConfig().model_dump())
+
+
 def test_the_gae_estimator_needs_the_critics_values():
     with pytest.raises(ValueError, match="needs the critic's values"):
         algo.compute_advantages(AlgorithmConfig(advantage_estimator="gae"), t([1.0, 0.0]), [2], GAE_MASK)
