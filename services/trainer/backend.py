@@ -52,6 +52,10 @@ RNG_FILE = "rng_state.pt"
 # Written last, once every other file of a checkpoint is on disk: a directory without it
 # is never resumed automatically, whatever else it holds.
 COMPLETE_FILE = "checkpoint_complete"
+# In trainer_state.json of a checkpoint written under FSDP2: its optimizer state is keyed
+# by parameter names (torch.distributed.checkpoint's full state dict), not by position.
+OPTIMIZER_FORMAT_KEY = "optimizer_state_format"
+FQN_OPTIMIZER_FORMAT = "full_by_name"
 # Files of a model directory that save_pretrained writes itself (or a checkpoint's own);
 # everything else at the top level (tokenizer, chat template) is copied over so a
 # checkpoint is a complete model.
@@ -721,13 +725,14 @@ class TorchBackend:
     def save_weights(self, path: Path) -> Path:
         """A complete Hugging Face model directory (safetensors, config, tokenizer)."""
         with self._lock:
-            path.mkdir(parents=True, exist_ok=True)
             if self.config.lora is not None:
-                merged = dict(lora.merged_named_parameters(self.policy))
-                self.policy.get_base_model().save_pretrained(path, state_dict=merged)
+                model, weights = self.policy.get_base_model(), dict(lora.merged_named_parameters(self.policy))
             else:
-                self.dp.refuse_unsharded("saving weights to disk")
-                self.policy.save_pretrained(path)
+                model, weights = self.policy, self.dp.full_state_dict(self.policy)
+            if self.dp.rank != 0:  # sharded: every rank gathers, rank 0 writes
+                return path
+            path.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(path, state_dict=weights)
             _copy_model_extras(Path(self.config.model_path), path)
             return path
 
@@ -735,12 +740,15 @@ class TorchBackend:
         """Everything a checkpoint holds, copied to CPU memory (cheap next to a step for
         the models this backend trains), so that writing it can overlap the next steps."""
         with self._lock:
-            self.dp.refuse_unsharded("checkpoints")
+            # Sharded (FSDP2): every rank takes part in gathering, rank 0 gets the full state.
             optimizers = {
-                name: {"optimizer": o.optimizer.state_dict(), "scheduler": o.scheduler.state_dict()}
+                name: {"optimizer": self.dp.optimizer_state(self._trained_modules(), o.optimizer),
+                       "scheduler": o.scheduler.state_dict()}
                 for name, o in self._distinct_optimizers().items()
             }
             state = {"step": self.step, "reference_model_path": self.reference_path}
+            if self.dp.mode != "none":
+                state[OPTIMIZER_FORMAT_KEY] = FQN_OPTIMIZER_FORMAT
             tensor_files, text_files = {}, {}
             weights = None
             if self.config.lora is not None:  # the adapters only, in PEFT's own format
@@ -749,9 +757,9 @@ class TorchBackend:
                 tensor_files[lora.ADAPTER_WEIGHTS] = _cpu_copy(adapters, {})
                 text_files[lora.ADAPTER_CONFIG] = adapter_config
             else:
-                weights = _cpu_copy(self.policy.state_dict(), {})
+                weights = _cpu_copy(self.dp.full_state_dict(self.policy), {})
             if self.critic is not None:
-                tensor_files[VALUE_HEAD_FILE] = _cpu_copy(self.critic.state_dict(), {})
+                tensor_files[VALUE_HEAD_FILE] = _cpu_copy(self.dp.full_state_dict(self.critic), {})
             return CheckpointSnapshot(
                 model=self.policy,
                 weights=weights,
@@ -767,6 +775,13 @@ class TorchBackend:
         """A checkpoint written into the new directory `path` (see write_checkpoint)."""
         return write_checkpoint(self.snapshot(), path.resolve(), extra_state)
 
+    def _trained_modules(self) -> torch.nn.Module:
+        """What the optimizers' parameters belong to, named as in a sharded checkpoint's optimizer state."""
+        modules = {"policy": self.policy}
+        if self.critic is not None:
+            modules["critic"] = self.critic
+        return torch.nn.ModuleDict(modules)
+
     def _distinct_optimizers(self) -> dict[str, _Optimizer]:
         if self._optimizers["sft"] is self._optimizers["rl"]:
             return {"rl": self._optimizers["rl"]}
@@ -776,9 +791,10 @@ class TorchBackend:
         """Restore the optimizer, the scheduler, the RNG states (checkpoints written before
         they were saved have none) and the step count of a checkpoint; returns its saved state."""
         saved = torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
+        by_name = state.get(OPTIMIZER_FORMAT_KEY) == FQN_OPTIMIZER_FORMAT
         for name, opt in self._distinct_optimizers().items():
             if name in saved:
-                opt.optimizer.load_state_dict(saved[name]["optimizer"])
+                self.dp.load_optimizer_state(self._trained_modules(), opt.optimizer, saved[name]["optimizer"], by_name)
                 opt.scheduler.load_state_dict(saved[name]["scheduler"])
         if (path / RNG_FILE).is_file():
             _set_rng_state(torch.load(path / RNG_FILE, weights_only=True), self.device)

@@ -119,9 +119,44 @@ class DataParallel:
         totals.per_token = dict(zip(token_keys, values[1 + len(step_keys) :]))
         return totals
 
-    def refuse_unsharded(self, what: str) -> None:
-        if self.mode != "none":
-            raise errors.FailedPrecondition(
-                f"{what} are not available with data_parallel {self.mode!r} yet (the weights for the engines are: "
-                "state_dict_for_sync gathers them whole)"
-            )
+    # ------------------------------------------------------------ checkpoints
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Tensor]:
+        """model.state_dict() with every sharded tensor gathered whole (a collective: every
+        rank calls it); tied weights stay one tensor, as save_pretrained expects."""
+        if self.mode == "none":
+            return model.state_dict()
+        gathered: dict[tuple, Tensor] = {}
+        out = {}
+        for name, value in model.state_dict().items():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(value.shape))
+            if key not in gathered:
+                gathered[key] = self.full(value)
+            out[name] = gathered[key]
+        return out
+
+    def optimizer_state(self, modules: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state_dict(); sharded, the full state keyed by parameter name
+        (torch.distributed.checkpoint), on rank 0 (others get an empty one)."""
+        if self.mode == "none":
+            return optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(modules, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, modules: nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+                             by_name: bool) -> None:
+        """Load what optimizer_state saved, sharded or not, into this (sharded or not) model's optimizer."""
+        if not by_name:
+            if self.mode != "none":
+                raise errors.InvalidArgument(
+                    "this checkpoint was written by one process: resume it with data_parallel 'none', or train from "
+                    "its weights alone by pointing model_path at a copy without optimizer.pt"
+                )
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(modules, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -119,9 +119,11 @@ class LeaderBackend:
         return iter(list(self._local.state_dict_for_sync()))  # gathered now, with the other ranks
 
     def save_weights(self, path: Path) -> Path:
-        return self._local.save_weights(path)  # refused under FSDP2 on every rank alike: nothing to announce
+        self._channel.send({"op": "save_weights"})
+        return self._local.save_weights(path)
 
     def snapshot(self) -> CheckpointSnapshot:
+        self._channel.send({"op": "snapshot"})
         return self._local.snapshot()
 
     def close(self) -> None:
@@ -166,6 +168,10 @@ def follow(group: dist.ProcessGroup) -> None:
             elif op == "sync":
                 for _ in backend.state_dict_for_sync():
                     pass
+            elif op == "save_weights":  # rank 0 writes; this rank only helps gather
+                backend.save_weights(Path("."))
+            elif op == "snapshot":
+                backend.snapshot()
             elif op == "close":
                 backend.close()
                 backend = None

@@ -79,6 +79,30 @@ def test_two_ranks_train_like_one_process(two_ranks, tiny_model_dir, case):
         torch.testing.assert_close(sharded["weights"][name], value, atol=ATOL, rtol=0, msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_sharded_checkpoint_resumes_sharded_or_in_one_process(two_ranks, tiny_model_dir, tmp_path, case):
+    sharded = torch.load(two_ranks / f"{case}.pt", weights_only=True)
+    # One process: the same steps, its own checkpoint, resumed, one more step.
+    backend = TorchBackend(config(tiny_model_dir, **CASES[case]), CPU)
+    for _ in range(STEPS):
+        backend.train_step(make_groups())
+    resumed = TorchBackend(config(backend.save_checkpoint(tmp_path / "single"), **CASES[case]), CPU)
+    resumed.train_step(make_groups())
+    expected = dict(resumed.state_dict_for_sync())
+    # The sharded checkpoint is a complete model with the full optimizer state (by name)...
+    checkpoint = two_ranks / f"{case}-checkpoint"
+    assert (checkpoint / "model.safetensors").is_file()
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == backend.step
+    # ... resumed on two ranks, and in one process, it trains on as one process does.
+    in_one = TorchBackend(config(checkpoint, **CASES[case]), CPU)
+    in_one.train_step(make_groups())
+    for name, value in expected.items():
+        torch.testing.assert_close(sharded["after_resume"][name], value, atol=ATOL, rtol=0, msg=name)
+    for name, value in in_one.state_dict_for_sync():
+        torch.testing.assert_close(value, expected[name], atol=ATOL, rtol=0, msg=name)
+
+
 def test_fsdp2_outside_a_torch_distributed_job_is_a_clear_error(tiny_model_dir):
     with pytest.raises(errors.InvalidArgument, match="torchrun"):
         TorchBackend(config(tiny_model_dir, data_parallel="fsdp2"), CPU)
@@ -95,8 +119,8 @@ def serving(stub: TrainerStub) -> bool:
 @pytest.mark.slow
 def test_the_trainer_service_on_two_ranks(buffer_address, rollout_address, engine, tiny_model_dir, tmp_path):
     """`torchrun -m rlmesh.cli serve trainer`: rank 0 serves gRPC, rank 1 follows; a step
-    leased from the buffer trains like one process, and the engine receives the full
-    weights."""
+    leased from the buffer trains like one process, the engine receives the full weights
+    (over the weight group and from disk), and a checkpoint is written and resumed."""
     port = free_port()
     log = tmp_path / "trainer.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -127,9 +151,17 @@ def test_the_trainer_service_on_two_ranks(buffer_address, rollout_address, engin
         for name, value in single.state_dict_for_sync():
             torch.testing.assert_close(engine.tensor(name), value, atol=ATOL, rtol=0, msg=name)
 
-        with pytest.raises(grpc.RpcError) as e:
-            stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id="r1"))
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "fsdp2" in e.value.details()
+        disk = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=2, method="disk"))
+        assert disk.bytes > 0 and engine.weight_version() == "2"
+        for name, value in single.state_dict_for_sync():
+            torch.testing.assert_close(engine.tensor(name), value, atol=ATOL, rtol=0, msg=name)
+
+        # A checkpoint written by both ranks together; the run set up again resumes it.
+        saved = Path(stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id="r1")).path)
+        assert (saved / "model.safetensors").is_file() and (saved / "checkpoint_complete").is_file()
+        stub.EndRun(trainer_pb2.EndRunRequest(run_id="r1"))
+        status = stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=cfg.model_dump_json()))
+        assert (status.step, status.resumed_step) == (1, 1)
         stub.EndRun(trainer_pb2.EndRunRequest(run_id="r1"))
     finally:
         proc.send_signal(signal.SIGTERM)
