@@ -166,6 +166,7 @@ def test_steps_per_rollout_split_the_batch(tiny_model_dir):
         {"policy_loss": "cispo"},
         {"advantage_estimator": "grpo", "kl_coef": 0.1, "kl_reward_level": "sequence"},
         {"rollout_is_upper": 2.0, "rollout_is_level": "sequence", "rollout_is_mode": "mask"},
+        {"advantage_estimator": "gae", "gamma": 0.99, "gae_lambda": 0.95, "kl_coef": 0.05},
     ],
 )
 def test_every_estimator_trains(tiny_model_dir, algorithm):
