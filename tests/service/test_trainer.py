@@ -343,7 +343,8 @@ def trainer_server(loop_thread, tmp_path):
     made = []
 
     def make(**settings):
-        trainer = Trainer(Settings(work_dir=tmp_path, **settings))
+        # Any free port: the default one may be taken on a shared machine.
+        trainer = Trainer(Settings(**{"work_dir": tmp_path, "port": 0, **settings}))
         server, port = loop_thread.run(start_service(functools.partial(build, trainer=trainer), trainer.settings))
         made.append((trainer, server))
         make.trainers.append(trainer)
