@@ -177,6 +177,22 @@ class WeightSyncConfig(StrictModel):
     )
 
 
+ModuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$", max_length=128)]
+
+
+class LoraConfig(StrictModel):
+    """LoRA adapters (PEFT) on the policy: only they train; the engines get merged weights."""
+
+    rank: int = Field(8, ge=1, le=1024, description="Rank r of each adapter's B A.")
+    alpha: float = Field(16.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input, in training passes only.")
+    target_modules: Literal["all-linear"] | list[ModuleName] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, max_length=64,
+        description="Names (or name suffixes) of the linear layers to adapt, or 'all-linear' (all but the "
+        "output head); checked against the model when the run starts.",
+    )
+
+
 class TrainingConfig(StrictModel):
     """The trainer's part of a run, declared once: `POST /runs` has these fields at its top
     level and the trainer receives them unchanged (in TrainerRunConfig)."""
@@ -187,6 +203,14 @@ class TrainingConfig(StrictModel):
     sft_optimizer: OptimizerConfig | None = Field(None, description="Optimizer for SFT steps; default `optimizer`.")
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward (gradient accumulation).")
     num_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout batch.")
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters instead of the whole model (torch backend); the KL reference is then "
+        "the base model with the adapters disabled, and checkpoints hold the adapters. Not with backend 'megatron'."
+    )
+    data_parallel: Literal["none", "fsdp2"] = Field(
+        "none", description="'fsdp2': shard the model with FSDP2 across the processes of a torchrun job, each "
+        "training its share of every mini-batch (torch backend only; not with lora; see README)."
+    )
     weight_sync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="How new weights reach the engines."
     )
@@ -206,9 +230,11 @@ class TrainingConfig(StrictModel):
     )
     seed: int = Field(0, ge=0, le=INT64_MAX, description="Seed of the trainer's random state.")
     backend: Literal["torch", "megatron"] = Field(
-        "torch", description="How the trainer holds the model: 'torch' (a transformers model, one device) or "
+        "torch", description="How the trainer holds the model: 'torch' (a transformers model on one device, or "
+        "sharded over torchrun's ranks with data_parallel 'fsdp2') or "
         "'megatron' (a megatron-core GPTModel with tensor/pipeline parallelism; Llama and Qwen2 families; needs the "
-        "`megatron` extra, and a trainer started under torchrun with TP x PP processes, see README)."
+        "`megatron` extra, and a trainer started under torchrun with TP x PP processes, see README). Megatron trains "
+        "the whole model: no lora, no data_parallel, no estimator with a critic ('gae')."
     )
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="TP: ranks each layer is split over (backend 'megatron').")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="PP: pipeline stages the layers are cut into (backend 'megatron').")
@@ -217,6 +243,29 @@ class TrainingConfig(StrictModel):
     def _parallel_sizes_need_megatron(self):
         if self.backend == "torch" and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
             raise ValueError("tensor_parallel_size and pipeline_parallel_size above 1 need backend 'megatron'")
+        return self
+
+    @model_validator(mode="after")
+    def _megatron_trains_the_whole_model(self):
+        # The megatron backend shards the model itself (TP/PP) and has no LoRA adapters,
+        # no FSDP2 and no value head: refused here rather than silently ignored.
+        if self.backend != "megatron":
+            return self
+        unsupported = [name for name, used in (
+            ("lora", self.lora is not None),
+            (f"data_parallel {self.data_parallel!r}", self.data_parallel != "none"),
+            (f"advantage_estimator {self.algorithm.advantage_estimator!r} (a critic)", self.algorithm.needs_critic),
+        ) if used]
+        if unsupported:
+            raise ValueError(f"backend 'megatron' does not support {', '.join(unsupported)}; use backend 'torch' "
+                             "for these (FSDP2 with data_parallel 'fsdp2')")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_not_sharded(self):
+        if self.lora is not None and self.data_parallel != "none":
+            raise ValueError("lora with data_parallel 'fsdp2' is not supported: LoRA's adapters are small enough to "
+                             "train unsharded; use one or the other")
         return self
 
 

@@ -40,6 +40,8 @@ class AdvantageInputs:
     # [B, T] KL to the reference, for kl_reward_level 'token' and estimators with kl_reward_shaping
     # (compute_advantages passes None when the KL is already in `rewards`, level 'sequence').
     kl: Tensor | None
+    # [B, T] the critic's value of the state before each token, for estimators with needs_critic.
+    values: Tensor | None = None
 
     def per_group(self, group_advantages: Callable[[Tensor], Tensor]) -> Tensor:
         """A one-group estimator (rewards [n] -> A [n]) applied to every group, each A_i
@@ -49,7 +51,9 @@ class AdvantageInputs:
         return sequence_advantages.unsqueeze(1).to(self.mask.dtype) * self.mask
 
 
-AdvantageFn = Callable[[AdvantageInputs, AlgorithmConfig], Tensor]
+# -> advantages [B, T]; an estimator with needs_critic returns (advantages, returns) [B, T],
+# the returns being its critic's regression targets.
+AdvantageFn = Callable[[AdvantageInputs, AlgorithmConfig], Any]
 # (log_probs, old_log_probs, advantages, mask, config) -> (per-token loss, clipped indicator)
 PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, AlgorithmConfig], tuple[Tensor, Tensor]]
 
@@ -63,6 +67,9 @@ class AdvantageEstimator:
     kl_reward_shaping: bool = False
     # AlgorithmConfig fields the estimator's paper sets, applied unless the run sets them.
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Uses a learned value function: the trainer adds a value head, passes its values of the
+    # old policy's pass in AdvantageInputs.values, and trains it on the returned returns.
+    needs_critic: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,10 +87,15 @@ _Fn = TypeVar("_Fn", bound=Callable)
 
 
 def register_advantage_estimator(
-    name: str, *, kl_reward_shaping: bool = False, defaults: Mapping[str, Any] | None = None
+    name: str,
+    *,
+    kl_reward_shaping: bool = False,
+    defaults: Mapping[str, Any] | None = None,
+    needs_critic: bool = False,
 ) -> Callable[[_Fn], _Fn]:
     def register(compute: _Fn) -> _Fn:
-        _add(ADVANTAGE_ESTIMATORS, AdvantageEstimator(name, compute, kl_reward_shaping, dict(defaults or {})))
+        spec = AdvantageEstimator(name, compute, kl_reward_shaping, dict(defaults or {}), needs_critic)
+        _add(ADVANTAGE_ESTIMATORS, spec)
         return compute
 
     return register
@@ -285,9 +297,23 @@ def compute_advantages(
     mask: Tensor,
     kl: Tensor | None = None,
 ) -> Tensor:
+    """Per-token advantages [B, T] by the registered estimator `config.advantage_estimator`
+    (one without a critic: see compute_advantages_and_returns)."""
+    return compute_advantages_and_returns(config, rewards, group_sizes, mask, kl)[0]
+
+
+def compute_advantages_and_returns(
+    config: AlgorithmConfig,
+    rewards: Tensor,
+    group_sizes: Sequence[int],
+    mask: Tensor,
+    kl: Tensor | None = None,
+    values: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Per-token advantages [B, T] by the registered estimator `config.advantage_estimator`,
     for a batch whose samples are laid out group after group (`group_sizes` consecutive
-    samples per prompt).
+    samples per prompt), and, for an estimator with a critic (needs_critic, given the
+    critic's `values` [B, T]), the critic's regression targets (returns); else None.
 
     `kl` is the per-token KL to the reference model; with kl_coef > 0 it is a reward
     penalty: at kl_reward_level 'sequence' each reward becomes kl_penalized_rewards(...)
@@ -303,7 +329,13 @@ def compute_advantages(
             )
         rewards, kl = kl_penalized_rewards(rewards, kl, mask, config.kl_coef), None
     estimator = get_advantage_estimator(config.advantage_estimator)
-    return estimator.compute(AdvantageInputs(rewards, group_sizes, mask, kl), config)
+    if estimator.needs_critic and values is None:
+        raise ValueError(f"advantage_estimator {estimator.name!r} needs the critic's values, none were passed")
+    batch = AdvantageInputs(rewards, group_sizes, mask, kl, values)
+    if estimator.needs_critic:
+        advantages, returns = estimator.compute(batch, config)
+        return advantages, returns
+    return estimator.compute(batch, config), None
 
 
 @register_advantage_estimator("grpo")
@@ -336,6 +368,37 @@ def _reinforce_plus_plus(batch: AdvantageInputs, config: AlgorithmConfig) -> Ten
 def _reinforce_plus_plus_baseline(batch: AdvantageInputs, config: AlgorithmConfig) -> Tensor:
     """masked_whiten((r_i - mean(group)) broadcast to tokens)"""
     return masked_whiten(batch.per_group(dr_grpo_advantages), batch.mask)
+
+
+@register_advantage_estimator("gae", kl_reward_shaping=True, needs_critic=True)
+def _gae(batch: AdvantageInputs, config: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+    """PPO with a critic: token rewards as REINFORCE++'s (the reward on the last trained
+    token, each token's reward shaped by -kl_coef * KL_t), then
+
+        A, R = gae_advantages(token_rewards, V, mask, gamma, gae_lambda)
+        -> (masked_whiten(A), R)
+
+    the advantages whitened over the batch (PPO's usual normalization), the returns not
+    (they are the critic's regression targets, in reward units)."""
+    assert batch.values is not None  # compute_advantages_and_returns checks it
+    token_rewards = reinforce_plus_plus_token_rewards(batch.rewards, batch.mask, batch.kl, config.kl_coef)
+    advantages, returns = gae_advantages(token_rewards, batch.values, batch.mask, config.gamma, config.gae_lambda)
+    return masked_whiten(advantages, batch.mask), returns
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """Metric of the critic, over the trained tokens (population variances):
+
+        EV = 1 - Var(R - V) / Var(R)
+
+    1: the values predict the returns exactly; 0: no better than their mean; negative:
+    worse. 0 when the returns have no variance (nothing to explain)."""
+    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    residual = returns - values
+    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    if float(var_returns) <= WHITEN_EPS:
+        return torch.zeros((), dtype=values.dtype, device=values.device)
+    return 1 - var_residual / var_returns
 
 
 # --------------------------------------------------------------------------------------

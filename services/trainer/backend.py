@@ -1,10 +1,15 @@
-"""TorchBackend: a Hugging Face causal LM trained with plain torch, on CPU or one GPU.
+"""TorchBackend: a Hugging Face causal LM trained with plain torch, on CPU or one GPU, or
+sharded over torchrun's ranks with FSDP2 (data_parallel 'fsdp2', fsdp.py); optionally LoRA
+adapters only (lora.py) and a critic's value head (critic.py). A parallel backend
+(megatron_backend.py) subclasses it and overrides its model hooks: _load_model,
+_token_space, _response_logits / _response_log_probs, _backward (forward, loss, backward),
+_clip_grad_norm and the weights out (state_dict_for_sync, save_weights, snapshot).
 
 One RL step, for a batch of sample groups (FAILED samples left out):
 
 1. `old` log-probs of every response token with the current policy, before any update
    (and the reference model's, when KL is used), without gradients;
-2. per-token advantages for the whole batch (algorithms.compute_advantages, by the
+2. per-token advantages for the whole batch (algorithms.compute_advantages_and_returns, by the
    run's registered advantage estimator; the loss is its registered policy loss);
 3. the batch is cut into `num_steps_per_rollout` mini-batches (slime's meaning: the
    rollout batch holds num_steps_per_rollout global batches); each mini-batch is one
@@ -12,7 +17,8 @@ One RL step, for a batch of sample groups (FAILED samples left out):
    accumulation. With one step per rollout the ratio is exactly 1; later mini-batches
    see the policy already moved by the earlier ones.
 
-The model stays in eval mode: dropout would make the ratio differ from 1 for no reason.
+The model stays in eval mode: dropout would make the ratio differ from 1 for no reason
+(LoRA's own adapter dropout, when asked for, is on in the training passes only).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -40,6 +47,9 @@ from rlmesh.common import errors
 from rlmesh.common.run_config import OptimizerConfig, TrainerRunConfig
 from rlmesh.common.sample import SampleGroup, Status, validate_arrays
 from rlmesh.trainer import algorithms as algo
+from rlmesh.trainer import lora
+from rlmesh.trainer.critic import VALUE_HEAD_FILE, build_value_head
+from rlmesh.trainer.fsdp import DataParallel
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +59,15 @@ RNG_FILE = "rng_state.pt"
 # Written last, once every other file of a checkpoint is on disk: a directory without it
 # is never resumed automatically, whatever else it holds.
 COMPLETE_FILE = "checkpoint_complete"
+# In trainer_state.json of a checkpoint written under FSDP2: its optimizer state is keyed
+# by parameter names (torch.distributed.checkpoint's full state dict), not by position.
+OPTIMIZER_FORMAT_KEY = "optimizer_state_format"
+FQN_OPTIMIZER_FORMAT = "full_by_name"
 # Files of a model directory that save_pretrained writes itself (or a checkpoint's own);
 # everything else at the top level (tokenizer, chat template) is copied over so a
 # checkpoint is a complete model.
-_WRITTEN_BY_SAVE = {"config.json", "generation_config.json", OPTIMIZER_FILE, STATE_FILE, RNG_FILE, COMPLETE_FILE}
+_WRITTEN_BY_SAVE = {"config.json", "generation_config.json", OPTIMIZER_FILE, STATE_FILE, RNG_FILE, COMPLETE_FILE,
+                    lora.ADAPTER_CONFIG}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
@@ -154,6 +169,7 @@ class MicroBatch:
     logit_index: Tensor  # [b, R] position whose logits predict response token j
     targets: Tensor  # [b, R] the response tokens
     mask: Tensor  # [b, R] float: 1 = trained token
+    stand_in: bool = False  # run only to match the other ranks' collectives (data parallelism)
 
     @property
     def response_width(self) -> int:
@@ -252,11 +268,13 @@ class _FixedTokens:
     ref: Tensor | None  # log-probs of the reference model
     advantages: Tensor
     is_weights: Tensor | None  # rollout importance weights (1 where the engine sent no log-probs)
+    values: Tensor | None = None  # the critic's values before the update (advantage_estimator 'gae')
+    returns: Tensor | None = None  # and its regression targets
 
     def rows(self, index: Sequence[int], width: int) -> _FixedTokens:
         """The rows of a micro-batch, cut to its response width."""
         pick = torch.as_tensor(list(index), device=self.old.device)
-        fields = (self.old, self.ref, self.advantages, self.is_weights)
+        fields = (self.old, self.ref, self.advantages, self.is_weights, self.values, self.returns)
         return _FixedTokens(*(t[pick, :width] if t is not None else None for t in fields))
 
 
@@ -293,11 +311,13 @@ class CheckpointSnapshot:
     goes on."""
 
     model: PreTrainedModel  # for save_pretrained's config; its parameters are not read
-    weights: dict[str, Tensor]
+    weights: dict[str, Tensor] | None  # None: no full model (a LoRA run saves its adapters in `tensor_files`)
     optimizers: dict
     rng: dict
     state: dict  # what trainer_state.json holds besides the caller's extra
     extras_from: Path  # the run's model directory: tokenizer and the like
+    tensor_files: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # file name -> safetensors content
+    text_files: dict[str, str] = field(default_factory=dict)  # file name -> content
 
 
 def write_checkpoint(snapshot: CheckpointSnapshot, path: Path, extra: dict | None = None) -> Path:
@@ -306,8 +326,13 @@ def write_checkpoint(snapshot: CheckpointSnapshot, path: Path, extra: dict | Non
     COMPLETE_FILE last. Not atomic by itself: the trainer writes to a hidden directory and
     renames it into place."""
     path.mkdir(parents=True)
-    # save_pretrained pops the tensors it has written from the dict it is given.
-    snapshot.model.save_pretrained(path, state_dict=dict(snapshot.weights))
+    if snapshot.weights is not None:
+        # save_pretrained pops the tensors it has written from the dict it is given.
+        snapshot.model.save_pretrained(path, state_dict=dict(snapshot.weights))
+    for name, tensors in snapshot.tensor_files.items():
+        save_file(tensors, path / name)
+    for name, text in snapshot.text_files.items():
+        (path / name).write_text(text)
     _copy_model_extras(snapshot.extras_from, path)
     torch.save(snapshot.optimizers, path / OPTIMIZER_FILE)
     torch.save(snapshot.rng, path / RNG_FILE)
@@ -406,22 +431,45 @@ class TorchBackend:
         self._autocast_dtype = torch.bfloat16 if (mixed_precision and device.type == "cuda") else None
         torch.manual_seed(config.seed)
 
+        self.dp = DataParallel.from_config(config)
         source = resume_from or Path(config.model_path)
-        self.policy = self._load_model(str(source), "checkpoint to resume" if resume_from else "model_path")
+        saved_state = _read_state(source)
+        # A LoRA checkpoint holds adapters only: the model comes from the base it names.
+        lora_base = saved_state.get(lora.BASE_MODEL_STATE_KEY)
+        if lora_base and config.lora is None:
+            raise errors.InvalidArgument(f"{source} holds LoRA adapters; resuming it needs the run config's lora section")
+        if lora_base:
+            self.policy = self._load_model(lora_base, f"the base model of LoRA checkpoint {source}")
+        else:
+            self.policy = self._load_model(str(source), "checkpoint to resume" if resume_from else "model_path")
+        self.base_model_path = lora_base or str(source)
+        if config.lora is not None:
+            self.policy = lora.wrap(self.policy, config.lora, adapters_from=source if lora_base else None)
         self.pad_token_id, self.vocab_size = self._token_space()
 
         # Starting from one of our checkpoints resumes it (see _resume); its reference
         # is still the model the run began from, not the checkpoint.
-        saved_state = _read_state(source)
         self.reference_path = (
             config.reference_model_path or saved_state.get("reference_model_path") or config.model_path
         )
         self.reference: PreTrainedModel | None = None
-        if self.needs_reference:
+        # With LoRA, the reference is the base model: the policy with its adapters disabled.
+        self.reference_is_base = config.lora is not None and self.reference_path in (config.model_path, lora_base)
+        if self.needs_reference and not self.reference_is_base:
             self.reference = self._load_model(self.reference_path, "reference_model_path")
             self.reference.requires_grad_(False)
 
+        # PPO's critic: a value head on the policy's last hidden state (see critic.py).
+        self.critic = None
+        if self.estimator.needs_critic:
+            hidden_size = self.policy.get_input_embeddings().embedding_dim
+            self.critic = build_value_head(hidden_size, device, source if saved_state else None)
+        if self.dp.mode != "none":
+            self.dp.shard(self.policy, self.critic)
+
         params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.critic is not None:
+            params += list(self.critic.parameters())
         self._params = params
         self._optimizers = {"rl": _build_optimizer(params, config.optimizer)}
         self._optimizers["sft"] = (
@@ -443,6 +491,10 @@ class TorchBackend:
         a = self.algorithm
         return a.kl_loss_coef > 0 or a.kl_coef > 0
 
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or (self.reference_is_base and self.needs_reference)
+
     # ---------------------------------------------------------------- forward helpers
 
     def _autocast(self):
@@ -453,36 +505,88 @@ class TorchBackend:
     def _response_logits(self, model: PreTrainedModel, mb: MicroBatch) -> Tensor:
         """Float32 logits [b, R, V] at the positions that predict the response tokens,
         divided by the sampling temperature."""
+        return self._response_outputs(model, mb)[0]
+
+    def _response_outputs(self, model: PreTrainedModel, mb: MicroBatch, values: bool = False) -> tuple[Tensor, Tensor | None]:
+        """_response_logits, and with `values` the critic's values [b, R] of the same
+        positions (the state before each response token)."""
         with self._autocast():
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        index = mb.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        return logits.gather(1, index).float() / self.temperature
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
+                        output_hidden_states=values)
+        index = mb.logit_index.unsqueeze(-1)
+        logits = out.logits.gather(1, index.expand(-1, -1, out.logits.shape[-1])).float() / self.temperature
+        if not values:
+            return logits, None
+        hidden = out.hidden_states[-1]
+        return logits, self.critic(hidden.gather(1, index.expand(-1, -1, hidden.shape[-1])))
 
     def _response_log_probs(self, model: PreTrainedModel, mb: MicroBatch) -> Tensor:
         return token_log_probs(self._response_logits(model, mb), mb.targets)
 
     def _micro_batches(self, indices: Sequence[int], samples: Sequence[TrainSample]) -> Iterator[tuple[list[int], MicroBatch]]:
+        """Micro-batches of at most micro_batch_size samples of `indices`: all of them in
+        one process; with data parallelism this rank's share, as many micro-batches on every
+        rank (a rank with none left runs a stand-in whose mask is all 0: a sharded model's
+        every forward and backward is a collective)."""
         size = self.config.micro_batch_size
-        for start in range(0, len(indices), size):
-            chunk = list(indices[start : start + size])
-            yield chunk, collate([samples[i] for i in chunk], self.pad_token_id, self.device)
+        if self.dp.world == 1:
+            for start in range(0, len(indices), size):
+                chunk = list(indices[start : start + size])
+                yield chunk, collate([samples[i] for i in chunk], self.pad_token_id, self.device)
+            return
+        for chunk in self.dp.micro_chunks(indices, size):
+            if chunk:
+                yield chunk, collate([samples[i] for i in chunk], self.pad_token_id, self.device)
+            else:
+                mb = collate([samples[indices[0]]], self.pad_token_id, self.device)
+                mb.mask, mb.stand_in = torch.zeros_like(mb.mask), True
+                yield [indices[0]], mb
 
     @torch.no_grad()
-    def _log_probs_per_sample(self, model: PreTrainedModel, samples: Sequence[TrainSample]) -> list[Tensor]:
-        out: list[Tensor] = []
+    def _old_pass(self, model: PreTrainedModel, samples: Sequence[TrainSample], width: int,
+                  values: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Log-probs [B, width] of every response token under `model` (and with `values`
+        the critic's values), right-padded with 0; with data parallelism each rank scores
+        its share and the rows are summed across ranks."""
+        log_probs = torch.zeros(len(samples), width, device=self.device)
+        critic_values = torch.zeros(len(samples), width, device=self.device) if values else None
         for chunk, mb in self._micro_batches(range(len(samples)), samples):
-            lp = self._response_log_probs(model, mb)
-            out.extend(lp[k, : samples[i].response_length] for k, i in enumerate(chunk))
-        return out
+            if values:
+                logits, v = self._response_outputs(model, mb, values=True)
+                lp = token_log_probs(logits, mb.targets)
+            else:  # a parallel backend's own (megatron: taken on the last pipeline stage)
+                lp, v = self._response_log_probs(model, mb), None
+            if mb.stand_in:  # see _micro_batches: run, nothing kept
+                continue
+            for k, i in enumerate(chunk):
+                r = samples[i].response_length
+                log_probs[i, :r] = lp[k, :r]
+                if critic_values is not None:
+                    critic_values[i, :r] = v[k, :r]
+        return self.dp.sum(log_probs), self.dp.sum(critic_values) if critic_values is not None else None
 
-    def _backward(self, model: PreTrainedModel, mb: MicroBatch, loss_of: Callable[[Tensor], Tensor]) -> None:
-        """Forward `mb`, take the loss of its response logits (_response_logits), backward.
-        A parallel backend may compute the loss on some of its ranks only."""
-        loss_of(self._response_logits(model, mb)).backward()
+    def _reference_log_probs(self, samples: Sequence[TrainSample], width: int) -> Tensor:
+        if self.reference is not None:
+            return self._old_pass(self.reference, samples, width)[0]
+        with self.policy.disable_adapter():  # LoRA: the base model is the reference
+            return self._old_pass(self.policy, samples, width)[0]
+
+    def _backward(self, model: PreTrainedModel, mb: MicroBatch, loss_of: Callable[..., Tensor],
+                  values: bool = False) -> None:
+        """Forward `mb`, take the loss of its response logits (_response_outputs), backward.
+        With `values`, loss_of also gets the critic's values of the same positions
+        (`values=`). A parallel backend may compute the loss on some of its ranks only."""
+        logits, critic_values = self._response_outputs(model, mb, values)
+        loss = loss_of(logits, values=critic_values) if values else loss_of(logits)
+        # With data parallelism each rank's loss is its share of the batch's (the counts are
+        # the whole batch's): summed over ranks it is one process's loss, and the sharded
+        # model averages the gradients over ranks, which the world size undoes.
+        (loss * self.dp.world).backward()
 
     def _clip_grad_norm(self, max_norm: float) -> float:
-        """Scale the gradients to a norm of at most `max_norm`; returns the norm before."""
-        return float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
+        """Scale the gradients to a norm of at most `max_norm`; returns the norm before
+        (over every shard, with data parallelism)."""
+        return self.dp.to_float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
 
     def _optimizer_step(self, opt: _Optimizer, totals: _Totals) -> None:
         grad_norm = self._clip_grad_norm(opt.config.grad_clip)
@@ -516,10 +620,10 @@ class TorchBackend:
         #    Everything per token is kept as [B, W] tensors, right-padded with zeros.
         width = max(max(s.response_length for s in samples), 1)
         masks = pad_to([s.loss_mask.to(device) for s in samples], width)
-        old = pad_to(self._log_probs_per_sample(self.policy, samples), width)
+        old, values = self._old_pass(self.policy, samples, width, values=self.critic is not None)
         ref = None
-        if self.reference is not None:
-            ref = pad_to(self._log_probs_per_sample(self.reference, samples), width)
+        if self.has_reference:
+            ref = self._reference_log_probs(samples, width)
         rollout, has_rollout = self._rollout_log_probs(samples, width)
         if has_rollout.any():
             metrics["train_rollout_logprob_abs_diff"] = float(
@@ -538,9 +642,15 @@ class TorchBackend:
         if ref is not None and a.kl_coef > 0:
             kl_for_reward = algo.kl_penalty(old, ref, a.kl_estimator)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device)
-        advantages = algo.compute_advantages(a, rewards, batch.group_sizes, masks, kl_for_reward)
+        advantages, returns = algo.compute_advantages_and_returns(
+            a, rewards, batch.group_sizes, masks, kl_for_reward, values
+        )
         metrics["advantage_abs_mean"] = float(algo.masked_mean(advantages.abs(), masks))
-        fixed = _FixedTokens(old, ref, advantages, is_weights)
+        if values is not None and returns is not None:
+            metrics["value_mean"] = float(algo.masked_mean(values, masks))
+            metrics["return_mean"] = float(algo.masked_mean(returns, masks))
+            metrics["explained_variance"] = float(algo.explained_variance(values, returns, masks))
+        fixed = _FixedTokens(old, ref, advantages, is_weights, values, returns)
 
         # 3. One optimizer step per mini-batch.
         opt = self._optimizers["rl"]
@@ -549,15 +659,17 @@ class TorchBackend:
             mini_masks = masks[mini.start : mini.stop]
             num_tokens = mini_masks.sum().clamp(min=1)
             num_seqs = (mini_masks.sum(dim=1) > 0).sum().clamp(min=1)
-            for chunk, mb in self._micro_batches(mini, samples):
-                rows = fixed.rows(chunk, mb.response_width)
-                self._backward(
-                    self.policy, mb, functools.partial(self._rl_loss, mb=mb, fixed=rows, num_seqs=num_seqs,
-                                                       num_tokens=num_tokens, totals=totals)
-                )
+            with lora.dropout_active(self.policy):
+                for chunk, mb in self._micro_batches(mini, samples):
+                    rows = fixed.rows(chunk, mb.response_width)
+                    self._backward(
+                        self.policy, mb, functools.partial(self._rl_loss, mb=mb, fixed=rows, num_seqs=num_seqs,
+                                                           num_tokens=num_tokens, totals=totals),
+                        values=self.critic is not None,
+                    )
             self._optimizer_step(opt, totals)
 
-        metrics.update(totals.metrics())
+        metrics.update(self.dp.reduce_totals(totals).metrics())
         return metrics
 
     def _rollout_log_probs(self, samples: Sequence[TrainSample], width: int) -> tuple[Tensor, Tensor]:
@@ -570,9 +682,11 @@ class TorchBackend:
         return values, present
 
     def _rl_loss(
-        self, logits: Tensor, mb: MicroBatch, fixed: _FixedTokens, num_seqs: Tensor, num_tokens: Tensor, totals: _Totals
+        self, logits: Tensor, mb: MicroBatch, fixed: _FixedTokens, num_seqs: Tensor, num_tokens: Tensor, totals: _Totals,
+        values: Tensor | None = None,
     ) -> Tensor:
-        """The loss of one micro-batch from its response logits; its metrics go to `totals`."""
+        """The loss of one micro-batch from its response logits (and the critic's `values`
+        of the same positions, with a critic); its metrics go to `totals`."""
         a = self.algorithm
         mask, old = mb.mask, fixed.old
         # Padded and loss-mask-0 positions hold log-probs of junk targets: pin them to the
@@ -586,18 +700,22 @@ class TorchBackend:
             pg = pg * fixed.is_weights
             totals.add_token_sum("tis_weight_mean", float(algo.masked_sum(fixed.is_weights, mask)))
 
-        def aggregate(values: Tensor) -> Tensor:
-            return algo.aggregate_loss(values, mask, a.loss_aggregation, num_seqs, num_tokens)
+        def aggregate(per_token: Tensor) -> Tensor:
+            return algo.aggregate_loss(per_token, mask, a.loss_aggregation, num_seqs, num_tokens)
 
         pg_loss = aggregate(pg)
         loss = pg_loss
-        if self.reference is not None and a.kl_loss_coef > 0:
+        if self.has_reference and a.kl_loss_coef > 0:
             ref = torch.where(mask > 0, fixed.ref, old)
             kl_loss = aggregate(algo.kl_penalty(log_probs, ref, a.kl_estimator))
             loss = loss + a.kl_loss_coef * kl_loss
             totals.add_step_value("kl_loss", float(kl_loss.detach()))
         if a.entropy_coef:
             loss = loss - a.entropy_coef * aggregate(entropy)
+        if values is not None:
+            value_loss = algo.clipped_value_loss(values, fixed.values, fixed.returns, mask, a.value_clip, num_tokens)
+            loss = loss + a.value_loss_coef * value_loss
+            totals.add_step_value("value_loss", float(value_loss.detach()))
 
         totals.add_step_value("loss", float(loss.detach()))
         totals.add_step_value("pg_loss", float(pg_loss.detach()))
@@ -624,7 +742,7 @@ class TorchBackend:
                     self.policy, mb, functools.partial(self._sft_loss, mb=mb, num_tokens=num_tokens, totals=totals)
                 )
             self._optimizer_step(self._optimizers["sft"], totals)
-            metrics.update(totals.metrics())
+            metrics.update(self.dp.reduce_totals(totals).metrics())
             if "loss" in metrics:  # not on a pipeline stage before the last (the loss is taken there)
                 metrics["sft_nll"] = metrics["loss"]
             return metrics
@@ -638,15 +756,26 @@ class TorchBackend:
 
     def state_dict_for_sync(self) -> Iterator[tuple[str, Tensor]]:
         """(Hugging Face name, tensor) for every parameter, in module order. Tied
-        weights appear once (as the input embedding), as in save_pretrained."""
+        weights appear once (as the input embedding), as in save_pretrained. With LoRA,
+        the base model's names and the merged weights W + scale * B A; with data
+        parallelism the full tensors (every rank must iterate: each is gathered)."""
+        if self.config.lora is not None:
+            yield from lora.merged_named_parameters(self.policy)
+            return
         for name, param in self.policy.named_parameters():
-            yield name, param.detach()
+            yield name, self.dp.full(param.detach())
 
     def save_weights(self, path: Path) -> Path:
         """A complete Hugging Face model directory (safetensors, config, tokenizer)."""
         with self._lock:
+            if self.config.lora is not None:
+                model, weights = self.policy.get_base_model(), dict(lora.merged_named_parameters(self.policy))
+            else:
+                model, weights = self.policy, self.dp.full_state_dict(self.policy)
+            if self.dp.rank != 0:  # sharded: every rank gathers, rank 0 writes
+                return path
             path.mkdir(parents=True, exist_ok=True)
-            self.policy.save_pretrained(path)
+            model.save_pretrained(path, state_dict=weights)
             _copy_model_extras(Path(self.config.model_path), path)
             return path
 
@@ -654,22 +783,47 @@ class TorchBackend:
         """Everything a checkpoint holds, copied to CPU memory (cheap next to a step for
         the models this backend trains), so that writing it can overlap the next steps."""
         with self._lock:
+            # Sharded (FSDP2): every rank takes part in gathering, rank 0 gets the full state.
             optimizers = {
-                name: {"optimizer": o.optimizer.state_dict(), "scheduler": o.scheduler.state_dict()}
+                name: {"optimizer": self.dp.optimizer_state(self._trained_modules(), o.optimizer),
+                       "scheduler": o.scheduler.state_dict()}
                 for name, o in self._distinct_optimizers().items()
             }
+            state = {"step": self.step, "reference_model_path": self.reference_path}
+            if self.dp.mode != "none":
+                state[OPTIMIZER_FORMAT_KEY] = FQN_OPTIMIZER_FORMAT
+            tensor_files, text_files = {}, {}
+            weights = None
+            if self.config.lora is not None:  # the adapters only, in PEFT's own format
+                state[lora.BASE_MODEL_STATE_KEY] = self.base_model_path
+                adapters, adapter_config = lora.adapter_files(self.policy)
+                tensor_files[lora.ADAPTER_WEIGHTS] = _cpu_copy(adapters, {})
+                text_files[lora.ADAPTER_CONFIG] = adapter_config
+            else:
+                weights = _cpu_copy(self.dp.full_state_dict(self.policy), {})
+            if self.critic is not None:
+                tensor_files[VALUE_HEAD_FILE] = _cpu_copy(self.dp.full_state_dict(self.critic), {})
             return CheckpointSnapshot(
                 model=self.policy,
-                weights=_cpu_copy(self.policy.state_dict(), {}),
+                weights=weights,
                 optimizers=_cpu_copy(optimizers, {}),
                 rng=_rng_state(self.device),
-                state={"step": self.step, "reference_model_path": self.reference_path},
+                state=state,
                 extras_from=Path(self.config.model_path),
+                tensor_files=tensor_files,
+                text_files=text_files,
             )
 
     def save_checkpoint(self, path: Path, extra_state: dict | None = None) -> Path:
         """A checkpoint written into the new directory `path` (see write_checkpoint)."""
         return write_checkpoint(self.snapshot(), path.resolve(), extra_state)
+
+    def _trained_modules(self) -> torch.nn.Module:
+        """What the optimizers' parameters belong to, named as in a sharded checkpoint's optimizer state."""
+        modules = {"policy": self.policy}
+        if self.critic is not None:
+            modules["critic"] = self.critic
+        return torch.nn.ModuleDict(modules)
 
     def _distinct_optimizers(self) -> dict[str, _Optimizer]:
         if self._optimizers["sft"] is self._optimizers["rl"]:
@@ -680,9 +834,10 @@ class TorchBackend:
         """Restore the optimizer, the scheduler, the RNG states (checkpoints written before
         they were saved have none) and the step count of a checkpoint; returns its saved state."""
         saved = torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
+        by_name = state.get(OPTIMIZER_FORMAT_KEY) == FQN_OPTIMIZER_FORMAT
         for name, opt in self._distinct_optimizers().items():
             if name in saved:
-                opt.optimizer.load_state_dict(saved[name]["optimizer"])
+                self.dp.load_optimizer_state(self._trained_modules(), opt.optimizer, saved[name]["optimizer"], by_name)
                 opt.scheduler.load_state_dict(saved[name]["scheduler"])
         if (path / RNG_FILE).is_file():
             _set_rng_state(torch.load(path / RNG_FILE, weights_only=True), self.device)
@@ -694,6 +849,7 @@ class TorchBackend:
         with self._lock:
             self.policy = None  # type: ignore[assignment]
             self.reference = None
+            self.critic = None
             self._optimizers.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -81,7 +81,18 @@ class AlgorithmConfig(BaseModel):
         "its reward before the advantage estimator runs (any estimator)."
     )
     entropy_coef: float = Field(0.0, description="Weight of an entropy bonus in the loss (0 = off).")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount for REINFORCE++ returns.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of REINFORCE++ returns and of GAE (advantage_estimator 'gae').")
+    gae_lambda: float = Field(
+        1.0, ge=0, le=1, description="GAE's lambda (advantage_estimator 'gae'): 1 = Monte Carlo returns minus the "
+        "value, 0 = one-step TD errors."
+    )
+    value_loss_coef: float = Field(
+        0.5, ge=0, description="Weight of the critic's value loss in the loss (advantage_estimator 'gae')."
+    )
+    value_clip: float | None = Field(
+        0.2, gt=0, description="PPO's value clipping: the new value is kept within this distance of the old one in "
+        "the loss (None = plain squared error; advantage_estimator 'gae')."
+    )
     rollout_is_upper: float | None = Field(
         None, ge=1, description="Importance sampling against the engine's log-probs (trainer / engine ratio), "
         "on when set: the upper bound of the ratio (formerly tis_cap)."
@@ -163,6 +174,24 @@ class AlgorithmConfig(BaseModel):
         if self.dual_clip_c is not None and self.policy_loss == "cispo":
             raise ValueError("dual_clip_c caps PPO's clipped surrogate; cispo has none (its weight is clipped): "
                              "leave dual_clip_c unset")
+        return self
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the advantage estimator needs a critic (a value head the trainer trains)."""
+        return _algorithms().get_advantage_estimator(self.advantage_estimator).needs_critic
+
+    @model_validator(mode="after")
+    def _critic_settings_need_a_critic(self):
+        if _algorithms().get_advantage_estimator(self.advantage_estimator).needs_critic:
+            return self
+        # Only values that differ from the defaults: a dumped config lists every field.
+        inert = [name for name, default in (("gae_lambda", 1.0), ("value_loss_coef", 0.5), ("value_clip", 0.2))
+                 if getattr(self, name) != default]
+        if inert:
+            critics = ", ".join(n for n, e in _algorithms().ADVANTAGE_ESTIMATORS.items() if e.needs_critic)
+            raise ValueError(f"{', '.join(inert)} set, but only an estimator with a critic uses them ({critics}), "
+                             f"not {self.advantage_estimator!r}")
         return self
 
     @model_validator(mode="after")

@@ -490,7 +490,9 @@ class MegatronBackend(TorchBackend):
         index = mb.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         return received, logits.gather(1, index) / self.temperature
 
-    def _backward(self, model, mb: MicroBatch, loss_of: Callable[[Tensor], Tensor]) -> None:
+    def _backward(self, model, mb: MicroBatch, loss_of: Callable[..., Tensor], values: bool = False) -> None:
+        if values:  # refused with the run config (TrainingConfig): no critic on a megatron model
+            raise NotImplementedError("backend 'megatron' has no critic")
         received, out = self._stage_forward(model, mb, grad=True)
         if self.last_stage:
             loss_of(out).backward()

@@ -1,10 +1,12 @@
 """A backend spread over several processes: rank 0 serves gRPC and leads, the others follow.
 
-A parallel backend (megatron TP/PP; the same would serve FSDP) needs every rank to run
-every call with the same arguments. The trainer service is one gRPC process, so under
-torchrun (`torchrun --nproc-per-node N -m rlmesh.cli serve trainer ...`) rank 0 runs the
-service as usual, with its backend wrapped in a `Leader`: each call is first announced to
-the other ranks, which sit in `follow()` and make the same call on their own backend.
+A parallel backend (megatron TP/PP, or the torch backend with data_parallel 'fsdp2')
+needs every rank to run every call with the same arguments. The trainer service is one
+gRPC process, so under torchrun (`torchrun --nproc-per-node N -m rlmesh.cli serve
+trainer ...`) rank 0 runs the service as usual, with its backend wrapped in a `Leader`:
+each call is first announced to the other ranks, which sit in `follow()` and make the
+same call on their own backend (they ignore SIGTERM, see server.serve: they leave when
+rank 0 says exit, after its graceful shutdown, or when rank 0 is gone).
 Commands travel over a gloo group of their own as an op name, JSON arguments and bytes
 (sample groups as their protobuf encoding), never pickle. After each command every rank
 reports whether it succeeded, so a failure on any rank is an error on rank 0 (the gRPC
@@ -66,10 +68,10 @@ def open_backend(config: TrainerRunConfig, device: torch.device, mixed_precision
     cls = backend_class(config)
     if world_size() == 1:
         return cls(config, device, mixed_precision, resume_from)
-    if cls is TorchBackend:
+    if cls is TorchBackend and config.data_parallel == "none":
         raise errors.InvalidArgument(
-            f"backend 'torch' runs in one process, but this trainer runs {world_size()} ranks (torchrun); "
-            "use backend 'megatron' or start the trainer without torchrun"
+            f"backend 'torch' without data_parallel runs in one process, but this trainer runs {world_size()} ranks "
+            "(torchrun); use data_parallel 'fsdp2' or backend 'megatron', or start the trainer without torchrun"
         )
     return Leader.start(config, device, mixed_precision, resume_from)
 
@@ -138,6 +140,8 @@ def init_ranks(device_type: str = "cpu") -> Commands:
     command group; once per process, on every rank, before anything else uses them."""
     global _COMMANDS
     if _COMMANDS is None:
+        if device_type == "cuda":  # one GPU per rank of the node
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
             dist.init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo")
         _COMMANDS = Commands()
@@ -244,8 +248,10 @@ def _follower_call(backend, op: str, args: dict, payload: bytes):
         raise RuntimeError(f"{op}: this rank holds no run")
     if op in ("train_step", "sft_step"):
         return getattr(backend, op)(decode_groups(args, payload))
-    if op == "state_dict_for_sync":
-        return list(backend.state_dict_for_sync())
+    if op == "state_dict_for_sync":  # this rank helps gather each tensor; rank 0 pushes them
+        for _ in backend.state_dict_for_sync():
+            pass
+        return None
     if op == "save_weights":
         return backend.save_weights(Path(args["path"]))
     if op == "snapshot":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import signal
 
 import torch
 
@@ -88,13 +89,19 @@ start = functools.partial(start_service, build)
 
 
 async def serve(settings: Settings) -> None:
-    """`rlmesh serve trainer`. Under torchrun (a backend over several ranks, see ranks.py)
-    rank 0 serves gRPC and leads; the other ranks follow it and serve nothing."""
+    """`rlmesh serve trainer`. Under torchrun (a backend over several ranks: megatron TP/PP
+    or data_parallel 'fsdp2', see ranks.py) rank 0 serves gRPC and leads; the other ranks
+    follow it and serve nothing."""
     if ranks.world_size() == 1:
         await serve_service(build, settings)
         return
     device_type = "cuda" if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()) else "cpu"
     if ranks.rank() != 0:
+        # A follower leaves when rank 0 says so (after rank 0's graceful shutdown, which
+        # still needs it: closing the run is a command too) or when rank 0 is gone;
+        # torchrun's SIGTERM reaches every rank, so it must not end a follower by itself.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         await asyncio.to_thread(ranks.follow, device_type)
         return
     ranks.init_ranks(device_type)

@@ -1,6 +1,6 @@
 """The trainer's plain logic: one run at a time, its model on a backend (TorchBackend, or
-MegatronBackend over torchrun's ranks: ranks.open_backend), batches
-leased from the buffer and acknowledged after the optimizer step, weights pushed to
+under torchrun MegatronBackend or an FSDP2 TorchBackend on every rank, led from rank 0:
+ranks.open_backend is the one place a backend is built), batches leased from the buffer and acknowledged after the optimizer step, weights pushed to
 the engines through the rollout service. No gRPC server here (see server.py); the
 model work runs on a worker thread so the event loop stays responsive."""
 

@@ -19,7 +19,7 @@ import torch
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import Sample, SampleGroup, Status
 from rlmesh.trainer import algorithms as algo
-from rlmesh.trainer.backend import _FixedTokens, _Totals, collate, pad_to, prepare_batch
+from rlmesh.trainer.backend import _FixedTokens, _Totals, collate, prepare_batch
 
 RL_STEPS = 3
 
@@ -69,7 +69,7 @@ def script(backend) -> dict:
     samples = batch.samples
     mb = collate(samples, backend.pad_token_id, backend.device)
     width = mb.response_width
-    old = pad_to(backend._log_probs_per_sample(backend.policy, samples), width)
+    old = backend._old_pass(backend.policy, samples, width)[0]
     rewards = torch.tensor([s.reward for s in samples])
     advantages = algo.compute_advantages(backend.algorithm, rewards, batch.group_sizes, mb.mask, None)
     fixed = _FixedTokens(old, old, advantages, None)

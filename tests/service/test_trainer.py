@@ -166,6 +166,7 @@ def test_steps_per_rollout_split_the_batch(tiny_model_dir):
         {"policy_loss": "cispo"},
         {"advantage_estimator": "grpo", "kl_coef": 0.1, "kl_reward_level": "sequence"},
         {"rollout_is_upper": 2.0, "rollout_is_level": "sequence", "rollout_is_mode": "mask"},
+        {"advantage_estimator": "gae", "gamma": 0.99, "gae_lambda": 0.95, "kl_coef": 0.05},
     ],
 )
 def test_every_estimator_trains(tiny_model_dir, algorithm):
@@ -342,7 +343,8 @@ def trainer_server(loop_thread, tmp_path):
     made = []
 
     def make(**settings):
-        trainer = Trainer(Settings(work_dir=tmp_path, **settings))
+        # Any free port: the default one may be taken on a shared machine.
+        trainer = Trainer(Settings(**{"work_dir": tmp_path, "port": 0, **settings}))
         server, port = loop_thread.run(start_service(functools.partial(build, trainer=trainer), trainer.settings))
         made.append((trainer, server))
         make.trainers.append(trainer)

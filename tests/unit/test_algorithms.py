@@ -25,7 +25,7 @@ def close(actual: torch.Tensor, expected, atol: float = 1e-5) -> None:
 # ------------------------------------------------------------------ registries and the config
 
 
-ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
 LOSSES = ["ppo_clip", "gspo", "cispo"]
 
 
@@ -39,7 +39,8 @@ def registries(monkeypatch):
 def test_the_registries_list_every_algorithm_with_its_flags():
     assert list(algo.ADVANTAGE_ESTIMATORS) == ESTIMATORS
     assert list(algo.POLICY_LOSSES) == LOSSES
-    assert [n for n, e in algo.ADVANTAGE_ESTIMATORS.items() if e.kl_reward_shaping] == ["reinforce_plus_plus"]
+    assert [n for n, e in algo.ADVANTAGE_ESTIMATORS.items() if e.kl_reward_shaping] == ["reinforce_plus_plus", "gae"]
+    assert [n for n, e in algo.ADVANTAGE_ESTIMATORS.items() if e.needs_critic] == ["gae"]
     assert [n for n, loss in algo.POLICY_LOSSES.items() if loss.sequence_level] == ["gspo"]
     schema = AlgorithmConfig.model_json_schema()["properties"]
     assert schema["advantage_estimator"]["enum"] == ESTIMATORS
@@ -73,7 +74,7 @@ def test_an_algorithms_defaults_apply_unless_the_run_sets_them():
 
 def test_kl_as_reward_only_with_an_estimator_that_shapes_rewards_with_it():
     assert AlgorithmConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.1).kl_coef == 0.1
-    with pytest.raises(ValidationError, match="only used by reinforce_plus_plus, not 'rloo'"):
+    with pytest.raises(ValidationError, match="only used by reinforce_plus_plus, gae, not 'rloo'"):
         AlgorithmConfig(advantage_estimator="rloo", kl_coef=0.1)
     with pytest.raises(ValidationError, match="not both"):
         AlgorithmConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.1, kl_loss_coef=0.1)
@@ -269,6 +270,56 @@ def test_gae_with_no_critic_and_lambda_one_is_the_discounted_return():
     expected = algo.discounted_returns(rewards, mask, 0.5).tolist()
     close(advantages, expected)
     close(returns, expected)
+
+
+# Two samples of one prompt, rewards 1 and 0; sample 1 trains only its first token.
+GAE_MASK = t([[1, 1], [1, 0]])
+GAE_VALUES = t([[0.5, 0.8], [0.2, 0.0]])
+
+
+def test_the_gae_estimator_whitens_gae_advantages_and_returns_the_critic_targets():
+    # gamma 1, lambda 1 (defaults); the reward sits on the last trained token:
+    #   row 0: t1: delta = 1 - .8 = .2, A = .2, R = 1;  t0: delta = .8 - .5 = .3, A = .3 + .2 = .5, R = 1
+    #   row 1: t0: delta = 0 - .2 = -.2, A = -.2, R = 0
+    # whitened over [.5, .2, -.2]: mean 1/6, population var .246667 / 3 = .082222, std .286744
+    #   -> (.333333, .033333, -.366667) / .286744 = 1.162476, .116248, -1.278724
+    config = AlgorithmConfig(advantage_estimator="gae")
+    advantages, returns = algo.compute_advantages_and_returns(config, t([1.0, 0.0]), [2], GAE_MASK, values=GAE_VALUES)
+    close(advantages, [[1.162476, 0.116248], [-1.278724, 0.0]], atol=1e-4)
+    close(returns, [[1.0, 1.0], [0.0, 0.0]])
+
+
+def test_the_gae_estimator_shapes_token_rewards_with_the_kl():
+    # kl_coef .1, KL [[1, 2], [3, -]]: token rewards row 0 [-.1, -.2 + 1 = .8], row 1 [-.3]
+    #   row 0: t1: A = .8 - .8 = 0, R = .8;  t0: A = -.1 + .8 - .5 + 0 = .2, R = .7
+    #   row 1: t0: A = -.3 - .2 = -.5, R = -.3
+    config = AlgorithmConfig(advantage_estimator="gae", kl_coef=0.1)
+    kl = t([[1.0, 2.0], [3.0, 7.0]])
+    _, returns = algo.compute_advantages_and_returns(config, t([1.0, 0.0]), [2], GAE_MASK, kl, GAE_VALUES)
+    close(returns, [[0.7, 0.8], [-0.3, 0.0]])
+
+
+def test_critic_settings_only_with_a_critic():
+    assert AlgorithmConfig(advantage_estimator="gae", gae_lambda=0.9, value_clip=None).value_clip is None
+    with pytest.raises(ValidationError, match="gae_lambda, value_clip set, but only an estimator with a critic"):
+        AlgorithmConfig(advantage_estimator="grpo", gae_lambda=0.9, value_clip=None)
+    # A dumped config (every field, at its default) validates again.
+    AlgorithmConfig.model_validate(AlgorithmConfig().model_dump())
+
+
+def test_the_gae_estimator_needs_the_critics_values():
+    with pytest.raises(ValueError, match="needs the critic's values"):
+        algo.compute_advantages(AlgorithmConfig(advantage_estimator="gae"), t([1.0, 0.0]), [2], GAE_MASK)
+
+
+def test_explained_variance():
+    # R = 1, 2, 3 (population var 2/3); a fourth, untrained token holds junk
+    returns, mask = t([[1.0, 2.0, 3.0, 50.0]]), t([[1, 1, 1, 0]])
+    close(algo.explained_variance(t([[1.0, 2.0, 3.0, 0.0]]), returns, mask), 1.0)  # exact values
+    close(algo.explained_variance(t([[0.0, 0.0, 0.0, 0.0]]), returns, mask), 0.0)  # residual = R
+    # residual -.5, 0, .5: var 1/6 -> 1 - (1/6) / (2/3) = .75
+    close(algo.explained_variance(t([[1.5, 2.0, 2.5, 0.0]]), returns, mask), 0.75)
+    close(algo.explained_variance(t([[1.0, 9.0]]), t([[2.0, 2.0]]), t([[1, 1]])), 0.0)  # nothing to explain
 
 
 def test_clipped_value_loss():
@@ -483,3 +534,16 @@ def test_a_group_of_equal_rewards_has_exactly_zero_advantage(value):
     for advantages in (algo.grpo_advantages(rewards), algo.grpo_advantages(rewards, normalize_std=False),
                        algo.dr_grpo_advantages(rewards), algo.rloo_advantages(rewards)):
         assert torch.equal(advantages, torch.zeros(8))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_equal_reward_groups_beside_others_have_exactly_zero_advantage(estimator):
+    # Awkward values: no binary fraction is exact, one is large enough that an ulp is 8,
+    # and a group with spread sits between them (its advantages are not zero).
+    rewards = t([0.1] * 7 + [0.3, 0.7, 1 / 3] + [-2.7] * 3 + [1e8 + 0.3] * 5)
+    sizes = [7, 3, 3, 5]
+    mask = torch.ones(len(rewards), 4)
+    advantages = algo.compute_advantages(AlgorithmConfig(advantage_estimator=estimator), rewards, sizes, mask)
+    equal_rows = list(range(7)) + list(range(10, 18))
+    assert torch.equal(advantages[equal_rows], torch.zeros(len(equal_rows), 4))
+    assert (advantages[7:10] != 0).all()

@@ -75,3 +75,16 @@ def test_run_config_parallel_sizes_need_the_megatron_backend():
         TrainerRunConfig(model_path="m", tensor_parallel_size=2)
     with pytest.raises(ValidationError, match="backend"):
         TrainerRunConfig(model_path="m", backend="deepspeed")
+
+
+@pytest.mark.parametrize("feature, refused", [
+    ({"lora": {"rank": 4}}, "lora"),
+    ({"data_parallel": "fsdp2"}, "data_parallel 'fsdp2'"),
+    ({"algorithm": {"advantage_estimator": "gae"}}, "advantage_estimator 'gae' \\(a critic\\)"),
+])
+def test_the_megatron_backend_refuses_the_torch_backends_features(feature, refused):
+    # The megatron backend trains the whole model on its own ranks: LoRA, FSDP2 and a critic
+    # are the torch backend's, refused at validation rather than silently ignored.
+    TrainerRunConfig(model_path="m", **feature)  # fine with the torch backend
+    with pytest.raises(ValidationError, match=f"backend 'megatron' does not support {refused}"):
+        TrainerRunConfig(model_path="m", backend="megatron", **feature)
