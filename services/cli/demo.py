@@ -148,7 +148,7 @@ def run_demo(args) -> int:
                 print(f"could not start the run: {r.status_code} {r.text}")
                 return 1
             run_id = r.json()["id"]
-            print(f"run {run_id} started: {config.name}; watch it at {url}/runs/{run_id}")
+            print(f"run {run_id} started: {config.name}; watch it at {url}/ui/ (the token is in {data_dir / 'token'})")
             last = None
             while True:
                 run = http.get(f"/runs/{run_id}").json()
