@@ -108,6 +108,8 @@ def test_a_terminated_demo_stops_the_stack_it_started(tmp_path):
         demo.send_signal(signal.SIGTERM)
         assert demo.wait(timeout=120) != 0
     finally:
-        if demo.poll() is None:
+        if demo.poll() is None:  # (the test failed: leave nothing running behind it)
+            for pid in children(demo.pid):
+                os.kill(pid, signal.SIGKILL)
             demo.kill()
     eventually(lambda: not any(alive(pid) for pid in stack), "every process of the demo's stack stopped")
