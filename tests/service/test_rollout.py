@@ -3,6 +3,7 @@ reference engine (its own process), all on loopback."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import grpc
@@ -34,7 +35,17 @@ def stack(redis_url, start_in_loop, engine_url, tmp_path):
     buffer.CreateRun(buffer_pb2.CreateRunRequest(run_id="r", n_samples_per_prompt=3, datasets=[
         buffer_pb2.DatasetSpec(name="train", path=str(data)),
         buffer_pb2.DatasetSpec(name="held_out", path=str(data), eval=True)]))
-    return buffer, rollout_pb2_grpc.RolloutStub(sync_channel(f"127.0.0.1:{rollout_port}"))
+    return buffer, WithDeadline(rollout_pb2_grpc.RolloutStub(sync_channel(f"127.0.0.1:{rollout_port}")))
+
+
+class WithDeadline:
+    """A stub whose every call has a deadline: a stalled rollout fails the test, never hangs it."""
+
+    def __init__(self, stub, seconds: float = 120.0) -> None:
+        self.stub, self.seconds = stub, seconds
+
+    def __getattr__(self, name: str):
+        return functools.partial(getattr(self.stub, name), timeout=self.seconds)
 
 
 def request(**kw) -> rollout_pb2.GenerateRolloutRequest:
