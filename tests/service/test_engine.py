@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -553,7 +554,7 @@ def test_the_weight_group_rendezvous_is_the_one_sglang_clients_use(engine_proces
         joined = _in_background(client.post, "/init_weights_update_group", json={
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": group_name, "backend": "gloo"})
-        timeout = __import__("datetime").timedelta(seconds=30)
+        timeout = timedelta(seconds=30)
         store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
         store.set_timeout(timeout)
         group, _ = _new_process_group_helper(world_size, rank, [], Backend("gloo"), PrefixStore(group_name, store),
