@@ -277,7 +277,7 @@ class VerifierPool:
     @staticmethod
     async def _receive(worker: _Worker, timeout: float) -> bytes:
         """The worker's next message, waiting without a thread; EOFError when it died."""
-        if not select.select([worker.conn], [], [], 0)[0]:  # (conn.poll() builds a selector per call)
+        if not _readable_now(worker.conn.fileno()):
             loop = asyncio.get_running_loop()
             readable = loop.create_future()
             fd = worker.conn.fileno()
@@ -326,3 +326,12 @@ class VerifierPool:
                     self._live.discard(worker)
                     worker.kill()
                 await asyncio.sleep(_RESTART_DELAY_SECONDS)
+
+
+def _readable_now(fd: int) -> bool:
+    """Whether `fd` has data, without waiting. poll(), not select(): select() refuses
+    descriptors above 1023, which a busy service (or a long test run) reaches; and
+    conn.poll() would build a selector per call."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))

@@ -207,3 +207,26 @@ def test_health_is_not_serving_while_the_pool_is_overloaded(reward_server, tmp_p
     assert_ordinary_scores(server.reply(waiting))
     wait_until(lambda: server.status() == SERVING, "SERVING once the backlog cleared")
     assert server.status("") == SERVING
+
+
+def test_a_worker_is_heard_on_a_descriptor_above_1023():
+    """A busy service's descriptors pass 1023, where select() gives up (seen: no verifier
+    worker could start late in a long test run)."""
+    import os
+    import resource
+
+    from rlmesh.reward.workers import _readable_now
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] <= 1500:
+        pytest.skip("this machine allows too few descriptors to test one above 1023")
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    r, w = os.pipe()
+    high = os.dup2(r, 1500)
+    try:
+        assert not _readable_now(high)
+        os.write(w, b"ready")
+        assert _readable_now(high)
+    finally:
+        for fd in (r, w, high):
+            os.close(fd)
