@@ -193,7 +193,8 @@ return 0
 """
 
 # Groups of a live lease that can never be trained go to the dead-letter list with their
-# reasons; all or nothing. The lease keeps its other groups.
+# reasons; all or nothing. The lease keeps its other groups. A group already dead-lettered
+# counts as rejected: a retried call (the buffer died before replying) answers as the first.
 #   KEYS: as the lease scripts (batch:<lease_id> of this lease);  ARGV: lease_id (id, reason)...
 # Returns {-2} unknown run, {-1} unknown or expired lease, {-3, id} a group not in the
 # lease, else {groups rejected}.
@@ -202,11 +203,12 @@ local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-2} end
 if not redis.call('ZSCORE', k.leases, ARGV[1]) then return {-1} end
 for i = 2, #ARGV, 2 do
-  if not redis.call('LPOS', k.lease_list, ARGV[i]) then return {-3, ARGV[i]} end
+  if not redis.call('LPOS', k.lease_list, ARGV[i]) and redis.call('HEXISTS', k.dead_reasons, ARGV[i]) == 0 then
+    return {-3, ARGV[i]}
+  end
 end
 for i = 2, #ARGV, 2 do
-  redis.call('LREM', k.lease_list, 1, ARGV[i])
-  dead_letter(k, ARGV[i], ARGV[i + 1])
+  if redis.call('LREM', k.lease_list, 1, ARGV[i]) == 1 then dead_letter(k, ARGV[i], ARGV[i + 1]) end
 end
 return {(#ARGV - 1) / 2}
 """
@@ -286,12 +288,21 @@ local function commit_through(groups, meta, deliveries, acked, stats, provisiona
 end
 """
 
+# A repeated acknowledgment of a lease already acknowledged answers as the first did: a
+# buffer killed after the script ran but before its reply makes the trainer ask again.
+# The newest ARGV[4] acknowledged lease ids are remembered (acked_leases hash, oldest first
+# in acked_lease_order).
 #   KEYS: spec batch_leases batch:<lease_id> groups acked stats meta deliveries provisional provisional_steps
-#   ARGV: lease_id provisional(0|1) step
+#         acked_leases acked_lease_order
+#   ARGV: lease_id provisional(0|1) step remembered_leases
 # Returns -2 unknown run, -1 unknown or redelivered lease, else groups acknowledged.
 ACK_BATCH = _FINAL + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -2 end
-if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return -1 end
+if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+  local before = redis.call('HGET', KEYS[11], ARGV[1])
+  if before then return tonumber(before) end
+  return -1
+end
 local ids = redis.call('LRANGE', KEYS[3], 0, -1)
 for _, id in ipairs(ids) do
   if ARGV[2] == '1' then
@@ -304,6 +315,10 @@ end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('DEL', KEYS[3])
 if ARGV[2] ~= '1' then redis.call('HINCRBY', KEYS[6], 'acknowledged_groups', #ids) end
+redis.call('HSET', KEYS[11], ARGV[1], #ids)
+if redis.call('RPUSH', KEYS[12], ARGV[1]) > tonumber(ARGV[4]) then
+  redis.call('HDEL', KEYS[11], redis.call('LPOP', KEYS[12]))
+end
 return #ids
 """
 

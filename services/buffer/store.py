@@ -15,6 +15,8 @@ Keys of a run live under `<prefix>:run:<run_id>:`:
   batch_leases    zset: lease_id -> expiry;  batch:<lease_id>  list of its group ids
   deliveries      hash: group_id -> times leased (bounded by max_deliveries), until acknowledged
   acked           set of acknowledged group ids (never delivered or stored again)
+  acked_leases    hash: lease_id -> groups it acknowledged, for the newest leases (oldest
+                  first in acked_lease_order): a retried AckBatch answers as the first did
   provisional     list of group ids acknowledged provisionally (oldest first) +
                   provisional_steps hash (group_id -> the step that trained it): kept in
                   `groups` until a checkpoint holding the step is committed (CommitAcks)
@@ -89,6 +91,9 @@ class DeadLetter:
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _MAX_REASON = 4096  # characters of a rejection's reason that are kept
+# Acknowledged lease ids remembered per run so that a retried AckBatch (the buffer died
+# before its reply) succeeds again; a trainer retries within minutes, not 1,000 steps.
+_REMEMBERED_ACKED_LEASES = 1000
 
 
 class BufferStore:
@@ -494,8 +499,9 @@ class BufferStore:
         _check_step(step, "step")
         k = self.keys(run_id)
         n = await self._ack(keys=[k.spec, k.batch_leases, k.batch(lease_id), k.groups, k.acked, k.stats, k.meta,
-                                  k.deliveries, k.provisional, k.provisional_steps],
-                            args=[lease_id, int(provisional), step])
+                                  k.deliveries, k.provisional, k.provisional_steps, k.acked_leases,
+                                  k.acked_lease_order],
+                            args=[lease_id, int(provisional), step, _REMEMBERED_ACKED_LEASES])
         if n == -2:
             raise self._unknown_run(run_id)
         if n == -1:

@@ -91,3 +91,18 @@ def test_final_acks_are_unchanged_and_bad_requests_are_refused(buffer, dataset):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "through_step" in message
     code, _ = code_of(lambda: stub.RollbackToCheckpoint(buffer_pb2.RollbackToCheckpointRequest(run_id="nope", step=0)))
     assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_retried_acknowledgment_answers_as_the_first_and_counts_once(buffer, dataset):
+    # The buffer may die after acknowledging but before replying: the trainer asks again,
+    # and must not be told its lease expired (its step would fail for nothing).
+    stub = buffer()
+    setup(stub, dataset, 4)
+    for provisional in (False, True):
+        batch = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2))
+        request = buffer_pb2.AckBatchRequest(run_id="r1", lease_id=batch.lease_id, step=1, provisional=provisional)
+        assert [stub.AckBatch(request).acknowledged for _ in range(3)] == [2, 2, 2]
+    s = stats(stub)
+    assert (s.acknowledged_groups, s.provisional_groups, s.leased_groups) == (2, 2, 0)
+    assert commit(stub, 1) == 2
+    assert stats(stub).acknowledged_groups == 4

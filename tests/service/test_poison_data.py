@@ -209,6 +209,8 @@ def test_reject_groups_errors(buffer, dataset):
     assert stats(stub).dead_letter_groups == 0
 
     assert reject(batch.lease_id, "g1").rejected == 1
+    assert reject(batch.lease_id, "g1").rejected == 1  # a retry (the reply was lost) answers the same
+    assert stats(stub).dead_letter_groups == 1
     # The lease stays, now empty: acknowledging it acknowledges nothing.
     assert stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=batch.lease_id)).acknowledged == 0
     s = stats(stub)
