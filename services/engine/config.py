@@ -24,7 +24,10 @@ class Settings(ServiceSettings):
     context_length: int = Field(
         0, ge=0, description="Longest prompt + output in tokens; 0 means the model's max_position_embeddings."
     )
-    num_threads: int = Field(2, ge=0, description="torch.set_num_threads for the engine process; 0 leaves torch's default.")
+    num_threads: int = Field(1, ge=0, description="torch.set_num_threads for the engine process; 0 leaves torch's "
+                             "default. One by default: a decode step of a small model is too little work to split, and "
+                             "two threads on two cores shared with the rollout and trainer spent 17x the CPU "
+                             "(bench.async); raise it for a large model on many cores.")
     weight_version: str = Field("default", description="Weight version reported until the first weight update.")
     seed: int | None = Field(None, description="Seed of the sampling random generator; empty means random.")
     weight_delta: bool = Field(

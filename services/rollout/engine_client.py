@@ -64,15 +64,23 @@ def weight_group_world_size(states: list[EngineState]) -> int:
 GENERATE_ATTEMPTS = 3
 # Idle pooled connections are dropped before servers (uvicorn: 5 s by default) close them.
 KEEPALIVE_EXPIRY_SECONDS = 2.0
+# /generate calls are spread over this many connection pools. Each call holds a
+# connection until its sample is done, and httpcore scans every connection of a pool for
+# every request it places: with hundreds of samples in flight one pool spent most of the
+# rollout service's CPU there (the rollout, not the engine, bounded generation).
+GENERATE_CONNECTION_POOLS = 16
 
 
 class SGLangClient:
     """Talks to one engine (or to a router, for /generate)."""
 
     def __init__(self, url: str, http: httpx.AsyncClient, timeout: float, weight_timeout: float,
-                 generate_timeout: float | None = None, seconds_per_token: float = 0.0) -> None:
+                 generate_timeout: float | None = None, seconds_per_token: float = 0.0,
+                 generate_http: list[httpx.AsyncClient] | None = None) -> None:
         self.url = url.rstrip("/")
         self.http = http
+        self.generate_http = generate_http or [http]  # /generate's pools, taken in turn
+        self._next_pool = itertools.count()
         self.timeout = timeout
         self.weight_timeout = weight_timeout
         self.generate_timeout = generate_timeout or timeout
@@ -119,7 +127,8 @@ class SGLangClient:
                     # A fresh rid: the broken one may still be in flight. abort(rid) follows it.
                     body["rid"] = self._live_rids[rid] = f"{rid}-retry{attempt}"
                 try:
-                    r = await self.http.post(self.url + "/generate", json=body, timeout=timeout)
+                    http = self.generate_http[next(self._next_pool) % len(self.generate_http)]
+                    r = await http.post(self.url + "/generate", json=body, timeout=timeout)
                     break
                 except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
                     # The connection broke (a pooled connection closed under us, an engine
@@ -228,10 +237,14 @@ class EnginePool:
     def __init__(self, engine_urls: list[str], router_url: str, timeout: float, weight_timeout: float,
                  api_key: str = "", generate_timeout: float | None = None, seconds_per_token: float = 0.0,
                  metrics: RolloutMetrics | None = None) -> None:
-        self.http = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
-                                keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS),
-            headers=credential_headers(api_key) or None)
+        def http_client(connections: int) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections // 4,
+                                    keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS),
+                headers=credential_headers(api_key) or None)
+
+        self.http = http_client(1024)
+        self.generate_http = [http_client(1024 // GENERATE_CONNECTION_POOLS) for _ in range(GENERATE_CONNECTION_POOLS)]
         self.timeout, self.weight_timeout = timeout, weight_timeout
         self._generate_timeouts = (generate_timeout, seconds_per_token)
         self.metrics = metrics
@@ -274,7 +287,8 @@ class EnginePool:
             self.engines = [known.get(u.rstrip("/")) or self._client(u) for u in urls]
 
     def _client(self, url: str) -> SGLangClient:
-        client = SGLangClient(url, self.http, self.timeout, self.weight_timeout, *self._generate_timeouts)
+        client = SGLangClient(url, self.http, self.timeout, self.weight_timeout, *self._generate_timeouts,
+                              generate_http=self.generate_http)
         client.metrics = self.metrics
         return client
 
@@ -437,4 +451,4 @@ class EnginePool:
         self._updated(members, weight_version)
 
     async def close(self) -> None:
-        await self.http.aclose()
+        await asyncio.gather(*(http.aclose() for http in (self.http, *self.generate_http)))
