@@ -8,12 +8,14 @@ can overlap only as far as two cores allow; buffer, reward, rollout and coordina
 light Python processes beside them.
 
 Figures, per mode: RL samples trained per second of RL wall time (SFT warm start and
-evaluations excluded), and the final held-out eval reward (greedy). The baseline is the
-sync run, measured in the same invocation: `ideal_speedup` = (generation + training time)
-/ max(generation, training time) from the sync run's own phase times, and
+evaluations excluded), and the final held-out eval reward (greedy). One 80-rollout run's
+final eval swings by 0.1 from seed to seed, so each mode runs with several seeds (the
+trainer's random state and the data order), the modes interleaved seed by seed, and the evals are averaged. The
+baseline is the sync run, measured in the same invocation: `ideal_speedup` = (generation +
+training time) / max(generation, training time) from the sync runs' own phase times, and
 `fully_async_fraction_of_ideal` = (fully_async samples/s / sync samples/s) / ideal_speedup.
 
-    python -m bench.async [--rollouts 20]
+    python -m bench.async [--rollouts 80] [--seeds 3]
 
 The last line printed is one JSON object with the results.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -38,7 +41,7 @@ MODES = ("sync", "one_step_off", "fully_async")
 
 
 def run_mode(api: httpx.Client, config: dict, mode: str) -> dict:
-    r = api.post("/runs", json={**config, "mode": mode, "name": f"bench.async {mode}"})
+    r = api.post("/runs", json={**config, "mode": mode, "name": f"bench.async {mode} seed {config['seed']}"})
     r.raise_for_status()
     run_id = r.json()["id"]
     while (run := api.get(f"/runs/{run_id}", params={"metrics_last": 100000}).json())["status"] not in (
@@ -47,25 +50,37 @@ def run_mode(api: httpx.Client, config: dict, mode: str) -> dict:
     if run["status"] != "completed":
         raise SystemExit(f"{mode} run {run['status']}: {run['error']}")
     rl = [m for m in run["metrics"] if "iteration/seconds" in m]
-    samples = sum(m.get("train/samples", 0.0) for m in rl)
-    seconds = rl[-1]["time"] - rl[0]["time"] + rl[0]["iteration/seconds"]  # first RL start to last RL end
     result = {
-        "samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
+        "samples": sum(m.get("train/samples", 0.0) for m in rl),
+        "seconds": rl[-1]["time"] - rl[0]["time"] + rl[0]["iteration/seconds"],  # first RL start to last RL end
         "generate_seconds": sum(m.get("phase/generate_seconds", 0.0) for m in rl),
         "train_seconds": sum(m.get("phase/train_seconds", 0.0) for m in rl),
         "eval_after": run["eval_after"].get("eval/held_out/reward_mean"),
         "staleness_max": max((m.get("train/staleness_max", 0.0) for m in rl), default=0.0),
         "stale_groups_dropped": sum(m.get("train/stale_groups_dropped", 0.0) for m in rl),
     }
-    print(f"{mode:>13}: {result['samples_per_s']:7.1f} samples/s ({samples:.0f} samples in {seconds:.1f} s), "
-          f"eval after {result['eval_after']:.2f}, staleness max {result['staleness_max']:.0f}, "
-          f"{result['stale_groups_dropped']:.0f} stale groups dropped", flush=True)
+    print(f"{mode:>13} seed {config['seed']}: {result['samples'] / result['seconds']:7.1f} samples/s "
+          f"({result['samples']:.0f} samples in {result['seconds']:.1f} s), eval after {result['eval_after']:.2f}, "
+          f"staleness max {result['staleness_max']:.0f}, {result['stale_groups_dropped']:.0f} stale groups dropped",
+          flush=True)
     return result
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One mode over its seeds: throughput over all its runs, the evals' mean."""
+    samples, seconds = sum(r["samples"] for r in runs), sum(r["seconds"] for r in runs)
+    evals = [r["eval_after"] for r in runs]
+    return {"samples_per_s": samples / seconds, "eval_after": statistics.fmean(evals), "evals": evals,
+            "generate_seconds": sum(r["generate_seconds"] for r in runs),
+            "train_seconds": sum(r["train_seconds"] for r in runs),
+            "staleness_max": max(r["staleness_max"] for r in runs),
+            "stale_groups_dropped": sum(r["stale_groups_dropped"] for r in runs)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rollouts", type=int, default=20, help="RL iterations per mode")
+    parser.add_argument("--rollouts", type=int, default=80, help="RL iterations per run")
+    parser.add_argument("--seeds", type=int, default=3, help="runs per mode (seeds 0..N-1)")
     parser.add_argument("--sft-steps", type=int, default=35, help="SFT warm-start steps per run")
     parser.add_argument("--pause-mode", default="in_place", choices=("abort", "in_place", "retract"),
                         help="fully_async: how the engines pause for a weight push")
@@ -88,9 +103,18 @@ def main() -> None:
         stack = start_stack(data_dir, str(model))
         try:
             with httpx.Client(base_url=stack.coordinator_url, timeout=60, headers=client_headers()) as api:
-                results = {mode: run_mode(api, config, mode) for mode in MODES}
+                runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+                for seed in range(args.seeds):  # interleaved: a change of the machine's load hits every mode
+                    seeded = {**config, "seed": seed,
+                              "datasets": [{**d, "seed": seed} for d in config["datasets"]]}
+                    for mode in MODES:
+                        runs[mode].append(run_mode(api, seeded, mode))
         finally:
             stack.stop()
+    results = {mode: summarize(r) for mode, r in runs.items()}
+    for mode, r in results.items():
+        print(f"{mode:>13}: {r['samples_per_s']:7.1f} samples/s, eval after {r['eval_after']:.2f} "
+              f"(mean of {', '.join(f'{e:.2f}' for e in r['evals'])})")
 
     sync = results["sync"]
     g, t = sync["generate_seconds"], sync["train_seconds"]
@@ -105,10 +129,11 @@ def main() -> None:
         "one_step_off_speedup": round(results["one_step_off"]["samples_per_s"] / sync["samples_per_s"], 3),
         "fully_async_speedup": round(speedup, 3),
         "fully_async_fraction_of_ideal": round(speedup / ideal, 3),
-        **{f"{mode}_eval_after": r["eval_after"] for mode, r in results.items()},
+        **{f"{mode}_eval_after": round(r["eval_after"], 3) for mode, r in results.items()},
+        "fully_async_eval_gap": round(results["fully_async"]["eval_after"] - sync["eval_after"], 3),
         **{f"{mode}_staleness_max": r["staleness_max"] for mode, r in results.items()},
         "pause_mode": args.pause_mode, "tis_cap": args.tis_cap,
-        "rollouts": args.rollouts, "samples_per_rollout": config["rollout"]["rollout_batch_size"]
+        "rollouts": args.rollouts, "seeds": args.seeds, "samples_per_rollout": config["rollout"]["rollout_batch_size"]
         * config["rollout"]["n_samples_per_prompt"],
     }))
 

@@ -33,6 +33,9 @@ def _serve(name: str, argv: list[str]) -> None:
     add_settings_flags(parser, settings_cls)
     settings = settings_from_args(settings_cls, parser.parse_args(argv))
     logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().level > logging.DEBUG:
+        # httpx logs every request at INFO: a line per sample generated (failures are logged as ours).
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     server = importlib.import_module(f"{package}.{SERVER_MODULE.get(name, 'server')}")
     if hasattr(server, "serve"):  # HTTP services (coordinator, engine) serve themselves
         asyncio.run(server.serve(settings))

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rlmesh.cli.demo import demo_config, write_task
 from rlmesh.cli.launcher import Stack, datasets_dir, start_stack, supervise
 from rlmesh.common.auth import client_headers
 from rlmesh.common.faults import FAULTS_DIR_ENV
@@ -66,15 +67,18 @@ class Chaos:
     def release(self, point: str) -> None:
         (self.faults / f"{point}.hold").unlink(missing_ok=True)
 
-    def wait_rollout(self, run_id: str) -> None:
-        """Until the run's first rollout is done (its second generation is starting)."""
-        def past_first() -> bool:
-            run = self.api.get(f"/runs/{run_id}").json()
+    def wait_rollout(self, run_id: str, done: int = 1) -> None:
+        """Until the run has done this many rollouts (the next generation is starting)."""
+        def past() -> bool:
+            try:
+                run = self.api.get(f"/runs/{run_id}").json()
+            except httpx.HTTPError:  # the coordinator restarting
+                return False
             if "status" not in run:  # 503 while a dependency restarts
                 return False
             assert run["status"] in ("pending", "running"), run["error"]
-            return run["rollout_id"] >= 1
-        eventually(past_first, "the first rollout")
+            return run["rollout_id"] >= done
+        eventually(past, f"rollout {done}")
 
     def start_run(self, config: dict) -> str:
         r = self.api.post("/runs", json=config)
@@ -187,6 +191,28 @@ def test_a_run_survives_a_killed_process(chaos, tmp_path, tiny_model_dir, victim
         # (the chaos table of the docs: -s shows it)
         print(f"\n| {victim} | {moment} | completed | {after:.1f} | {s.groups_written} | {s.acknowledged_groups} | "
               f"{s.rolled_back_groups} |")
+    finally:
+        chaos.ensure_finished(run_id)
+
+
+@pytest.mark.slow
+def test_a_learning_run_survives_losing_every_process_in_turn(chaos, tiny_model_dir):
+    """The demo's task, each process SIGKILLed once, a few rollouts apart: the run still
+    learns, and each group it acknowledged is in the final model exactly once."""
+    train, held_out = write_task(datasets_dir(chaos.stack.data_dir) / "demo")
+    config = demo_config(str(tiny_model_dir), train, held_out, rollouts=40).model_dump(mode="json")
+    config.update(checkpoint_interval=4, keep_last=1, max_outage_seconds=300, eval={**config["eval"], "interval": 0})
+    run_id = chaos.start_run(config)
+    try:
+        for i, victim in enumerate(PROCESSES):
+            chaos.wait_rollout(run_id, done=2 + 4 * i)
+            chaos.kill(victim)
+        run = chaos.run(run_id)
+        assert run["status"] == "completed", run["error"]
+        check_accounting(chaos, run_id)
+        before, after = (run[k]["eval/held_out/reward_mean"] for k in ("eval_before", "eval_after"))
+        print(f"\nkilled {', '.join(PROCESSES)} in turn: eval reward before={before:.2f} after={after:.2f}")
+        assert after >= before + 0.2, (before, after)
     finally:
         chaos.ensure_finished(run_id)
 
