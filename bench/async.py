@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=80, help="RL iterations per run")
     parser.add_argument("--seeds", type=int, default=3, help="runs per mode (seeds 0..N-1)")
     parser.add_argument("--sft-steps", type=int, default=35, help="SFT warm-start steps per run")
+    parser.add_argument("--lr", type=float, default=0.0, help="RL learning rate (0 = the demo's)")
     parser.add_argument("--pause-mode", default="in_place", choices=("abort", "in_place", "retract"),
                         help="fully_async: how the engines pause for a weight push")
     parser.add_argument("--tis-cap", type=float, default=2.0,
@@ -95,6 +96,8 @@ def main() -> None:
         train, held_out = write_task(datasets_dir(data_dir) / "demo")
         config = demo_config(str(model), train, held_out, args.sft_steps, args.rollouts).model_dump(mode="json")
         config["eval"]["interval"] = 0
+        if args.lr:
+            config["optimizer"]["lr"] = args.lr
         config["pause_mode"] = args.pause_mode
         config["rollout"]["partial_rollout"] = True  # (what an abort interrupts resumes)
         if args.tis_cap:  # corrects for samples of older weights (async modes); ~1 on-policy
@@ -132,7 +135,8 @@ def main() -> None:
         **{f"{mode}_eval_after": round(r["eval_after"], 3) for mode, r in results.items()},
         "fully_async_eval_gap": round(results["fully_async"]["eval_after"] - sync["eval_after"], 3),
         **{f"{mode}_staleness_max": r["staleness_max"] for mode, r in results.items()},
-        "pause_mode": args.pause_mode, "tis_cap": args.tis_cap,
+        "pause_mode": args.pause_mode, "tis_cap": args.tis_cap, "lr": config["optimizer"]["lr"],
+        "sft_steps": args.sft_steps,
         "rollouts": args.rollouts, "seeds": args.seeds, "samples_per_rollout": config["rollout"]["rollout_batch_size"]
         * config["rollout"]["n_samples_per_prompt"],
     }))
