@@ -64,7 +64,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                 (request.limit * n, limits.max_samples_per_call, "samples asked for (limit x n_samples_per_prompt)",
                  "max_samples_per_call")])
         groups = await self.store.get_eval_prompts(request.run_id, request.dataset, request.offset, request.limit,
-                                                   request.n_samples_per_prompt or 1)
+                                                   request.n_samples_per_prompt or 1, wrap=request.wrap)
         return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 
     async def PutGroups(self, request: wire.PutGroupsWire, context):

@@ -261,20 +261,35 @@ class BufferStore:
         return [group_to_proto(g).SerializeToString() for g in groups]
 
     async def get_eval_prompts(self, run_id: str, dataset: str, offset: int = 0, limit: int = 0,
-                               n_samples_per_prompt: int = 1) -> list[bytes]:
-        """Serialized groups of an eval dataset's prompts, rows offset.. (limit 0 = all); no lease."""
+                               n_samples_per_prompt: int = 1, wrap: bool = False) -> list[bytes]:
+        """Serialized groups of a dataset's prompts, rows offset.. (limit 0 = all); no lease.
+        `wrap`: row offset + j is row (offset + j) mod the dataset's length, so `limit` rows
+        always come back (a warm start cycling its own dataset); group ids count on past the end."""
         spec = await self._spec(run_id)
         by_name = {d["name"]: d for d in spec["datasets"]}
         if dataset not in by_name:
             raise NotFound(f"run {run_id!r} has no dataset {dataset!r}; it has {sorted(by_name)}")
         if offset < 0 or limit < 0 or n_samples_per_prompt < 1:
             raise InvalidArgument("offset and limit must not be negative, n_samples_per_prompt must be positive")
-        stop = -1 if limit <= 0 else offset + limit - 1
-        rows = await self.redis.lrange(self.keys(run_id).data(dataset), offset, stop)
+        key = self.keys(run_id).data(dataset)
+        if wrap:
+            if not limit:
+                raise InvalidArgument("a wrapping read needs a limit (it would never end)")
+            size = await self.redis.llen(key)
+            rows_at = [(offset + j) % size for j in range(limit)] if size else []
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in rows_at:
+                    pipe.lindex(key, i)
+                rows = await pipe.execute()
+            picked = [(offset + j, i, raw) for j, (i, raw) in enumerate(zip(rows_at, rows))]
+        else:
+            stop = -1 if limit <= 0 else offset + limit - 1
+            rows = await self.redis.lrange(key, offset, stop)
+            picked = [(i, i, raw) for i, raw in enumerate(rows, start=offset)]
         groups = []
-        for i, raw in enumerate(rows, start=offset):
+        for at, i, raw in picked:
             samples = record_to_samples(json.loads(raw), i, n_samples_per_prompt, dataset)
-            groups.append(group_to_proto(SampleGroup(f"eval:{dataset}:{i}", i, samples, dataset)).SerializeToString())
+            groups.append(group_to_proto(SampleGroup(f"eval:{dataset}:{at}", i, samples, dataset)).SerializeToString())
         return groups
 
     # ---- completed and partial groups ---------------------------------------------------

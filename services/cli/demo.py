@@ -120,9 +120,9 @@ def run_demo(args) -> int:
         from rlmesh.cli import agent_demo
 
         # where the stack's buffer may read
-        train, held_out = agent_demo.write_task(datasets_dir(data_dir) / "demo")
-        config = agent_demo.agent_demo_config(str(model_path), train, held_out, args.sft_steps or 300,
-                                              args.rollouts or 40)
+        warm_start, train, held_out = agent_demo.write_task(datasets_dir(data_dir) / "demo")
+        config = agent_demo.agent_demo_config(str(model_path), warm_start, train, held_out, args.sft_steps or 200,
+                                              args.rollouts or 80)
     else:
         train, held_out = write_task(datasets_dir(data_dir) / "demo")
         config = demo_config(str(model_path), train, held_out, args.sft_steps or 35, args.rollouts or 80)

@@ -297,6 +297,10 @@ class EvalConfig(StrictModel):
 class SftWarmupConfig(StrictModel):
     steps: int = Field(0, ge=0, description="SFT steps through the same pipeline before RL (0 = none).")
     batch_groups: int = Field(16, ge=1, description="Prompts per SFT step.")
+    dataset: str = Field("", max_length=128, description="A dataset of the run that only the warm start reads (its "
+                         "rows in order, cycling), kept out of the RL training stream and out of evaluation, so RL "
+                         "learns from prompts the warm start never showed; '' = the warm start reads the training "
+                         "stream.")
 
 
 TrainingMode = Literal["sync", "one_step_off", "fully_async"]
@@ -363,9 +367,12 @@ class RunConfig(TrainingConfig):
 
     @model_validator(mode="after")
     def _has_training_data(self):
-        if not any(not d.eval for d in self.datasets):
-            raise ValueError("datasets: at least one training dataset (eval: false) is needed")
         names = [d.name for d in self.datasets]
+        warm = self.sft_warmup.dataset
+        if warm and warm not in names:
+            raise ValueError(f"sft_warmup.dataset: the run has no dataset {warm!r}; it has {names}")
+        if not any(not d.eval and d.name != warm for d in self.datasets):
+            raise ValueError("datasets: at least one training dataset (eval: false, not the warm start's) is needed")
         if len(set(names)) != len(names):
             raise ValueError("datasets: names must be unique")
         # The loop writes a whole batch before training it: a smaller cap would wait forever.
@@ -374,6 +381,14 @@ class RunConfig(TrainingConfig):
             raise ValueError(f"max_queued_groups ({self.max_queued_groups}) must be 0 (no cap) or at least a "
                              f"batch ({batch} groups: rollout_batch_size, sft_warmup.batch_groups)")
         return self
+
+    def buffer_datasets(self) -> list[DatasetConfig]:
+        """The datasets as the buffer holds them: the warm start's is kept out of the training
+        stream the way an eval set is."""
+        return [d.model_copy(update={"eval": True}) if d.name == self.sft_warmup.dataset else d for d in self.datasets]
+
+    def eval_datasets(self) -> list[DatasetConfig]:
+        return [d for d in self.datasets if d.eval and d.name != self.sft_warmup.dataset]
 
     @property
     def staleness_bound(self) -> int | None:

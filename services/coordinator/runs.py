@@ -458,7 +458,7 @@ class RunDriver:
         request = buffer_pb2.CreateRunRequest(
             run_id=run_id, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
             max_queued_groups=cfg.queue_cap,
-            datasets=[dataset_to_proto(d) for d in cfg.datasets],
+            datasets=[dataset_to_proto(d) for d in cfg.buffer_datasets()],
             tokenizer_path=cfg.model_path,
             apply_chat_template=cfg.rollout.apply_chat_template,
         )
@@ -542,8 +542,10 @@ class RunDriver:
         batch = cfg.sft_warmup.batch_groups
         for step in range(cfg.sft_warmup.steps):
             await self._step_boundary(run_id, cfg, None)
-            await self._generate(run_id, cfg, batch, lambda missing: rollout_pb2.GenerateRolloutRequest(
-                run_id=run_id, num_groups=missing, mode="sft", apply_chat_template=cfg.rollout.apply_chat_template))
+            await self._generate(run_id, cfg, batch, lambda missing, step=step: rollout_pb2.GenerateRolloutRequest(
+                run_id=run_id, num_groups=missing, mode="sft", apply_chat_template=cfg.rollout.apply_chat_template,
+                # (the rows the step still misses: an interrupted call may have written some)
+                dataset=cfg.sft_warmup.dataset, dataset_offset=step * batch + batch - missing))
             r = await self._train_step(run_id, cfg, trainer_pb2.TrainStepRequest(
                 run_id=run_id, num_groups=batch, wait_seconds=self.train_wait_seconds, loss="sft"))
             await self._append(run_id, cfg, {"sft_step": step + 1, "time": time.time(),
@@ -552,7 +554,7 @@ class RunDriver:
 
     async def _evaluate(self, run_id: str, cfg: RunConfig) -> dict:
         out: dict = {}
-        for d in (d for d in cfg.datasets if d.eval):
+        for d in cfg.eval_datasets():
             request = rollout_pb2.EvaluateRequest(
                 run_id=run_id, dataset=d.name, n_samples_per_prompt=cfg.eval.n_samples_per_prompt,
                 sampling=sampling_to_proto(cfg.eval.sampling), reward=_reward_spec(cfg), limit=cfg.eval.limit,

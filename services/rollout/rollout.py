@@ -8,6 +8,7 @@ import copy
 import logging
 import statistics
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,9 @@ class RolloutRequest:
     generate: GenerateChoice = GenerateChoice()
     # Partial samples with tokens older than this weight version start over (0: resume any).
     min_weight_version: int = 0
+    # mode "sft": a dataset of the run read from this row on (cycling) instead of the training stream.
+    dataset: str = ""
+    dataset_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -374,9 +378,20 @@ class RolloutManager:
 
     async def _sft_rollout(self, req: RolloutRequest, start: float) -> RolloutResult:
         tokenizer = await self.tokenizer()
-        resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
-            run_id=req.run_id, num_groups=req.num_groups), timeout=self.settings.buffer_timeout_seconds)
-        groups = [group_from_proto(g) for g in resp.groups]
+        if req.dataset:
+            resp = await self.buffer.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
+                run_id=req.run_id, dataset=req.dataset, offset=req.dataset_offset, limit=req.num_groups, wrap=True),
+                timeout=self.settings.buffer_timeout_seconds)
+            groups = [group_from_proto(g) for g in resp.groups]
+            # Ids of their own per call: a step the coordinator redoes (after a restart) is new
+            # data to the buffer, not a duplicate of groups already trained.
+            call = uuid.uuid4().hex[:8]
+            for g in groups:
+                g.group_id = f"sft:{req.dataset}:{g.group_id.rsplit(':', 1)[-1]}:{call}"
+        else:
+            resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
+                run_id=req.run_id, num_groups=req.num_groups), timeout=self.settings.buffer_timeout_seconds)
+            groups = [group_from_proto(g) for g in resp.groups]
         for g in groups:
             # One supervised sample per prompt: the group's copies would all be identical.
             g.samples = [sft_sample(tokenizer, g.samples[0], req.apply_chat_template)]

@@ -102,6 +102,7 @@ def rollout_request_from_proto(r: rollout_pb2.GenerateRolloutRequest) -> Rollout
         over_sampling_groups=r.over_sampling_groups, partial_rollout=r.partial_rollout, mode=r.mode or "rl",
         max_concurrency=r.max_concurrency, apply_chat_template=r.apply_chat_template,
         generate=generate_choice_from_proto(r.generate), min_weight_version=max(r.min_weight_version, 0),
+        dataset=r.dataset, dataset_offset=max(r.dataset_offset, 0),
     )
 
 

@@ -346,5 +346,5 @@ def test_the_agent_demo_warm_start_teaches_what_the_loop_builds(tiny_model_dir):
                              tokenizer.convert_tokens_to_ids(">"),
                              [{"role": "tool", "content": agent_demo.code("abc"), "tool_call_id": "call_0"}])
     assert agent_demo.episode_text("abc") == call + between + agent_demo.code("abc")
-    config = agent_demo.agent_demo_config(str(tiny_model_dir), tiny_model_dir / "a", tiny_model_dir / "b", 1, 1)
+    config = agent_demo.agent_demo_config(str(tiny_model_dir), *(tiny_model_dir / n for n in "abc"), 1, 1)
     assert config.rollout.generate.name == "agent"

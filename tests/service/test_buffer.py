@@ -99,6 +99,14 @@ def test_eval_prompts_and_delete_run(buffer, dataset):
         run_id="r1", dataset="held_out", n_samples_per_prompt=1, offset=1, limit=3)).groups
     assert [g.samples[0].label for g in groups] == ["1", "2", "3"]
     assert [g.group_id for g in groups] == ["eval:held_out:1", "eval:held_out:2", "eval:held_out:3"]
+    # a warm start cycles its dataset (5 rows): rows 8, 9, 10.. are rows 3, 4, 0.., ids count on
+    groups = stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
+        run_id="r1", dataset="held_out", offset=8, limit=7, wrap=True)).groups
+    assert [g.samples[0].label for g in groups] == ["3", "4", "0", "1", "2", "3", "4"]
+    assert len({g.group_id for g in groups}) == 7
+    code, details = code_of(lambda: stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
+        run_id="r1", dataset="held_out", wrap=True)))
+    assert code == INVALID and "limit" in details
     code, details = code_of(lambda: stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(run_id="r1", dataset="x")))
     assert code == NOT_FOUND and "held_out" in details
     code, _ = code_of(lambda: stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(run_id="r1", dataset="held_out", offset=-1)))

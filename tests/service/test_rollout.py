@@ -81,6 +81,18 @@ def test_sft_mode_writes_label_as_response(stack):
     assert len(g.samples) == 1 and s.response == s.label and s.loss_mask == [1] * s.response_length
 
 
+def test_sft_mode_reads_a_warm_start_dataset_apart_from_the_training_stream(stack):
+    buffer, rollout = stack
+    for offset in (3, 3):  # a step redone (after a restart) is new data, not a duplicate
+        assert rollout.GenerateRollout(request(mode="sft", num_groups=2, dataset="held_out",
+                                               dataset_offset=offset)).groups_written == 2
+    groups = [group_from_proto(g) for g in buffer.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r", num_groups=4)).groups]
+    assert [g.samples[0].response for g in groups] == ["fed", "cba"] * 2  # rows 3 and 0 (4 rows, cycled)
+    assert len({g.group_id for g in groups}) == 4
+    # the training stream was not touched: its first prompt is still row 0's group
+    assert buffer.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r", num_groups=1)).groups[0].group_id == "g0"
+
+
 def test_over_sampling_hands_surplus_groups_back(stack):
     buffer, rollout = stack
     r = rollout.GenerateRollout(request(num_groups=1, over_sampling_groups=2))

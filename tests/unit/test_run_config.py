@@ -70,3 +70,15 @@ def test_modes_set_the_staleness_bound_and_the_queue_cap():
     assert RunConfig.model_validate({**base, "mode": "one_step_off"}).trainer_config().max_staleness == 1
     with pytest.raises(ValueError, match="max_staleness"):
         RunConfig.model_validate({**base, "mode": "fully_async", "max_staleness": 0})
+
+
+def test_a_warm_start_dataset_stays_out_of_the_training_stream_and_of_evaluation():
+    datasets = [{"name": "warm", "path": "w.jsonl"}, {"name": "train", "path": "t.jsonl"},
+                {"name": "held_out", "path": "h.jsonl", "eval": True}]
+    run = RunConfig.model_validate({"model_path": "/m", "datasets": datasets, "sft_warmup": {"steps": 5, "dataset": "warm"}})
+    assert [(d.name, d.eval) for d in run.buffer_datasets()] == [("warm", True), ("train", False), ("held_out", True)]
+    assert [d.name for d in run.eval_datasets()] == ["held_out"]
+    with pytest.raises(ValueError, match="no dataset 'wram'"):
+        RunConfig.model_validate({"model_path": "/m", "datasets": datasets, "sft_warmup": {"dataset": "wram"}})
+    with pytest.raises(ValueError, match="at least one training dataset"):
+        RunConfig.model_validate({"model_path": "/m", "datasets": datasets[:1], "sft_warmup": {"dataset": "warm"}})

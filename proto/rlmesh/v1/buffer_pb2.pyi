@@ -97,18 +97,20 @@ class GetPromptsResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class GetEvalPromptsRequest(_message.Message):
-    __slots__ = ("run_id", "dataset", "n_samples_per_prompt", "offset", "limit")
+    __slots__ = ("run_id", "dataset", "n_samples_per_prompt", "offset", "limit", "wrap")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     N_SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    WRAP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     dataset: str
     n_samples_per_prompt: int
     offset: int
     limit: int
-    def __init__(self, run_id: _Optional[str] = ..., dataset: _Optional[str] = ..., n_samples_per_prompt: _Optional[int] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    wrap: bool
+    def __init__(self, run_id: _Optional[str] = ..., dataset: _Optional[str] = ..., n_samples_per_prompt: _Optional[int] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ..., wrap: _Optional[bool] = ...) -> None: ...
 
 class PutGroupsRequest(_message.Message):
     __slots__ = ("run_id", "groups")
