@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,6 +35,10 @@ buffer_address, engine, rollout_address = test_trainer.buffer_address, test_trai
 REPO = Path(__file__).resolve().parents[2]
 # Float sums in another order (two shards and an all-reduce instead of one sum).
 ATOL = 1e-5
+# Weights after Adam steps at lr 1e-3: where a gradient is near zero, Adam's update
+# (m / sqrt(v)) turns those last-bit differences into up to ~1e-5 (measured 1.2e-5 on one
+# machine); a tenth of one step still catches any real divergence.
+WEIGHT_ATOL = 1e-4
 
 CASES = {
     # 5 samples, 2 mini-batches of 3 and 2: ranks take 2 + 1, then 1 + 1.
@@ -50,11 +55,14 @@ def two_ranks(tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(REPO / "tests" / "helpers" / "fsdp_worker.py"), str(tiny_model_dir), str(out), json.dumps(CASES)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(REPO / "tests" / "helpers" / "fsdp_worker.py"), str(tiny_model_dir), str(out), json.dumps(CASES)]
+    run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    if "terminate called without an active exception" in run.stderr:
+        # Once in a CI run a rank died in C++ (SIGABRT, no Python error) and never again in
+        # ten runs, loaded or not: a crash of the process, not a result; the same run again.
+        warnings.warn("an FSDP rank aborted (SIGABRT) without a Python error: running the two ranks again", stacklevel=1)
+        run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return out
 
@@ -76,7 +84,7 @@ def test_two_ranks_train_like_one_process(two_ranks, tiny_model_dir, case):
     assert sharded["held"] == pytest.approx(total / 2, rel=0.01)  # rank 0 held half of the model
     for name, value in expected.items():
         assert sharded["weights"][name].shape == value.shape, name
-        torch.testing.assert_close(sharded["weights"][name], value, atol=ATOL, rtol=0, msg=name)
+        torch.testing.assert_close(sharded["weights"][name], value, atol=WEIGHT_ATOL, rtol=0, msg=name)
 
 
 @pytest.mark.slow
@@ -98,9 +106,9 @@ def test_a_sharded_checkpoint_resumes_sharded_or_in_one_process(two_ranks, tiny_
     in_one = TorchBackend(config(checkpoint, **CASES[case]), CPU)
     in_one.train_step(make_groups())
     for name, value in expected.items():
-        torch.testing.assert_close(sharded["after_resume"][name], value, atol=ATOL, rtol=0, msg=name)
+        torch.testing.assert_close(sharded["after_resume"][name], value, atol=WEIGHT_ATOL, rtol=0, msg=name)
     for name, value in in_one.state_dict_for_sync():
-        torch.testing.assert_close(value, expected[name], atol=ATOL, rtol=0, msg=name)
+        torch.testing.assert_close(value, expected[name], atol=WEIGHT_ATOL, rtol=0, msg=name)
 
 
 def test_fsdp2_outside_a_torch_distributed_job_is_a_clear_error(tiny_model_dir):
