@@ -100,6 +100,7 @@ class RunStore:
             "id": run_id, "name": config.name, "config": config.model_dump_json(), "status": "pending",
             "phase": "setup", "rollout_id": 0, "weight_version": 0, "created_at": now, "updated_at": now,
             "error": "", "waiting_for": "", "eval_before": "{}", "eval_after": "{}", "held": 0,
+            "train_steps": "[]",
         })
         try:
             await self._claim(run_id)
@@ -168,6 +169,7 @@ class RunStore:
             rec[k] = float(rec[k])
         for k in ("config", "eval_before", "eval_after"):
             rec[k] = json.loads(rec[k])
+        rec["train_steps"] = json.loads(rec.get("train_steps", "[]"))
         return rec
 
     async def update(self, run_id: str, **fields) -> None:
@@ -245,6 +247,7 @@ class RunDriver:
         self.backoff = Backoff(self.settings.retry_backoff_base_seconds, self.settings.retry_backoff_max_seconds)
         self.tasks: dict[str, asyncio.Task] = {}
         self._async_metrics: dict[str, dict[str, float]] = {}  # fully_async: generation metrics since the last record
+        self._trainer_reset: set[str] = set()  # runs set up again on a restarted trainer since their last step
         self.metrics = metrics
         self.run_logs = RunLoggers(self.settings.log_dir, metrics.log_failures if metrics is not None else None)
 
@@ -349,6 +352,11 @@ class RunDriver:
         return asyncio.create_task(self._async_heartbeat(run_id, cfg), name=f"heartbeat-{run_id}")
 
     async def _drive(self, run_id: str) -> None:
+        """The run's train steps in order: the SFT warm start's, the evaluation before RL, then
+        RL's iterations. Where the run stands is the trainer's step (the run record's
+        train_steps say which of the run's steps it holds): a trainer that restarted from an
+        older checkpoint has the steps after it done again, so the final model holds every
+        step of the run, each once."""
         heartbeat: asyncio.Task | None = None
         try:
             rec = await self.store.get(run_id)
@@ -356,21 +364,24 @@ class RunDriver:
             if rec["status"] == "stopping":  # stopped while the coordinator was down
                 raise StopRequested
             await self.store.transition(run_id, ("pending",), "running")  # (a paused run stays paused)
-            await self._setup(run_id, cfg)
-            if rec["phase"] in ("setup", "sft"):  # (a restart mid-warm-start redoes it)
-                await self._sft_warmup(run_id, cfg)
-                before = await self._evaluate(run_id, cfg)
-                await self.store.update(run_id, phase="rl", eval_before=before)
-                await self._append(run_id, cfg, {"rollout_id": 0, "time": time.time(), **before})
-            rec = await self.store.get(run_id)
-            if cfg.mode == "fully_async":
-                heartbeat = asyncio.create_task(self._async_heartbeat(run_id, cfg), name=f"heartbeat-{run_id}")
+            done = await self._realign(run_id, cfg, await self._setup(run_id, cfg), answered=False)
             iteration = {"sync": self._rl_iteration, "one_step_off": self._one_step_off_iteration,
                          "fully_async": self._fully_async_iteration}[cfg.mode]
-            next_generation: asyncio.Task | None = None
+            sft_steps, next_generation = cfg.sft_warmup.steps, None
             try:
-                for rollout_id in range(rec["rollout_id"], cfg.num_rollouts):
+                while done < sft_steps + cfg.num_rollouts:
+                    if done < sft_steps:
+                        if heartbeat is not None:  # (RL groups must not reach the warm start's steps)
+                            await self._stop_async_generation(run_id, cfg, heartbeat)
+                            heartbeat = None
+                        done = await self._realign(run_id, cfg, await self._sft_step(run_id, cfg, done))
+                        continue
+                    if (await self.store.get(run_id))["phase"] in ("setup", "sft"):
+                        await self._start_rl(run_id, cfg)
+                    if cfg.mode == "fully_async" and heartbeat is None:
+                        heartbeat = asyncio.create_task(self._async_heartbeat(run_id, cfg), name=f"heartbeat-{run_id}")
                     heartbeat = await self._step_boundary(run_id, cfg, heartbeat)
+                    rollout_id = done - sft_steps
                     record, next_generation = await iteration(run_id, cfg, rollout_id, next_generation)
                     record.update(await self._buffer_metrics(run_id, cfg))
                     if record.get("iteration/seconds"):
@@ -378,9 +389,11 @@ class RunDriver:
                     if cfg.eval.interval and (rollout_id + 1) % cfg.eval.interval == 0 and rollout_id + 1 < cfg.num_rollouts:
                         record.update(await self._evaluate(run_id, cfg))
                     await self._append(run_id, cfg, record)
-                    await self.store.update(run_id, rollout_id=rollout_id + 1)
+                    done = await self._realign(run_id, cfg, record["step"])
                     if self.metrics is not None:
                         self.metrics.iteration(cfg.mode, record)
+                if (await self.store.get(run_id))["phase"] in ("setup", "sft"):  # (a run of no RL iterations)
+                    await self._start_rl(run_id, cfg)
             finally:
                 if next_generation is not None:
                     next_generation.cancel()
@@ -444,17 +457,19 @@ class RunDriver:
             if e.code() != grpc.StatusCode.NOT_FOUND:
                 raise
             log.warning("run %s: the trainer lost the run (%s); setting it up again", run_id, e.details())
+            self._trainer_reset.add(run_id)
             await self._init_trainer(run_id, cfg)
             await self._publish_once(run_id)
             raise _TrainerLostRun(f"{self._service('trainer')} had lost the run (restarted?) and was set up "
                                   f"again: {e.details()}") from None
 
-    async def _init_trainer(self, run_id: str, cfg: RunConfig) -> None:
-        await self.clients.trainer.InitRun(trainer_pb2.InitRunRequest(
+    async def _init_trainer(self, run_id: str, cfg: RunConfig) -> trainer_pb2.TrainerStatus:
+        return await self.clients.trainer.InitRun(trainer_pb2.InitRunRequest(
             run_id=run_id, config_json=cfg.trainer_config().model_dump_json()),
             timeout=self.settings.setup_deadline_seconds)
 
-    async def _setup(self, run_id: str, cfg: RunConfig) -> None:
+    async def _setup(self, run_id: str, cfg: RunConfig) -> int:
+        """The run in the buffer and on the trainer; returns the trainer's step."""
         request = buffer_pb2.CreateRunRequest(
             run_id=run_id, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
             max_queued_groups=cfg.queue_cap,
@@ -464,10 +479,11 @@ class RunDriver:
         )
         await self._patiently(run_id, cfg, self._service("buffer"), lambda: self.clients.buffer.CreateRun(
             request, timeout=self.settings.call_deadline_seconds))
-        await self._patiently(run_id, cfg, self._service("trainer"), lambda: self._init_trainer(run_id, cfg))
+        status = await self._patiently(run_id, cfg, self._service("trainer"), lambda: self._init_trainer(run_id, cfg))
         if (await self.store.get(run_id))["weight_version"] == 0:
             # The engines may hold another run's weights: start from the run's own.
             await self._publish(run_id, cfg)
+        return status.step
 
     async def _end(self, run_id: str, heartbeat: asyncio.Task | None = None) -> None:
         if heartbeat is not None:
@@ -535,22 +551,53 @@ class RunDriver:
 
         return await self._patiently(run_id, cfg, self._service("trainer"), attempt)
 
-    async def _sft_warmup(self, run_id: str, cfg: RunConfig) -> None:
-        if not cfg.sft_warmup.steps:
-            return
+    async def _sft_step(self, run_id: str, cfg: RunConfig, step: int) -> int:
+        """The warm start's step `step` (0-based); the trainer's step after it."""
         await self.store.update(run_id, phase="sft")
+        await self._step_boundary(run_id, cfg, None)
         batch = cfg.sft_warmup.batch_groups
-        for step in range(cfg.sft_warmup.steps):
-            await self._step_boundary(run_id, cfg, None)
-            await self._generate(run_id, cfg, batch, lambda missing, step=step: rollout_pb2.GenerateRolloutRequest(
-                run_id=run_id, num_groups=missing, mode="sft", apply_chat_template=cfg.rollout.apply_chat_template,
-                # (the rows the step still misses: an interrupted call may have written some)
-                dataset=cfg.sft_warmup.dataset, dataset_offset=step * batch + batch - missing))
-            r = await self._train_step(run_id, cfg, trainer_pb2.TrainStepRequest(
-                run_id=run_id, num_groups=batch, wait_seconds=self.train_wait_seconds, loss="sft"))
-            await self._append(run_id, cfg, {"sft_step": step + 1, "time": time.time(),
-                                             **{f"sft/{k}": v for k, v in r.metrics.items()}})
-        await self._publish(run_id, cfg)
+        await self._generate(run_id, cfg, batch, lambda missing: rollout_pb2.GenerateRolloutRequest(
+            run_id=run_id, num_groups=missing, mode="sft", apply_chat_template=cfg.rollout.apply_chat_template,
+            # (the rows the step still misses: an interrupted call may have written some)
+            dataset=cfg.sft_warmup.dataset, dataset_offset=step * batch + batch - missing))
+        r = await self._train_step(run_id, cfg, trainer_pb2.TrainStepRequest(
+            run_id=run_id, num_groups=batch, wait_seconds=self.train_wait_seconds, loss="sft"))
+        await self._append(run_id, cfg, {"sft_step": step + 1, "time": time.time(), "step": r.step,
+                                         **{f"sft/{k}": v for k, v in r.metrics.items()}})
+        return r.step
+
+    async def _start_rl(self, run_id: str, cfg: RunConfig) -> None:
+        """Between the warm start and RL: the engines get the warm-started weights, and the
+        evaluation before RL is taken (once: a warm start trained again after a trainer
+        restart is not measured twice)."""
+        if cfg.sft_warmup.steps:
+            await self._publish(run_id, cfg)
+        if not (await self.store.get(run_id))["eval_before"]:
+            before = await self._evaluate(run_id, cfg)
+            await self.store.update(run_id, eval_before=before)
+            await self._append(run_id, cfg, {"rollout_id": 0, "time": time.time(), **before})
+        await self.store.update(run_id, phase="rl")
+
+    async def _realign(self, run_id: str, cfg: RunConfig, step: int, answered: bool = True) -> int:
+        """Record where the trainer stands: at `step`, the answer of the run's latest train step
+        (`answered`) or of InitRun; returns how many of the run's train steps (SFT, then RL
+        iterations) its model holds. A step's answer is not trusted when the trainer was set
+        up again meanwhile (it may have resumed from an older checkpoint) or was lost (0):
+        the trainer is asked."""
+        if answered and (run_id in self._trainer_reset or not step):
+            self._trainer_reset.discard(run_id)
+            status = await self._patiently(run_id, cfg, self._service("trainer"), lambda: self._on_trainer(
+                run_id, cfg, lambda: self.clients.trainer.GetStatus(
+                    trainer_pb2.GetStatusRequest(run_id=run_id), timeout=self.settings.call_deadline_seconds)))
+            step, answered = status.step, False
+        before = (await self.store.get(run_id))["train_steps"]
+        steps = steps_after_train_step(before, step) if answered else steps_held(before, step)
+        if len(steps) < len(before):
+            log.warning("run %s: the trainer stands at step %d: the run's train steps from number %d on are taken "
+                        "again (the groups they trained are handed out again)", run_id, step, len(steps) + 1)
+        await self.store.update(run_id, train_steps=steps,
+                                rollout_id=max(len(steps) - cfg.sft_warmup.steps, 0))
+        return len(steps)
 
     async def _evaluate(self, run_id: str, cfg: RunConfig) -> dict:
         out: dict = {}
@@ -722,6 +769,24 @@ class RunDriver:
             log.warning("run %s: could not stop the generation loop: %s", run_id, e.details())
         if not keep_metrics:  # (a pause keeps them for the next iteration's record)
             self._async_metrics.pop(run_id, None)
+
+
+# The run record's train_steps: the trainer's step after each of the run's train steps
+# (SFT steps, then RL iterations), oldest first. Checkpoints are taken only between train
+# steps, so a trainer that resumed from one stands where one of them ended.
+
+def steps_after_train_step(train_steps: list[int], step: int) -> list[int]:
+    """A train step answered that it left the trainer at `step` (the same step as the one
+    before when it trained nothing)."""
+    return [s for s in train_steps if s <= step] + [step]
+
+
+def steps_held(train_steps: list[int], step: int) -> list[int]:
+    """The train steps that a trainer found standing at `step` holds: those that ended at or
+    before it (later ones were undone by a resume), plus one whose answer was lost if the
+    trainer stands past every recorded one."""
+    held = [s for s in train_steps if s <= step]
+    return held + [step] if step > max(held, default=0) else held
 
 
 def _transient(e: BaseException) -> str | None:

@@ -240,7 +240,8 @@ class Trainer:
                             "list%s; first reason: %s", run.run_id, len(rejected), len(lease.groups),
                             " (this step trains nothing)" if not groups else "", next(iter(rejected.values())))
             result = await self._train(run, groups, loss)
-            run.trained[result.step] = [g.group_id for g in groups]
+            # (extended: a step that trained nothing leaves the step where the previous one did)
+            run.trained.setdefault(result.step, []).extend(g.group_id for g in groups)
             await fault_point("trainer.before_ack")
             await self._ack(run, lease_id, result.step)
             result.metrics.update(

@@ -1,6 +1,7 @@
 """Chaos: a short run on `rlmesh up`'s stack (every service and Redis its own process,
 supervised), and one process killed with SIGKILL during generation, between a train step
-and its acknowledgment, or (the trainer) in the middle of a checkpoint save; the
+and its acknowledgment, or (the trainer) in the middle of a checkpoint save (the next
+step already taken); the
 supervisor starts it again on its port. Every run completes, the buffer's accounting
 balances, and the final model's record of the groups it was trained on lists each
 acknowledged group exactly once. A frozen (SIGSTOP) engine or reward service is noticed
@@ -66,6 +67,9 @@ class Chaos:
 
     def release(self, point: str) -> None:
         (self.faults / f"{point}.hold").unlink(missing_ok=True)
+
+    def stats(self, run_id: str) -> buffer_pb2.BufferStats:
+        return self.buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id), timeout=30)
 
     def wait_rollout(self, run_id: str, done: int = 1) -> None:
         """Until the run has done this many rollouts (the next generation is starting)."""
@@ -150,7 +154,7 @@ def trained_record(stack: Stack, run_id: str) -> list[str]:
 
 
 def check_accounting(chaos: Chaos, run_id: str) -> buffer_pb2.BufferStats:
-    s = chaos.buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id), timeout=30)
+    s = chaos.stats(run_id)
     # (>= 4: after a trainer restart an iteration may train the groups handed out again)
     assert s.groups_written == s.acknowledged_groups >= 4
     assert (s.queued_groups, s.leased_groups, s.provisional_groups) == (0, 0, 0)
@@ -173,6 +177,11 @@ def test_a_run_survives_a_killed_process(chaos, tmp_path, tiny_model_dir, victim
     try:
         if point:
             chaos.wait_reached(point)
+            if moment == "checkpoint_save":
+                # The next step trains and is acknowledged (provisionally) while the save is
+                # held: the restarted trainer resumes two steps back, and the run must take
+                # both steps again, not end with their groups queued.
+                eventually(lambda: chaos.stats(run_id).provisional_groups >= 4, "the next step acknowledged")
             if victim == "trainer":  # its restarted self must not stop there again
                 chaos.release(point)
         else:
