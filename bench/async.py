@@ -36,6 +36,7 @@ from rlmesh.cli.demo import demo_config, write_task
 from rlmesh.cli.launcher import datasets_dir, start_stack
 from rlmesh.cli.tiny_model import build_tiny_model
 from rlmesh.common.auth import client_headers
+from rlmesh.common.run_config import DEFAULT_MAX_STALENESS
 
 MODES = ("sync", "one_step_off", "fully_async")
 
@@ -87,6 +88,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.0, help="RL learning rate (0 = the demo's)")
     parser.add_argument("--pause-mode", default="in_place", choices=("abort", "in_place", "retract"),
                         help="fully_async: how the engines pause for a weight push")
+    parser.add_argument("--max-staleness", type=int, default=0,
+                        help="fully_async's staleness bound in weight versions (0 = the run config's default)")
     parser.add_argument("--tis-cap", type=float, default=2.0,
                         help="truncated importance sampling against the engines' log-probs (every mode; 0 = off)")
     args = parser.parse_args()
@@ -113,7 +116,8 @@ def main() -> None:
                     seeded = {**config, "seed": seed,
                               "datasets": [{**d, "seed": seed} for d in config["datasets"]]}
                     for mode in MODES:
-                        runs[mode].append(run_mode(api, seeded, mode))
+                        bound = {"max_staleness": args.max_staleness} if mode == "fully_async" and args.max_staleness else {}
+                        runs[mode].append(run_mode(api, {**seeded, **bound}, mode))
         finally:
             stack.stop()
     results = {mode: summarize(r) for mode, r in runs.items()}
@@ -139,6 +143,7 @@ def main() -> None:
         "fully_async_eval_gap": round(results["fully_async"]["eval_after"] - sync["eval_after"], 3),
         **{f"{mode}_staleness_max": r["staleness_max"] for mode, r in results.items()},
         "pause_mode": args.pause_mode, "tis_cap": args.tis_cap, "lr": config["optimizer"]["lr"],
+        "fully_async_max_staleness": args.max_staleness or DEFAULT_MAX_STALENESS["fully_async"],
         "sft_steps": args.sft_steps,
         "rollouts": args.rollouts, "seeds": args.seeds, "samples_per_rollout": config["rollout"]["rollout_batch_size"]
         * config["rollout"]["n_samples_per_prompt"],
