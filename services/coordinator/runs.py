@@ -98,7 +98,7 @@ class RunStore:
         # The record exists before its claim, so a claim whose record is gone is surely stale.
         await self.redis.hset(self._key(run_id), mapping={
             "id": run_id, "name": config.name, "config": config.model_dump_json(), "status": "pending",
-            "phase": "setup", "rollout_id": 0, "weight_version": 0, "created_at": now, "updated_at": now,
+            "phase": "setup", "weight_version": 0, "created_at": now, "updated_at": now,
             "error": "", "waiting_for": "", "eval_before": "{}", "eval_after": "{}", "held": 0,
             "train_steps": "[]",
         })
@@ -162,14 +162,15 @@ class RunStore:
         if not raw:
             raise NotFound(f"unknown run {run_id!r}")
         rec = {k.decode(): v.decode() for k, v in raw.items()}
-        for k in ("rollout_id", "weight_version"):
-            rec[k] = int(rec[k])
+        rec["weight_version"] = int(rec["weight_version"])
         rec["held"] = rec.get("held", "0") == "1"  # (records written before pausing existed lack it)
         for k in ("created_at", "updated_at"):
             rec[k] = float(rec[k])
         for k in ("config", "eval_before", "eval_after"):
             rec[k] = json.loads(rec[k])
         rec["train_steps"] = json.loads(rec.get("train_steps", "[]"))
+        # RL iterations the trainer's model holds (the train steps past the warm start's)
+        rec["rollout_id"] = max(len(rec["train_steps"]) - rec["config"]["sft_warmup"]["steps"], 0)
         return rec
 
     async def update(self, run_id: str, **fields) -> None:
@@ -367,17 +368,20 @@ class RunDriver:
             done = await self._realign(run_id, cfg, await self._setup(run_id, cfg), answered=False)
             iteration = {"sync": self._rl_iteration, "one_step_off": self._one_step_off_iteration,
                          "fully_async": self._fully_async_iteration}[cfg.mode]
-            sft_steps, next_generation = cfg.sft_warmup.steps, None
+            sft_steps, next_generation, phase = cfg.sft_warmup.steps, None, rec["phase"]
             try:
                 while done < sft_steps + cfg.num_rollouts:
                     if done < sft_steps:
                         if heartbeat is not None:  # (RL groups must not reach the warm start's steps)
                             await self._stop_async_generation(run_id, cfg, heartbeat)
                             heartbeat = None
+                        if phase != "sft":
+                            phase = "sft"
+                            await self.store.update(run_id, phase=phase)
                         done = await self._realign(run_id, cfg, await self._sft_step(run_id, cfg, done))
                         continue
-                    if (await self.store.get(run_id))["phase"] in ("setup", "sft"):
-                        await self._start_rl(run_id, cfg)
+                    if phase != "rl":
+                        phase = await self._start_rl(run_id, cfg)
                     if cfg.mode == "fully_async" and heartbeat is None:
                         heartbeat = asyncio.create_task(self._async_heartbeat(run_id, cfg), name=f"heartbeat-{run_id}")
                     heartbeat = await self._step_boundary(run_id, cfg, heartbeat)
@@ -392,7 +396,7 @@ class RunDriver:
                     done = await self._realign(run_id, cfg, record["step"])
                     if self.metrics is not None:
                         self.metrics.iteration(cfg.mode, record)
-                if (await self.store.get(run_id))["phase"] in ("setup", "sft"):  # (a run of no RL iterations)
+                if phase != "rl":  # (a run of no RL iterations)
                     await self._start_rl(run_id, cfg)
             finally:
                 if next_generation is not None:
@@ -553,7 +557,6 @@ class RunDriver:
 
     async def _sft_step(self, run_id: str, cfg: RunConfig, step: int) -> int:
         """The warm start's step `step` (0-based); the trainer's step after it."""
-        await self.store.update(run_id, phase="sft")
         await self._step_boundary(run_id, cfg, None)
         batch = cfg.sft_warmup.batch_groups
         await self._generate(run_id, cfg, batch, lambda missing: rollout_pb2.GenerateRolloutRequest(
@@ -566,7 +569,7 @@ class RunDriver:
                                          **{f"sft/{k}": v for k, v in r.metrics.items()}})
         return r.step
 
-    async def _start_rl(self, run_id: str, cfg: RunConfig) -> None:
+    async def _start_rl(self, run_id: str, cfg: RunConfig) -> str:
         """Between the warm start and RL: the engines get the warm-started weights, and the
         evaluation before RL is taken (once: a warm start trained again after a trainer
         restart is not measured twice)."""
@@ -577,6 +580,7 @@ class RunDriver:
             await self.store.update(run_id, eval_before=before)
             await self._append(run_id, cfg, {"rollout_id": 0, "time": time.time(), **before})
         await self.store.update(run_id, phase="rl")
+        return "rl"
 
     async def _realign(self, run_id: str, cfg: RunConfig, step: int, answered: bool = True) -> int:
         """Record where the trainer stands: at `step`, the answer of the run's latest train step
@@ -595,8 +599,7 @@ class RunDriver:
         if len(steps) < len(before):
             log.warning("run %s: the trainer stands at step %d: the run's train steps from number %d on are taken "
                         "again (the groups they trained are handed out again)", run_id, step, len(steps) + 1)
-        await self.store.update(run_id, train_steps=steps,
-                                rollout_id=max(len(steps) - cfg.sft_warmup.steps, 0))
+        await self.store.update(run_id, train_steps=steps)
         return len(steps)
 
     async def _evaluate(self, run_id: str, cfg: RunConfig) -> dict:
