@@ -387,6 +387,7 @@ class Trainer:
             raise errors.InvalidArgument(f"method must be one of {', '.join(PUBLISH_METHODS)} (or empty), got {method!r}")
         if version < 0:
             raise errors.InvalidArgument(f"version must not be negative, got {version}")
+        await fault_point("trainer.before_push")
         async with self._holding(run):
             if run.pusher is None:
                 run.pusher = WeightPusher(

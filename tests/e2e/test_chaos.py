@@ -4,8 +4,8 @@ and its acknowledgment, or (the trainer) in the middle of a checkpoint save (the
 step already taken); the
 supervisor starts it again on its port. Every run completes, the buffer's accounting
 balances, and the final model's record of the groups it was trained on lists each
-acknowledged group exactly once. A frozen (SIGSTOP) engine or reward service is noticed
-within its deadline. Named fault points (rlmesh.common.faults) hold a process at the exact
+acknowledged group exactly once. A frozen (SIGSTOP) engine (generating, or receiving a
+weight push) or reward service is noticed within its deadline. Named fault points (rlmesh.common.faults) hold a process at the exact
 moment; no timing is asserted."""
 
 from __future__ import annotations
@@ -124,6 +124,10 @@ def chaos(tmp_path_factory, tiny_model_dir):
     patch.setenv("RLMESH_ROLLOUT_REWARD_TIMEOUT_SECONDS", "5")
     patch.setenv("RLMESH_ROLLOUT_REQUEST_TIMEOUT_SECONDS", "5")
     patch.setenv("RLMESH_ROLLOUT_GENERATE_TIMEOUT_SECONDS", "5")
+    # A weight push's deadlines too (a frozen engine in the middle of one is noticed at them):
+    # pushes of the tiny model take hundredths of a second.
+    patch.setenv("RLMESH_ROLLOUT_WEIGHT_UPDATE_TIMEOUT_SECONDS", "10")
+    patch.setenv("RLMESH_TRAINER_WEIGHT_SYNC_TIMEOUT_SECONDS", "10")
     patch.setenv("OMP_NUM_THREADS", "1")
     stack = start_stack(root / "stack", str(tiny_model_dir), echo=lambda _: None)
     stop = threading.Event()
@@ -226,11 +230,23 @@ def test_a_learning_run_survives_losing_every_process_in_turn(chaos, tiny_model_
         chaos.ensure_finished(run_id)
 
 
+FROZEN = [("engine", "generation"), ("engine", "weight_push"), ("reward", "generation")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", ["engine", "reward"])
-def test_a_frozen_peer_is_noticed_within_its_deadline(chaos, tmp_path, tiny_model_dir, victim):
+@pytest.mark.parametrize(("victim", "moment"), FROZEN, ids=[f"{v}-{m}" for v, m in FROZEN])
+def test_a_frozen_peer_is_noticed_within_its_deadline(chaos, tmp_path, tiny_model_dir, victim, moment):
+    if moment == "weight_push":
+        chaos.hold("trainer.before_push")
     run_id = chaos.start_run(chaos_config(chaos.stack, tiny_model_dir))
-    chaos.wait_rollout(run_id)
+    try:
+        if moment == "weight_push":
+            chaos.wait_reached("trainer.before_push")
+        else:
+            chaos.wait_rollout(run_id)
+    except BaseException:
+        chaos.release("trainer.before_push")
+        raise
     # Whoever calls the frozen peer next says what it waits for: the rollout service while
     # generating or scoring, the coordinator (relaying the trainer) while weights are pushed.
     logs = [chaos.stack.log_file(name) for name in ("rollout", "coordinator")]
@@ -243,8 +259,9 @@ def test_a_frozen_peer_is_noticed_within_its_deadline(chaos, tmp_path, tiny_mode
 
     frozen = chaos.process(victim)
     frozen.send_signal(signal.SIGSTOP)
+    chaos.release("trainer.before_push")  # (the push starts with the engine frozen)
     try:
-        # Deadlines of 5 s (set for the stack): the caller says what it waits for soon after.
+        # Deadlines of 5 s (10 s for a weight push) set for the stack: the caller says what it waits for soon after.
         eventually(noticed, f"the frozen {victim} being noticed", timeout=60)
     finally:
         frozen.send_signal(signal.SIGCONT)
