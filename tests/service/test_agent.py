@@ -258,9 +258,11 @@ def test_a_turn_without_calls_ends_the_episode(tiny_model_dir, engine_url):
 
 
 def test_the_turn_limit_cuts_a_turn_and_its_calls_are_not_run(tiny_model_dir, engine_url):
-    # No stop tokens: the turn runs to its own limit (2), not to the run's max_new_tokens (6).
+    # No stop tokens and no EOS (a sampled EOS would end the turn before its limit, and its
+    # call would run): the turn runs to its own limit (2), not to the run's max_new_tokens (6).
     sample = run_episode(tiny_model_dir, engine_url, {"tool_parser": "test_always_echo", "max_turns": 3,
-                                                         "max_tokens_per_turn": 2}, Sample(prompt="hi"), sampling={})
+                                                         "max_tokens_per_turn": 2}, Sample(prompt="hi"),
+                         sampling={"ignore_eos": True})
     assert [t["role"] for t in sample.metadata["agent_turns"]] == ["assistant"]
     assert sample.response_length == 2 and sample.status == Status.TRUNCATED
 
