@@ -370,7 +370,7 @@ class RunDriver:
                          "fully_async": self._fully_async_iteration}[cfg.mode]
             sft_steps, next_generation, phase = cfg.sft_warmup.steps, None, rec["phase"]
             try:
-                while done < sft_steps + cfg.num_rollouts:
+                while True:
                     if done < sft_steps:
                         if heartbeat is not None:  # (RL groups must not reach the warm start's steps)
                             await self._stop_async_generation(run_id, cfg, heartbeat)
@@ -380,8 +380,17 @@ class RunDriver:
                             await self.store.update(run_id, phase=phase)
                         done = await self._realign(run_id, cfg, await self._sft_step(run_id, cfg, done))
                         continue
-                    if phase != "rl":
+                    if phase != "rl":  # (also for a run of no RL iterations)
                         phase = await self._start_rl(run_id, cfg)
+                    if done == sft_steps + cfg.num_rollouts:
+                        # Every step taken: the last ones made durable before the run says it
+                        # is done (a trainer that lost them takes them again).
+                        await self._stop_async_generation(run_id, cfg, heartbeat)
+                        heartbeat = None
+                        done = await self._finish_training(run_id, cfg)
+                        if done == sft_steps + cfg.num_rollouts:
+                            break
+                        continue
                     if cfg.mode == "fully_async" and heartbeat is None:
                         heartbeat = asyncio.create_task(self._async_heartbeat(run_id, cfg), name=f"heartbeat-{run_id}")
                     heartbeat = await self._step_boundary(run_id, cfg, heartbeat)
@@ -396,18 +405,15 @@ class RunDriver:
                     done = await self._realign(run_id, cfg, record["step"])
                     if self.metrics is not None:
                         self.metrics.iteration(cfg.mode, record)
-                if phase != "rl":  # (a run of no RL iterations)
-                    await self._start_rl(run_id, cfg)
             finally:
                 if next_generation is not None:
                     next_generation.cancel()
                     await asyncio.gather(next_generation, return_exceptions=True)
-            await self._stop_async_generation(run_id, cfg, heartbeat)
             after = await self._evaluate(run_id, cfg)
             await self._append(run_id, cfg, {"rollout_id": cfg.num_rollouts, "time": time.time(), **after})
             await self.run_logs.close(run_id)  # (flushed before the run says it is done)
             await self.store.update(run_id, phase="done", status="completed", eval_after=after)
-            await self._end(run_id)
+            await self._end(run_id, trainer_ended=True)
         except StopRequested:
             await self.store.update(run_id, status="stopped")
             await self._end(run_id, heartbeat)
@@ -489,17 +495,33 @@ class RunDriver:
             await self._publish(run_id, cfg)
         return status.step
 
-    async def _end(self, run_id: str, heartbeat: asyncio.Task | None = None) -> None:
+    async def _end(self, run_id: str, heartbeat: asyncio.Task | None = None, trainer_ended: bool = False) -> None:
         if heartbeat is not None:
             await self._stop_async_generation(run_id, None, heartbeat)
-        try:
-            await self.clients.trainer.EndRun(trainer_pb2.EndRunRequest(run_id=run_id),
-                                              timeout=self.settings.call_deadline_seconds)
-        except grpc.aio.AioRpcError as e:
-            log.warning("EndRun for %s: %s", run_id, e.details())
+        if not trainer_ended:
+            try:
+                await self.clients.trainer.EndRun(trainer_pb2.EndRunRequest(run_id=run_id),
+                                                  timeout=self.settings.setup_deadline_seconds)
+            except grpc.aio.AioRpcError as e:
+                log.warning("EndRun for %s: %s", run_id, e.details())
         await self.store.release(run_id)
         await self.run_logs.close(run_id)
         await self._prune()
+
+    async def _finish_training(self, run_id: str, cfg: RunConfig) -> int:
+        """The trainer's last steps written to a checkpoint and their acknowledgments made final
+        (EndRun), as a run that completes promises; returns how many of the run's train steps
+        the trainer held then. Fewer than all when it restarted from an older checkpoint since
+        the last step: it is set up again (from that checkpoint) to take the rest."""
+        status = await self._patiently(run_id, cfg, self._service("trainer"), lambda: self._on_trainer(
+            run_id, cfg, lambda: self.clients.trainer.EndRun(trainer_pb2.EndRunRequest(run_id=run_id),
+                                                             timeout=self.settings.setup_deadline_seconds)))
+        self._trainer_reset.discard(run_id)  # (its answer is where the trainer stands)
+        done = await self._realign(run_id, cfg, status.step, answered=False)
+        if done < cfg.sft_warmup.steps + cfg.num_rollouts:
+            await self._patiently(run_id, cfg, self._service("trainer"), lambda: self._init_trainer(run_id, cfg))
+            await self._publish(run_id, cfg)
+        return done
 
     async def _publish_once(self, run_id: str) -> dict:
         version = (await self.store.get(run_id))["weight_version"] + 1

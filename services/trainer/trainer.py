@@ -101,6 +101,7 @@ class _Run:
     pusher: WeightPusher | None = None
     resumed_step: int = 0
     last_checkpoint_step: int = 0  # of the newest automatic checkpoint, or where the run started
+    written_step: int = 0  # of the newest automatic checkpoint written to disk, or where the run started
     saving: asyncio.Task | None = None  # the automatic checkpoint being written (at most one)
     # Which groups each step trained (step -> group ids), as far as the model holds them:
     # saved in every checkpoint, so after a resume it lists exactly what the model learned from.
@@ -168,6 +169,7 @@ class Trainer:
                 weight_version=int(backend.resumed_state.get("weight_version", 0)),
                 resumed_step=backend.step if backend.resumed_state else 0,
                 last_checkpoint_step=backend.step,
+                written_step=backend.step,
                 trained={int(step): ids for step, ids in backend.resumed_state.get("trained_groups", {}).items()},
             )
             self._run = run
@@ -190,13 +192,20 @@ class Trainer:
                 raise errors.NotFound(f"run {run.run_id!r} ended while this call waited")
             yield
 
-    async def end_run(self, run_id: str) -> RunStatus:
+    async def end_run(self, run_id: str, shutting_down: bool = False) -> RunStatus:
+        """The run's last steps made durable, then the model let go. With checkpoints on, the
+        steps since the last checkpoint are written to one and their acknowledgments made
+        final before this returns (retried through a buffer outage, except when the trainer
+        is `shutting_down`: then a restarted trainer's rollback makes them final): a caller
+        that sees it answer knows every acknowledged group is in a checkpoint. If that
+        fails, the run stays set up and EndRun may be called again."""
         run = self._get(run_id)
         async with self._holding(run):
-            await run.saved()  # the last checkpoint lands before the model goes
-            if run.acks_wait_for_checkpoints and run.backend.step > run.last_checkpoint_step:
-                # Steps since the last checkpoint are final only in a checkpoint.
-                await self._checkpoint(run, wait=True)
+            await run.saved()  # the last automatic checkpoint lands before the model goes
+            if run.acks_wait_for_checkpoints:
+                if run.backend.step > run.written_step:
+                    await self._checkpoint_now(run)
+                await self._commit_acks(run.run_id, run.written_step, patiently=not shutting_down)
             status = run.status()
             if run.pusher is not None:
                 await run.pusher.close()
@@ -207,7 +216,7 @@ class Trainer:
 
     async def close(self) -> None:
         if self._run is not None:
-            await self.end_run(self._run.run_id)
+            await self.end_run(self._run.run_id, shutting_down=True)
         if self._buffer_channel is not None:
             await self._buffer_channel.close()
             self._buffer_channel = None
@@ -342,14 +351,19 @@ class Trainer:
                         "released %d leases of the previous trainer", run.run_id, run.backend.step, reply.requeued,
                         reply.leases_released)
 
-    async def _commit_acks(self, run_id: str, step: int) -> None:
+    async def _commit_acks(self, run_id: str, step: int, patiently: bool = False) -> None:
         """Make acknowledgments up to `step` final (a checkpoint holding it is written). A
-        failure only delays that: the next commit, or a rollback, covers these steps too."""
+        failure only delays that: the next commit, or a rollback, covers these steps too;
+        `patiently`, it is retried through a buffer outage and then raised (no later commit
+        comes after the run's last)."""
         if not self.settings.buffer_address:
             return
+        request = buffer_pb2.CommitAcksRequest(run_id=run_id, through_step=step)
+        if patiently:
+            await self._call_buffer("CommitAcks", request, missing_run_ok=True)
+            return
         try:
-            await self._buffer().CommitAcks(buffer_pb2.CommitAcksRequest(run_id=run_id, through_step=step),
-                                            timeout=self.settings.buffer_timeout_seconds)
+            await self._buffer().CommitAcks(request, timeout=self.settings.buffer_timeout_seconds)
         except grpc.aio.AioRpcError as e:
             log.warning("run %s: acknowledgments through step %d stay provisional for now: %s", run_id, step,
                         e.details())
@@ -362,12 +376,17 @@ class Trainer:
         ])
         await self._call_buffer("RejectGroups", request)
 
-    async def _call_buffer(self, method: str, request) -> None:
-        """A buffer call that changes state (acknowledge, reject: safe to repeat), retried
-        while the buffer or its Redis is down or restarting, for up to buffer_outage_seconds:
-        giving up would leave the batch leased until its lease expires."""
+    async def _call_buffer(self, method: str, request, missing_run_ok: bool = False) -> None:
+        """A buffer call that changes state (acknowledge, reject, commit: safe to repeat),
+        retried while the buffer or its Redis is down or restarting, for up to
+        buffer_outage_seconds: giving up would leave the batch leased until its lease
+        expires. `missing_run_ok`: a run the buffer does not know has nothing to change."""
         async def call():
-            await getattr(self._buffer(), method)(request, timeout=self.settings.buffer_timeout_seconds)
+            try:
+                await getattr(self._buffer(), method)(request, timeout=self.settings.buffer_timeout_seconds)
+            except grpc.aio.AioRpcError as e:
+                if not (missing_run_ok and e.code() == grpc.StatusCode.NOT_FOUND):
+                    raise
 
         async def waiting(reason: str) -> None:
             log.warning("%s", reason)
@@ -438,12 +457,11 @@ class Trainer:
         interval, step = run.config.checkpoint_interval, run.backend.step
         if not interval or step // interval <= run.last_checkpoint_step // interval:
             return
-        await self._checkpoint(run, wait=False)
+        await self._checkpoint(run)
 
-    async def _checkpoint(self, run: _Run, wait: bool) -> None:
+    async def _checkpoint(self, run: _Run) -> None:
         """An automatic checkpoint of the current step: the state copied to CPU memory now,
-        written (and then the step's acknowledgments made final) in the background, or
-        before returning when `wait`."""
+        written (and then the step's acknowledgments made final) in the background."""
         step = run.backend.step
         if run.saving is not None and not run.saving.done():
             # At most one save in flight. Waiting (not skipping) keeps checkpoints where the
@@ -451,19 +469,37 @@ class Trainer:
             # `interval` steps, and then the interval is too short.
             log.warning("run %s: checkpoint at step %d waits for the previous one to be written", run.run_id, step)
             await run.saved()
-        target = self._checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}"
         try:
             snapshot = await asyncio.to_thread(run.backend.snapshot)
         except Exception:
             log.exception("run %s: no checkpoint at step %d: copying the state failed", run.run_id, step)
             return
         run.last_checkpoint_step = step
+
+        async def written() -> None:
+            run.written_step = max(run.written_step, step)
+            await self._commit_acks(run.run_id, step)
+
         run.saving = asyncio.create_task(_write_in_background(
-            run.run_id, snapshot, target, _checkpoint_extra(run), run.config.keep_last,
-            on_written=lambda: self._commit_acks(run.run_id, step),
+            run.run_id, snapshot, self._automatic_checkpoint(run, step), _checkpoint_extra(run),
+            run.config.keep_last, on_written=written,
         ))
-        if wait:
-            await run.saved()
+
+    async def _checkpoint_now(self, run: _Run) -> None:
+        """An automatic checkpoint of the current step, written before returning (raising if
+        it cannot be); its acknowledgments are the caller's to commit."""
+        step = run.backend.step
+        target = self._automatic_checkpoint(run, step)
+        snapshot = await asyncio.to_thread(run.backend.snapshot)
+        try:
+            await asyncio.to_thread(_commit_checkpoint, snapshot, target, _checkpoint_extra(run))
+        except OSError as e:
+            raise errors.FailedPrecondition(f"cannot write checkpoint to {str(target)!r}: {e}") from None
+        run.last_checkpoint_step = run.written_step = step
+        await asyncio.to_thread(prune_checkpoints, target.parent, run.run_id, run.config.keep_last)
+
+    def _automatic_checkpoint(self, run: _Run, step: int) -> Path:
+        return self._checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}"
 
     def _under_work_dir(self, path: str | Path, what: str) -> Path:
         return resolve_under(path, self._roots, what, "the trainer's work_dir")

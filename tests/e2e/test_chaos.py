@@ -1,8 +1,7 @@
 """Chaos: a short run on `rlmesh up`'s stack (every service and Redis its own process,
 supervised), and one process killed with SIGKILL during generation, between a train step
 and its acknowledgment, or (the trainer) in the middle of a checkpoint save (the next
-step already taken); the
-supervisor starts it again on its port. Every run completes, the buffer's accounting
+step already taken, or the run's last); the supervisor starts it again on its port. Every run completes, the buffer's accounting
 balances, and the final model's record of the groups it was trained on lists each
 acknowledged group exactly once. A frozen (SIGSTOP) engine (generating, or receiving a
 weight push) or reward service is noticed within its deadline. Named fault points (rlmesh.common.faults) hold a process at the exact
@@ -204,6 +203,34 @@ def test_a_run_survives_a_killed_process(chaos, tmp_path, tiny_model_dir, victim
         # (the chaos table of the docs: -s shows it)
         print(f"\n| {victim} | {moment} | completed | {after:.1f} | {s.groups_written} | {s.acknowledged_groups} | "
               f"{s.rolled_back_groups} |")
+    finally:
+        chaos.ensure_finished(run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer_killed", [False, True], ids=["saved", "trainer-killed-mid-save"])
+def test_a_run_completes_only_once_its_last_steps_are_in_a_checkpoint(chaos, tiny_model_dir, trainer_killed):
+    """With a checkpoint interval longer than the run, only the run's end writes one: until it
+    is written the run is not completed and its acknowledgments stay provisional; a trainer
+    killed in that save has the run's steps taken again."""
+    point = "trainer.checkpoint_written"
+    chaos.hold(point)
+    config = chaos_config(chaos.stack, tiny_model_dir)
+    config["checkpoint_interval"] = 100
+    run_id = chaos.start_run(config)
+    try:
+        chaos.wait_reached(point)
+        assert chaos.api.get(f"/runs/{run_id}").json()["status"] == "running"
+        assert chaos.stats(run_id).provisional_groups == 6  # every group of the run's three steps
+        if trainer_killed:
+            chaos.kill("trainer")  # (released once restarted: its own final save must not stop here)
+    finally:
+        chaos.release(point)
+    try:
+        run = chaos.run(run_id)
+        assert run["status"] == "completed", run["error"]
+        s = check_accounting(chaos, run_id)
+        assert s.rolled_back_groups == (6 if trainer_killed else 0)
     finally:
         chaos.ensure_finished(run_id)
 

@@ -112,7 +112,9 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def EndRun(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Let the run's model go. With checkpoints on, the steps since the last checkpoint are
+        written to one and their acknowledgments made final first; the status says the step.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
