@@ -122,9 +122,10 @@ class _Run:
         )
 
     async def saved(self) -> None:
-        """Wait for the checkpoint being written, if any (it logs its own failure)."""
+        """Wait for the checkpoint being written, if any (it logs its own failure). Shielded:
+        a caller that goes away does not cancel the write."""
         if self.saving is not None:
-            await self.saving
+            await asyncio.shield(self.saving)
 
 
 class Trainer:
@@ -204,7 +205,12 @@ class Trainer:
             await run.saved()  # the last automatic checkpoint lands before the model goes
             if run.acks_wait_for_checkpoints:
                 if run.backend.step > run.written_step:
-                    await self._checkpoint_now(run)
+                    await self._checkpoint(run)
+                    await run.saved()
+                    if run.backend.step > run.written_step:
+                        raise errors.FailedPrecondition(
+                            f"run {run_id!r}: the checkpoint of its last step ({run.backend.step}) could not be "
+                            "written (the trainer's log says why); the run stays set up: EndRun again to retry")
                 await self._commit_acks(run.run_id, run.written_step, patiently=not shutting_down)
             status = run.status()
             if run.pusher is not None:
@@ -484,19 +490,6 @@ class Trainer:
             run.run_id, snapshot, self._automatic_checkpoint(run, step), _checkpoint_extra(run),
             run.config.keep_last, on_written=written,
         ))
-
-    async def _checkpoint_now(self, run: _Run) -> None:
-        """An automatic checkpoint of the current step, written before returning (raising if
-        it cannot be); its acknowledgments are the caller's to commit."""
-        step = run.backend.step
-        target = self._automatic_checkpoint(run, step)
-        snapshot = await asyncio.to_thread(run.backend.snapshot)
-        try:
-            await asyncio.to_thread(_commit_checkpoint, snapshot, target, _checkpoint_extra(run))
-        except OSError as e:
-            raise errors.FailedPrecondition(f"cannot write checkpoint to {str(target)!r}: {e}") from None
-        run.last_checkpoint_step = run.written_step = step
-        await asyncio.to_thread(prune_checkpoints, target.parent, run.run_id, run.config.keep_last)
 
     def _automatic_checkpoint(self, run: _Run, step: int) -> Path:
         return self._checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}"

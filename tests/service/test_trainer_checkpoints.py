@@ -120,6 +120,35 @@ def test_a_save_cut_short_is_ignored_and_cleaned_and_an_unmarked_one_never_loade
     assert json.loads((checkpoints / "step-000006" / "trainer_state.json").read_text())["step"] == 6
 
 
+def test_a_run_ends_only_once_its_last_step_is_in_a_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    """EndRun writes the steps since the last checkpoint; when that fails, it fails and the run
+    stays set up, so a retried EndRun writes it (the run's last acknowledgments are final only
+    in a checkpoint)."""
+    write, failures = trainer_module.write_checkpoint, [1]
+
+    def failing_once(*args):
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(28, "No space left on device")
+        return write(*args)
+
+    monkeypatch.setattr(trainer_module, "write_checkpoint", failing_once)
+    checkpoints = tmp_path / "r1" / "checkpoints"
+
+    async def scenario():
+        trainer = Trainer(Settings(work_dir=tmp_path))
+        await trainer.init_run("r1", config(tiny_model_dir, checkpoint_interval=10))
+        for _ in range(3):
+            await trainer.train_on_groups("r1", make_groups())
+        with pytest.raises(trainer_module.errors.FailedPrecondition, match="last step .3.*EndRun again"):
+            await trainer.end_run("r1")
+        assert trainer.status("r1").step == 3  # still set up
+        return await trainer.end_run("r1")
+
+    assert asyncio.run(scenario()).step == 3
+    assert names(checkpoints) == ["step-000003"]
+
+
 def test_writing_a_checkpoint_does_not_hold_up_the_next_step(tiny_model_dir, tmp_path, monkeypatch):
     started, release = threading.Event(), threading.Event()
     writing, most_at_once = [0], [0]
