@@ -2,10 +2,11 @@
 supervised), and one process killed with SIGKILL during generation, between a train step
 and its acknowledgment, or (the trainer) in the middle of a checkpoint save (the next
 step already taken, or the run's last); the supervisor starts it again on its port. Every
-run completes, the buffer's accounting balances, and the final model's record of the groups it was trained on lists each
-acknowledged group exactly once. A frozen (SIGSTOP) engine (generating, or receiving a
-weight push) or reward service is noticed within its deadline. Named fault points (rlmesh.common.faults) hold a process at the exact
-moment; no timing is asserted."""
+run completes, the buffer's accounting balances, and the final model's record of the
+groups it was trained on lists each acknowledged group exactly once. A frozen (SIGSTOP)
+engine (generating, or receiving a weight push) or reward service is noticed within its
+deadline. Named fault points (rlmesh.common.faults) hold a process at the exact moment; no
+timing is asserted."""
 
 from __future__ import annotations
 
