@@ -487,12 +487,9 @@ class Trainer:
             await self._commit_acks(run.run_id, step)
 
         run.saving = asyncio.create_task(_write_in_background(
-            run.run_id, snapshot, self._automatic_checkpoint(run, step), _checkpoint_extra(run),
-            run.config.keep_last, on_written=written,
+            run.run_id, snapshot, self._checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}",
+            _checkpoint_extra(run), run.config.keep_last, on_written=written,
         ))
-
-    def _automatic_checkpoint(self, run: _Run, step: int) -> Path:
-        return self._checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}"
 
     def _under_work_dir(self, path: str | Path, what: str) -> Path:
         return resolve_under(path, self._roots, what, "the trainer's work_dir")
