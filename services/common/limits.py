@@ -19,6 +19,11 @@ from rlmesh.common.errors import InvalidArgument
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 MAX_DATASETS = 64  # datasets of one run (a fixed bound: the run config's schema says so too)
+# A remote reward service's registration (rlmesh.common.reward_service declares it with these).
+MAX_REMOTE_TIMEOUT_SECONDS = 3600
+MAX_REMOTE_CONCURRENCY = 1024
+MAX_REMOTE_BATCH_SIZE = 100_000
+MAX_TOKEN_CHARS = 4096
 
 
 class Limits(BaseModel):

@@ -20,7 +20,7 @@ import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -28,18 +28,17 @@ import httpx
 
 from rlmesh.common import errors
 from rlmesh.common.auth import credential_headers
+from rlmesh.common.reward_service import RemoteServiceSpec, remote_service
 from rlmesh.common.sample import Sample, SampleGroup, Status
+from rlmesh.reward.registration import RemoteDefaults, resolve_registration
 from rlmesh.reward.remote import (
     CallFailed,
-    RemoteDefaults,
     RemoteScore,
-    RemoteServiceConfig,
     SampleResult,
     Transport,
     Unit,
     grpc_target,
     make_transport,
-    resolve_config,
 )
 from rlmesh.reward.url_policy import ANY_ADDRESS
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
@@ -100,7 +99,7 @@ def _same(a: SampleResult, b: SampleResult) -> bool:
 
 
 class Suite:
-    def __init__(self, config: RemoteServiceConfig, batch_size: int, latency_calls: int) -> None:
+    def __init__(self, config: RemoteServiceSpec, batch_size: int, latency_calls: int) -> None:
         self.config = config
         self.batch_size = batch_size
         self.latency_calls = latency_calls
@@ -272,9 +271,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         token = args.token_file.read_text().strip() if args.token_file else ""
-        config = resolve_config(
-            RemoteServiceConfig("check", args.url, timeout_seconds=args.timeout, max_batch_size=args.batch_size,
-                                bearer_token=token),
+        config = resolve_registration(
+            remote_service(dict(name="check", url=args.url, timeout_seconds=args.timeout,
+                                max_batch_size=args.batch_size, bearer_token=token)),
             RemoteDefaults(), reserved=set())
     except OSError as e:
         print(f"rlmesh reward check: cannot read --token-file {args.token_file}: {e.strerror}")
@@ -282,7 +281,7 @@ def main(argv: list[str]) -> int:
     except errors.RlmeshError as e:
         print(f"rlmesh reward check: {e}")
         return 2
-    config = replace(config, max_concurrency=1)
+    config = config.model_copy(update={"max_concurrency": 1})
     results = asyncio.run(Suite(config, max(1, args.batch_size), max(1, args.latency_calls)).run(set(args.skip)))
     print_table(config.url, config.protocol, results)
     return 0 if all(r.passed for r in results) else 1

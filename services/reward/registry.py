@@ -21,16 +21,9 @@ from redis.exceptions import RedisError
 
 from rlmesh.common import errors
 from rlmesh.common.net import redacted
-from rlmesh.reward.remote import (
-    CallFailed,
-    RemoteDefaults,
-    RemoteScore,
-    RemoteServiceConfig,
-    Unit,
-    make_transport,
-    probe_sample,
-    resolve_config,
-)
+from rlmesh.common.reward_service import RemoteServiceSpec
+from rlmesh.reward.registration import RemoteDefaults, record_from_json, record_to_json, resolve_registration
+from rlmesh.reward.remote import CallFailed, RemoteScore, Unit, make_transport, probe_sample
 from rlmesh.reward.resilience import CallPolicy, RemoteCaller
 from rlmesh.reward.url_policy import UrlPolicy
 
@@ -50,17 +43,17 @@ class RemoteRegistry:
         # Bounded waits: an unreachable Redis must not stall scoring (the last known set is used).
         self._redis = (aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
                        if redis_url else None)
-        self._configs: dict[str, RemoteServiceConfig] = {}  # last known (the store when there is no Redis)
+        self._configs: dict[str, RemoteServiceSpec] = {}  # last known (the store when there is no Redis)
         self._callers: dict[str, RemoteCaller] = {}
         self._retired: list[tuple[asyncio.TimerHandle, RemoteCaller]] = []
         self._lock = asyncio.Lock()
 
     # ------------------------------------------------------------ register / unregister / list
 
-    async def register(self, proposed: RemoteServiceConfig, replace: bool = False) -> RemoteServiceConfig:
+    async def register(self, proposed: RemoteServiceSpec, replace: bool = False) -> RemoteServiceSpec:
         """Check the URL against the policy, probe the service, save it. A taken name is
         refused (AlreadyExists) unless `replace`."""
-        config = resolve_config(proposed, self.defaults, self.reserved)
+        config = resolve_registration(proposed, self.defaults, self.reserved)
         if not replace and config.name in await self.configs():
             raise _taken(config.name)  # early, before anything is sent
         await self.url_policy.resolve(config.url, config.timeout_seconds)  # refused: nothing is sent
@@ -68,8 +61,8 @@ class RemoteRegistry:
         if self._redis is not None:
             try:
                 if replace:
-                    await self._redis.hset(REDIS_KEY, config.name, config.to_json())
-                elif not await self._redis.hsetnx(REDIS_KEY, config.name, config.to_json()):
+                    await self._redis.hset(REDIS_KEY, config.name, record_to_json(config))
+                elif not await self._redis.hsetnx(REDIS_KEY, config.name, record_to_json(config)):
                     raise _taken(config.name)  # registered meanwhile, maybe through another replica
             except RedisError as e:
                 raise errors.Unavailable(f"cannot save the registration: Redis at {redacted(self.redis_url)} failed: {e}") from None
@@ -92,7 +85,7 @@ class RemoteRegistry:
         await self.callers()
         return removed
 
-    async def configs(self) -> dict[str, RemoteServiceConfig]:
+    async def configs(self) -> dict[str, RemoteServiceSpec]:
         """The registered services, from Redis; the last known set when Redis is unreachable."""
         if self._redis is None:
             return dict(self._configs)
@@ -104,7 +97,7 @@ class RemoteRegistry:
         configs = {}
         for name, record in raw.items():
             try:
-                configs[name.decode()] = RemoteServiceConfig.from_json(record)
+                configs[name.decode()] = record_from_json(record)
             except (ValueError, TypeError) as e:
                 log.warning("ignoring an unreadable registration %r in Redis: %s", name, e)
         self._configs = configs
@@ -159,7 +152,7 @@ def _close_later(caller: RemoteCaller) -> None:
     task.add_done_callback(_closing.discard)
 
 
-async def probe(config: RemoteServiceConfig, max_reply_bytes: int, url_policy: UrlPolicy) -> RemoteScore | str:
+async def probe(config: RemoteServiceSpec, max_reply_bytes: int, url_policy: UrlPolicy) -> RemoteScore | str:
     """Send one small sample (the contract's POST of {"samples": [...]}, never anything else);
     refuse the registration unless the service answers per the contract. (A service that
     answers null for the probe does answer.) The reason never quotes the reply."""

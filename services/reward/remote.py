@@ -1,4 +1,5 @@
-"""Remote reward services: their registration record, and the two wire protocols.
+"""Remote reward services: the two wire protocols and their transports (a registration is
+checked by rlmesh.reward.registration and kept by rlmesh.reward.registry).
 
 A remote reward service is registered by URL under a name; runs then use that name
 as a reward component (`{"correctness": 1.0, "my_judge": 0.5}`). When the service
@@ -68,22 +69,20 @@ remote marks FAILED fails here too (its reason is logged, not passed on).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import math
 import numbers
-import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import grpc
 import httpx
 
-from rlmesh.common import errors
 from rlmesh.common.auth import credential_headers
+from rlmesh.common.reward_service import RemoteServiceSpec
 from rlmesh.common.sample import (
     ConversionError,
     Sample,
@@ -98,125 +97,7 @@ from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-PROTOCOLS = {"http": "http-json", "https": "http-json", "grpc": "grpc"}
-_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
 _EXCERPT_CHARS = 200
-# Bounds of a registration (the coordinator's REST schema uses the same ones).
-MAX_TIMEOUT_SECONDS, MAX_CONCURRENCY, MAX_BATCH_SIZE, MAX_TOKEN_CHARS = 3600, 1024, 100_000, 4096
-_TOKEN_CHARS = re.compile(r"^[A-Za-z0-9\-._~+/]*=*$")
-
-
-def _is_loopback(host: str | None) -> bool:
-    if host in ("localhost",):
-        return True
-    try:
-        return ipaddress.ip_address(host or "").is_loopback
-    except ValueError:
-        return False
-
-
-# ---------------------------------------------------------------- the registration record
-
-
-@dataclass(frozen=True)
-class RemoteServiceConfig:
-    name: str
-    url: str
-    protocol: str = ""  # "http-json" | "grpc"; empty = from the URL's scheme
-    timeout_seconds: float = 0.0  # 0 = the reward service's default
-    max_concurrency: int = 0
-    weight: float = 0.0
-    max_batch_size: int = 0
-    bearer_token: str = field(default="", repr=False)  # the remote's credential; never listed or logged
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> RemoteServiceConfig:
-        data = json.loads(text)
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-
-
-@dataclass(frozen=True)
-class RemoteDefaults:
-    """What a registration leaves at 0 gets these (the reward service's settings)."""
-
-    timeout_seconds: float = 30.0
-    max_concurrency: int = 8
-    max_batch_size: int = 32
-
-
-def resolve_config(config: RemoteServiceConfig, defaults: RemoteDefaults, reserved: set[str]) -> RemoteServiceConfig:
-    """Check a registration and fill in its defaults; errors.InvalidArgument says what is wrong."""
-    name = config.name.strip()
-    if not _NAME.match(name):
-        raise errors.InvalidArgument(
-            f"service name {config.name!r} is not valid: use 1-63 letters, digits, '_', '-' or '.', "
-            "starting with a letter (it becomes the reward component name)"
-        )
-    if name in reserved:
-        raise errors.InvalidArgument(
-            f"service name '{name}' is already a built-in verifier or configured reward function; choose another name"
-        )
-    url = config.url.strip()
-    protocol = check_url(url)
-    if config.protocol and config.protocol != protocol:
-        raise errors.InvalidArgument(
-            f"protocol '{config.protocol}' does not match the URL {url!r} (its scheme means '{protocol}'); "
-            "leave protocol empty to take it from the URL"
-        )
-    timeout = config.timeout_seconds or defaults.timeout_seconds
-    if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_SECONDS):
-        raise errors.InvalidArgument(
-            f"timeout_seconds must be between 0 and {MAX_TIMEOUT_SECONDS}, got {config.timeout_seconds}")
-    concurrency = config.max_concurrency or defaults.max_concurrency
-    if not 1 <= concurrency <= MAX_CONCURRENCY:
-        raise errors.InvalidArgument(
-            f"max_concurrency must be between 1 and {MAX_CONCURRENCY}, got {config.max_concurrency}")
-    batch = config.max_batch_size or defaults.max_batch_size
-    if not 1 <= batch <= MAX_BATCH_SIZE:
-        raise errors.InvalidArgument(f"max_batch_size must be between 1 and {MAX_BATCH_SIZE}, got {config.max_batch_size}")
-    if not math.isfinite(config.weight):
-        raise errors.InvalidArgument(f"weight must be a finite number, got {config.weight}")
-    if len(config.bearer_token) > MAX_TOKEN_CHARS or not _TOKEN_CHARS.match(config.bearer_token):
-        raise errors.InvalidArgument(f"bearer_token must be at most {MAX_TOKEN_CHARS} characters of A-Z a-z 0-9 - . _ ~ + / = "
-                                     "(RFC 6750)")
-    if config.bearer_token and urlsplit(url).scheme.lower() != "https" and not _is_loopback(urlsplit(url).hostname):
-        raise errors.InvalidArgument("a bearer_token is sent only over https:// (or to this machine): it would cross "
-                                     "the network in clear text")
-    return RemoteServiceConfig(name, url, protocol, float(timeout), concurrency, float(config.weight), batch,
-                               config.bearer_token)
-
-
-def check_url(url: str) -> str:
-    """The protocol a URL means; only http, https and grpc URLs are accepted."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise errors.InvalidArgument(f"URL {url!r} is not valid: {e}") from None
-    scheme = parts.scheme.lower()
-    if scheme not in PROTOCOLS:
-        raise errors.InvalidArgument(
-            f"URL {url!r}: only http://, https:// and grpc:// URLs are accepted"
-            + (f", not {scheme}://" if scheme else " (the URL has no scheme)")
-        )
-    if not parts.hostname:
-        raise errors.InvalidArgument(f"URL {url!r} has no host")
-    if parts.username is not None or parts.password is not None:
-        raise errors.InvalidArgument("a URL with a user name or password is refused (it would be listed and "
-                                     "logged): give the service's credential as bearer_token")
-    try:
-        httpx.URL(url)
-    except (httpx.InvalidURL, ValueError) as e:
-        raise errors.InvalidArgument(f"URL {url!r} is not valid: {e}") from None
-    if scheme == "grpc":
-        if port is None:
-            raise errors.InvalidArgument(f"URL {url!r}: a grpc:// URL needs a port, e.g. grpc://judge:50053")
-        if parts.path not in ("", "/") or parts.query:
-            raise errors.InvalidArgument(f"URL {url!r}: a grpc:// URL is host:port only (no path or query)")
-    return PROTOCOLS[scheme]
 
 
 # ---------------------------------------------------------------- what a call returns
@@ -535,7 +416,7 @@ def _grpc_sample_result(sample: Sample) -> SampleResult:
     return RemoteScore(total, named)
 
 
-def make_transport(config: RemoteServiceConfig, max_reply_bytes: int, policy: UrlPolicy) -> Transport:
+def make_transport(config: RemoteServiceSpec, max_reply_bytes: int, policy: UrlPolicy) -> Transport:
     if config.protocol == "grpc":
         return GrpcTransport(config.url, max_reply_bytes, policy, config.bearer_token)
     return HttpJsonTransport(config.url, config.max_concurrency, max_reply_bytes, policy, config.bearer_token)

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rlmesh.reward.remote import CallFailed, RemoteServiceConfig, SampleResult, Transport, Unit
+from rlmesh.common.reward_service import RemoteServiceSpec
+from rlmesh.reward.remote import CallFailed, SampleResult, Transport, Unit
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def pack_batches(units: Sequence[Unit], max_batch_size: int) -> list[list[Unit]]
 class RemoteCaller:
     """One registered service: its transport, breaker, semaphore and counters."""
 
-    def __init__(self, config: RemoteServiceConfig, policy: CallPolicy, transport: Transport) -> None:
+    def __init__(self, config: RemoteServiceSpec, policy: CallPolicy, transport: Transport) -> None:
         self.config = config
         self.policy = policy
         self.transport = transport

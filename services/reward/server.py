@@ -11,11 +11,12 @@ from grpc_health.v1 import health, health_pb2
 from rlmesh.common.errors import InvalidArgument
 from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
 from rlmesh.common.limits import Limits, at_most, within
+from rlmesh.common.reward_service import remote_service_from_proto, remote_service_to_proto
 from rlmesh.common.sample import group_from_proto, group_to_proto, sample_from_proto, sample_to_proto
 from rlmesh.reward import metrics
 from rlmesh.reward.config import Settings
+from rlmesh.reward.registration import RemoteDefaults
 from rlmesh.reward.registry import RemoteRegistry
-from rlmesh.reward.remote import RemoteDefaults, RemoteServiceConfig
 from rlmesh.reward.resilience import CallPolicy
 from rlmesh.reward.scoring import RewardSpec, Scorer
 from rlmesh.reward.url_policy import UrlPolicy
@@ -30,21 +31,6 @@ REWARD_SERVICE = reward_pb2.DESCRIPTOR.services_by_name["Reward"].full_name
 
 def spec_from_proto(msg: reward_pb2.RewardSpec) -> RewardSpec:
     return RewardSpec(components=dict(msg.components), reward_key=msg.reward_key)
-
-
-def remote_from_proto(msg: reward_pb2.RemoteService) -> RemoteServiceConfig:
-    return RemoteServiceConfig(
-        name=msg.name, url=msg.url, protocol=msg.protocol, timeout_seconds=msg.timeout_seconds,
-        max_concurrency=msg.max_concurrency, weight=msg.weight, max_batch_size=msg.max_batch_size,
-        bearer_token=msg.bearer_token,
-    )
-
-
-def remote_to_proto(config: RemoteServiceConfig) -> reward_pb2.RemoteService:
-    return reward_pb2.RemoteService(
-        name=config.name, url=config.url, protocol=config.protocol, timeout_seconds=config.timeout_seconds,
-        max_concurrency=config.max_concurrency, weight=config.weight, max_batch_size=config.max_batch_size,
-    )
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
@@ -77,12 +63,12 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
     async def RegisterService(self, request, context):
         if not request.HasField("service"):
             raise InvalidArgument("RegisterServiceRequest has no service: give at least its name and URL")
-        config = await self.registry.register(remote_from_proto(request.service), replace=request.replace)
-        return remote_to_proto(config)
+        config = await self.registry.register(remote_service_from_proto(request.service), replace=request.replace)
+        return remote_service_to_proto(config)
 
     async def ListServices(self, request, context):
         configs = await self.registry.configs()
-        return reward_pb2.ListServicesResponse(services=[remote_to_proto(configs[n]) for n in sorted(configs)])
+        return reward_pb2.ListServicesResponse(services=[remote_service_to_proto(configs[n]) for n in sorted(configs)])
 
     async def UnregisterService(self, request, context):
         if not request.name:

@@ -19,8 +19,10 @@ from rlmesh.common.auth import client_headers
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.run_config import RunConfig
 from rlmesh.coordinator.app import start as start_coordinator
+from rlmesh.coordinator.calls import Clients
 from rlmesh.coordinator.config import Settings
-from rlmesh.coordinator.runs import Clients, RunDriver, RunStore
+from rlmesh.coordinator.runs import RunDriver
+from rlmesh.coordinator.store import RunStore
 from rlmesh.v1 import buffer_pb2_grpc
 
 

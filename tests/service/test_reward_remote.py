@@ -36,7 +36,7 @@ from rlmesh.common.sample import (
 )
 from rlmesh.coordinator.app import start as start_coordinator
 from rlmesh.coordinator.config import Settings as CoordinatorSettings
-from rlmesh.coordinator.runs import check_reward_service_change
+from rlmesh.coordinator.routes_reward_services import check_reward_service_change
 from rlmesh.reward import check
 from rlmesh.reward.config import Settings
 from rlmesh.reward.remote import CallFailed, RemoteScore, Unit, parse_scores_reply
@@ -307,7 +307,7 @@ def test_bad_registrations(reward, remote):
         (dict(name="a/b"), "not valid"),
         (dict(name="judge", protocol="grpc"), "does not match the URL"),
         (dict(name="judge", timeout_seconds=-1), "timeout_seconds"),
-        (dict(name="judge", weight=float("nan")), "weight must be a finite number"),
+        (dict(name="judge", weight=float("nan")), "weight: Input should be a finite number"),
     ):
         code, message = rpc_error(lambda: reward.register(url=f"{url}/ok", **kw))  # noqa: B023
         assert code == grpc.StatusCode.INVALID_ARGUMENT and reason in message, (kw, message)

@@ -1,0 +1,255 @@
+"""One run's calls to the services. Each has a deadline and is retried with backoff while
+its service is unavailable, restarting or past the deadline, for up to the run's
+max_outage_seconds (the run record's waiting_for says what the run waits for); a trainer
+that lost the run (it restarted) is set up again before the call is retried."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from rlmesh.common.retry import Backoff, retry, transient_grpc_error
+from rlmesh.common.run_config import RunConfig
+from rlmesh.coordinator import requests
+from rlmesh.coordinator.config import Settings
+from rlmesh.coordinator.store import RunStore
+from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Clients:
+    buffer: buffer_pb2_grpc.BufferStub
+    rollout: rollout_pb2_grpc.RolloutStub
+    trainer: trainer_pb2_grpc.TrainerStub
+
+
+class StopRequested(Exception):
+    pass
+
+
+class _StepInFlight(Exception):
+    """A failed TrainStep's batch is still leased: its step may yet finish (and be
+    acknowledged), or the lease expires and the groups are queued again."""
+
+
+class _TrainerLostRun(Exception):
+    """The trainer answered NOT_FOUND for the run (it restarted): the run was set up on it again."""
+
+
+def _transient(e: BaseException) -> str | None:
+    """Why a failed call is worth retrying (a peer down, restarting or past its deadline; a
+    step still in flight; a trainer set up again), or None."""
+    if isinstance(e, (_StepInFlight, _TrainerLostRun)):
+        return str(e)
+    return transient_grpc_error(e)
+
+
+class RunCalls:
+    """The calls of run `run_id` (config `cfg`), each retried through its service's outage."""
+
+    def __init__(self, run_id: str, cfg: RunConfig, store: RunStore, clients: Clients, settings: Settings,
+                 backoff: Backoff, train_wait_seconds: float) -> None:
+        self.run_id = run_id
+        self.cfg = cfg
+        self.store = store
+        self.clients = clients
+        self.settings = settings
+        self.backoff = backoff
+        self.train_wait_seconds = train_wait_seconds
+        # Set up again on a restarted trainer since the run's last train step: that step's
+        # answer is not where the trainer stands.
+        self.trainer_reset = False
+
+    def service(self, name: str) -> str:
+        return f"{name} at {getattr(self.settings, name + '_address')}"
+
+    def deadline(self, groups: int = 0) -> float:
+        """A generation, evaluation or train call's deadline: a base plus an allowance per group."""
+        return self.settings.work_deadline_seconds + self.settings.per_group_deadline_seconds * groups
+
+    async def check_stop(self) -> None:
+        if await self.store.status(self.run_id) == "stopping":
+            raise StopRequested
+
+    async def patiently(self, service: str, call: Callable[[], Awaitable]):
+        """call(), retried with backoff while `service` is unavailable or past a deadline, for
+        up to the run's max_outage_seconds; meanwhile the run record's waiting_for says why."""
+        waited = False
+
+        async def on_wait(reason: str) -> None:
+            nonlocal waited
+            waited = True
+            log.warning("run %s: %s", self.run_id, reason)
+            await self.store.update(self.run_id, waiting_for=reason)
+            await self.check_stop()  # a stop request ends the wait
+
+        try:
+            return await retry(call, service=service, budget_seconds=self.cfg.max_outage_seconds,
+                               transient=_transient, on_wait=on_wait, backoff=self.backoff)
+        finally:
+            if waited:
+                await self.store.update(self.run_id, waiting_for="")
+
+    # ---- the trainer ------------------------------------------------------------------------
+
+    async def on_trainer(self, call: Callable[[], Awaitable]):
+        """A trainer call; a trainer that lost the run (restarted) gets it again: InitRun,
+        then the engines get its weights, then the call is retried."""
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            log.warning("run %s: the trainer lost the run (%s); setting it up again", self.run_id, e.details())
+            self.trainer_reset = True
+            await self.init_trainer()
+            await self._publish_once()
+            raise _TrainerLostRun(f"{self.service('trainer')} had lost the run (restarted?) and was set up "
+                                  f"again: {e.details()}") from None
+
+    async def _patient_trainer(self, call: Callable[[], Awaitable]):
+        return await self.patiently(self.service("trainer"), lambda: self.on_trainer(call))
+
+    async def init_trainer(self) -> trainer_pb2.TrainerStatus:
+        return await self.clients.trainer.InitRun(requests.init_run_request(self.run_id, self.cfg),
+                                                  timeout=self.settings.setup_deadline_seconds)
+
+    async def setup(self) -> int:
+        """The run in the buffer and on the trainer; returns the trainer's step."""
+        request = requests.create_run_request(self.run_id, self.cfg)
+        await self.patiently(self.service("buffer"), lambda: self.clients.buffer.CreateRun(
+            request, timeout=self.settings.call_deadline_seconds))
+        status = await self.set_up_trainer()
+        if (await self.store.get(self.run_id))["weight_version"] == 0:
+            # The engines may hold another run's weights: start from the run's own.
+            await self.publish()
+        return status.step
+
+    async def set_up_trainer(self) -> trainer_pb2.TrainerStatus:
+        return await self.patiently(self.service("trainer"), self.init_trainer)
+
+    async def trainer_status(self) -> trainer_pb2.TrainerStatus:
+        return await self._patient_trainer(lambda: self.clients.trainer.GetStatus(
+            trainer_pb2.GetStatusRequest(run_id=self.run_id), timeout=self.settings.call_deadline_seconds))
+
+    async def end_run(self) -> trainer_pb2.TrainerStatus:
+        """EndRun: the trainer's last steps written to a checkpoint and their acknowledgments made final."""
+        status = await self._patient_trainer(lambda: self.clients.trainer.EndRun(
+            trainer_pb2.EndRunRequest(run_id=self.run_id), timeout=self.settings.setup_deadline_seconds))
+        self.trainer_reset = False  # (its answer is where the trainer stands)
+        return status
+
+    async def _publish_once(self) -> dict:
+        version = (await self.store.get(self.run_id))["weight_version"] + 1
+        r = await self.clients.trainer.PublishWeights(
+            trainer_pb2.PublishWeightsRequest(run_id=self.run_id, version=version),
+            timeout=self.settings.setup_deadline_seconds)
+        await self.store.update(self.run_id, weight_version=version)
+        return {"weights/version": version, "weights/seconds": r.seconds, "weights/bytes": r.bytes}
+
+    async def publish(self) -> dict:
+        """The trainer's weights to every engine, as the next weight version; its metrics."""
+        return await self._patient_trainer(self._publish_once)
+
+    async def train_step(self, request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
+        """A train step, retried only while its batch was not trained: the trainer finishes and
+        acknowledges a started step even when the caller is gone, so before a retry the buffer
+        tells whether the failed call's batch was acknowledged (nothing queued or leased: done),
+        is still leased (wait for the ack, or for a restarted trainer to be set up again, which
+        releases it) or is queued (train it)."""
+        tried = False
+
+        async def attempt():
+            nonlocal tried
+            if tried:
+                stats = await self.stats()
+                if not stats.queued_groups and not stats.leased_groups:
+                    log.warning("run %s: the interrupted train step was taken (its metrics are lost)", self.run_id)
+                    return trainer_pb2.TrainStepResponse()
+                if stats.leased_groups and stats.queued_groups < request.num_groups:
+                    # A trainer that restarted has lost the run: set up again, it releases
+                    # the dead trainer's lease (RollbackToCheckpoint) instead of waiting it out.
+                    await self.on_trainer(lambda: self.clients.trainer.GetStatus(
+                        trainer_pb2.GetStatusRequest(run_id=self.run_id), timeout=self.settings.call_deadline_seconds))
+                    raise _StepInFlight(f"{stats.leased_groups} groups are leased by an interrupted train step: "
+                                        "waiting for its acknowledgment or for the lease to expire")
+            tried = True
+            return await self.on_trainer(lambda: self.clients.trainer.TrainStep(
+                request, timeout=request.wait_seconds + self.deadline(request.num_groups)))
+
+        return await self.patiently(self.service("trainer"), attempt)
+
+    async def train_batch(self) -> tuple[trainer_pb2.TrainStepResponse, float]:
+        """An RL train step on the next batch; its answer and how long it took."""
+        t0 = time.monotonic()
+        t = await self.train_step(trainer_pb2.TrainStepRequest(
+            run_id=self.run_id, num_groups=self.cfg.rollout.rollout_batch_size, wait_seconds=self.train_wait_seconds))
+        return t, time.monotonic() - t0
+
+    # ---- the rollout service -----------------------------------------------------------------
+
+    async def generate(self, batch: int, request: Callable[[int], rollout_pb2.GenerateRolloutRequest]
+                       ) -> rollout_pb2.GenerateRolloutResponse:
+        """Generate what the batch still misses. Safe to retry: groups an interrupted call wrote
+        stay queued and are counted; prompts it held are handed back (or their lease expires)."""
+        async def attempt():
+            missing = await self.missing_groups(batch)
+            if not missing:
+                return rollout_pb2.GenerateRolloutResponse()
+            req = request(missing)
+            return await self.clients.rollout.GenerateRollout(
+                req, timeout=self.deadline(missing + req.over_sampling_groups))
+
+        return await self.patiently(self.service("rollout"), attempt)
+
+    async def generate_batch(self) -> tuple[dict, float]:
+        """Generate what the next RL batch misses; its metrics and how long it took."""
+        t0 = time.monotonic()
+        cfg = self.cfg
+        # The trainer leases this batch with min_weight_version = its version then - the bound;
+        # one_step_off trains it one version later than the weights it is generated with.
+        bound = cfg.staleness_bound
+        oldest = 0 if bound is None else max(
+            (await self.store.get(self.run_id))["weight_version"] + (cfg.mode == "one_step_off") - bound, 0)
+        g = await self.generate(cfg.rollout.rollout_batch_size,
+                                lambda missing: requests.rollout_request(self.run_id, cfg, missing, oldest))
+        return dict(g.metrics), time.monotonic() - t0
+
+    async def rollout_call(self, call: Callable[[], Awaitable]):
+        """A quick call to the rollout service, retried through its outage."""
+        return await self.patiently(self.service("rollout"), call)
+
+    async def evaluate(self) -> dict:
+        out: dict = {}
+        for d in self.cfg.eval_datasets():
+            request = requests.evaluate_request(self.run_id, self.cfg, d.name)
+            r = await self.patiently(self.service("rollout"), lambda request=request: self.clients.rollout.Evaluate(
+                request, timeout=self.deadline(self.cfg.eval.limit)))
+            out.update(r.metrics)
+        return out
+
+    # ---- the buffer ----------------------------------------------------------------------
+
+    async def stats(self) -> buffer_pb2.BufferStats:
+        return await self.patiently(self.service("buffer"), lambda: self.clients.buffer.GetStats(
+            buffer_pb2.GetStatsRequest(run_id=self.run_id), timeout=self.settings.call_deadline_seconds))
+
+    async def buffer_metrics(self) -> dict[str, float]:
+        """The buffer's depth and what became of groups, for the iteration's record."""
+        s = await self.stats()
+        out = {f"buffer/{name}": float(getattr(s, name)) for name in (
+            "queued_groups", "leased_groups", "partial_groups", "dead_letter_groups", "stale_groups_dropped",
+            "stale_groups_kept", "redelivered_groups", "groups_written_per_second")}
+        out.update({f"buffer/dropped/{reason}": float(n) for reason, n in s.dropped_by_reason.items()})
+        return out
+
+    async def missing_groups(self, batch: int) -> int:
+        """Groups to generate for a batch: an interrupted iteration (a coordinator restart, a
+        failed GenerateRollout) may have written some already (queued, not lost); only the rest."""
+        return max(batch - (await self.stats()).queued_groups, 0)

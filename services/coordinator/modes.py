@@ -1,0 +1,202 @@
+"""The three training modes: how one RL iteration generates, trains and publishes weights.
+Each mode owns its iteration and whatever of it runs in the background between iterations:
+
+- sync: generate a batch -> train it -> publish weights;
+- one_step_off: train batch k while batch k+1 is generated with the same weights, then
+  publish (nothing is in flight then, so the engines need no pause);
+- fully_async: the rollout service generates continuously (StartAsyncRollout, kept alive
+  by a heartbeat); each iteration trains the next batch, pauses the engines, publishes,
+  and lets them continue.
+
+An iteration returns the iteration's metric record; the run driver adds the buffer's and
+the evaluation's figures and keeps it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from rlmesh.common.metrics import merge_sample_metrics
+from rlmesh.common.retry import OutageTooLong
+from rlmesh.coordinator import requests
+from rlmesh.coordinator.calls import RunCalls, StopRequested
+from rlmesh.v1 import rollout_pb2, trainer_pb2
+
+log = logging.getLogger(__name__)
+
+# one_step_off: how often to look whether the train step has leased its batch.
+LEASE_POLL_SECONDS = 0.05
+
+
+def iteration_record(rollout_id: int, generation: dict, train: trainer_pb2.TrainStepResponse, weights: dict,
+                     phases: dict[str, float], started: float) -> dict:
+    return {"rollout_id": rollout_id + 1, "time": time.time(), "step": train.step, **generation,
+            **{f"train/{k}": v for k, v in train.metrics.items()}, **weights,
+            **{f"phase/{k}_seconds": v for k, v in phases.items()},
+            "iteration/seconds": time.monotonic() - started}
+
+
+class TrainingMode:
+    """sync; the base of the others, whose background work the hooks below manage."""
+
+    def __init__(self, calls: RunCalls, heartbeat_seconds: float) -> None:
+        self.calls = calls
+        self.heartbeat_seconds = heartbeat_seconds
+
+    async def iteration(self, rollout_id: int) -> dict:
+        t0 = time.monotonic()
+        generation, generate_seconds = await self.calls.generate_batch()
+        t, train_seconds = await self.calls.train_batch()
+        w = await self.calls.publish()
+        return iteration_record(rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds},
+                                t0)
+
+    async def settle(self, keep_metrics: bool = False) -> None:
+        """Between steps (a pause, the warm start's steps, the end of training): nothing of the
+        run generates in the background; keep_metrics keeps what it measured for the next
+        iteration's record."""
+
+    async def close(self) -> None:
+        """The run ends (stopped or failed): background work stopped, best effort."""
+
+    def cancel(self) -> None:
+        """The coordinator shuts down: background tasks cancelled, nothing asked of the services
+        (the run stays active and resumes on restart)."""
+
+
+class OneStepOffMode(TrainingMode):
+    def __init__(self, calls: RunCalls, heartbeat_seconds: float) -> None:
+        super().__init__(calls, heartbeat_seconds)
+        self.upcoming: asyncio.Task | None = None  # the next batch's generation, finished by the iteration's end
+
+    async def iteration(self, rollout_id: int) -> dict:
+        """Train batch k while batch k+1 is generated with the same weights (it starts once
+        batch k is leased, so it cannot count k's groups as its own); publish after both."""
+        t0 = time.monotonic()
+        generating, self.upcoming = self.upcoming, None
+        generation, generate_seconds = await generating if generating else await self.calls.generate_batch()
+        training = asyncio.create_task(self.calls.train_batch())
+        upcoming = None
+        try:
+            if rollout_id + 1 < self.calls.cfg.num_rollouts:
+                await self._leased_or_done(training)
+                upcoming = asyncio.create_task(self.calls.generate_batch())
+            t, train_seconds = await training
+            if upcoming is not None:
+                await asyncio.wait([upcoming])  # weights change only when nothing is generating
+        except BaseException:
+            for task in (training, upcoming):
+                if task is not None:
+                    task.cancel()
+            raise
+        self.upcoming = upcoming
+        w = await self.calls.publish()
+        return iteration_record(rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds},
+                                t0)
+
+    async def _leased_or_done(self, training: asyncio.Task) -> None:
+        """Until the train step holds its batch (or has finished)."""
+        while not training.done():
+            if (await self.calls.stats()).leased_groups:
+                return
+            await asyncio.wait([training], timeout=LEASE_POLL_SECONDS)
+
+    async def close(self) -> None:
+        self.cancel()
+        if self.upcoming is not None:
+            await asyncio.gather(self.upcoming, return_exceptions=True)
+            self.upcoming = None
+
+    def cancel(self) -> None:
+        if self.upcoming is not None:
+            self.upcoming.cancel()
+
+
+class FullyAsyncMode(TrainingMode):
+    def __init__(self, calls: RunCalls, heartbeat_seconds: float) -> None:
+        super().__init__(calls, heartbeat_seconds)
+        self.heartbeat: asyncio.Task | None = None  # while the continuous generation runs
+        self.generation_metrics: dict[str, float] = {}  # since the last record
+
+    async def iteration(self, rollout_id: int) -> dict:
+        """Train the next batch the continuous generation wrote, then push the new weights
+        with the engines paused (pause_mode)."""
+        calls, settings = self.calls, self.calls.settings
+        t0 = time.monotonic()
+        if self.heartbeat is None:
+            self.heartbeat = asyncio.create_task(self._beat(), name=f"heartbeat-{calls.run_id}")
+        await self._start_generation()
+        t, train_seconds = await calls.train_batch()
+        t1 = time.monotonic()
+        await calls.rollout_call(lambda: calls.clients.rollout.PauseGeneration(
+            rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode), timeout=settings.call_deadline_seconds))
+        try:
+            w = await calls.publish()
+        finally:
+            await calls.rollout_call(lambda: calls.clients.rollout.ContinueGeneration(
+                rollout_pb2.ContinueGenerationRequest(), timeout=settings.call_deadline_seconds))
+        generation, self.generation_metrics = self.generation_metrics, {}
+        return iteration_record(rollout_id, generation, t, w, {"train": train_seconds, "pause": time.monotonic() - t1},
+                                t0)
+
+    async def _start_generation(self) -> None:
+        """StartAsyncRollout: starts the run's generation loop, or (already running) is a
+        heartbeat; either way it returns the loop's metrics since the previous call."""
+        calls = self.calls
+        r = await calls.rollout_call(lambda: calls.clients.rollout.StartAsyncRollout(
+            requests.rollout_request(calls.run_id, calls.cfg, calls.cfg.rollout.rollout_batch_size),
+            timeout=calls.settings.call_deadline_seconds))
+        self._collect(r)
+
+    def _collect(self, reply: rollout_pb2.AsyncRolloutResponse) -> None:
+        if reply.error:
+            log.warning("run %s: the rollout service's generation loop reports: %s", self.calls.run_id, reply.error)
+        merge_sample_metrics(self.generation_metrics, dict(reply.metrics), "rollout/samples")
+
+    async def _beat(self) -> None:
+        """Keeps the generation loop running while the run waits on other services: a
+        restarted rollout service gets its loop back within a heartbeat."""
+        while True:
+            await asyncio.sleep(self.heartbeat_seconds)
+            try:
+                await self._start_generation()
+            except (StopRequested, grpc.aio.AioRpcError, OutageTooLong) as e:
+                log.warning("run %s: generation heartbeat: %s", self.calls.run_id, e)
+
+    async def settle(self, keep_metrics: bool = False) -> None:
+        """The continuous generation stopped: its unfinished prompts go back to the buffer and
+        its finished groups stay queued, so nothing is lost; the next iteration restarts it."""
+        await self._stop_generation(patiently=True)
+        if not keep_metrics:  # (a pause keeps them for the next iteration's record)
+            self.generation_metrics = {}
+
+    async def close(self) -> None:
+        # Best effort: the run is ending anyway, and a rollout service that is down has no loop to stop.
+        await self._stop_generation(patiently=False)
+
+    def cancel(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
+
+    async def _stop_generation(self, patiently: bool) -> None:
+        if self.heartbeat is None:
+            return
+        self.heartbeat.cancel()
+        await asyncio.gather(self.heartbeat, return_exceptions=True)
+        self.heartbeat = None
+        calls = self.calls
+
+        def call():
+            return calls.clients.rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id=calls.run_id),
+                                                           timeout=calls.settings.call_deadline_seconds)
+        try:
+            self._collect(await (calls.rollout_call(call) if patiently else call()))
+        except grpc.aio.AioRpcError as e:
+            log.warning("run %s: could not stop the generation loop: %s", calls.run_id, e.details())
+
+
+TRAINING_MODES: dict[str, type[TrainingMode]] = {
+    "sync": TrainingMode, "one_step_off": OneStepOffMode, "fully_async": FullyAsyncMode}

@@ -1,0 +1,164 @@
+"""Routes under /runs: start, watch, pause, resume, stop and delete runs; their metrics,
+samples and checkpoints. Thin over RunStore and RunDriver (app.state.store, .driver)."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from fastapi import APIRouter, Query, Request
+from fastapi.exceptions import RequestValidationError
+
+from rlmesh.common.run_config import RunConfig, limit_violations
+from rlmesh.coordinator.config import Settings
+from rlmesh.coordinator.page import group_for_people
+from rlmesh.coordinator.requests import generate_function_spec
+from rlmesh.coordinator.runs import RunDriver
+from rlmesh.coordinator.schemas import (
+    RELAYED,
+    RUN_ID,
+    CheckpointInfo,
+    MetricField,
+    MetricRecords,
+    RecentGroups,
+    RunCreated,
+    RunDeleted,
+    RunDetail,
+    RunSummary,
+    error_responses,
+    pick_fields,
+    run_summary,
+)
+from rlmesh.coordinator.store import RunStore
+from rlmesh.v1 import buffer_pb2, trainer_pb2
+
+log = logging.getLogger(__name__)
+
+
+async def _check_runnable(driver: RunDriver, config: RunConfig, settings: Settings) -> None:
+    """422 for a run config past the operator's limits, or whose generate function the rollout
+    service refuses."""
+    violations = limit_violations(config, settings.limits)
+    if violations:
+        raise RequestValidationError([{"loc": ("body", *loc), "msg": msg, "type": "limit"} for loc, msg in violations])
+    if config.rollout.generate.name:
+        await _check_generate_function(driver, config)
+
+
+async def _check_generate_function(driver: RunDriver, config: RunConfig) -> None:
+    """A generate function the rollout service lacks, or options it refuses, are the
+    request's fault (422 naming them); a rollout service that does not answer now is not:
+    the run starts and its first rollout checks again."""
+    try:
+        await driver.clients.rollout.CheckGenerateFunction(generate_function_spec(config),
+                                                           timeout=driver.settings.call_deadline_seconds)
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            raise RequestValidationError([{"loc": ("body", "rollout", "generate"), "msg": e.details(),
+                                           "type": "generate_function"}]) from None
+        log.warning("could not check the generate function with the rollout service (%s); the run starts "
+                    "and its first rollout checks it", e.code().name)
+
+
+def runs_router(settings: Settings) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/runs", status_code=201, response_model=RunCreated, responses=error_responses(400, 409, 413))
+    async def create_run(config: RunConfig, request: Request):
+        """Start a run; 409 while another run is active (one run trains at a time)."""
+        await _check_runnable(request.app.state.driver, config, settings)
+        run_id = await request.app.state.driver.submit(config)
+        return RunCreated(id=run_id, status="pending")
+
+    @router.get("/runs", response_model=list[RunSummary])
+    async def list_runs(request: Request):
+        """Every kept run, oldest first (max_finished_runs finished ones, and the active one)."""
+        return [run_summary(r) for r in await request.app.state.store.list()]
+
+    @router.get("/runs/{run_id}", response_model=RunDetail, responses=error_responses(404))
+    async def get_run(request: Request, run_id: str = RUN_ID,
+                      metrics_last: int = Query(1000, ge=0, le=100_000,
+                                                description="How many of the newest metric records to return.")):
+        """A run: status, phase, progress, eval before/after, and its newest metric records."""
+        store: RunStore = request.app.state.store
+        rec = await store.get(run_id)
+        metrics = await store.metrics(run_id, metrics_last)
+        latest = metrics[-1] if metrics else (await store.metrics(run_id, 1) or [{}])[-1]
+        return {**rec, **run_summary(rec), "metrics": metrics, "latest_metrics": latest}
+
+    @router.post("/runs/{run_id}/stop", response_model=RunCreated, responses=error_responses(404))
+    async def stop_run(request: Request, run_id: str = RUN_ID):
+        """Ask a run to stop at its next step; a finished run answers its final status."""
+        return RunCreated(id=run_id, status=await request.app.state.driver.stop(run_id))
+
+    @router.post("/runs/{run_id}/pause", response_model=RunCreated, responses=error_responses(404, 409))
+    async def pause_run(request: Request, run_id: str = RUN_ID):
+        """Hold a pending or running run at its next step boundary: the step in flight finishes (its
+        groups are trained, its weights pushed), then generation and training wait (fully_async: the
+        continuous generation stops and hands its unfinished prompts back to the buffer). `held` in
+        GET /runs/{id} turns true once it rests. Survives a coordinator restart. Pausing a paused run
+        is a no-op; 409 for a stopping or finished run."""
+        return RunCreated(id=run_id, status=await request.app.state.driver.pause(run_id))
+
+    @router.post("/runs/{run_id}/resume", response_model=RunCreated, responses=error_responses(404, 409))
+    async def resume_run(request: Request, run_id: str = RUN_ID):
+        """Let a paused run carry on from where it rests; a no-op for a pending or running run,
+        409 for a stopping or finished one."""
+        return RunCreated(id=run_id, status=await request.app.state.driver.resume(run_id))
+
+    @router.get("/runs/{run_id}/metrics", response_model=MetricRecords, responses=error_responses(404))
+    async def run_metrics(request: Request, run_id: str = RUN_ID,
+                          since: int = Query(0, ge=0, le=10**12, description="Position of the first record to "
+                                             "return: 0, or the `next` of the previous call (to poll for new ones)."),
+                          limit: int = Query(1000, ge=1, le=10_000, description="Records to return at most."),
+                          fields: list[MetricField] = Query([], max_length=100, description="Only these fields "
+                                                            "(repeat the parameter; 'train/*' = every field with "
+                                                            "that prefix); rollout_id, sft_step, step and time "
+                                                            "always come along. Records with none are left out. "
+                                                            "Empty = every field.")):
+        """A run's metric records from a cursor, optionally only some fields: what a curve polls."""
+        store: RunStore = request.app.state.store
+        await store.get(run_id)  # 404 for an unknown run
+        records, total = await store.metrics_since(run_id, since, limit)
+        next_since = min(since, total) + len(records)  # (a cursor past the end answers the end)
+        if fields:
+            records = [r for r in (pick_fields(rec, fields) for rec in records) if r is not None]
+        return MetricRecords(records=records, next=next_since, total=total)
+
+    @router.get("/runs/{run_id}/samples", response_model=RecentGroups, responses=error_responses(*RELAYED))
+    async def run_samples(request: Request, run_id: str = RUN_ID,
+                          offset: int = Query(0, ge=0, le=4096, description="Groups to skip, newest first."),
+                          limit: int = Query(20, ge=1, le=100, description="Groups to return at most.")):
+        """The run's newest generated groups (kept by the buffer whatever became of them since),
+        paged newest first. Empty before the run's first group, and after the buffer lost its data."""
+        await request.app.state.store.get(run_id)  # 404 for an unknown run
+        try:
+            reply = await request.app.state.driver.clients.buffer.GetRecentGroups(
+                buffer_pb2.GetRecentGroupsRequest(run_id=run_id, offset=offset, limit=limit),
+                timeout=settings.call_deadline_seconds)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:  # the buffer has not set the run up (yet)
+                raise
+            return RecentGroups(groups=[], offset=offset, total=0)
+        return RecentGroups(groups=[group_for_people(g) for g in reply.groups], offset=offset, total=reply.total)
+
+    @router.get("/runs/{run_id}/checkpoints", response_model=list[CheckpointInfo],
+                responses=error_responses(*RELAYED))
+    async def run_checkpoints(request: Request, run_id: str = RUN_ID):
+        """The run's complete checkpoints in its checkpoint_dir on the trainer, oldest first (they stay
+        on disk after the run ends and after DELETE)."""
+        rec = await request.app.state.store.get(run_id)
+        reply = await request.app.state.driver.clients.trainer.ListCheckpoints(
+            trainer_pb2.ListCheckpointsRequest(run_id=run_id, checkpoint_dir=rec["config"].get("checkpoint_dir", "")),
+            timeout=settings.call_deadline_seconds)
+        return [CheckpointInfo(step=c.step, path=c.path, automatic=c.automatic, weight_version=c.weight_version,
+                               written_at=c.written_at) for c in reply.checkpoints]
+
+    @router.delete("/runs/{run_id}", response_model=RunDeleted, responses=error_responses(*RELAYED))
+    async def delete_run(request: Request, run_id: str = RUN_ID):
+        """Forget a finished run: its record, metrics and buffer data; checkpoints stay on disk.
+        409 while it is active: stop it first."""
+        await request.app.state.driver.delete(run_id)
+        return RunDeleted(id=run_id, deleted=True)
+
+    return router

@@ -1,0 +1,124 @@
+"""The REST API's bodies and documented error statuses (the run config, the body of
+POST /runs, is declared in rlmesh.common.run_config; a reward service's registration in
+rlmesh.common.reward_service)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Path
+from pydantic import BaseModel, Field
+
+from rlmesh.common.paths import RUN_ID_PATTERN
+from rlmesh.common.reward_service import RemoteServiceSpec
+
+RUN_ID = Path(pattern=RUN_ID_PATTERN, description="The run's id (from POST /runs).")
+
+
+class Problem(BaseModel):
+    detail: str = Field(description="What went wrong and what to do about it.")
+    code: str = Field("", description="The gRPC status of a service the coordinator relayed to, if one failed.")
+
+
+def error_responses(*statuses: int) -> dict:
+    """OpenAPI entries for the error statuses a route can answer (each with a JSON body)."""
+    meaning = {
+        400: "The body is not JSON, or a service refused the request's values.",
+        404: "No such run or reward service.",
+        409: "Conflicts with the current state (e.g. another run is active, the run is not finished, or it "
+             "has finished and cannot be paused or resumed).",
+        413: "The request body is larger than max_request_bytes.",
+        429: "A service is out of capacity; retry later.",
+        501: "A service does not implement this.",
+        502: "A service answered with an unexpected error.",
+        503: "A service the coordinator relays to is unavailable (restarting?); retry later.",
+        504: "A service did not answer in time.",
+    }
+    return {status: {"model": Problem, "description": meaning[status]} for status in statuses}
+
+
+# What a route that relays to a service can answer besides its own statuses.
+RELAYED = (400, 404, 409, 429, 501, 502, 503, 504)
+
+
+class RunCreated(BaseModel):
+    id: str
+    status: str
+
+
+class RunDeleted(BaseModel):
+    id: str
+    deleted: bool
+
+
+class RunSummary(BaseModel):
+    id: str
+    name: str
+    status: str
+    phase: str
+    rollout_id: int
+    num_rollouts: int
+    weight_version: int
+    created_at: float
+    updated_at: float
+    error: str
+    waiting_for: str = Field("", description="While the run rides out a service outage: the service it waits "
+                             "for and its last error (its calls are retried until max_outage_seconds); else empty.")
+    held: bool = Field(False, description="A paused run has come to rest at a step boundary (nothing of it is "
+                       "in flight); false while it finishes the step it was in when paused.")
+
+
+def run_summary(rec: dict) -> dict:
+    """A run record's fields a RunSummary shows."""
+    return {**{k: rec[k] for k in RunSummary.model_fields if k in rec}, "num_rollouts": rec["config"]["num_rollouts"]}
+
+
+class RunDetail(RunSummary):
+    config: dict
+    eval_before: dict
+    eval_after: dict
+    latest_metrics: dict
+    metrics: list[dict]
+
+
+class MetricRecords(BaseModel):
+    records: list[dict] = Field(description="Metric records from position `since`, oldest first (one per "
+                                "iteration, evaluation or SFT step), each with only the asked-for fields.")
+    next: int = Field(description="The `since` of the next call: it returns only records written after these.")
+    total: int = Field(description="Records the run has.")
+
+
+MetricField = Annotated[str, Field(min_length=1, max_length=200)]
+# Fields every filtered metric record keeps, so that a curve knows where a point lies.
+METRIC_KEYS = ("rollout_id", "sft_step", "step", "time")
+
+
+def pick_fields(record: dict, fields: list[str]) -> dict | None:
+    """The record's asked-for fields ('name', or 'prefix*'), plus METRIC_KEYS; None without any."""
+    picked = {k: v for k, v in record.items() if any(k == f or (f.endswith("*") and k.startswith(f[:-1]))
+                                                     for f in fields)}
+    return {**{k: record[k] for k in METRIC_KEYS if k in record}, **picked} if picked else None
+
+
+class RecentGroups(BaseModel):
+    groups: list[dict] = Field(description="The newest stored groups, newest first: prompt, responses, rewards "
+                               "and components, status, weight versions, metadata (an agent sample's tool turns "
+                               "are in metadata.agent_turns); no per-token arrays.")
+    offset: int
+    total: int = Field(description="Groups kept (the buffer keeps the newest recent_groups of a run).")
+
+
+class CheckpointInfo(BaseModel):
+    step: int
+    path: str = Field(description="On the trainer's machine, under its work_dir.")
+    automatic: bool = Field(description="Written every checkpoint_interval steps (pruned to keep_last); else saved "
+                            "on request.")
+    weight_version: int
+    written_at: float = Field(description="Unix seconds.")
+
+
+class RewardServiceRegistration(RemoteServiceSpec):
+    """The body of POST /reward-services: the registration, and whether it replaces one."""
+
+    replace: bool = Field(False, description="Replace a service registered under this name (409 otherwise); "
+                          "refused (409) while the active run uses it.")

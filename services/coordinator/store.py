@@ -1,0 +1,181 @@
+"""The coordinator's run records in Redis, so that a restarted coordinator carries on: one
+hash per run, its metric history, an index by creation time, and the claim of the one run
+that may train."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import redis.asyncio as aioredis
+
+from rlmesh.common.errors import FailedPrecondition, NotFound
+from rlmesh.common.run_config import RunConfig
+
+ACTIVE = ("pending", "running", "paused", "stopping")
+FINAL = ("completed", "stopped", "failed")
+
+
+# Compare-and-delete: release the active-run claim only if this run holds it.
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+# Set status 'stopping' unless the run has finished; returns the status it now has.
+_MARK_STOPPING = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+for i = 1, #ARGV - 1 do if status == ARGV[i] then return status end end
+redis.call('HSET', KEYS[1], 'status', 'stopping', 'updated_at', ARGV[#ARGV])
+return 'stopping'
+"""
+
+# Set status ARGV[#ARGV - 1] if the status is one of ARGV[1 .. #ARGV - 2]; returns the status
+# the run now has (false: no such run).
+_TRANSITION = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+for i = 1, #ARGV - 2 do
+  if status == ARGV[i] then
+    redis.call('HSET', KEYS[1], 'status', ARGV[#ARGV - 1], 'updated_at', ARGV[#ARGV])
+    return ARGV[#ARGV - 1]
+  end
+end
+return status
+"""
+
+
+class RunStore:
+    """Run records: hash <prefix>:coord:run:<id>, metric history list ...:metrics, an
+    index zset <prefix>:coord:runs (by creation time), and <prefix>:coord:active, the id of
+    the one run that may train (claimed atomically, so concurrent submissions cannot both win)."""
+
+    def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
+        self.redis = redis
+        self.prefix = f"{prefix}:coord:"
+        self.active_key = self.prefix + "active"
+
+    def _key(self, run_id: str) -> str:
+        return f"{self.prefix}run:{run_id}"
+
+    async def create(self, config: RunConfig) -> str:
+        """A new pending run, if no other run is active (else FailedPrecondition, 409)."""
+        run_id = uuid.uuid4().hex[:12]
+        now = time.time()
+        # The record exists before its claim, so a claim whose record is gone is surely stale.
+        await self.redis.hset(self._key(run_id), mapping={
+            "id": run_id, "name": config.name, "config": config.model_dump_json(), "status": "pending",
+            "phase": "setup", "weight_version": 0, "created_at": now, "updated_at": now,
+            "error": "", "waiting_for": "", "eval_before": "{}", "eval_after": "{}", "held": 0,
+            "train_steps": "[]",
+        })
+        try:
+            await self._claim(run_id)
+        except BaseException:
+            await self.redis.delete(self._key(run_id))
+            raise
+        await self.redis.zadd(self.prefix + "runs", {run_id: now})
+        return run_id
+
+    async def _claim(self, run_id: str) -> None:
+        for _ in range(2):
+            if await self.redis.set(self.active_key, run_id, nx=True):
+                return
+            holder = (await self.redis.get(self.active_key) or b"").decode()
+            status = (await self.redis.hget(self._key(holder), "status") or b"").decode()
+            if status in ACTIVE:
+                raise FailedPrecondition(f"run {holder} is still active; stop it first (one run trains at a time)")
+            await self.release(holder)  # a claim left by a coordinator that died as its run ended
+        raise FailedPrecondition("another run was submitted at the same moment; try again")
+
+    async def mark_stopping(self, run_id: str) -> str:
+        status = await self.redis.eval(_MARK_STOPPING, 1, self._key(run_id), *FINAL, time.time())
+        if not status:
+            raise NotFound(f"unknown run {run_id!r}")
+        return status.decode()
+
+    async def transition(self, run_id: str, from_statuses: tuple[str, ...], to: str) -> str:
+        """Atomically set status `to` if the run's status is one of `from_statuses`; returns
+        the status it has now (NotFound for an unknown run)."""
+        status = await self.redis.eval(_TRANSITION, 1, self._key(run_id), *from_statuses, to, time.time())
+        if not status:
+            raise NotFound(f"unknown run {run_id!r}")
+        return status.decode()
+
+    async def release(self, run_id: str) -> None:
+        await self.redis.eval(_RELEASE, 1, self.active_key, run_id)
+
+    async def reclaim(self, run_id: str) -> None:
+        """An active run found after a restart holds the claim (state written before claims existed)."""
+        await self.redis.set(self.active_key, run_id, nx=True)
+
+    async def active(self) -> tuple[str, RunConfig] | None:
+        """The active run (the claim's holder, if still active) and its configuration."""
+        holder = (await self.redis.get(self.active_key) or b"").decode()
+        if not holder:
+            return None
+        try:
+            rec = await self.get(holder)
+        except NotFound:
+            return None
+        return (holder, RunConfig.model_validate(rec["config"])) if rec["status"] in ACTIVE else None
+
+    async def delete(self, run_id: str) -> None:
+        await self.redis.delete(self._key(run_id), self._key(run_id) + ":metrics")
+        await self.redis.zrem(self.prefix + "runs", run_id)
+
+    async def get(self, run_id: str) -> dict:
+        raw = await self.redis.hgetall(self._key(run_id))
+        if not raw:
+            raise NotFound(f"unknown run {run_id!r}")
+        rec = {k.decode(): v.decode() for k, v in raw.items()}
+        rec["weight_version"] = int(rec["weight_version"])
+        rec["held"] = rec.get("held", "0") == "1"  # (records written before pausing existed lack it)
+        for k in ("created_at", "updated_at"):
+            rec[k] = float(rec[k])
+        for k in ("config", "eval_before", "eval_after"):
+            rec[k] = json.loads(rec[k])
+        rec["train_steps"] = json.loads(rec.get("train_steps", "[]"))
+        # RL iterations the trainer's model holds (the train steps past the warm start's)
+        rec["rollout_id"] = max(len(rec["train_steps"]) - rec["config"]["sft_warmup"]["steps"], 0)
+        return rec
+
+    async def update(self, run_id: str, **fields) -> None:
+        fields = {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in fields.items()}
+        await self.redis.hset(self._key(run_id), mapping={**fields, "updated_at": time.time()})
+
+    async def status(self, run_id: str) -> str:
+        s = await self.redis.hget(self._key(run_id), "status")
+        if s is None:
+            raise NotFound(f"unknown run {run_id!r}")
+        return s.decode()
+
+    async def append_metrics(self, run_id: str, record: dict) -> None:
+        await self.redis.rpush(self._key(run_id) + ":metrics", json.dumps(record))
+
+    async def metrics_since(self, run_id: str, since: int, limit: int) -> tuple[list[dict], int]:
+        """Up to `limit` metric records from position `since` (0 = the first ever written),
+        and how many records the run has: the next call's `since` is since + len(records)."""
+        key = self._key(run_id) + ":metrics"
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.lrange(key, since, since + limit - 1)
+            pipe.llen(key)
+            raw, total = await pipe.execute()
+        return [json.loads(r) for r in raw], total
+
+    async def metrics(self, run_id: str, last: int | None = None) -> list[dict]:
+        """The run's metric records, oldest first; only the newest `last` when given."""
+        start = -last if last else 0
+        if last == 0:
+            return []
+        return [json.loads(r) for r in await self.redis.lrange(self._key(run_id) + ":metrics", start, -1)]
+
+    async def list(self) -> list[dict]:
+        ids = [r.decode() for r in await self.redis.zrange(self.prefix + "runs", 0, -1)]
+        records = []
+        for run_id in ids:
+            try:
+                records.append(await self.get(run_id))
+            except NotFound:  # deleted between the two reads
+                pass
+        return records
