@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from rlmesh.common.algorithm import AlgorithmConfig
 from rlmesh.common.limits import INT32_MAX, INT64_MAX, MAX_DATASETS, Limits
-from rlmesh.trainer.config import AlgorithmConfig
 
 Key = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -269,6 +269,18 @@ class TrainingConfig(StrictModel):
         return self
 
 
+TrainingMode = Literal["sync", "one_step_off", "fully_async"]
+StalePolicy = Literal["drop", "keep"]
+# The staleness bound when a run does not set max_staleness (sync is on-policy by construction).
+DEFAULT_MAX_STALENESS = {"sync": None, "one_step_off": 1, "fully_async": 2}
+
+
+def oldest_weight_version(version: int, bound: int | None, ahead: int = 0) -> int:
+    """The oldest weight version a group may be generated with to be trained at weight
+    version `version` + `ahead` under the staleness bound `bound` (None: no bound)."""
+    return 0 if bound is None else max(version + ahead - bound, 0)
+
+
 class TrainerRunConfig(TrainingConfig):
     """What the trainer needs for a run (sent as JSON in Trainer.InitRun)."""
 
@@ -277,11 +289,11 @@ class TrainerRunConfig(TrainingConfig):
         1.0, gt=0, description="The engines' sampling temperature: log-probs are taken of logits / temperature."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = the trainer service's setting.")
-    max_staleness: int | None = Field(
+    staleness_bound: int | None = Field(
         None, ge=0, le=INT32_MAX, description="Lease only groups generated with weights at most this many versions "
-        "older than the trainer's (None = no bound); from the run's max_staleness."
+        "older than the trainer's (None = no bound): the run's max_staleness, or its mode's default."
     )
-    keep_stale: bool = Field(False, description="Train stale groups anyway (counted) instead of dropping them.")
+    stale_policy: StalePolicy = Field("drop", description="The run's stale_policy.")
 
 
 class EvalConfig(StrictModel):
@@ -303,9 +315,6 @@ class SftWarmupConfig(StrictModel):
                          "stream.")
 
 
-TrainingMode = Literal["sync", "one_step_off", "fully_async"]
-# max_staleness when a run does not set it (sync is on-policy by construction).
-DEFAULT_MAX_STALENESS = {"sync": None, "one_step_off": 1, "fully_async": 2}
 
 
 class WandbConfig(StrictModel):
@@ -349,7 +358,7 @@ class RunConfig(TrainingConfig):
         None, ge=1, le=INT32_MAX, description="Train only on groups generated with weights at most this many "
         "versions older than the trainer's (default: one_step_off 1, fully_async 2; sync is always 0)."
     )
-    stale_policy: Literal["drop", "keep"] = Field(
+    stale_policy: StalePolicy = Field(
         "drop", description="Older groups are dropped (counted, never trained) or trained anyway (counted)."
     )
     pause_mode: Literal["abort", "in_place", "retract"] = Field(
@@ -392,6 +401,7 @@ class RunConfig(TrainingConfig):
 
     @property
     def staleness_bound(self) -> int | None:
+        """max_staleness, or the mode's default when the run leaves it unset (None: no bound)."""
         return self.max_staleness if self.max_staleness is not None else DEFAULT_MAX_STALENESS[self.mode]
 
     @property
@@ -407,8 +417,8 @@ class RunConfig(TrainingConfig):
             **{name: getattr(self, name) for name in TrainingConfig.model_fields},
             # Greedy sampling (0) has no temperature to divide by.
             rollout_temperature=self.rollout.sampling.temperature or 1.0,
-            max_staleness=self.staleness_bound,
-            keep_stale=self.stale_policy == "keep",
+            staleness_bound=self.staleness_bound,
+            stale_policy=self.stale_policy,
         )
 
 

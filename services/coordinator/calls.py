@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from rlmesh.common.retry import Backoff, retry, transient_grpc_error
-from rlmesh.common.run_config import RunConfig
+from rlmesh.common.run_config import RunConfig, oldest_weight_version
 from rlmesh.coordinator import requests
 from rlmesh.coordinator.config import Settings
 from rlmesh.coordinator.store import RunStore
@@ -212,11 +212,10 @@ class RunCalls:
         """Generate what the next RL batch misses; its metrics and how long it took."""
         t0 = time.monotonic()
         cfg = self.cfg
-        # The trainer leases this batch with min_weight_version = its version then - the bound;
-        # one_step_off trains it one version later than the weights it is generated with.
-        bound = cfg.staleness_bound
-        oldest = 0 if bound is None else max(
-            (await self.store.get(self.run_id))["weight_version"] + (cfg.mode == "one_step_off") - bound, 0)
+        # The trainer leases this batch with the same bound; one_step_off trains it one version
+        # later than the weights it is generated with.
+        oldest = oldest_weight_version((await self.store.get(self.run_id))["weight_version"], cfg.staleness_bound,
+                                       ahead=int(cfg.mode == "one_step_off"))
         g = await self.generate(cfg.rollout.rollout_batch_size,
                                 lambda missing: requests.rollout_request(self.run_id, cfg, missing, oldest))
         return dict(g.metrics), time.monotonic() - t0

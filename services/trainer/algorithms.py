@@ -10,14 +10,15 @@ tests/unit/test_algorithms.py against numbers worked out by hand.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-from rlmesh.trainer.config import AlgorithmConfig
+from rlmesh.common import algorithm as declared
+from rlmesh.common.algorithm import AlgorithmConfig, EstimatorSpec, PolicyLossSpec
 
 GRPO_EPS = 1e-6
 WHITEN_EPS = 1e-8
@@ -25,8 +26,8 @@ KL_CLAMP = 10.0
 
 
 # --------------------------------------------------------------------------------------
-# Registries: adding an algorithm is one function under one register_* decorator; the
-# run config accepts exactly the names registered here.
+# Registries: each algorithm declared in rlmesh.common.algorithm (what the run config
+# accepts) has its function here, under one register_* decorator.
 # --------------------------------------------------------------------------------------
 
 
@@ -62,22 +63,29 @@ PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, AlgorithmConfig], tuple
 class AdvantageEstimator:
     name: str
     compute: AdvantageFn  # -> per-token advantages [B, T]
-    # Shapes each token's reward with its KL to the reference (kl_coef): the only estimators
-    # that take kl_coef at kl_reward_level 'token'; any estimator takes it at 'sequence'.
-    kl_reward_shaping: bool = False
-    # AlgorithmConfig fields the estimator's paper sets, applied unless the run sets them.
-    defaults: Mapping[str, Any] = field(default_factory=dict)
-    # Uses a learned value function: the trainer adds a value head, passes its values of the
-    # old policy's pass in AdvantageInputs.values, and trains it on the returned returns.
-    needs_critic: bool = False
+    # What the estimator needs (its kl_reward_shaping, needs_critic, defaults), as declared.
+    spec: EstimatorSpec
+
+    @property
+    def needs_critic(self) -> bool:
+        # The trainer then adds a value head, passes its values of the old policy's pass in
+        # AdvantageInputs.values, and trains it on the returned returns.
+        return self.spec.needs_critic
+
+    @property
+    def kl_reward_shaping(self) -> bool:
+        return self.spec.kl_reward_shaping
 
 
 @dataclass(frozen=True)
 class PolicyLoss:
     name: str
     compute: PolicyLossFn
-    sequence_level: bool = False  # one importance ratio per sequence (GSPO), not per token
-    defaults: Mapping[str, Any] = field(default_factory=dict)
+    spec: PolicyLossSpec
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.spec.sequence_level
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
@@ -86,39 +94,39 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {}
 _Fn = TypeVar("_Fn", bound=Callable)
 
 
-def register_advantage_estimator(
-    name: str,
-    *,
-    kl_reward_shaping: bool = False,
-    defaults: Mapping[str, Any] | None = None,
-    needs_critic: bool = False,
-) -> Callable[[_Fn], _Fn]:
+def register_advantage_estimator(name: str) -> Callable[[_Fn], _Fn]:
+    """The tensor function of the advantage estimator `name` (declared in rlmesh.common.algorithm)."""
+
     def register(compute: _Fn) -> _Fn:
-        spec = AdvantageEstimator(name, compute, kl_reward_shaping, dict(defaults or {}), needs_critic)
-        _add(ADVANTAGE_ESTIMATORS, spec)
+        spec = _declared(declared.ADVANTAGE_ESTIMATORS, "declare_advantage_estimator", name)
+        _add(ADVANTAGE_ESTIMATORS, AdvantageEstimator(name, compute, spec))
         return compute
 
     return register
 
 
-def register_policy_loss(
-    name: str, *, sequence_level: bool = False, defaults: Mapping[str, Any] | None = None
-) -> Callable[[_Fn], _Fn]:
+def register_policy_loss(name: str) -> Callable[[_Fn], _Fn]:
+    """The tensor function of the policy loss `name` (declared in rlmesh.common.algorithm)."""
+
     def register(compute: _Fn) -> _Fn:
-        _add(POLICY_LOSSES, PolicyLoss(name, compute, sequence_level, dict(defaults or {})))
+        _add(POLICY_LOSSES, PolicyLoss(name, compute, _declared(declared.POLICY_LOSSES, "declare_policy_loss", name)))
         return compute
 
     return register
 
 
-def _add(registry: dict, spec: AdvantageEstimator | PolicyLoss) -> None:
-    # Both checks catch a mistake at import rather than in the middle of a run.
-    if spec.name in registry:
-        raise ValueError(f"{spec.name!r} is already registered")
-    unknown = set(spec.defaults) - set(AlgorithmConfig.model_fields)
-    if unknown:
-        raise ValueError(f"{spec.name!r}: defaults for fields AlgorithmConfig does not have: {sorted(unknown)}")
-    registry[spec.name] = spec
+def _declared(table: dict, declare: str, name: str):
+    # Caught at import rather than in the middle of a run.
+    if name not in table:
+        raise ValueError(f"{name!r} is not declared: add {declare}({name!r}, ...) to rlmesh.common.algorithm "
+                         "(what it needs and its defaults), then register its function here")
+    return table[name]
+
+
+def _add(registry: dict, implementation: AdvantageEstimator | PolicyLoss) -> None:
+    if implementation.name in registry:
+        raise ValueError(f"{implementation.name!r} is already registered")
+    registry[implementation.name] = implementation
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
@@ -344,7 +352,7 @@ def _grpo(batch: AdvantageInputs, config: AlgorithmConfig) -> Tensor:
     return batch.per_group(lambda r: grpo_advantages(r, config.normalize_advantage_std))
 
 
-@register_advantage_estimator("dr_grpo", defaults={"loss_aggregation": "seq_mean_token_sum"})
+@register_advantage_estimator("dr_grpo")
 def _dr_grpo(batch: AdvantageInputs, config: AlgorithmConfig) -> Tensor:
     """dr_grpo_advantages per group, broadcast; by default the loss is not divided by each
     sequence's length, as Dr. GRPO means."""
@@ -357,7 +365,7 @@ def _rloo(batch: AdvantageInputs, config: AlgorithmConfig) -> Tensor:
     return batch.per_group(rloo_advantages)
 
 
-@register_advantage_estimator("reinforce_plus_plus", kl_reward_shaping=True)
+@register_advantage_estimator("reinforce_plus_plus")
 def _reinforce_plus_plus(batch: AdvantageInputs, config: AlgorithmConfig) -> Tensor:
     """masked_whiten(discounted_returns(reinforce_plus_plus_token_rewards(r, KL, kl_coef), gamma))"""
     token_rewards = reinforce_plus_plus_token_rewards(batch.rewards, batch.mask, batch.kl, config.kl_coef)
@@ -370,7 +378,7 @@ def _reinforce_plus_plus_baseline(batch: AdvantageInputs, config: AlgorithmConfi
     return masked_whiten(batch.per_group(dr_grpo_advantages), batch.mask)
 
 
-@register_advantage_estimator("gae", kl_reward_shaping=True, needs_critic=True)
+@register_advantage_estimator("gae")
 def _gae(batch: AdvantageInputs, config: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """PPO with a critic: token rewards as REINFORCE++'s (the reward on the last trained
     token, each token's reward shaped by -kl_coef * KL_t), then
@@ -458,7 +466,7 @@ def _ppo_clip(
 
 
 # GSPO's sequence-level ratio stays near 1, so its paper clips it in a far smaller range.
-@register_policy_loss("gspo", sequence_level=True, defaults={"eps_clip": 3e-4, "eps_clip_high": 4e-4})
+@register_policy_loss("gspo")
 def _gspo(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: AlgorithmConfig
 ) -> tuple[Tensor, Tensor]:
@@ -494,7 +502,7 @@ def cispo_loss(
 # The paper normalizes by all tokens of the batch, sets no lower bound on the weight
 # (1 - 1 = 0) and does not publish its upper one; a weight of at most 1 + 3 = 4 is a cap
 # other CISPO implementations use by default.
-@register_policy_loss("cispo", defaults={"eps_clip": 1.0, "eps_clip_high": 3.0, "loss_aggregation": "token_mean"})
+@register_policy_loss("cispo")
 def _cispo(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor, config: AlgorithmConfig
 ) -> tuple[Tensor, Tensor]:

@@ -28,7 +28,7 @@ from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.limits import at_most, seconds
 from rlmesh.common.paths import resolve_roots, resolve_under, validate_run_id
 from rlmesh.common.retry import retry
-from rlmesh.common.run_config import TrainerRunConfig
+from rlmesh.common.run_config import TrainerRunConfig, oldest_weight_version
 from rlmesh.common.sample import ConversionError, SampleGroup, group_from_proto
 from rlmesh.trainer.backend import (
     COMPLETE_FILE,
@@ -299,16 +299,16 @@ class Trainer:
         return BufferStub(self._buffer_channel)
 
     async def _lease(self, run: _Run, num_groups: int, wait_seconds: float) -> buffer_pb2.LeaseBatchResponse:
-        """A batch of exactly num_groups groups, none older than max_staleness versions
+        """A batch of exactly num_groups groups, none older than the staleness bound allows
         behind the weights this trainer last published (stale ones dropped or kept, counted)."""
-        run_id, max_staleness = run.run_id, run.config.max_staleness
+        run_id = run.run_id
         request = buffer_pb2.LeaseBatchRequest(
             run_id=run_id,
             num_groups=num_groups,
             lease_seconds=self.settings.lease_seconds,
             wait_seconds=wait_seconds,
-            min_weight_version=0 if max_staleness is None else max(run.weight_version - max_staleness, 0),
-            stale_policy=buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP if run.config.keep_stale
+            min_weight_version=oldest_weight_version(run.weight_version, run.config.staleness_bound),
+            stale_policy=buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP if run.config.stale_policy == "keep"
             else buffer_pb2.LeaseBatchRequest.STALE_POLICY_DROP,
         )
         try:

@@ -10,8 +10,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from rlmesh.common import algorithm as declared
+from rlmesh.common.algorithm import AlgorithmConfig
 from rlmesh.trainer import algorithms as algo
-from rlmesh.trainer.config import AlgorithmConfig
 
 
 def t(values) -> torch.Tensor:
@@ -30,10 +31,21 @@ LOSSES = ["ppo_clip", "gspo", "cispo"]
 
 
 @pytest.fixture
-def registries(monkeypatch):
-    """Registries a test may add to; the module's own come back afterwards."""
-    monkeypatch.setattr(algo, "ADVANTAGE_ESTIMATORS", dict(algo.ADVANTAGE_ESTIMATORS))
-    monkeypatch.setattr(algo, "POLICY_LOSSES", dict(algo.POLICY_LOSSES))
+def registries():
+    """Declarations and registries a test may add to; their own contents come back afterwards."""
+    tables = (declared.ADVANTAGE_ESTIMATORS, declared.POLICY_LOSSES, algo.ADVANTAGE_ESTIMATORS, algo.POLICY_LOSSES)
+    saved = [dict(table) for table in tables]
+    yield
+    for table, content in zip(tables, saved):
+        table.clear()
+        table.update(content)
+
+
+def test_the_trainer_implements_exactly_the_declared_algorithms():
+    # A name declared in rlmesh.common.algorithm (what a run config accepts) without a function
+    # registered in rlmesh.trainer.algorithms, or the other way round, fails here.
+    assert list(algo.ADVANTAGE_ESTIMATORS) == list(declared.ADVANTAGE_ESTIMATORS)
+    assert list(algo.POLICY_LOSSES) == list(declared.POLICY_LOSSES)
 
 
 def test_the_registries_list_every_algorithm_with_its_flags():
@@ -120,7 +132,10 @@ def test_rollout_is_settings_are_checked():
 
 
 def test_a_newly_registered_estimator_and_loss_are_accepted_by_the_config(registries):
-    @algo.register_advantage_estimator("max_baseline", defaults={"loss_aggregation": "token_mean"})
+    declared.declare_advantage_estimator("max_baseline", defaults={"loss_aggregation": "token_mean"})
+    declared.declare_policy_loss("vanilla_pg")
+
+    @algo.register_advantage_estimator("max_baseline")
     def _max_baseline(batch, config):
         return batch.per_group(lambda r: r - r.max())
 
@@ -138,11 +153,15 @@ def test_a_newly_registered_estimator_and_loss_are_accepted_by_the_config(regist
     close(loss, [2.0])
 
 
-def test_registration_refuses_a_taken_name_and_defaults_for_unknown_fields(registries):
+def test_registration_refuses_a_taken_name_an_undeclared_one_and_defaults_for_unknown_fields(registries):
     with pytest.raises(ValueError, match="'grpo' is already registered"):
         algo.register_advantage_estimator("grpo")(lambda batch, config: batch.rewards)
+    with pytest.raises(ValueError, match="'grpo' is already declared"):
+        declared.declare_advantage_estimator("grpo")
+    with pytest.raises(ValueError, match="'clipped' is not declared: add declare_policy_loss"):
+        algo.register_policy_loss("clipped")(lambda *args: args)
     with pytest.raises(ValueError, match="fields AlgorithmConfig does not have: \\['clip'\\]"):
-        algo.register_policy_loss("clipped", defaults={"clip": 0.1})(lambda *args: args)
+        declared.declare_policy_loss("clipped", defaults={"clip": 0.1})
 
 
 # ------------------------------------------------------------------ advantages

@@ -7,7 +7,7 @@ import pytest
 
 from rlmesh.common.dataset_spec import dataset_from_proto, dataset_to_proto
 from rlmesh.common.errors import InvalidArgument
-from rlmesh.common.run_config import DatasetConfig, RunConfig, TrainerRunConfig, TrainingConfig
+from rlmesh.common.run_config import DatasetConfig, RunConfig, TrainerRunConfig, TrainingConfig, oldest_weight_version
 from rlmesh.coordinator.app import create_app
 from rlmesh.coordinator.config import Settings
 from rlmesh.v1 import buffer_pb2
@@ -61,15 +61,22 @@ def test_modes_set_the_staleness_bound_and_the_queue_cap():
     base = {"model_path": "/m", "datasets": [{"name": "t", "path": "t.jsonl"}],
             "rollout": {"rollout_batch_size": 4}, "sft_warmup": {"steps": 1, "batch_groups": 16}}
     sync = RunConfig.model_validate(base)
-    assert (sync.staleness_bound, sync.queue_cap, sync.trainer_config().max_staleness) == (None, 0, None)
+    assert (sync.staleness_bound, sync.queue_cap, sync.trainer_config().staleness_bound) == (None, 0, None)
     fully = RunConfig.model_validate({**base, "mode": "fully_async", "max_staleness": 2})
     # a rollout batch per version of staleness, but room for the SFT warm start's write
-    assert (fully.trainer_config().max_staleness, fully.queue_cap) == (2, 16)
+    assert (fully.trainer_config().staleness_bound, fully.queue_cap) == (2, 16)
     fully = RunConfig.model_validate({**base, "mode": "fully_async", "sft_warmup": {"steps": 0}, "max_staleness": 3})
     assert fully.queue_cap == 12
-    assert RunConfig.model_validate({**base, "mode": "one_step_off"}).trainer_config().max_staleness == 1
+    assert RunConfig.model_validate({**base, "mode": "one_step_off"}).trainer_config().staleness_bound == 1
     with pytest.raises(ValueError, match="max_staleness"):
         RunConfig.model_validate({**base, "mode": "fully_async", "max_staleness": 0})
+
+
+def test_the_oldest_weight_version_a_batch_may_hold():
+    assert oldest_weight_version(5, None) == 0  # no bound
+    assert oldest_weight_version(5, 2) == 3
+    assert oldest_weight_version(5, 2, ahead=1) == 4  # one_step_off trains it a version later
+    assert oldest_weight_version(1, 2) == 0
 
 
 def test_a_warm_start_dataset_stays_out_of_the_training_stream_and_of_evaluation():
