@@ -186,7 +186,6 @@ class FullyAsyncMode(TrainingMode):
             return
         self.heartbeat.cancel()
         await asyncio.gather(self.heartbeat, return_exceptions=True)
-        self.heartbeat = None
         calls = self.calls
 
         def call():
@@ -196,6 +195,8 @@ class FullyAsyncMode(TrainingMode):
             self._collect(await (calls.rollout_call(call) if patiently else call()))
         except grpc.aio.AioRpcError as e:
             log.warning("run %s: could not stop the generation loop: %s", calls.run_id, e.details())
+        # (not when the wait above ended otherwise, say by a stop request: close() tries once more)
+        self.heartbeat = None
 
 
 TRAINING_MODES: dict[str, type[TrainingMode]] = {

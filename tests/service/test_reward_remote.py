@@ -94,58 +94,48 @@ def remote_app(state: RemoteState) -> FastAPI:
     return app
 
 
+def _raw(body) -> Response:
+    return Response(json.dumps(body), media_type="application/json")  # allows NaN/Infinity
+
+
+# Replies that depend only on the request: behaviour -> (samples, their right scores) -> reply.
+_FIXED_REPLIES = {
+    "named": lambda samples, scores: {"scores": [{"exact": x, "length": float(len(s["response"]))}
+                                                 for x, s in zip(scores, samples)]},
+    "teapot": lambda samples, scores: PlainTextResponse("no", status_code=418),
+    "garbage": lambda samples, scores: PlainTextResponse("<html>Bad gateway</html>"),
+    "nan": lambda samples, scores: _raw({"scores": [float("nan")] + scores[1:]}),
+    "overflow": lambda samples, scores: Response('{"scores": [1' + "0" * 400 + ', 1]}', media_type="application/json"),
+    "inf": lambda samples, scores: _raw({"scores": [{"exact": float("inf")}] * len(samples)}),
+    "string": lambda samples, scores: {"scores": ["0.5"] * len(samples)},
+    "bool": lambda samples, scores: {"scores": [True] * len(samples)},
+    "wrong_count": lambda samples, scores: {"scores": scores[:-1]},
+    "huge": lambda samples, scores: {"scores": scores, "padding": "x" * 200_000},
+    "null": lambda samples, scores: {"scores": [None] + scores[1:]},
+    "reverse": lambda samples, scores: {"scores": scores[::-1]},
+    "varying_names": lambda samples, scores: {"scores": [{f"k{s['index'] % 2}": 1.0} for s in samples]},
+    "leaky_500": lambda samples, scores: PlainTextResponse(f"internal error, config: {SECRET}", status_code=500),
+    "leaky_text": lambda samples, scores: PlainTextResponse(f"<html>{SECRET}</html>"),
+    "leaky_json": lambda samples, scores: {"oops": SECRET},
+    "leaky_scores": lambda samples, scores: {"scores": [SECRET] * len(samples)},
+}
+
+
 async def _answer(behaviour: str, samples: list[dict], state: RemoteState):
     scores = [score_of(s) for s in samples]
-    def raw(body):
-        return Response(json.dumps(body), media_type="application/json")  # allows NaN/Infinity
     if behaviour == "ok":
         await asyncio.sleep(0.01)  # long enough for concurrent calls to overlap
-        return {"scores": scores}
-    if behaviour == "named":
-        return {"scores": [{"exact": x, "length": float(len(s["response"]))} for x, s in zip(scores, samples)]}
     if behaviour == "slow":
         await asyncio.sleep(2)
-        return {"scores": scores}
     if behaviour == "error" or (behaviour == "switch" and state.down):
         return PlainTextResponse("the judge model ran out of memory", status_code=500)
-    if behaviour == "teapot":
-        return PlainTextResponse("no", status_code=418)
     if behaviour == "flaky" and state.flaky_failures_left > 0:
         state.flaky_failures_left -= 1
         return PlainTextResponse("try again", status_code=503)
-    if behaviour == "garbage":
-        return PlainTextResponse("<html>Bad gateway</html>")
-    if behaviour == "nan":
-        return raw({"scores": [float("nan")] + scores[1:]})
-    if behaviour == "overflow":
-        return Response('{"scores": [1' + "0" * 400 + ', 1]}', media_type="application/json")
-    if behaviour == "inf":
-        return raw({"scores": [{"exact": float("inf")}] * len(samples)})
-    if behaviour == "string":
-        return {"scores": ["0.5"] * len(samples)}
-    if behaviour == "bool":
-        return {"scores": [True] * len(samples)}
-    if behaviour == "wrong_count":
-        return {"scores": scores[:-1]}
-    if behaviour == "huge":
-        return {"scores": scores, "padding": "x" * 200_000}
-    if behaviour == "null":
-        return {"scores": [None] + scores[1:]}
-    if behaviour == "reverse":
-        return {"scores": scores[::-1]}
-    if behaviour == "varying_names":
-        return {"scores": [{f"k{s['index'] % 2}": 1.0} for s in samples]}
     if behaviour == "crash_on_unlabeled" and any(not s["label"] for s in samples):
         return PlainTextResponse("KeyError: 'label'", status_code=500)
-    if behaviour == "leaky_500":
-        return PlainTextResponse(f"internal error, config: {SECRET}", status_code=500)
-    if behaviour == "leaky_text":
-        return PlainTextResponse(f"<html>{SECRET}</html>")
-    if behaviour == "leaky_json":
-        return {"oops": SECRET}
-    if behaviour == "leaky_scores":
-        return {"scores": [SECRET] * len(samples)}
-    return {"scores": scores}
+    reply = _FIXED_REPLIES.get(behaviour)
+    return reply(samples, scores) if reply else {"scores": scores}
 
 
 class HttpServer:
