@@ -5,7 +5,7 @@ any of them can be killed at any time.
 - Prompts come from local JSONL / Parquet files or saved Hugging Face datasets
   (rlmesh.buffer.sources), optionally chat-templated through the model's tokenizer
   and filtered by length (rlmesh.buffer.datasets), shuffled per epoch with a seed, mixed
-  by weight across training datasets, with the cursor in Redis.
+  by weight across training datasets, with the cursor in Redis (rlmesh.buffer.prompts).
 - Every move of a group between states is one Lua script (rlmesh.buffer.scripts):
   prompts leased to rollout workers, partial groups waiting to resume, completed groups
   queued, training batches leased and acknowledged, stale groups dropped. The key

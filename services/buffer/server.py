@@ -54,7 +54,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def GetPrompts(self, request, context) -> bytes:
         at_most(request.num_groups, self.settings.limits.max_groups_per_call, "num_groups", "max_groups_per_call")
         lease = seconds(request.lease_seconds, "lease_seconds") or self.settings.prompt_lease_seconds
-        groups = await self.store.get_prompts(request.run_id, request.num_groups, lease)
+        groups = await self.store.prompts.get_prompts(request.run_id, request.num_groups, lease)
         return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 
     async def GetEvalPrompts(self, request, context) -> bytes:
@@ -63,8 +63,9 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         within([(n, limits.max_samples_per_prompt, "n_samples_per_prompt", "max_samples_per_prompt"),
                 (request.limit * n, limits.max_samples_per_call, "samples asked for (limit x n_samples_per_prompt)",
                  "max_samples_per_call")])
-        groups = await self.store.get_eval_prompts(request.run_id, request.dataset, request.offset, request.limit,
-                                                   request.n_samples_per_prompt or 1, wrap=request.wrap)
+        groups = await self.store.prompts.get_eval_prompts(request.run_id, request.dataset, request.offset,
+                                                           request.limit, request.n_samples_per_prompt or 1,
+                                                           wrap=request.wrap)
         return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 
     async def PutGroups(self, request: wire.PutGroupsWire, context):

@@ -2,7 +2,7 @@
 atomic Lua script (rlmesh.buffer.scripts), so several buffer replicas can serve one
 Redis and a crash at any point loses nothing and hands nothing out twice.
 
-Keys of a run live under `<prefix>:run:<run_id>:`:
+Keys of a run live under `<prefix>:run:<run_id>:` (rlmesh.buffer.keys.RunKeys lists them):
   spec            run spec (JSON); its existence is the run's existence
   data:<dataset>  prompt records (list of JSON, see rlmesh.buffer.datasets)
   cursor          hash: <dataset> -> prompts drawn so far; __groups__ -> next group index
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -46,35 +45,19 @@ import redis.asyncio as aioredis
 
 from rlmesh.buffer import scripts
 from rlmesh.buffer.cache import GroupCache
-from rlmesh.buffer.datasets import epoch_order, load_dataset, record_to_samples
 from rlmesh.buffer.filters import BufferFilter, decode_meta, encode_meta
+from rlmesh.buffer.keys import RunKeys, read_spec, run_keys, unknown_run
+from rlmesh.buffer.prompts import PromptSource, check_dataset_names
 from rlmesh.buffer.sources import DataFiles
+from rlmesh.buffer.stats import run_stats
 from rlmesh.buffer.wire import repeated_messages
 from rlmesh.common.dataset_spec import dataset_defaults
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RlmeshError
-from rlmesh.common.paths import validate_run_id
 from rlmesh.common.run_config import DatasetConfig
-from rlmesh.common.sample import ConversionError, SampleGroup, group_to_proto, validate_group_proto
+from rlmesh.common.sample import ConversionError, validate_group_proto
 from rlmesh.v1 import buffer_pb2, sample_pb2
 
-_RATE_COUNTERS = ("groups_written", "acknowledged_groups", "prompts_handed_out")
 _SPEC_ONLY_AT_CREATION = ("sizes", "skipped", "created_at", "token")
-
-
-@dataclass(frozen=True)
-class RunKeys:
-    base: str
-
-    def __getattr__(self, name: str) -> str:  # keys.queue -> "<base>queue"
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return self.base + name
-
-    def data(self, dataset: str) -> str:
-        return f"{self.base}data:{dataset}"
-
-    def batch(self, lease_id: str) -> str:
-        return f"{self.base}batch:{lease_id}"
 
 
 @dataclass
@@ -89,7 +72,6 @@ class DeadLetter:
     reason: str
 
 
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 _MAX_REASON = 4096  # characters of a rejection's reason that are kept
 # Acknowledged lease ids remembered per run so that a retried AckBatch (the buffer died
 # before its reply) succeeds again; a trainer retries within minutes, not 1,000 steps.
@@ -115,7 +97,8 @@ class BufferStore:
         self.filter_window = filter_window
         self.rate_window_seconds = rate_window_seconds
         self.cache = GroupCache(cache_bytes)
-        self.data_files = data_files or DataFiles((), 1, 1)  # none: no dataset file can be read
+        data_files = data_files or DataFiles((), 1, 1)  # none: no dataset file can be read
+        self.prompts = PromptSource(redis, key_prefix, data_files)  # GetPrompts, GetEvalPrompts
         self.max_deliveries = max_deliveries
         self.recent_groups = recent_groups
         self._put = redis.register_script(scripts.PUT_GROUPS)
@@ -126,24 +109,14 @@ class BufferStore:
         self._commit_acks = redis.register_script(scripts.COMMIT_ACKS)
         self._rollback = redis.register_script(scripts.ROLLBACK_TO_CHECKPOINT)
         self._reject = redis.register_script(scripts.REJECT_GROUPS)
-        self._get_prompts = redis.register_script(scripts.GET_PROMPTS)
-        self._materialize = redis.register_script(scripts.MATERIALIZE)
         self._return_partial = redis.register_script(scripts.RETURN_PARTIAL)
         self._drop = redis.register_script(scripts.DROP_GROUPS)
 
     def keys(self, run_id: str) -> RunKeys:
-        # ':' or '*' in an id would reach into another run's keys (DeleteRun scans by prefix).
-        return RunKeys(f"{self.key_prefix}:run:{validate_run_id(run_id)}:")
-
-    @staticmethod
-    def _unknown_run(run_id: str) -> NotFound:
-        return NotFound(f"unknown run {run_id!r}: create it with CreateRun first")
+        return run_keys(self.key_prefix, run_id)
 
     async def _spec(self, run_id: str) -> dict:
-        raw = await self.redis.get(self.keys(run_id).spec)
-        if raw is None:
-            raise self._unknown_run(run_id)
-        return json.loads(raw)
+        return await read_spec(self.redis, self.keys(run_id), run_id)
 
     async def list_runs(self) -> list[str]:
         head, tail = f"{self.key_prefix}:run:", ":spec"
@@ -151,17 +124,6 @@ class BufferStore:
         return sorted([key.decode()[len(head):-len(tail)] async for key in keys])
 
     # ---- runs ---------------------------------------------------------------------------
-
-    @staticmethod
-    def _check_dataset_names(datasets: list[DatasetConfig]) -> None:
-        names = set()
-        for d in datasets:
-            if not _NAME.fullmatch(d.name) or d.name == "__groups__":
-                raise InvalidArgument(f"dataset name must be 1-128 letters, digits, '_', '.' or '-' "
-                                      f"(not '__groups__'), got {d.name!r}")
-            if d.name in names:
-                raise InvalidArgument(f"dataset names must be unique; {d.name!r} appears twice")
-            names.add(d.name)
 
     async def create_run(self, run_id: str, datasets: list[DatasetConfig], n_samples_per_prompt: int,
                          max_queued_groups: int = 0, vocab_size: int = 0) -> bool:
@@ -175,7 +137,7 @@ class BufferStore:
             raise InvalidArgument("vocab_size must not be negative (0 = unknown)")
         if not any(not d.eval for d in datasets):
             raise InvalidArgument("a run needs at least one training dataset (eval = false)")
-        self._check_dataset_names(datasets)
+        check_dataset_names(datasets)
         spec = {"datasets": [d.model_dump() for d in datasets], "n_samples_per_prompt": n_samples_per_prompt,
                 "max_queued_groups": max_queued_groups, "vocab_size": vocab_size}
         existing = await self.redis.get(k.spec)
@@ -187,16 +149,7 @@ class BufferStore:
             if {kk: v for kk, v in old.items() if kk not in _SPEC_ONLY_AT_CREATION} != spec:
                 raise FailedPrecondition(f"run {run_id!r} exists with a different spec; delete it first")
             return False
-        sizes, skipped = {}, {}
-        for dataset in datasets:
-            # Reading, templating and measuring prompts is CPU work: keep the event loop free.
-            loaded = await asyncio.to_thread(load_dataset, dataset, self.data_files)
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.delete(k.data(dataset.name))
-            for start in range(0, len(loaded.records), 1000):
-                pipe.rpush(k.data(dataset.name), *[json.dumps(r) for r in loaded.records[start:start + 1000]])
-            await pipe.execute()
-            sizes[dataset.name], skipped[dataset.name] = len(loaded.records), loaded.skipped
+        sizes, skipped = await self.prompts.load(k, datasets)
         # token: this incarnation of the run (keys the group cache; see rlmesh.buffer.cache)
         spec.update(sizes=sizes, skipped=skipped, created_at=time.time(), token=uuid.uuid4().hex)
         # SET NX: of two replicas racing to create the same run, one wins (and with the same
@@ -212,85 +165,6 @@ class BufferStore:
         async for key in self.redis.scan_iter(match=pattern, count=1000):
             deleted += await self.redis.delete(key)
         return deleted
-
-    # ---- prompts ------------------------------------------------------------------------
-
-    async def get_prompts(self, run_id: str, num_groups: int, lease_seconds: float) -> list[bytes]:
-        """Serialized prompt groups, leased: expired leases first, then partial groups,
-        then fresh prompts from the cursor (see scripts.GET_PROMPTS)."""
-        if num_groups < 1:
-            raise InvalidArgument("num_groups must be at least 1")
-        if lease_seconds <= 0:
-            raise InvalidArgument("lease_seconds must be positive (0 = the service default)")
-        k = self.keys(run_id)
-        now = time.time()
-        out = await self._get_prompts(
-            keys=[k.spec, k.cursor, k.prompt_leases, k.prompts, k.partial, k.partial_groups, k.stats],
-            args=[now, now + lease_seconds, num_groups],
-        )
-        if out[0] == -1:
-            raise self._unknown_run(run_id)
-        ids, values = out[1::2], out[2::2]
-        refs = [(i, v) for i, v in enumerate(values) if v.startswith(b"ref:")]
-        if refs:
-            built = await self._build_prompt_groups(run_id, [v for _, v in refs])
-            args = []
-            for (i, ref), raw in zip(refs, built):
-                values[i] = raw
-                args += [ids[i], ref, raw]
-            await self._materialize(keys=[k.prompts], args=args)
-        return values
-
-    async def _build_prompt_groups(self, run_id: str, refs: list[bytes]) -> list[bytes]:
-        spec = await self._spec(run_id)
-        k = self.keys(run_id)
-        by_name = {d["name"]: d for d in spec["datasets"]}
-        wanted = []
-        pipe = self.redis.pipeline(transaction=False)
-        for ref in refs:
-            r = json.loads(ref[4:])
-            d = by_name[r["d"]]
-            epoch, offset = divmod(int(r["p"]), spec["sizes"][d["name"]])
-            row = int(epoch_order(spec["sizes"][d["name"]], d["seed"], epoch, d["shuffle"])[offset])
-            pipe.lindex(k.data(d["name"]), row)
-            wanted.append((int(r["i"]), d["name"]))
-        records = await pipe.execute()
-        n = spec["n_samples_per_prompt"]
-        groups = [SampleGroup(f"g{gi}", gi, record_to_samples(json.loads(rec), gi, n, name), name)
-                  for (gi, name), rec in zip(wanted, records)]
-        return [group_to_proto(g).SerializeToString() for g in groups]
-
-    async def get_eval_prompts(self, run_id: str, dataset: str, offset: int = 0, limit: int = 0,
-                               n_samples_per_prompt: int = 1, wrap: bool = False) -> list[bytes]:
-        """Serialized groups of a dataset's prompts, rows offset.. (limit 0 = all); no lease.
-        `wrap`: row offset + j is row (offset + j) mod the dataset's length, so `limit` rows
-        always come back (a warm start cycling its own dataset); group ids count on past the end."""
-        spec = await self._spec(run_id)
-        by_name = {d["name"]: d for d in spec["datasets"]}
-        if dataset not in by_name:
-            raise NotFound(f"run {run_id!r} has no dataset {dataset!r}; it has {sorted(by_name)}")
-        if offset < 0 or limit < 0 or n_samples_per_prompt < 1:
-            raise InvalidArgument("offset and limit must not be negative, n_samples_per_prompt must be positive")
-        key = self.keys(run_id).data(dataset)
-        if wrap:
-            if not limit:
-                raise InvalidArgument("a wrapping read needs a limit (it would never end)")
-            size = await self.redis.llen(key)
-            rows_at = [(offset + j) % size for j in range(limit)] if size else []
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for i in rows_at:
-                    pipe.lindex(key, i)
-                rows = await pipe.execute()
-            picked = [(offset + j, i, raw) for j, (i, raw) in enumerate(zip(rows_at, rows))]
-        else:
-            stop = -1 if limit <= 0 else offset + limit - 1
-            rows = await self.redis.lrange(key, offset, stop)
-            picked = [(i, i, raw) for i, raw in enumerate(rows, start=offset)]
-        groups = []
-        for at, i, raw in picked:
-            samples = record_to_samples(json.loads(raw), i, n_samples_per_prompt, dataset)
-            groups.append(group_to_proto(SampleGroup(f"eval:{dataset}:{at}", i, samples, dataset)).SerializeToString())
-        return groups
 
     # ---- completed and partial groups ---------------------------------------------------
 
@@ -308,7 +182,7 @@ class BufferStore:
         keys = [k.spec, k.groups, k.queue, k.acked, k.discarded, k.prompt_leases, k.prompts, k.stats, k.meta]
         result = await self._put(keys=keys, args=args)
         if result[0] == -1:
-            raise self._unknown_run(run_id)
+            raise unknown_run(run_id)
         if result[0] == -2:
             spec = await self._spec(run_id)
             if len(groups) > spec["max_queued_groups"]:  # waiting would never help
@@ -359,7 +233,7 @@ class BufferStore:
                 k.groups, k.acked, k.discarded]
         n = await self._return_partial(keys=keys, args=args)
         if n < 0:
-            raise self._unknown_run(run_id)
+            raise unknown_run(run_id)
         return n
 
     async def _validate(self, run_id: str, groups) -> None:
@@ -380,7 +254,7 @@ class BufferStore:
         n = await self._drop(keys=[k.spec, k.prompt_leases, k.prompts, k.stats, k.discarded],
                              args=[reason or "unspecified", *group_ids])
         if n < 0:
-            raise self._unknown_run(run_id)
+            raise unknown_run(run_id)
         return n
 
     async def stored_groups(self, run_id: str) -> list[bytes]:
@@ -444,7 +318,7 @@ class BufferStore:
             else:
                 result = await self._lease_filtered(keys, head, num_groups, num_samples, min_weight_version, keep_stale)
             if result[0] == -1:
-                raise self._unknown_run(run_id)
+                raise unknown_run(run_id)
             dropped += result[1]
             if result[0] > 0:
                 groups = await self._group_bytes(k, result[3].decode(), [i.decode() for i in result[4:]])
@@ -518,7 +392,7 @@ class BufferStore:
                                   k.acked_lease_order],
                             args=[lease_id, int(provisional), step, _REMEMBERED_ACKED_LEASES])
         if n == -2:
-            raise self._unknown_run(run_id)
+            raise unknown_run(run_id)
         if n == -1:
             raise NotFound(
                 f"lease {lease_id!r} of run {run_id!r} is unknown or has expired (its groups were redelivered)")
@@ -531,7 +405,7 @@ class BufferStore:
         n = await self._commit_acks(keys=[k.spec, k.groups, k.acked, k.stats, k.meta, k.deliveries, k.provisional,
                                           k.provisional_steps], args=[through_step])
         if n == -2:
-            raise self._unknown_run(run_id)
+            raise unknown_run(run_id)
         return n
 
     async def rollback_to_checkpoint(self, run_id: str, step: int) -> tuple[int, int, int]:
@@ -541,7 +415,7 @@ class BufferStore:
         keys = [*self._lease_keys(k, ""), k.acked, k.provisional, k.provisional_steps]
         result = await self._rollback(keys=keys, args=[time.time(), k.batch(""), step, self.max_deliveries])
         if result[0] == -2:
-            raise self._unknown_run(run_id)
+            raise unknown_run(run_id)
         return result[0], result[1], result[2]
 
     async def reject_groups(self, run_id: str, lease_id: str, reasons: dict[str, str]) -> int:
@@ -556,7 +430,7 @@ class BufferStore:
             args += [group_id, (reason or "unspecified")[:_MAX_REASON]]
         result = await self._reject(keys=self._lease_keys(k, lease_id), args=args)
         if result[0] == -2:
-            raise self._unknown_run(run_id)
+            raise unknown_run(run_id)
         if result[0] == -1:
             raise NotFound(
                 f"lease {lease_id!r} of run {run_id!r} is unknown or has expired (its groups were redelivered)")
@@ -568,75 +442,9 @@ class BufferStore:
     # ---- stats --------------------------------------------------------------------------
 
     async def stats(self, run_id: str) -> dict:
-        """The run's counters, by the field names of the BufferStats message."""
+        """The run's counters, by the field names of the BufferStats message (see rlmesh.buffer.stats)."""
         spec = await self._spec(run_id)
-        k = self.keys(run_id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.llen(k.queue)
-        pipe.hlen(k.groups)
-        pipe.llen(k.partial)
-        pipe.hgetall(k.stats)
-        pipe.hgetall(k.cursor)
-        pipe.llen(k.dead_letters)
-        pipe.llen(k.provisional)
-        queued, stored, partial, raw_counters, cursor, dead, provisional = await pipe.execute()
-        counters = {kk.decode(): int(v) for kk, v in raw_counters.items()}
-        first = next(d for d in spec["datasets"] if not d["eval"])
-        drawn = int(cursor.get(first["name"].encode(), 0))
-        epoch, offset = divmod(drawn, spec["sizes"][first["name"]])
-        skipped = spec.get("skipped", {})
-        rates, window = await self._rates(k, counters)
-        return dict(
-            queued_groups=queued,
-            leased_groups=stored - queued - provisional,
-            partial_groups=partial,
-            acknowledged_groups=counters.get("acknowledged_groups", 0),
-            dropped_groups=counters.get("dropped_groups", 0),
-            prompts_handed_out=counters.get("prompts_handed_out", 0),
-            epoch=epoch,
-            offset=offset,
-            next_sample_index=int(cursor.get(b"__groups__", 0)) * spec["n_samples_per_prompt"],
-            groups_written=counters.get("groups_written", 0),
-            redelivered_groups=counters.get("redelivered_groups", 0),
-            stale_groups_dropped=counters.get("stale_groups_dropped", 0),
-            stale_groups_kept=counters.get("stale_groups_kept", 0),
-            prompts_skipped=sum(skipped.values()),
-            prompts_skipped_by_dataset=skipped,
-            prompts_reissued=counters.get("prompts_reissued", 0),
-            partial_groups_returned=counters.get("partial_groups_returned", 0),
-            dropped_by_reason={kk[len("dropped:"):]: v for kk, v in counters.items() if kk.startswith("dropped:")},
-            groups_written_per_second=rates["groups_written"],
-            groups_acknowledged_per_second=rates["acknowledged_groups"],
-            prompts_handed_out_per_second=rates["prompts_handed_out"],
-            rate_window_seconds=window,
-            queued_samples=counters.get("queued_samples", 0),
-            dead_letter_groups=dead,
-            provisional_groups=provisional,
-            rolled_back_groups=counters.get("rolled_back_groups", 0),
-        )
-
-    async def _rates(self, k: RunKeys, counters: dict[str, int]) -> tuple[dict[str, float], float]:
-        """Per-second rates against a snapshot of the counters taken about
-        rate_window_seconds ago (snapshots live in Redis, so every replica agrees)."""
-        now = time.time()
-        window = self.rate_window_seconds
-        base = await self.redis.zrangebyscore(k.rate_snapshots, now - window, "+inf", start=0, num=1, withscores=True)
-        if not base:
-            base = await self.redis.zrevrange(k.rate_snapshots, 0, 0, withscores=True)
-        newest = await self.redis.zrevrange(k.rate_snapshots, 0, 0, withscores=True)
-        if not newest or now - newest[0][1] >= 1.0:
-            snapshot = json.dumps({"t": now, **{c: counters.get(c, 0) for c in _RATE_COUNTERS}})
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.zadd(k.rate_snapshots, {snapshot: now})
-            pipe.zremrangebyscore(k.rate_snapshots, "-inf", now - 2 * window)
-            await pipe.execute()
-        rates = dict.fromkeys(_RATE_COUNTERS, 0.0)
-        if base and now - base[0][1] > 0:
-            then = json.loads(base[0][0])
-            span = now - base[0][1]
-            rates = {c: max(counters.get(c, 0) - then.get(c, 0), 0) / span for c in _RATE_COUNTERS}
-            return rates, span
-        return rates, 0.0
+        return await run_stats(self.redis, self.keys(run_id), spec, self.rate_window_seconds)
 
 
 def _check_step(step: int, name: str) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 from fastapi import APIRouter, Request
@@ -13,6 +15,8 @@ from rlmesh.engine.http_common import EngineState, error_response, json_body, re
 from rlmesh.engine.weights import (
     ReceiveBuffers,
     TensorPool,
+    TensorSpec,
+    WeightDelta,
     WeightUpdateError,
     apply_delta,
     check_against_model,
@@ -65,51 +69,12 @@ def weights_router(state: EngineState) -> APIRouter:
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         body = await json_body(request)
         specs = parse_specs(body.get("names"), body.get("dtypes"), body.get("shapes"))
-        load_format = body.get("load_format")
-        delta = None
-        if body.get("rlmesh_delta") is not None:
-            if not state.settings.weight_delta:
-                raise WeightUpdateError("this engine does not accept delta updates (weight_delta is off); push in full")
-            delta = parse_delta(body["rlmesh_delta"], specs)
+        delta = _requested_delta(state, body, specs)
         async with state.weight_lock:
             group = state.groups.get(str(body.get("group_name") or "weight_update_group"))
             if body.get("abort_all_requests"):
                 engine.abort(abort_all=True, message="Aborted for a weight update.")
-            # Receive everything before judging it, so rank 0's broadcasts never hang.
-            buffer = None
-            try:
-                if delta is None:
-                    if load_format == "flattened_bucket":
-                        buffer = buffers.take(receive_bytes(specs, load_format), engine.device)
-                    # Room for the memory of two buckets in flight (one applied, one received).
-                    pool.limit_bytes = max(pool.limit_bytes, 2 * receive_bytes(specs, load_format))
-                    named = await asyncio.to_thread(receive, specs, group, load_format, engine.device, buffer, pool)
-                    check_against_model(model, named)
-
-                    def apply() -> None:
-                        if load_format is None:
-                            install_into_model(model, named, pool)
-                        else:
-                            load_into_model(model, named)
-                        state.set_weight_version(body.get("weight_version"))
-                else:
-                    received = await asyncio.to_thread(receive_delta, specs, delta, group, engine.device)
-                    check_against_model(model, [(s.name, torch.empty(s.shape, device="meta")) for s in specs])
-                    check_delta_targets(model, specs)
-
-                    def apply() -> None:
-                        apply_delta(model, received, engine.weight_version)
-                        state.set_weight_version(body.get("weight_version"))
-
-                # Queued while the lock is held, so buckets apply in the order they arrived;
-                # the next bucket's broadcast is received while this one is copied in.
-                applied = engine.run_between_steps(apply)
-            except BaseException:
-                if buffer is not None:
-                    buffers.give(buffer)
-                raise
-            if buffer is not None:
-                applied.add_done_callback(lambda _: buffers.give(buffer))  # free once the model has it
+            applied = await _receive_and_queue(state, body, specs, delta, group, buffers, pool)
         await asyncio.wrap_future(applied)
         return result_response(True, "Succeeded to update parameter online.")
 
@@ -156,3 +121,77 @@ def weights_router(state: EngineState) -> APIRouter:
         return JSONResponse(values)
 
     return router
+
+
+def _requested_delta(state: EngineState, body: dict, specs: list[TensorSpec]) -> WeightDelta | None:
+    """The delta an update asks for (None: a full update); refused unless weight_delta is on."""
+    if body.get("rlmesh_delta") is None:
+        return None
+    if not state.settings.weight_delta:
+        raise WeightUpdateError("this engine does not accept delta updates (weight_delta is off); push in full")
+    return parse_delta(body["rlmesh_delta"], specs)
+
+
+async def _receive_and_queue(state: EngineState, body: dict, specs: list[TensorSpec], delta: WeightDelta | None,
+                             group: torch.distributed.ProcessGroup, buffers: ReceiveBuffers,
+                             pool: TensorPool) -> Future:
+    """Receive an update (full, or `delta`) and queue it to apply between engine steps; the
+    caller holds the weight lock. A flattened bucket's buffer goes back to `buffers` once
+    the model has it (or at once, on an error)."""
+    engine = state.engine
+    load_format = body.get("load_format")
+    # Receive everything before judging it, so rank 0's broadcasts never hang.
+    buffer = None
+    try:
+        if delta is None:
+            if load_format == "flattened_bucket":
+                buffer = buffers.take(receive_bytes(specs, load_format), engine.device)
+            apply = await _receive_full(state, body, specs, group, buffer, pool)
+        else:
+            apply = await _receive_delta(state, body, specs, delta, group)
+        # Queued while the lock is held, so buckets apply in the order they arrived;
+        # the next bucket's broadcast is received while this one is copied in.
+        applied = engine.run_between_steps(apply)
+    except BaseException:
+        if buffer is not None:
+            buffers.give(buffer)
+        raise
+    if buffer is not None:
+        applied.add_done_callback(lambda _: buffers.give(buffer))  # free once the model has it
+    return applied
+
+
+async def _receive_full(state: EngineState, body: dict, specs: list[TensorSpec], group: torch.distributed.ProcessGroup,
+                        buffer: torch.Tensor | None, pool: TensorPool) -> Callable[[], None]:
+    """Receive a full update (into `buffer` when it comes as a flattened bucket) and check it
+    against the model; what installs it, to run between engine steps."""
+    engine, model = state.engine, state.model
+    load_format = body.get("load_format")
+    # Room for the memory of two buckets in flight (one applied, one received).
+    pool.limit_bytes = max(pool.limit_bytes, 2 * receive_bytes(specs, load_format))
+    named = await asyncio.to_thread(receive, specs, group, load_format, engine.device, buffer, pool)
+    check_against_model(model, named)
+
+    def apply() -> None:
+        if load_format is None:
+            install_into_model(model, named, pool)
+        else:
+            load_into_model(model, named)
+        state.set_weight_version(body.get("weight_version"))
+
+    return apply
+
+
+async def _receive_delta(state: EngineState, body: dict, specs: list[TensorSpec], delta: WeightDelta,
+                         group: torch.distributed.ProcessGroup) -> Callable[[], None]:
+    """Receive a delta update and check its targets; what applies it, to run between engine steps."""
+    engine, model = state.engine, state.model
+    received = await asyncio.to_thread(receive_delta, specs, delta, group, engine.device)
+    check_against_model(model, [(s.name, torch.empty(s.shape, device="meta")) for s in specs])
+    check_delta_targets(model, specs)
+
+    def apply() -> None:
+        apply_delta(model, received, engine.weight_version)
+        state.set_weight_version(body.get("weight_version"))
+
+    return apply

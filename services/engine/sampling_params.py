@@ -78,6 +78,25 @@ def _str_list(name: str, value: Any) -> list[str]:
 
 def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
     """SGLang's `sampling_params` dict -> SamplingParams; None values mean the default."""
+    given = _given(raw)
+    p = SamplingParams()
+    _set_scalars(p, given)
+    if "stop" in given:
+        p.stop = _stop_strings(given["stop"])
+    if "stop_regex" in given:
+        p.stop_regex = _stop_regexes(given["stop_regex"])
+    if "stop_token_ids" in given:
+        p.stop_token_ids = _token_ids(given["stop_token_ids"])
+    if "logit_bias" in given:
+        p.logit_bias = _logit_bias(given["logit_bias"])
+    if "custom_params" in given:
+        p.custom_params = given["custom_params"]
+    _verify(p, vocab_size)
+    return p
+
+
+def _given(raw: Any) -> dict[str, Any]:
+    """The keys set (not None) in a `sampling_params` object; an unknown or unsupported key is an error."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -91,7 +110,11 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
     for key in _UNSUPPORTED_KEYS:
         if key in given:
             raise RequestError(f"sampling_params.{key}: constrained decoding is not supported by the reference engine")
-    p = SamplingParams()
+    return given
+
+
+def _set_scalars(p: SamplingParams, given: dict[str, Any]) -> None:
+    """The integer, float and boolean parameters given, checked for their type."""
     for name in ("max_new_tokens", "top_k", "n", "min_new_tokens", "sampling_seed", "stream_interval"):
         if name in given:
             setattr(p, name, _number(name, given[name], int))
@@ -103,34 +126,38 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
             if not isinstance(given[name], bool):
                 raise RequestError(f"sampling_params.{name} must be true or false, got {given[name]!r}")
             setattr(p, name, given[name])
-    if "stop" in given:
-        p.stop = _str_list("stop", given["stop"])
-        if len(p.stop) > MAX_STOP_STRINGS:
-            raise RequestError(f"sampling_params.stop has {len(p.stop)} strings; at most {MAX_STOP_STRINGS} allowed")
-    if "stop_regex" in given:
-        p.stop_regex = _str_list("stop_regex", given["stop_regex"])
-        for pattern in p.stop_regex:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise RequestError(f"sampling_params.stop_regex {pattern!r} is not a valid regex: {e}") from None
-    if "stop_token_ids" in given:
-        ids = given["stop_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise RequestError(f"sampling_params.stop_token_ids must be a list of integers, got {ids!r}")
-        p.stop_token_ids = set(ids)
-    if "logit_bias" in given:
-        bias = given["logit_bias"]
-        if not isinstance(bias, dict):
-            raise RequestError("sampling_params.logit_bias must map token ids to numbers")
+
+
+def _stop_strings(value: Any) -> list[str]:
+    stop = _str_list("stop", value)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"sampling_params.stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} allowed")
+    return stop
+
+
+def _stop_regexes(value: Any) -> list[str]:
+    patterns = _str_list("stop_regex", value)
+    for pattern in patterns:
         try:
-            p.logit_bias = {int(k): _number("logit_bias", v, float) for k, v in bias.items()}
-        except ValueError:
-            raise RequestError("sampling_params.logit_bias keys must be token ids") from None
-    if "custom_params" in given:
-        p.custom_params = given["custom_params"]
-    _verify(p, vocab_size)
-    return p
+            re.compile(pattern)
+        except re.error as e:
+            raise RequestError(f"sampling_params.stop_regex {pattern!r} is not a valid regex: {e}") from None
+    return patterns
+
+
+def _token_ids(ids: Any) -> set[int]:
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise RequestError(f"sampling_params.stop_token_ids must be a list of integers, got {ids!r}")
+    return set(ids)
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise RequestError("sampling_params.logit_bias must map token ids to numbers")
+    try:
+        return {int(k): _number("logit_bias", v, float) for k, v in bias.items()}
+    except ValueError:
+        raise RequestError("sampling_params.logit_bias keys must be token ids") from None
 
 
 def _verify(p: SamplingParams, vocab_size: int) -> None:

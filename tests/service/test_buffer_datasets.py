@@ -14,8 +14,8 @@ import redis
 
 from rlmesh.buffer import scripts
 from rlmesh.buffer.config import Settings
+from rlmesh.buffer.keys import RunKeys
 from rlmesh.buffer.server import start
-from rlmesh.buffer.store import RunKeys
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
 from tests.helpers.buffer import code_of, create, prompts, stats

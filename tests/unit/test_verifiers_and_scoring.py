@@ -16,6 +16,7 @@ from rlmesh.common.sample import (
 from rlmesh.reward import verifiers
 from rlmesh.reward.config import Settings
 from rlmesh.reward.scoring import RewardSpec, Scorer
+from rlmesh.reward.verifiers.extraction import last_boxed
 from tests.helpers.reward import CUSTOM, GROUP, make_sample
 
 # ---------------------------------------------------------------- verifiers
@@ -175,17 +176,17 @@ def test_format():
     ],
 )
 def test_last_boxed(text, expected):
-    assert verifiers.last_boxed(text) == expected
+    assert last_boxed(text) == expected
 
 
 def test_adversarial_answers_are_read_in_linear_time():
     """Each of these took minutes or hours (a scan per box, or regex backtracking over every
     split of a run of spaces) before extraction was made linear."""
     unclosed = "\\boxed{" * 50_000
-    assert verifiers.last_boxed(unclosed) is None
-    assert verifiers.last_boxed(r"\boxed{7}" + unclosed) == "7"
+    assert last_boxed(unclosed) is None
+    assert last_boxed(r"\boxed{7}" + unclosed) == "7"
     assert verifiers.math(unclosed, "1", {}) == 0.0
-    assert verifiers.last_boxed("\\boxed{" + "{" * 50_000 + "7" + "}" * 50_001) == "{" * 50_000 + "7" + "}" * 50_000
+    assert last_boxed("\\boxed{" + "{" * 50_000 + "7" + "}" * 50_001) == "{" * 50_000 + "7" + "}" * 50_000
     assert verifiers.math("\\boxed{" + "\\text{" * 50_000 + "7" + "}" * 50_001, "7", {}) == 1.0
     assert verifiers.math(r"\boxed{5." + "0" * 100_000 + "}", "5", {}) == 1.0
     assert verifiers.math(r"\boxed{90^" + " " * 100_000 + "x}", "90", {}) == 0.0

@@ -1,123 +1,14 @@
-"""Built-in rule-based verifiers: plain functions `(response, label, metadata) -> float`.
-
-A verifier raises (ValueError) when it cannot judge at all, e.g. the sample has no
-label; the scorer turns that into a FAILED sample with the reason, never a silent 0.
-A response without a recognisable answer is simply wrong: 0.0.
-
-Responses are written by the policy, or by whoever can call the service, so every function
-here takes time linear in its input: no regex with two `\\s*` joined only by optional parts
-(they backtrack over every split of a run of spaces), no scan restarted per match.
-"""
+"""The `math` verifier: the response's final answer (\\boxed{}, "the answer is", or its last
+number) against the label, equal after normalisation (LaTeX wrappers, units, formatting) or
+symbolically, through a small LaTeX-to-sympy converter that only lets simple math through."""
 
 from __future__ import annotations
 
-import json
 import random
 import re
-import string
-from collections import Counter
-from collections.abc import Callable
-from fractions import Fraction
 from typing import Any
 
-Verifier = Callable[[str, str, dict[str, Any]], float]
-
-# What the scorer gives a verifier by default: a response's (and a label's) last 100k characters.
-# Every verifier here is linear in its input; the cap bounds that input.
-DEFAULT_MAX_ANSWER_CHARS = 100_000
-
-
-def _require_label(label: str) -> str:
-    if not label.strip():
-        raise ValueError("the sample has no label (reference answer) to compare against")
-    return label
-
-
-# ---------------------------------------------------------------- answer extraction
-
-def _braced(text: str, open_index: int) -> tuple[str, int] | None:
-    """Content of the brace group opening at text[open_index] and the index after it;
-    escaped braces (\\{ \\}) are literal. None when the braces never balance. A scan per
-    group: for short texts (many groups in a long text: _brace_pairs)."""
-    depth = 0
-    i = open_index
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[open_index + 1 : i], i + 1
-        i += 1
-    return None
-
-
-# A backslash takes the next character with it (an escape), so "\\{" opens nothing.
-_BRACE_TOKEN = re.compile(r"\\.|[{}]", re.S)
-
-
-def _brace_pairs(text: str, start: int = 0) -> dict[int, int]:
-    """Index of each '{' from text[start:] -> index of the '}' that closes it, in one pass
-    (unclosed groups are absent). Escapes pair up the same from any starting point before a
-    brace, so one pass answers what _braced would for every group: linear where a scan per
-    group is quadratic (50,000 unclosed \\boxed{ took minutes)."""
-    pairs: dict[int, int] = {}
-    stack: list[int] = []
-    for m in _BRACE_TOKEN.finditer(text, start):
-        c = m.group()
-        if c == "{":
-            stack.append(m.start())
-        elif c == "}" and stack:
-            pairs[stack.pop()] = m.start()
-    return pairs
-
-
-_BOXED = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
-_BARE_ANSWER = re.compile(r"[^\s$]+")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last well-formed \\boxed{...} (or \\fbox{...}, or `\\boxed 5`); an
-    unclosed one is skipped for the one before it. Linear in len(text)."""
-    boxes = list(_BOXED.finditer(text))
-    pairs: dict[int, int] | None = None
-    covers_all = False
-    for m in reversed(boxes):
-        start = m.end()
-        if text.startswith("{", start):
-            if pairs is None:  # usually the last box closes: only the text from it is read
-                pairs, covers_all = _brace_pairs(text, m.start()), m is boxes[0]
-            if start not in pairs and not covers_all:  # the boxes before it: one pass over it all
-                pairs, covers_all = _brace_pairs(text, boxes[0].start()), True
-            if start in pairs:
-                return text[start + 1 : pairs[start]].strip()
-        elif (bare := _BARE_ANSWER.match(text, start)) is not None:
-            return bare.group(0)
-    return None
-
-
-# Never two \s* with only optional parts between them: on a run of spaces that fails to match,
-# each way of splitting the run is tried (quadratic, or worse with three).
-_ANSWER_IS = re.compile(r"(?i:(?:final\s+)?answer)\s*(?:is|:|=)\s*(?::\s*)?(.+)")
-_SENTENCE_END = re.compile(r"\.(?:\s|$)")
-
-
-def answer_phrase(text: str) -> str | None:
-    """X from the last "the answer is X" / "Answer: X", up to the end of its sentence."""
-    matches = _ANSWER_IS.findall(text)
-    if not matches:
-        return None
-    phrase = matches[-1].strip()
-    end = _SENTENCE_END.search(phrase)
-    if end:
-        phrase = phrase[: end.start()]
-    phrase = phrase.strip().strip("*").strip()
-    return phrase or None
-
+from rlmesh.reward.verifiers.extraction import answer_phrase, brace_pairs, braced, last_boxed, require_label
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
@@ -157,7 +48,7 @@ def _unwrap_text_commands(s: str) -> str:
     commands = list(_TEXT_COMMANDS.finditer(s))
     if not commands:
         return s
-    pairs = _brace_pairs(s, commands[0].start())
+    pairs = brace_pairs(s, commands[0].start())
     cuts: list[tuple[int, int]] = []  # (start, end) of each command's head and of its closing brace
     for m in commands:
         close = pairs.get(m.end() - 1)
@@ -211,7 +102,7 @@ def _latex_arg(s: str, i: int) -> tuple[str, int]:
     if i >= len(s):
         raise _Unsupported
     if s[i] == "{":
-        found = _braced(s, i)
+        found = braced(s, i)
         if found is None:
             raise _Unsupported
         return _latex_to_sympy_text(found[0]), found[1]
@@ -252,7 +143,7 @@ def _latex_to_sympy_text(s: str) -> str:
             else:
                 raise _Unsupported
         elif c == "{":
-            found = _braced(s, i)
+            found = braced(s, i)
             if found is None:
                 raise _Unsupported
             out.append(f"({_latex_to_sympy_text(found[0])})")
@@ -413,187 +304,9 @@ def answers_equal(answer: str, reference: str) -> bool:
 def math(response: str, label: str, metadata: dict[str, Any]) -> float:
     """1.0 when the extracted answer equals the label, textually after normalisation or
     symbolically (sympy); a label holding a worked solution is reduced to its \\boxed{}."""
-    _require_label(label)
+    require_label(label)
     reference = last_boxed(label) or label
     answer = extract_math_answer(response)
     if answer is None:
         return 0.0
     return 1.0 if answers_equal(answer, reference) else 0.0
-
-
-# ---------------------------------------------------------------- GSM8K: the final number
-
-_GSM8K_MARK = re.compile(r"####\s*([^\n]*)")
-# 1,234.5 / 1234 / .5 / -3 / 3/4; thousands groups need exactly three digits.
-_FINAL_NUMBER = re.compile(r"[-−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|[-−]?\.\d+")
-_LATEX_FRACTION = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(\d+)\}$")
-_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
-
-
-def _as_fraction(text: str) -> Fraction | None:
-    """'1,234.50' / '-3' / '3/4' / '\\frac{3}{4}' -> an exact Fraction; None otherwise."""
-    text = text.replace("−", "-").replace(",", "")
-    m = _LATEX_FRACTION.match(text)
-    if m:
-        text = f"{m.group(1)}{m.group(2)}/{m.group(3)}"
-    # Only plain decimals and a/b: Fraction("1e999999999") would build a gigantic integer.
-    if len(text) > 64 or not _PLAIN_NUMBER.fullmatch(text):
-        return None
-    try:
-        return Fraction(text)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def _number_in(text: str, prefer_last: bool = False) -> Fraction | None:
-    """The number an answer span states: the whole span when it is one number (after the
-    math normalisation: $, units, commas, \\text{}), else its first number (its last one
-    after an '=' or when prefer_last)."""
-    whole = _as_fraction(normalize_math_answer(text))
-    if whole is not None:
-        return whole
-    if "=" in text:
-        text, prefer_last = text.rsplit("=", 1)[1], False
-    found = _FINAL_NUMBER.findall(text)
-    if not found:
-        return None
-    return _as_fraction(found[-1] if prefer_last else found[0])
-
-
-def gsm8k_final_number(text: str) -> Fraction | None:
-    """The final numeric answer: after the last '####', else in the last \\boxed{}, else
-    in the last "the answer is ...", else the last number in the text."""
-    marks = _GSM8K_MARK.findall(text)
-    if marks:
-        return _number_in(marks[-1])
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return _number_in(boxed)
-    phrase = answer_phrase(text)
-    if phrase is not None and (value := _number_in(phrase)) is not None:
-        return value
-    found = _FINAL_NUMBER.findall(text)
-    return _as_fraction(found[-1]) if found else None
-
-
-def gsm8k(response: str, label: str, metadata: dict[str, Any]) -> float:
-    """1.0 when the response's final number equals the label's (GSM8K's '#### 72', a
-    \\boxed{} or a bare number), exactly: 72 == 72.00 == $72, 1,000 == 1000."""
-    _require_label(label)
-    reference = gsm8k_final_number(label)
-    if reference is None:
-        raise ValueError(f"label {label[-40:]!r} states no final number (expected '#### 72' or a number)")
-    answer = gsm8k_final_number(response)
-    return 1.0 if answer is not None and answer == reference else 0.0
-
-
-def _normalize_text(text: str) -> str:
-    return " ".join(text.casefold().split()).rstrip(".").strip()
-
-
-def _label_alternatives(label: str) -> list[str]:
-    """A label may list several accepted answers as a JSON array of strings."""
-    stripped = label.strip()
-    if stripped.startswith("["):
-        try:
-            values = json.loads(stripped)
-        except (json.JSONDecodeError, RecursionError):  # RecursionError: "[[[[..." nested too deep
-            return [label]
-        if isinstance(values, list) and values and all(isinstance(v, (str, int, float)) for v in values):
-            return [str(v) for v in values]
-    return [label]
-
-
-def _extracted_answer(response: str) -> str | None:
-    boxed = last_boxed(response)
-    return boxed if boxed is not None else answer_phrase(response)
-
-
-def exact_match(response: str, label: str, metadata: dict[str, Any]) -> float:
-    """1.0 when the \\boxed{} / "answer is" answer, or the whole response, equals the label
-    up to case and whitespace."""
-    _require_label(label)
-    golds = {_normalize_text(g) for g in _label_alternatives(label)}
-    candidates = [c for c in (_extracted_answer(response), response) if c is not None]
-    return 1.0 if any(_normalize_text(c) in golds for c in candidates) else 0.0
-
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCTUATION = str.maketrans("", "", string.punctuation)
-
-
-def _f1_tokens(text: str) -> list[str]:
-    return _ARTICLES.sub(" ", text.casefold().translate(_PUNCTUATION)).split()
-
-
-def _token_f1(prediction: str, gold: str) -> float:
-    pred, ref = _f1_tokens(prediction), _f1_tokens(gold)
-    if not pred or not ref:
-        return float(pred == ref)
-    common = sum((Counter(pred) & Counter(ref)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(pred), common / len(ref)
-    return 2 * precision * recall / (precision + recall)
-
-
-def f1(response: str, label: str, metadata: dict[str, Any]) -> float:
-    """SQuAD-style token F1 (case, punctuation and articles ignored) of the extracted
-    answer (or the whole response) against the best-matching label."""
-    _require_label(label)
-    prediction = _extracted_answer(response)
-    if prediction is None:
-        prediction = response
-    return max(_token_f1(prediction, gold) for gold in _label_alternatives(label))
-
-
-_CHOICE_LABEL = re.compile(r"\(?([A-Ea-e])\)?(?:[.:)]\s*.*|\s+.*)?", re.S)
-_CHOICE_ANSWER = re.compile(
-    r"(?i:answer)\s*(?:(?i:is)\s*|:\s*)?(?::\s*)?(?:(?i:option|choice)\s*)?(?:\(\s*([A-Ea-e])\s*\)|([A-E]))(?![A-Za-z])"
-)
-_CHOICE_ALONE = re.compile(r"\(?([A-E])\)?[.)]?")
-_CHOICE_PAREN = re.compile(r"\(([A-E])\)")
-
-
-def extract_choice(response: str) -> str | None:
-    text = response.replace("*", "")  # markdown bold around the letter
-    boxed = last_boxed(text)
-    if boxed is not None:
-        inner = re.sub(r"\\text(?:bf)?\{([^{}]*)\}", r"\1", boxed).strip()
-        m = re.fullmatch(r"\(?([A-Ea-e])\)?", inner)
-        if m:
-            return m.group(1).upper()
-    answers = _CHOICE_ANSWER.findall(text)
-    if answers:
-        paren, bare = answers[-1]
-        return (paren or bare).upper()
-    alone = _CHOICE_ALONE.fullmatch(text.strip())
-    if alone:
-        return alone.group(1)
-    parens = _CHOICE_PAREN.findall(text)
-    return parens[-1] if parens else None
-
-
-def multiple_choice(response: str, label: str, metadata: dict[str, Any]) -> float:
-    """1.0 when the chosen letter (A-E) equals the label's letter."""
-    _require_label(label)
-    m = _CHOICE_LABEL.fullmatch(label.strip())
-    if not m:
-        raise ValueError(f"label {label[:40]!r} is not a choice letter A-E")
-    return 1.0 if extract_choice(response) == m.group(1).upper() else 0.0
-
-
-def format(response: str, label: str, metadata: dict[str, Any]) -> float:
-    """1.0 when the response ends its reasoning with a non-empty \\boxed{} answer."""
-    return 1.0 if last_boxed(response) else 0.0
-
-
-# Each a module-level function: worker processes load them by import path (rlmesh.reward.workers).
-VERIFIERS: dict[str, Verifier] = {
-    "exact_match": exact_match,
-    "math": math,
-    "gsm8k": gsm8k,
-    "f1": f1,
-    "multiple_choice": multiple_choice,
-    "format": format,
-}

@@ -1,0 +1,71 @@
+"""Where a run lives in Redis: its keys, one field per key (a misspelt key is an
+AttributeError, never a new key; what each key holds is told in rlmesh.buffer.store's
+docstring), and its spec, whose existence is the run's existence."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+
+import redis.asyncio as aioredis
+
+from rlmesh.common.errors import NotFound
+from rlmesh.common.paths import validate_run_id
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The keys of the run under `base` (`<prefix>:run:<run_id>:`): keys.queue is "<base>queue"."""
+
+    base: str
+    spec: str = field(init=False)
+    cursor: str = field(init=False)
+    prompts: str = field(init=False)
+    prompt_leases: str = field(init=False)
+    partial: str = field(init=False)
+    partial_groups: str = field(init=False)
+    groups: str = field(init=False)
+    meta: str = field(init=False)
+    queue: str = field(init=False)
+    batch_leases: str = field(init=False)
+    deliveries: str = field(init=False)
+    acked: str = field(init=False)
+    acked_leases: str = field(init=False)
+    acked_lease_order: str = field(init=False)
+    provisional: str = field(init=False)
+    provisional_steps: str = field(init=False)
+    discarded: str = field(init=False)
+    dead_letters: str = field(init=False)
+    dead_groups: str = field(init=False)
+    dead_reasons: str = field(init=False)
+    stats: str = field(init=False)
+    rate_snapshots: str = field(init=False)
+    recent: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name != "base":
+                object.__setattr__(self, f.name, self.base + f.name)  # each key is its field's name
+
+    def data(self, dataset: str) -> str:
+        return f"{self.base}data:{dataset}"
+
+    def batch(self, lease_id: str) -> str:
+        return f"{self.base}batch:{lease_id}"
+
+
+def run_keys(key_prefix: str, run_id: str) -> RunKeys:
+    # ':' or '*' in an id would reach into another run's keys (DeleteRun scans by prefix).
+    return RunKeys(f"{key_prefix}:run:{validate_run_id(run_id)}:")
+
+
+def unknown_run(run_id: str) -> NotFound:
+    return NotFound(f"unknown run {run_id!r}: create it with CreateRun first")
+
+
+async def read_spec(redis: aioredis.Redis, k: RunKeys, run_id: str) -> dict:
+    """The run's spec (as create_run wrote it); NotFound for an unknown run."""
+    raw = await redis.get(k.spec)
+    if raw is None:
+        raise unknown_run(run_id)
+    return json.loads(raw)
