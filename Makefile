@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/rlmesh/v1/*.proto)
 
-.PHONY: demo demo-agent test lint proto proto-check bench compose-check clean
+.PHONY: demo demo-agent test lint proto proto-check docs docs-check bench compose-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,7 +25,7 @@ demo-agent: $(STAMP)
 # Two processes: the end-to-end suite starts whole stacks inside the test process, and what
 # their background tasks leave behind must not eat into the tight deadlines of the contract
 # tests (seen: remote-reward timeouts and a stalled rollout after the whole e2e suite ran first).
-test: $(STAMP) proto-check lint
+test: $(STAMP) proto-check docs-check lint
 	$(BIN)/python -m pytest -q tests/unit tests/service
 	$(BIN)/python -m pytest -q tests/e2e
 
@@ -48,6 +48,14 @@ proto-check: $(STAMP)
 	for f in $$tmp/rlmesh/v1/*.py*; do \
 		cmp -s $$f proto/rlmesh/v1/$$(basename $$f) || { echo "stale generated code: proto/rlmesh/v1/$$(basename $$f); run 'make proto'"; exit 1; }; \
 	done; echo "generated code is up to date"
+
+# Regenerate docs/run-config.md from the run config's schema (committed).
+docs: $(STAMP)
+	$(BIN)/python -m rlmesh.cli.config_reference docs/run-config.md
+
+# Fails when the committed docs/run-config.md differs from what the schema gives.
+docs-check: $(STAMP)
+	@$(BIN)/python -m rlmesh.cli.config_reference --check docs/run-config.md
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.wire

@@ -17,7 +17,8 @@ training time) / max(generation, training time) from the sync runs' own phase ti
 
     python -m bench.async [--rollouts 80] [--seeds 3]
 
-The last line printed is one JSON object with the results.
+It ends with its summary as markdown tables (the form docs/benchmarks.md keeps), then one
+line: a JSON object with the results.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.report import print_table
 from rlmesh.cli.demo import demo_config, write_task
 from rlmesh.cli.launcher import datasets_dir, start_stack
 from rlmesh.cli.tiny_model import build_tiny_model
@@ -131,6 +133,16 @@ def main() -> None:
     speedup = results["fully_async"]["samples_per_s"] / sync["samples_per_s"]
     print(f"sync phases: generation {g:.1f} s, training {t:.1f} s -> ideal speedup {ideal:.2f}; "
           f"fully_async achieved {speedup:.2f} ({speedup / ideal:.0%} of ideal)")
+    samples_per_rollout = config["rollout"]["rollout_batch_size"] * config["rollout"]["n_samples_per_prompt"]
+    title = (f"python -m bench.async: {args.seeds} seeds x {args.rollouts} rollouts x {samples_per_rollout} samples, "
+             f"lr {config['optimizer']['lr']:g}, pause_mode {args.pause_mode}, {os.cpu_count()} CPUs")
+    seeds = ", ".join(str(seed) for seed in range(args.seeds))
+    print_table([{"mode": f"`{mode}`", "samples/s": f"{r['samples_per_s']:.1f}",
+                  f"held-out eval after (seeds {seeds})":
+                  f"{r['eval_after']:.2f} ({', '.join(f'{e:.2f}' for e in r['evals'])})"}
+                 for mode, r in results.items()], title)
+    print_table([{"sync generation s": f"{g:.1f}", "sync training s": f"{t:.1f}", "ideal speedup": f"{ideal:.2f}",
+                  "fully_async speedup": f"{speedup:.2f}", "of the ideal": f"{speedup / ideal:.0%}"}])
     print(json.dumps({
         **{f"{mode}_samples_per_s": round(r["samples_per_s"], 2) for mode, r in results.items()},
         "sync_generate_seconds": round(g, 2), "sync_train_seconds": round(t, 2),
@@ -145,8 +157,7 @@ def main() -> None:
         "pause_mode": args.pause_mode, "tis_cap": args.tis_cap, "lr": config["optimizer"]["lr"],
         "fully_async_max_staleness": args.max_staleness or DEFAULT_MAX_STALENESS["fully_async"],
         "sft_steps": args.sft_steps,
-        "rollouts": args.rollouts, "seeds": args.seeds, "samples_per_rollout": config["rollout"]["rollout_batch_size"]
-        * config["rollout"]["n_samples_per_prompt"],
+        "rollouts": args.rollouts, "seeds": args.seeds, "samples_per_rollout": samples_per_rollout,
     }))
 
 

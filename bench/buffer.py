@@ -22,7 +22,8 @@ groups per call (a pipeline of that many for raw Redis).
 
     python -m bench.buffer
 
-The last line printed is one JSON object with the results.
+It ends with its summary as a markdown table (the form docs/benchmarks.md keeps), then
+one line: a JSON object with the results.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import httpx
 import redis
 from pydantic import BaseModel
 
+from bench.report import print_table
 from bench.wire import realistic_group
 from rlmesh.cli.embedded_redis import start_redis
 from rlmesh.cli.launcher import http_ready, wait_until_ready
@@ -373,6 +375,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"{k} {v:.0f} us" for k, v in used.items() if name == "gRPC path" or k != "buffer"))
         print(f"ratio (gRPC / raw Redis): {result['ratio']:.2f}   "
               f"gRPC vs JSON over HTTP: {result['grpc_vs_json_http_ratio']:.1f}x")
+        print_table(
+            [{"path": name, "groups/s": f"{gps:.0f}", "sequences/s": f"{gps * SAMPLES_PER_GROUP:.0f}",
+              "best round groups/s": f"{max(rates):.0f}"} for name, gps, rates in rows]
+            + [{"path": "gRPC / raw Redis (median of paired rounds)", "groups/s": f"{result['ratio']:.2f}x"},
+               {"path": "gRPC / JSON over HTTP", "sequences/s": f"{result['grpc_vs_json_http_ratio']:.1f}x"}],
+            f"python -m bench.buffer: {SAMPLES_PER_GROUP} samples x 1024 tokens per group, {opts.groups} groups per "
+            f"round, {opts.groups_per_call} per call, {opts.writers} writers, median of {opts.rounds} rounds, "
+            f"{os.cpu_count()} CPUs")
         print(json.dumps(result))
     finally:
         for p in procs:

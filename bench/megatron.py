@@ -14,7 +14,8 @@ shows that the CPU path works and what it costs, not a GPU speed-up.)
 
     python -m bench.megatron
 
-The last line printed is one JSON object with the results.
+It ends with its summary as a markdown table (the form docs/benchmarks.md keeps), then
+one line: a JSON object with the results.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import print_table
 from rlmesh.common.net import free_port
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import Sample, SampleGroup, Status
@@ -129,6 +131,8 @@ def main() -> None:
         backend.close()
         base_tps, base_cpu = TOKENS_PER_STEP / seconds, cpu
         results = {"torch_backend_tokens_per_s": base_tps, "torch_backend_cpu_s_per_step": base_cpu}
+        rows = [{"backend": "torch (baseline)", "processes": 1, "tokens/s": f"{base_tps:.0f}",
+                 "CPU-s/step (all processes)": f"{base_cpu:.2f}"}]
         print(f"baseline: torch backend, 1 process: {seconds:.2f} s/step, {base_tps:.0f} tokens/s, "
               f"{cpu:.2f} CPU-s/step")
         for tp, pp in ((2, 1), (1, 2)):
@@ -136,10 +140,14 @@ def main() -> None:
             key = f"megatron_tp{tp}_pp{pp}"
             results[f"{key}_tokens_per_s"] = TOKENS_PER_STEP / seconds
             results[f"{key}_cpu_s_per_step"] = cpu
+            rows.append({"backend": f"megatron TP={tp} PP={pp}", "processes": tp * pp,
+                         "tokens/s": f"{TOKENS_PER_STEP / seconds:.0f}", "CPU-s/step (all processes)": f"{cpu:.2f}"})
             print(f"megatron TP={tp} PP={pp}, {tp * pp} processes (gloo): {seconds:.2f} s/step, "
                   f"{TOKENS_PER_STEP / seconds:.0f} tokens/s ({TOKENS_PER_STEP / seconds / base_tps:.2f}x the baseline), "
                   f"{cpu:.2f} CPU-s/step over all ranks ({cpu / base_cpu:.2f}x the baseline's)")
         results.update(tokens_per_step=TOKENS_PER_STEP, steps=STEPS)
+        print_table(rows, f"python -m bench.megatron: {MODEL['num_hidden_layers']}-layer model, {TOKENS_PER_STEP} "
+                          f"tokens/step, one thread per process, {os.cpu_count()} CPUs")
         print(json.dumps(results))
 
 

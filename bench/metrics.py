@@ -8,7 +8,8 @@ interceptor's share is as large as it can be; real calls (a lease, a train step)
 
     python -m bench.metrics
 
-The last line printed is one JSON object with the results.
+It ends with its summary as a markdown table (the form docs/benchmarks.md keeps), then
+one line: a JSON object with the results.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.report import print_table
 from rlmesh.common.auth import client_headers, ensure_stack_token
 from rlmesh.common.grpc_server import start_server, sync_channel
 from rlmesh.common.net import free_port
@@ -79,6 +81,11 @@ def main() -> None:
           f"without (baseline) {best['without_metrics']:.0f}; ratio {best['with_metrics'] / best['without_metrics']:.3f}; "
           f"~{per_call_us:.1f} us per call")
     print(f"scrape of /metrics: {scrape_ms:.2f} ms")
+    print_table([{"health Check calls/s, with metrics": f"{best['with_metrics']:.0f}",
+                  "without (baseline)": f"{best['without_metrics']:.0f}",
+                  "ratio": f"{best['with_metrics'] / best['without_metrics']:.3f}",
+                  "us per call": f"{per_call_us:.1f}", "scrape of /metrics ms": f"{scrape_ms:.2f}"}],
+                "python -m bench.metrics")
     for channel in channels.values():
         channel.close()
     scrape_server.close()

@@ -12,7 +12,8 @@ arrays (tokens, log-probs), since they travel with the sample in both paths.
 
     python -m bench.reward
 
-The last line printed is one JSON object with the results.
+It ends with its summary as a markdown table (the form docs/benchmarks.md keeps), then
+one line: a JSON object with the results.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from bench.report import print_table
 from rlmesh.common.auth import ensure_stack_token
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.net import free_port
@@ -218,6 +220,10 @@ def main() -> dict[str, float]:
         print(f"{label:<58}{results[key]:>12.0f}")
     print(f"service overhead: in-process is x{results['service_overhead_ratio']:.2f} the service's rate; "
           f"batching through rlmesh: x{results['remote_batching_speedup']:.2f} the direct per-sample rate")
+    print_table([{"path": label, "samples/s": f"{results[key]:.0f}"} for label, key in rows]
+                + [{"path": "in-process / service", "samples/s": f"{results['service_overhead_ratio']:.2f}x"},
+                   {"path": "remote: through rlmesh / direct", "samples/s": f"{results['remote_batching_speedup']:.2f}x"}],
+                f"python -m bench.reward: {SECONDS_PER_CASE:g} s per case")
     print(json.dumps({k: round(v, 3) for k, v in results.items()}))
     return results
 

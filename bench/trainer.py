@@ -22,7 +22,8 @@ Redis as its own process, the buffer and trainer servers on an event loop thread
 
     python -m bench.trainer [--rounds 10] [--groups 4] [--samples 4] [--prompt-len 32] [--response-len 96]
 
-The last line printed is one JSON object with the results.
+It ends with its summary as a markdown table (the form docs/benchmarks.md keeps), then
+one line: a JSON object with the results.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM
 
+from bench.report import print_table
 from rlmesh.buffer.config import Settings as BufferSettings
 from rlmesh.buffer.server import start as start_buffer
 from rlmesh.cli.embedded_redis import start_redis
@@ -227,6 +229,15 @@ def main() -> None:
               f"median {tokens / statistics.median(baseline_times):,.0f}")
         print(f"service overhead: {best_overhead:+.1f}% best step against best step, {median_overhead:+.1f}% median of "
               "the paired steps' ratios (target at most 10%)")
+        print_table([
+            {"path": "service (TrainStep over gRPC, lease from the buffer)", "best tokens/s": f"{best_service:,.0f}",
+             "median tokens/s": f"{tokens / statistics.median(service_times):,.0f}"},
+            {"path": "plain torch loop, same model and batch (baseline)", "best tokens/s": f"{best_plain:,.0f}",
+             "median tokens/s": f"{tokens / statistics.median(baseline_times):,.0f}"},
+            {"path": "service overhead (target at most 10%)", "best tokens/s": f"{best_overhead:+.1f}%",
+             "median tokens/s": f"{median_overhead:+.1f}% (paired)"},
+        ], f"python -m bench.trainer: {tokens} tokens/step, Llama hidden {opts.hidden_size}, {opts.layers} layers, "
+           f"{torch.get_num_threads()} torch threads, {opts.rounds} steps of each path")
         print(json.dumps({
             "benchmark": "trainer", "tokens_per_step": tokens, "steps": opts.rounds,
             "service_tokens_per_s": round(best_service, 1), "plain_torch_tokens_per_s": round(best_plain, 1),

@@ -14,7 +14,8 @@ a shared machine does not land on one case alone. Then one adversarial sample of
 
     python -m bench.verifiers
 
-The last line printed is one JSON object with the results.
+It ends with its summary as a markdown table (the form docs/benchmarks.md keeps), then
+one line: a JSON object with the results.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import time
 from dataclasses import replace
 
+from bench.report import print_table
 from bench.reward import make_samples
 from rlmesh.common.sample import Sample
 from rlmesh.reward.scoring import RewardSpec, Scorer
@@ -94,6 +96,14 @@ def main() -> dict[str, float]:
     for key, seconds in results.items():
         if key.startswith("adversarial"):
             print(f"{key.removeprefix('adversarial: ').removesuffix(' (s)'):<52}{seconds:>11.3f}s")
+    print_table([
+        {"path": "in-thread call (baseline, no time budget)", "samples/s": f"{results['in_thread_samples_per_s']:.0f}"},
+        {"path": pool_row, "samples/s": f"{results['pool_samples_per_s']:.0f}"},
+        {"path": "worker pool, 1 worker", "samples/s": f"{results['pool_1_worker_samples_per_s']:.0f}"},
+        {"path": "worker pool / in-thread", "samples/s": f"{ratio:.2f}x"},
+        *({"path": f"adversarial: {key.removeprefix('adversarial: ').removesuffix(' (s)')}",
+           "samples/s": f"{seconds:.3f} s"} for key, seconds in results.items() if key.startswith("adversarial")),
+    ], f"python -m bench.verifiers: best of {ROUNDS} x {SECONDS_PER_CASE:g} s per case, {results['cpus']:.0f} CPUs")
     print(json.dumps({k: round(v, 3) for k, v in results.items()}))
     return results
 

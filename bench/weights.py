@@ -21,7 +21,8 @@ weight_sync_dtype), over gloo on loopback.
 
     python -m bench.weights [--layers 9] [--rounds 3]
 
-The last line printed is one JSON object with the results.
+It ends with its summary as a markdown table (the form docs/benchmarks.md keeps), then
+one line: a JSON object with the results.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from bench.report import print_table
 from rlmesh.common.auth import client_headers, ensure_stack_token
 from rlmesh.common.net import free_port
 from rlmesh.common.run_config import WeightSyncConfig
@@ -267,6 +269,18 @@ def main() -> None:
         results = asyncio.run(run(args, work))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    gb = results["model_bytes"] / GB
+    print_table([
+        {"push": f"distributed, load_format {results['load_format']}", "GB/s": f"{results['push_gb_per_s']:.2f}",
+         "seconds": f"{results['dist_push_s']:.2f}", "bytes sent": results["full_push_bytes"]},
+        {"push": "same, from float32 weights converted on the way", "GB/s": f"{results['push_from_fp32_gb_per_s']:.2f}"},
+        {"push": "raw torch.distributed broadcast (baseline)", "GB/s": f"{results['raw_broadcast_gb_per_s']:.2f}"},
+        {"push": "push / raw broadcast (median of paired rounds)", "GB/s": f"{results['push_vs_raw']:.2f}"},
+        {"push": "disk", "GB/s": f"{gb / results['disk_push_s']:.2f}", "seconds": f"{results['disk_push_s']:.2f}"},
+        {"push": "delta, after one AdamW step", "GB/s": "", "seconds": f"{results['delta_push_s']:.2f}",
+         "bytes sent": f"{results['delta_push_bytes']} ({results['delta_fraction']:.1%})"},
+    ], f"python -m bench.weights: {gb:.3f} GB in bfloat16, {results['bucket_bytes'] // 2**20} MiB buckets, "
+       f"medians of {args.rounds} rounds")
     print(json.dumps(results))
 
 

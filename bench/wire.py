@@ -9,7 +9,8 @@ metadata JSON), so the ratio isolates the array encoding.
 
     python -m bench.wire
 
-The last line printed is one JSON object with the results.
+It ends with its summary as a markdown table (the form docs/benchmarks.md keeps), then
+one line: a JSON object with the results.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.internal import api_implementation
 
+from bench.report import print_table
 from rlmesh.common.sample import (
     Sample,
     SampleGroup,
@@ -227,6 +229,15 @@ def main() -> dict[str, float]:
             f"{results[f'{form}_decode_groups_per_s']:>18.0f}{results[f'{form}_size']:>14d}"
         )
     print(f"bytes / packed speed: encode x{results['encode_ratio']:.2f}, decode x{results['decode_ratio']:.2f}")
+    print_table([
+        *({"form": form, "encode groups/s": f"{results[f'{form}_encode_groups_per_s']:.0f}",
+           "decode groups/s": f"{results[f'{form}_decode_groups_per_s']:.0f}",
+           "size bytes": results[f"{form}_size"]} for form in ("bytes", "packed")),
+        {"form": "bytes / packed", "encode groups/s": f"{results['encode_ratio']:.2f}x",
+         "decode groups/s": f"{results['decode_ratio']:.2f}x",
+         "size bytes": f"{results['bytes_size'] / results['packed_size']:.2f}x"},
+    ], f"python -m bench.wire: {N_SAMPLES} samples x {PROMPT_TOKENS + RESPONSE_TOKENS} tokens per group, "
+       f"protobuf backend {api_implementation.Type()}")
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()}))
     return results
 
