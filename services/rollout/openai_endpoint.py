@@ -72,15 +72,15 @@ from rlmesh.common.errors import FailedPrecondition, InvalidArgument
 from rlmesh.common.http_guard import BodyLimit
 from rlmesh.common.plugins import load_plugin
 from rlmesh.common.sample import Sample, Status
-from rlmesh.rollout.engine_client import EngineError
-from rlmesh.rollout.generation import FINISH_STATUS, GenerateContext, apply_engine_output
-from rlmesh.rollout.tool_parsers import (
+from rlmesh.rollout.agents.tool_parsers import (
     ToolCall,
     ToolParserName,
     parse_tool_calls,
     render_tool_calls_for_template,
     tool_parser_names,
 )
+from rlmesh.rollout.engine_client import EngineError
+from rlmesh.rollout.generation import FINISH_STATUS, GenerateContext, apply_engine_output
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from rlmesh.common.limits import within
 from rlmesh.common.plugins import load_plugin
 from rlmesh.common.retry import retry
 from rlmesh.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
+from rlmesh.rollout.agents.tools import ToolBox
 from rlmesh.rollout.config import BUILTIN_GENERATE_FUNCTIONS, Settings
 from rlmesh.rollout.engine_client import EngineError, EnginePool
 from rlmesh.rollout.generation import GenerateContext, sft_sample
-from rlmesh.rollout.tools import ToolBox
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ from rlmesh.cli.tiny_model import build_char_tokenizer
 from rlmesh.common.auth import stack_token
 from rlmesh.common.net import free_port
 from rlmesh.common.sample import Sample, SampleGroup, Status
+from rlmesh.rollout.agents.tool_parsers import ParsedTurn, ToolCall, register_tool_parser
 from rlmesh.rollout.config import Settings as RolloutSettings
 from rlmesh.rollout.engine_client import EngineError, EnginePool
 from rlmesh.rollout.generation import GenerateContext
@@ -31,7 +32,6 @@ from rlmesh.rollout.openai_endpoint import (
     samples_from_calls,
 )
 from rlmesh.rollout.rollout import GenerateChoice, RolloutManager
-from rlmesh.rollout.tool_parsers import ParsedTurn, ToolCall, register_tool_parser
 from tests.helpers.masks import mask_runs
 
 # What the agents below saw, for the tests to compare with the samples (tests run one at a time).
