@@ -12,7 +12,7 @@ from rlmesh.common.settings import GrpcServiceSettings
 BUILTIN_GENERATE_FUNCTIONS = {
     "default": "rlmesh.rollout.generation:default_generate",
     "agent": "rlmesh.rollout.agents.loop:agent_generate",
-    "openai_agent": "rlmesh.rollout.openai_endpoint:openai_agent_generate",
+    "openai_agent": "rlmesh.rollout.agents.openai_agent:openai_agent_generate",
 }
 
 
