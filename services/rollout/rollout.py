@@ -278,7 +278,8 @@ class RolloutManager:
 
     # ---- a rollout ----------------------------------------------------------------------
 
-    async def generate_rollout(self, req: RolloutRequest) -> RolloutResult:
+    def _check_request(self, req: RolloutRequest) -> None:
+        """Refuse a rollout this service cannot run, or one past the operator's limits."""
         if req.num_groups < 1:
             raise InvalidArgument("num_groups must be at least 1")
         if req.mode not in ("rl", "sft"):
@@ -286,6 +287,9 @@ class RolloutManager:
         if req.group_filter not in GROUP_FILTERS:
             raise InvalidArgument(f"unknown group_filter {req.group_filter!r}; known: 'nonzero_std'")
         self.check_limits(req)
+
+    async def generate_rollout(self, req: RolloutRequest) -> RolloutResult:
+        self._check_request(req)
         start = time.monotonic()
         if req.mode == "sft":
             return await self._sft_rollout(req, start)
