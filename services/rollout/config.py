@@ -11,8 +11,8 @@ from rlmesh.common.settings import GrpcServiceSettings
 # The generate functions every rollout service has; `generate_functions` adds the operator's.
 BUILTIN_GENERATE_FUNCTIONS = {
     "default": "rlmesh.rollout.generation:default_generate",
-    "agent": "rlmesh.rollout.agent:agent_generate",
-    "openai_agent": "rlmesh.rollout.openai_endpoint:openai_agent_generate",
+    "agent": "rlmesh.rollout.agents.loop:agent_generate",
+    "openai_agent": "rlmesh.rollout.agents.openai_agent:openai_agent_generate",
 }
 
 

@@ -28,7 +28,7 @@ class GenerateContext:
     apply_chat_template: bool = False
     options: Any = None
     settings: Any = None
-    tools: Any = None  # rlmesh.rollout.tools.ToolBox
+    tools: Any = None  # rlmesh.rollout.agents.tools.ToolBox
 
 
 def prompt_ids(tokenizer: Any, sample: Sample, apply_chat_template: bool) -> list[int]:

@@ -21,10 +21,10 @@ from rlmesh.common.limits import within
 from rlmesh.common.plugins import load_plugin
 from rlmesh.common.retry import retry
 from rlmesh.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
+from rlmesh.rollout.agents.tools import ToolBox
 from rlmesh.rollout.config import BUILTIN_GENERATE_FUNCTIONS, Settings
 from rlmesh.rollout.engine_client import EngineError, EnginePool
 from rlmesh.rollout.generation import GenerateContext, sft_sample
-from rlmesh.rollout.tools import ToolBox
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -278,7 +278,8 @@ class RolloutManager:
 
     # ---- a rollout ----------------------------------------------------------------------
 
-    async def generate_rollout(self, req: RolloutRequest) -> RolloutResult:
+    def _check_request(self, req: RolloutRequest) -> None:
+        """Refuse a rollout this service cannot run, or one past the operator's limits."""
         if req.num_groups < 1:
             raise InvalidArgument("num_groups must be at least 1")
         if req.mode not in ("rl", "sft"):
@@ -286,6 +287,9 @@ class RolloutManager:
         if req.group_filter not in GROUP_FILTERS:
             raise InvalidArgument(f"unknown group_filter {req.group_filter!r}; known: 'nonzero_std'")
         self.check_limits(req)
+
+    async def generate_rollout(self, req: RolloutRequest) -> RolloutResult:
+        self._check_request(req)
         start = time.monotonic()
         if req.mode == "sft":
             return await self._sft_rollout(req, start)

@@ -12,11 +12,11 @@ from rlmesh.common.grpc_server import Service, ServiceBinding, aio_channel, star
 from rlmesh.common.paths import validate_run_id
 from rlmesh.common.prometheus import ServiceMetrics
 from rlmesh.common.sampling import sampling_to_sglang
+from rlmesh.rollout.agents.openai_server import close_shared_endpoint
 from rlmesh.rollout.async_rollout import AsyncRollouts, AsyncStatus
 from rlmesh.rollout.config import Settings
 from rlmesh.rollout.engine_client import EnginePool, TensorMeta, WeightDelta, weight_group_world_size
 from rlmesh.rollout.metrics import RolloutMetrics
-from rlmesh.rollout.openai_endpoint import close_shared_endpoint
 from rlmesh.rollout.rollout import EvalRequest, GenerateChoice, RewardChoice, RolloutManager, RolloutRequest
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 

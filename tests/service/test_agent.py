@@ -19,13 +19,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlmesh.common.auth import stack_token
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import Sample, SampleGroup, Status
-from rlmesh.rollout.agent import AgentOptions, agent_generate, tool_turn_text
+from rlmesh.rollout.agents.loop import AgentOptions, agent_generate, tool_turn_text
+from rlmesh.rollout.agents.tool_parsers import ParsedTurn, ToolCall, register_tool_parser
+from rlmesh.rollout.agents.tools import ToolBox
 from rlmesh.rollout.config import HttpTool
 from rlmesh.rollout.config import Settings as RolloutSettings
 from rlmesh.rollout.engine_client import EnginePool
 from rlmesh.rollout.generation import GenerateContext
-from rlmesh.rollout.tool_parsers import ParsedTurn, ToolCall, register_tool_parser
-from rlmesh.rollout.tools import ToolBox
 from rlmesh.trainer.backend import TorchBackend
 from tests.helpers.masks import mask_runs
 from tests.helpers.stack import start_local_stack, wait_for_run
@@ -330,7 +330,7 @@ def test_a_failing_sample_does_not_fail_the_run(agent_stack, tmp_path, tiny_mode
     ({"name": "agent", "options": {"tools": ["grep"]}}, "unknown tools 'grep'"),
     ({"name": "agent", "options": {"max_turns": 0}}, "max_turns"),
     ({"name": "flaky", "options": {"x": 1}}, "takes no options"),
-    ({"name": "rlmesh.rollout.agent:agent_generate"}, "String should match pattern"),
+    ({"name": "rlmesh.rollout.agents.loop:agent_generate"}, "String should match pattern"),
 ])
 def test_a_bad_generate_choice_is_refused_when_the_run_is_created(agent_stack, tmp_path, tiny_model_dir, generate,
                                                                   message):

@@ -17,11 +17,11 @@ from rlmesh.cli.tiny_model import CHAT_TEMPLATE
 from rlmesh.common.auth import stack_token
 from rlmesh.common.run_config import DatasetConfig
 from rlmesh.common.sample import Sample
-from rlmesh.rollout.agent import AgentOptions, agent_generate
+from rlmesh.rollout.agents.loop import AgentOptions, agent_generate
+from rlmesh.rollout.agents.tools import ToolBox
 from rlmesh.rollout.config import Settings as RolloutSettings
 from rlmesh.rollout.engine_client import EnginePool
 from rlmesh.rollout.generation import GenerateContext, default_generate
-from rlmesh.rollout.tools import ToolBox
 from rlmesh.v1 import buffer_pb2
 from tests.helpers.buffer import prompts
 

@@ -19,19 +19,15 @@ from rlmesh.cli.tiny_model import build_char_tokenizer
 from rlmesh.common.auth import stack_token
 from rlmesh.common.net import free_port
 from rlmesh.common.sample import Sample, SampleGroup, Status
+from rlmesh.rollout.agents.openai_agent import openai_agent_generate
+from rlmesh.rollout.agents.openai_models import OpenAIAgentOptions
+from rlmesh.rollout.agents.openai_server import close_shared_endpoint
+from rlmesh.rollout.agents.openai_session import NO_CALL_REASON, ModelCall, samples_from_calls
+from rlmesh.rollout.agents.tool_parsers import ParsedTurn, ToolCall, register_tool_parser
 from rlmesh.rollout.config import Settings as RolloutSettings
 from rlmesh.rollout.engine_client import EngineError, EnginePool
 from rlmesh.rollout.generation import GenerateContext
-from rlmesh.rollout.openai_endpoint import (
-    NO_CALL_REASON,
-    ModelCall,
-    OpenAIAgentOptions,
-    close_shared_endpoint,
-    openai_agent_generate,
-    samples_from_calls,
-)
 from rlmesh.rollout.rollout import GenerateChoice, RolloutManager
-from rlmesh.rollout.tool_parsers import ParsedTurn, ToolCall, register_tool_parser
 from tests.helpers.masks import mask_runs
 
 # What the agents below saw, for the tests to compare with the samples (tests run one at a time).

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from rlmesh.rollout import tool_parsers
-from rlmesh.rollout.tool_parsers import (
+from rlmesh.rollout.agents import tool_parsers
+from rlmesh.rollout.agents.tool_parsers import (
     MAX_ARGUMENTS_BYTES,
     MAX_CALLS_PER_TURN,
     ParsedTurn,

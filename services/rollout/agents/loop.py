@@ -22,8 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from rlmesh.common.sample import Sample, Status
+from rlmesh.rollout.agents.tool_parsers import ToolCall, ToolParserName, parse_tool_calls, tool_parser_names
 from rlmesh.rollout.generation import FINISH_STATUS, GenerateContext, apply_engine_output
-from rlmesh.rollout.tool_parsers import ToolCall, ToolParserName, parse_tool_calls, tool_parser_names
 
 MAX_RESPONSE_TOKENS = 1 << 20
 
