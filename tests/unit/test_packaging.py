@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 OLD_IMPORT = re.compile(r"^\s*(from|import) services[. ]", re.MULTILINE)
 
@@ -40,3 +42,13 @@ def test_nothing_imports_the_old_top_level_name():
         if OLD_IMPORT.search(path.read_text())
     ]
     assert offenders == [], f"these still import `services.*` instead of `rlmesh.*`: {offenders}"
+
+
+def test_every_package_under_services_is_installed():
+    # pyproject.toml lists the packages by hand (the folder is `services/`, the import name
+    # `rlmesh`): a subpackage missing from the list would be left out of a wheel.
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(("rlmesh", *init.parent.relative_to(REPO / "services").parts))
+               for init in (REPO / "services").rglob("__init__.py")}
+    assert on_disk - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
