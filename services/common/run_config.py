@@ -209,7 +209,7 @@ class TrainingConfig(StrictModel):
     )
     data_parallel: Literal["none", "fsdp2"] = Field(
         "none", description="'fsdp2': shard the model with FSDP2 across the processes of a torchrun job, each "
-        "training its share of every mini-batch (torch backend only; not with lora; see README)."
+        "training its share of every mini-batch (torch backend only; not with lora; see docs/trainer.md)."
     )
     weight_sync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="How new weights reach the engines."
@@ -233,7 +233,7 @@ class TrainingConfig(StrictModel):
         "torch", description="How the trainer holds the model: 'torch' (a transformers model on one device, or "
         "sharded over torchrun's ranks with data_parallel 'fsdp2') or "
         "'megatron' (a megatron-core GPTModel with tensor/pipeline parallelism; Llama and Qwen2 families; needs the "
-        "`megatron` extra, and a trainer started under torchrun with TP x PP processes, see README). Megatron trains "
+        "`megatron` extra, and a trainer started under torchrun with TP x PP processes, see docs/trainer.md). Megatron trains "
         "the whole model: no lora, no data_parallel, no estimator with a critic ('gae')."
     )
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="TP: ranks each layer is split over (backend 'megatron').")
