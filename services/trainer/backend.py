@@ -24,21 +24,15 @@ The model stays in eval mode: dropout would make the ratio differ from 1 for no 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
-import os
-import random
-import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -48,27 +42,23 @@ from rlmesh.common.run_config import OptimizerConfig, TrainerRunConfig
 from rlmesh.common.sample import SampleGroup, Status, validate_arrays
 from rlmesh.trainer import algorithms as algo
 from rlmesh.trainer import lora
+from rlmesh.trainer.checkpoints import (
+    FQN_OPTIMIZER_FORMAT,
+    OPTIMIZER_FILE,
+    OPTIMIZER_FORMAT_KEY,
+    RNG_FILE,
+    CheckpointSnapshot,
+    copy_model_extras,
+    cpu_copy,
+    read_state,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
+)
 from rlmesh.trainer.critic import VALUE_HEAD_FILE, build_value_head
 from rlmesh.trainer.fsdp import DataParallel
 
 log = logging.getLogger(__name__)
-
-OPTIMIZER_FILE = "optimizer.pt"
-STATE_FILE = "trainer_state.json"
-RNG_FILE = "rng_state.pt"
-# Written last, once every other file of a checkpoint is on disk: a directory without it
-# is never resumed automatically, whatever else it holds.
-COMPLETE_FILE = "checkpoint_complete"
-# In trainer_state.json of a checkpoint written under FSDP2: its optimizer state is keyed
-# by parameter names (torch.distributed.checkpoint's full state dict), not by position.
-OPTIMIZER_FORMAT_KEY = "optimizer_state_format"
-FQN_OPTIMIZER_FORMAT = "full_by_name"
-# Files of a model directory that save_pretrained writes itself (or a checkpoint's own);
-# everything else at the top level (tokenizer, chat template) is copied over so a
-# checkpoint is a complete model.
-_WRITTEN_BY_SAVE = {"config.json", "generation_config.json", OPTIMIZER_FILE, STATE_FILE, RNG_FILE, COMPLETE_FILE,
-                    lora.ADAPTER_CONFIG}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -305,111 +295,6 @@ def _load_model(path: str, device: torch.device, what: str = "model_path") -> Pr
     return model.to(device).eval()
 
 
-@dataclass
-class CheckpointSnapshot:
-    """A checkpoint copied to CPU memory, to be written (write_checkpoint) while training
-    goes on."""
-
-    model: PreTrainedModel  # for save_pretrained's config; its parameters are not read
-    weights: dict[str, Tensor] | None  # None: no full model (a LoRA run saves its adapters in `tensor_files`)
-    optimizers: dict
-    rng: dict
-    state: dict  # what trainer_state.json holds besides the caller's extra
-    extras_from: Path  # the run's model directory: tokenizer and the like
-    tensor_files: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # file name -> safetensors content
-    text_files: dict[str, str] = field(default_factory=dict)  # file name -> content
-
-
-def write_checkpoint(snapshot: CheckpointSnapshot, path: Path, extra: dict | None = None) -> Path:
-    """Write `snapshot` into `path` (a new directory): a complete model (save_pretrained),
-    optimizer and scheduler state, RNG states, trainer_state.json; every file synced, and
-    COMPLETE_FILE last. Not atomic by itself: the trainer writes to a hidden directory and
-    renames it into place."""
-    path.mkdir(parents=True)
-    if snapshot.weights is not None:
-        # save_pretrained pops the tensors it has written from the dict it is given.
-        snapshot.model.save_pretrained(path, state_dict=dict(snapshot.weights))
-    for name, tensors in snapshot.tensor_files.items():
-        save_file(tensors, path / name)
-    for name, text in snapshot.text_files.items():
-        (path / name).write_text(text)
-    _copy_model_extras(snapshot.extras_from, path)
-    torch.save(snapshot.optimizers, path / OPTIMIZER_FILE)
-    torch.save(snapshot.rng, path / RNG_FILE)
-    (path / STATE_FILE).write_text(json.dumps({**snapshot.state, **(extra or {})}, indent=2))
-    for f in path.rglob("*"):
-        if f.is_file():
-            _fsync(f)
-    (path / COMPLETE_FILE).touch()
-    _fsync(path / COMPLETE_FILE)
-    fsync_dir(path)
-    return path
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the entries of a directory (new files, renames) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _cpu_copy(value, memo: dict):
-    """`value` (nested dicts, lists, tuples) with every tensor copied to CPU memory; tensors
-    sharing memory (tied weights) stay shared, as save_pretrained expects."""
-    if isinstance(value, Tensor):
-        if not value.numel():  # no memory of its own to share
-            return value.detach().to("cpu", copy=True)
-        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype)
-        if key not in memo:
-            memo[key] = value.detach().to("cpu", copy=True)
-        return memo[key]
-    if isinstance(value, dict):
-        return {k: _cpu_copy(v, memo) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(v, memo) for v in value)
-    return value
-
-
-def _rng_state(device: torch.device) -> dict:
-    numpy_state = np.random.get_state(legacy=False)
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        # As plain values and a tensor, so that loading needs no pickled numpy objects.
-        "numpy": {
-            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
-            "pos": int(numpy_state["state"]["pos"]),
-            "has_gauss": int(numpy_state["has_gauss"]),
-            "gauss": float(numpy_state["gauss"]),
-        },
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state({
-        "bit_generator": "MT19937",
-        "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
-        "has_gauss": n["has_gauss"],
-        "gauss": n["gauss"],
-    })
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 class TorchBackend:
     def __init__(
         self,
@@ -433,7 +318,7 @@ class TorchBackend:
 
         self.dp = DataParallel.from_config(config)
         source = resume_from or Path(config.model_path)
-        saved_state = _read_state(source)
+        saved_state = read_state(source)
         # A LoRA checkpoint holds adapters only: the model comes from the base it names.
         lora_base = saved_state.get(lora.BASE_MODEL_STATE_KEY)
         if lora_base and config.lora is None:
@@ -776,7 +661,7 @@ class TorchBackend:
                 return path
             path.mkdir(parents=True, exist_ok=True)
             model.save_pretrained(path, state_dict=weights)
-            _copy_model_extras(Path(self.config.model_path), path)
+            copy_model_extras(Path(self.config.model_path), path)
             return path
 
     def snapshot(self) -> CheckpointSnapshot:
@@ -797,17 +682,17 @@ class TorchBackend:
             if self.config.lora is not None:  # the adapters only, in PEFT's own format
                 state[lora.BASE_MODEL_STATE_KEY] = self.base_model_path
                 adapters, adapter_config = lora.adapter_files(self.policy)
-                tensor_files[lora.ADAPTER_WEIGHTS] = _cpu_copy(adapters, {})
+                tensor_files[lora.ADAPTER_WEIGHTS] = cpu_copy(adapters, {})
                 text_files[lora.ADAPTER_CONFIG] = adapter_config
             else:
-                weights = _cpu_copy(self.dp.full_state_dict(self.policy), {})
+                weights = cpu_copy(self.dp.full_state_dict(self.policy), {})
             if self.critic is not None:
-                tensor_files[VALUE_HEAD_FILE] = _cpu_copy(self.dp.full_state_dict(self.critic), {})
+                tensor_files[VALUE_HEAD_FILE] = cpu_copy(self.dp.full_state_dict(self.critic), {})
             return CheckpointSnapshot(
                 model=self.policy,
                 weights=weights,
-                optimizers=_cpu_copy(optimizers, {}),
-                rng=_rng_state(self.device),
+                optimizers=cpu_copy(optimizers, {}),
+                rng=rng_state(self.device),
                 state=state,
                 extras_from=Path(self.config.model_path),
                 tensor_files=tensor_files,
@@ -840,7 +725,7 @@ class TorchBackend:
                 self.dp.load_optimizer_state(self._trained_modules(), opt.optimizer, saved[name]["optimizer"], by_name)
                 opt.scheduler.load_state_dict(saved[name]["scheduler"])
         if (path / RNG_FILE).is_file():
-            _set_rng_state(torch.load(path / RNG_FILE, weights_only=True), self.device)
+            set_rng_state(torch.load(path / RNG_FILE, weights_only=True), self.device)
         self.step = int(state.get("step", 0))
         log.info("resumed from checkpoint %s at step %d", path, self.step)
         return state
@@ -853,14 +738,6 @@ class TorchBackend:
             self._optimizers.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _read_state(path: Path) -> dict:
-    """trainer_state.json of a checkpoint of ours ({} for a plain model directory)."""
-    state_file = path / STATE_FILE
-    if not (state_file.exists() and (path / OPTIMIZER_FILE).exists()):
-        return {}
-    return json.loads(state_file.read_text())
 
 
 def _batch_metrics(batch: PreparedBatch) -> dict[str, float]:
@@ -877,9 +754,3 @@ def _batch_metrics(batch: PreparedBatch) -> dict[str, float]:
     }
 
 
-def _copy_model_extras(source: Path, target: Path) -> None:
-    if source.resolve() == target.resolve() or not source.is_dir():
-        return
-    for f in source.iterdir():
-        if f.is_file() and f.name not in _WRITTEN_BY_SAVE and not f.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(f, target / f.name)

@@ -39,16 +39,15 @@ from rlmesh.common import errors
 from rlmesh.common.net import free_port
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.trainer import megatron_cpu
-from rlmesh.trainer.backend import (
+from rlmesh.trainer.backend import MicroBatch, TorchBackend, token_log_probs
+from rlmesh.trainer.checkpoints import (
     OPTIMIZER_FILE,
     RNG_FILE,
     CheckpointSnapshot,
-    MicroBatch,
-    TorchBackend,
-    _cpu_copy,
-    _rng_state,
-    _set_rng_state,
-    token_log_probs,
+    copy_model_extras,
+    cpu_copy,
+    rng_state,
+    set_rng_state,
 )
 
 log = logging.getLogger(__name__)
@@ -592,13 +591,11 @@ class MegatronBackend(TorchBackend):
 
     def save_weights(self, path: Path) -> Path:
         """Collective; rank 0 writes a complete HF model directory."""
-        from rlmesh.trainer.backend import _copy_model_extras
-
         weights = self.hf_state_dict()
         if dist.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
             self._hf_model_for_save().save_pretrained(path, state_dict=weights)
-            _copy_model_extras(Path(self.config.model_path), path)
+            copy_model_extras(Path(self.config.model_path), path)
         return path
 
     def snapshot(self) -> CheckpointSnapshot:
@@ -624,8 +621,8 @@ class MegatronBackend(TorchBackend):
             return CheckpointSnapshot(
                 model=self._hf_model_for_save(),
                 weights=weights,
-                optimizers=_cpu_copy(optimizers, {}),
-                rng=_rng_state(self.device),
+                optimizers=cpu_copy(optimizers, {}),
+                rng=rng_state(self.device),
                 state={"step": self.step, "reference_model_path": self.reference_path, "backend": "megatron"},
                 extras_from=Path(self.config.model_path),
             )
@@ -655,7 +652,7 @@ class MegatronBackend(TorchBackend):
                 }
             opt.scheduler.load_state_dict(entry["scheduler"])
         if (path / RNG_FILE).is_file():
-            _set_rng_state(torch.load(path / RNG_FILE, weights_only=True), self.device)
+            set_rng_state(torch.load(path / RNG_FILE, weights_only=True), self.device)
         self.step = int(state.get("step", 0))
         log.info("resumed from checkpoint %s at step %d (megatron TP=%d PP=%d)", path, self.step, self.tp, self.pp)
         return state

@@ -7,13 +7,8 @@ model work runs on a worker thread so the event loop stays responsive."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
-import shutil
 import time
-import uuid
-from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,23 +18,23 @@ import torch
 from pydantic import ValidationError
 
 from rlmesh.common import errors
-from rlmesh.common.faults import blocking_fault_point, fault_point
+from rlmesh.common.faults import fault_point
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.limits import at_most, seconds
 from rlmesh.common.paths import resolve_roots, resolve_under, validate_run_id
 from rlmesh.common.retry import retry
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import ConversionError, SampleGroup, group_from_proto
-from rlmesh.trainer.backend import (
-    COMPLETE_FILE,
+from rlmesh.trainer.backend import TorchBackend, check_group, resolve_device
+from rlmesh.trainer.checkpoints import (
     OPTIMIZER_FILE,
     STATE_FILE,
-    CheckpointSnapshot,
-    TorchBackend,
-    check_group,
-    fsync_dir,
-    resolve_device,
-    write_checkpoint,
+    CheckpointInfo,
+    checkpoint_extra,
+    commit_checkpoint,
+    list_checkpoints,
+    newest_checkpoint,
+    write_in_background,
 )
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.ranks import open_backend
@@ -51,15 +46,6 @@ log = logging.getLogger(__name__)
 
 LOSSES = ("", "sft")
 PUBLISH_METHODS = ("distributed", "disk")
-# In trainer_state.json of every checkpoint this trainer writes: only such a directory is
-# ever replaced by a save (a Hugging Face Trainer checkpoint has the same file names).
-WRITTEN_BY = "rlmesh"
-# Names in a run's checkpoint_dir: automatic checkpoints (step-000010; only these are
-# pruned to keep_last), SaveCheckpoint's default (step_10), and the scratch directory of a
-# save (.<name>.<12 hex>), renamed into place once complete.
-AUTO_CHECKPOINT = re.compile(r"step-(\d+)")
-CHECKPOINT = re.compile(r"step[-_](\d+)")
-SCRATCH = re.compile(r"\.step[-_]\d+\.[0-9a-f]{12}")
 
 
 def parse_run_config(config_json: str) -> TrainerRunConfig:
@@ -449,7 +435,8 @@ class Trainer:
             await run.saved()  # one writer at a time, were it the same directory
             try:
                 snapshot = await asyncio.to_thread(run.backend.snapshot)
-                written = await asyncio.to_thread(_commit_checkpoint, snapshot, target, _checkpoint_extra(run))
+                extra = checkpoint_extra(run.run_id, run.weight_version, run.trained)
+                written = await asyncio.to_thread(commit_checkpoint, snapshot, target, extra)
             except OSError as e:
                 raise errors.FailedPrecondition(f"cannot write checkpoint to {str(target)!r}: {e}") from None
             if run.acks_wait_for_checkpoints and written.parent == self._checkpoint_dir(run.run_id, run.config):
@@ -486,9 +473,9 @@ class Trainer:
             run.written_step = max(run.written_step, step)
             await self._commit_acks(run.run_id, step)
 
-        run.saving = asyncio.create_task(_write_in_background(
+        run.saving = asyncio.create_task(write_in_background(
             run.run_id, snapshot, self._checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}",
-            _checkpoint_extra(run), run.config.keep_last, on_written=written,
+            checkpoint_extra(run.run_id, run.weight_version, run.trained), run.config.keep_last, on_written=written,
         ))
 
     def _under_work_dir(self, path: str | Path, what: str) -> Path:
@@ -513,126 +500,6 @@ class Trainer:
         model = Path(config.model_path).absolute()
         if (model / STATE_FILE).exists() and (model / OPTIMIZER_FILE).exists():
             self._under_work_dir(model, "model_path (a checkpoint to resume)")
-
-
-def is_own_checkpoint(path: Path) -> bool:
-    """A checkpoint directory this trainer wrote (see WRITTEN_BY)."""
-    try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(state, dict) and state.get("written_by") == WRITTEN_BY and (path / OPTIMIZER_FILE).is_file()
-
-
-def _checkpoint_state(path: Path, run_id: str) -> dict | None:
-    """trainer_state.json of a complete checkpoint of `run_id` that rlmesh wrote, else None."""
-    if not (is_own_checkpoint(path) and (path / COMPLETE_FILE).is_file()):
-        return None
-    state = json.loads((path / STATE_FILE).read_text())
-    return state if state.get("run_id") == run_id else None
-
-
-@dataclass
-class CheckpointInfo:
-    step: int
-    path: Path
-    automatic: bool  # written at checkpoint_interval (pruned to keep_last); else SaveCheckpoint's
-    weight_version: int
-    written_at: float  # unix seconds: when the checkpoint was marked complete
-
-
-def list_checkpoints(directory: Path, run_id: str) -> list[CheckpointInfo]:
-    """The complete checkpoints of `run_id` in `directory` (saves in progress are not listed),
-    oldest step first."""
-    if not directory.is_dir():
-        return []
-    found = []
-    for entry in directory.iterdir():
-        if CHECKPOINT.fullmatch(entry.name) and (state := _checkpoint_state(entry, run_id)) is not None:
-            found.append(CheckpointInfo(
-                step=int(state.get("step", 0)), path=entry, automatic=bool(AUTO_CHECKPOINT.fullmatch(entry.name)),
-                weight_version=int(state.get("weight_version", 0)), written_at=(entry / COMPLETE_FILE).stat().st_mtime))
-    return sorted(found, key=lambda c: (c.step, c.path.name))
-
-
-def newest_checkpoint(directory: Path, run_id: str) -> Path | None:
-    """The complete checkpoint of `run_id` with the highest step in `directory` (automatic
-    or SaveCheckpoint's default name), or None. Scratch directories of saves cut short
-    (a killed trainer) are removed on the way: they are never renamed into place."""
-    if not directory.is_dir():
-        return None
-    found = []
-    for entry in directory.iterdir():
-        if SCRATCH.fullmatch(entry.name):
-            log.info("removing %s, left by a checkpoint save that did not finish", entry)
-            shutil.rmtree(entry, ignore_errors=True)
-        elif CHECKPOINT.fullmatch(entry.name) and (state := _checkpoint_state(entry, run_id)) is not None:
-            found.append((int(state.get("step", 0)), entry.name, entry))
-    return max(found)[2] if found else None
-
-
-def prune_checkpoints(directory: Path, run_id: str, keep: int) -> None:
-    """Delete all but the `keep` newest complete automatic checkpoints of `run_id`: only
-    those rlmesh wrote, never SaveCheckpoint's."""
-    auto = sorted(
-        (int(m[1]), entry) for entry in directory.iterdir()
-        if (m := AUTO_CHECKPOINT.fullmatch(entry.name)) and _checkpoint_state(entry, run_id) is not None
-    )
-    for _, entry in auto[:-keep]:
-        shutil.rmtree(entry)
-
-
-def _checkpoint_extra(run: _Run) -> dict:
-    return {
-        "run_id": run.run_id, "weight_version": run.weight_version, "written_by": WRITTEN_BY,
-        "trained_groups": {str(step): ids for step, ids in run.trained.items()},
-    }
-
-
-async def _write_in_background(run_id: str, snapshot: CheckpointSnapshot, target: Path, extra: dict, keep: int,
-                               on_written: Callable[[], Awaitable[None]]) -> None:
-    """An automatic checkpoint written, then on_written() (it commits the acknowledgments
-    the checkpoint holds) and the older checkpoints pruned, on a worker thread; the task
-    never raises: nobody awaits it for a result, so a failure is logged here."""
-    try:
-        await asyncio.to_thread(_commit_checkpoint, snapshot, target, extra)
-        log.info("run %s: checkpoint %s written", run_id, target)
-        await on_written()
-        await asyncio.to_thread(prune_checkpoints, target.parent, run_id, keep)
-    except Exception:
-        log.exception("run %s: checkpoint %s could not be written; training goes on", run_id, target)
-
-
-def _commit_checkpoint(snapshot: CheckpointSnapshot, target: Path, extra: dict) -> Path:
-    """The checkpoint is written under a fresh hidden name beside `target` and then moved
-    into place (a crash mid-save leaves only that hidden directory, never one that looks
-    complete), and an existing `target` is replaced only when it is a checkpoint of ours:
-    a save never deletes a directory rlmesh did not write."""
-    if target.exists() and not is_own_checkpoint(target):
-        raise errors.FailedPrecondition(
-            f"{str(target)!r} exists and is not a checkpoint rlmesh wrote; a save replaces only rlmesh's own "
-            "checkpoints: choose another path or remove it"
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fresh = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}")
-    try:
-        write_checkpoint(snapshot, fresh, extra)
-        blocking_fault_point("trainer.checkpoint_written")  # (complete, not yet in place)
-        if target.exists():
-            old = fresh.with_name(fresh.name + ".old")
-            target.rename(old)
-            try:
-                fresh.rename(target)
-            except OSError:
-                old.rename(target)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            fresh.rename(target)
-        fsync_dir(target.parent)
-    finally:
-        shutil.rmtree(fresh, ignore_errors=True)
-    return target
 
 
 def _trainable(leased: list[sample_pb2.SampleGroup], vocab_size: int) -> tuple[list[SampleGroup], dict[str, str]]:

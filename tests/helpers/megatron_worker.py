@@ -102,7 +102,7 @@ def _megatron_hf(backend, local: dict) -> dict:
 def resume_script(backend, out_dir: Path, save: bool) -> dict[str, torch.Tensor]:
     """With `save`: a step, a checkpoint (OUT/checkpoint), another step. Without (the
     backend resumed from that checkpoint): the other step. Returns the weights after."""
-    from rlmesh.trainer.backend import write_checkpoint
+    from rlmesh.trainer.checkpoints import write_checkpoint
 
     if save:
         backend.train_step(groups())
