@@ -39,7 +39,8 @@ from rlmesh.common import errors
 from rlmesh.common.net import free_port
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.trainer import megatron_cpu
-from rlmesh.trainer.backend import MicroBatch, TorchBackend, token_log_probs
+from rlmesh.trainer.backend import TorchBackend
+from rlmesh.trainer.batches import MicroBatch, token_log_probs
 from rlmesh.trainer.checkpoints import (
     OPTIMIZER_FILE,
     RNG_FILE,

@@ -25,7 +25,8 @@ from rlmesh.common.paths import resolve_roots, resolve_under, validate_run_id
 from rlmesh.common.retry import retry
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import ConversionError, SampleGroup, group_from_proto
-from rlmesh.trainer.backend import TorchBackend, check_group, resolve_device
+from rlmesh.trainer.backend import TorchBackend, resolve_device
+from rlmesh.trainer.batches import check_group
 from rlmesh.trainer.checkpoints import (
     OPTIMIZER_FILE,
     STATE_FILE,

@@ -19,7 +19,7 @@ import torch
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import Sample, SampleGroup, Status
 from rlmesh.trainer import algorithms as algo
-from rlmesh.trainer.backend import _FixedTokens, _Totals, collate, prepare_batch
+from rlmesh.trainer.batches import FixedTokens, Totals, collate, prepare_batch
 
 RL_STEPS = 3
 
@@ -72,12 +72,12 @@ def script(backend) -> dict:
     old = backend._old_pass(backend.policy, samples, width)[0]
     rewards = torch.tensor([s.reward for s in samples])
     advantages = algo.compute_advantages(backend.algorithm, rewards, batch.group_sizes, mb.mask, None)
-    fixed = _FixedTokens(old, old, advantages, None)
+    fixed = FixedTokens(old, old, advantages, None)
     num_seqs, num_tokens = torch.tensor(float(len(samples))), mb.mask.sum()
 
     def loss_of(logits):
         out["logits"] = logits.detach().clone()
-        loss = backend._rl_loss(logits, mb, fixed, num_seqs, num_tokens, _Totals())
+        loss = backend._rl_loss(logits, mb, fixed, num_seqs, num_tokens, Totals())
         out["loss"] = loss.detach().clone()
         return loss
 
