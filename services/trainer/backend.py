@@ -1,7 +1,7 @@
 """TorchBackend: a Hugging Face causal LM trained with plain torch, on CPU or one GPU, or
 sharded over torchrun's ranks with FSDP2 (data_parallel 'fsdp2', fsdp.py); optionally LoRA
 adapters only (lora.py) and a critic's value head (critic.py). A parallel backend
-(megatron_backend.py) subclasses it and overrides its model hooks: _load_model,
+(megatron/backend.py) subclasses it and overrides its model hooks: _load_model,
 _token_space, _response_logits / _response_log_probs, _backward (forward, loss, backward),
 _clip_grad_norm and the weights out (state_dict_for_sync, save_weights, snapshot).
 Its batches come from batches.py; its checkpoints are written by checkpoints.py.

@@ -94,7 +94,7 @@ def script(backend) -> dict:
 
 
 def _megatron_hf(backend, local: dict) -> dict:
-    from rlmesh.trainer.megatron_backend import gather_hf
+    from rlmesh.trainer.megatron.conversion import gather_hf
 
     return gather_hf(backend.layout, local)
 
@@ -117,7 +117,7 @@ def resume_script(backend, out_dir: Path, save: bool) -> dict[str, torch.Tensor]
 def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
-    from rlmesh.trainer.megatron_backend import MegatronBackend
+    from rlmesh.trainer.megatron.backend import MegatronBackend
 
     mode, model_dir, tp, pp, out_dir = argv[0], Path(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     config = run_config(model_dir, "megatron", tp, pp)
