@@ -7,7 +7,8 @@ configuration two processes under torchrun (gloo). Two figures per case: wall-cl
 tokens/s, and the CPU seconds a step costs (all processes together), which does not
 depend on what else the machine runs. Tensor parallelism halves each rank's matmuls but
 adds two all-reduces per layer over loopback TCP and repeats the norms and the loss on
-every rank; pipeline stages run one after the other (no overlap, see megatron_backend).
+every rank; pipeline stages run one after the other (no overlap, see
+rlmesh.trainer.megatron.backend).
 On a busy machine two processes also get a bigger share of the cores than one, which the
 wall-clock figure shows and the CPU figure does not. (Megatron's place is many GPUs; this
 shows that the CPU path works and what it costs, not a GPU speed-up.)
@@ -89,7 +90,7 @@ def worker(argv: list[str]) -> None:
     """One rank of a megatron configuration (under torchrun); rank 0 writes the result."""
     import torch.distributed as dist
 
-    from rlmesh.trainer.megatron_backend import MegatronBackend
+    from rlmesh.trainer.megatron.backend import MegatronBackend
 
     model, tp, pp, out = Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
     torch.set_num_threads(1)

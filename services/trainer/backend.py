@@ -1,9 +1,10 @@
 """TorchBackend: a Hugging Face causal LM trained with plain torch, on CPU or one GPU, or
 sharded over torchrun's ranks with FSDP2 (data_parallel 'fsdp2', fsdp.py); optionally LoRA
 adapters only (lora.py) and a critic's value head (critic.py). A parallel backend
-(megatron_backend.py) subclasses it and overrides its model hooks: _load_model,
+(megatron/backend.py) subclasses it and overrides its model hooks: _load_model,
 _token_space, _response_logits / _response_log_probs, _backward (forward, loss, backward),
 _clip_grad_norm and the weights out (state_dict_for_sync, save_weights, snapshot).
+Its batches come from batches.py; its checkpoints are written by checkpoints.py.
 
 One RL step, for a batch of sample groups (FAILED samples left out):
 
@@ -24,51 +25,53 @@ The model stays in eval mode: dropout would make the ratio differ from 1 for no 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
-import os
-import random
-import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlmesh.common import errors
 from rlmesh.common.run_config import OptimizerConfig, TrainerRunConfig
-from rlmesh.common.sample import SampleGroup, Status, validate_arrays
+from rlmesh.common.sample import SampleGroup
 from rlmesh.trainer import algorithms as algo
 from rlmesh.trainer import lora
+from rlmesh.trainer.batches import (
+    FixedTokens,
+    MicroBatch,
+    PreparedBatch,
+    Totals,
+    TrainSample,
+    batch_metrics,
+    collate,
+    pad_to,
+    prepare_batch,
+    split_evenly,
+    token_log_probs,
+)
+from rlmesh.trainer.checkpoints import (
+    FQN_OPTIMIZER_FORMAT,
+    OPTIMIZER_FILE,
+    OPTIMIZER_FORMAT_KEY,
+    RNG_FILE,
+    CheckpointSnapshot,
+    copy_model_extras,
+    cpu_copy,
+    read_state,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
+)
 from rlmesh.trainer.critic import VALUE_HEAD_FILE, build_value_head
 from rlmesh.trainer.fsdp import DataParallel
 
 log = logging.getLogger(__name__)
-
-OPTIMIZER_FILE = "optimizer.pt"
-STATE_FILE = "trainer_state.json"
-RNG_FILE = "rng_state.pt"
-# Written last, once every other file of a checkpoint is on disk: a directory without it
-# is never resumed automatically, whatever else it holds.
-COMPLETE_FILE = "checkpoint_complete"
-# In trainer_state.json of a checkpoint written under FSDP2: its optimizer state is keyed
-# by parameter names (torch.distributed.checkpoint's full state dict), not by position.
-OPTIMIZER_FORMAT_KEY = "optimizer_state_format"
-FQN_OPTIMIZER_FORMAT = "full_by_name"
-# Files of a model directory that save_pretrained writes itself (or a checkpoint's own);
-# everything else at the top level (tokenizer, chat template) is copied over so a
-# checkpoint is a complete model.
-_WRITTEN_BY_SAVE = {"config.json", "generation_config.json", OPTIMIZER_FILE, STATE_FILE, RNG_FILE, COMPLETE_FILE,
-                    lora.ADAPTER_CONFIG}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -80,202 +83,8 @@ def resolve_device(requested: str) -> torch.device:
 
 
 # --------------------------------------------------------------------------------------
-# Batches
-# --------------------------------------------------------------------------------------
-
-
-@dataclass
-class TrainSample:
-    """A sample reduced to what the model needs (CPU tensors)."""
-
-    tokens: Tensor  # [L] prompt + response
-    response_length: int
-    loss_mask: Tensor  # [R] float
-    rollout_log_probs: Tensor | None  # [R], None when the engine sent none
-    reward: float
-
-    @property
-    def num_trained_tokens(self) -> float:
-        return float(self.loss_mask.sum())
-
-
-@dataclass
-class PreparedBatch:
-    samples: list[TrainSample]  # group after group
-    group_sizes: list[int]
-    failed: int
-    truncated: int
-
-
-def check_group(group: SampleGroup, vocab_size: int) -> None:
-    """Raise what makes a group untrainable, whoever tries: broken arrays
-    (ConversionError), no prompt tokens or token ids outside the model's vocabulary
-    (InvalidArgument; the embedding lookup would fail on the device with no useful message).
-    FAILED samples are not trained, so not checked."""
-    for s in group.samples:
-        if s.status == Status.FAILED:
-            continue
-        validate_arrays(s.index, len(s.tokens), s.response_length, len(s.loss_mask), len(s.rollout_log_probs))
-        where = f"group {group.group_id!r}, sample {s.index}"
-        if len(s.tokens) - s.response_length < 1:
-            raise errors.InvalidArgument(
-                f"{where}: no prompt tokens, so the first response token has nothing to be predicted from"
-            )
-        low, high = min(s.tokens), max(s.tokens)
-        if low < 0 or high >= vocab_size:
-            raise errors.InvalidArgument(
-                f"{where}: tokens holds id {low if low < 0 else high}, outside the model's vocabulary "
-                f"[0, {vocab_size - 1}] (was it generated with another model or tokenizer?)"
-            )
-
-
-def prepare_batch(groups: Sequence[SampleGroup], vocab_size: int) -> PreparedBatch:
-    """Drop FAILED samples (counted), check the groups, make tensors."""
-    samples: list[TrainSample] = []
-    group_sizes: list[int] = []
-    failed = truncated = 0
-    for group in groups:
-        check_group(group, vocab_size)
-        kept = 0
-        for s in group.samples:
-            if s.status == Status.FAILED:
-                failed += 1
-                continue
-            truncated += s.status == Status.TRUNCATED
-            r = s.response_length
-            samples.append(
-                TrainSample(
-                    tokens=torch.tensor(s.tokens, dtype=torch.long),
-                    response_length=r,
-                    loss_mask=torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else torch.ones(r),
-                    rollout_log_probs=(
-                        torch.tensor(s.rollout_log_probs, dtype=torch.float32) if s.rollout_log_probs else None
-                    ),
-                    reward=float(s.reward),
-                )
-            )
-            kept += 1
-        if kept:
-            group_sizes.append(kept)
-    return PreparedBatch(samples, group_sizes, failed, truncated)
-
-
-@dataclass
-class MicroBatch:
-    """Right-padded model inputs and response-aligned [b, R] index tensors."""
-
-    input_ids: Tensor  # [b, L]
-    attention_mask: Tensor  # [b, L]
-    logit_index: Tensor  # [b, R] position whose logits predict response token j
-    targets: Tensor  # [b, R] the response tokens
-    mask: Tensor  # [b, R] float: 1 = trained token
-    stand_in: bool = False  # run only to match the other ranks' collectives (data parallelism)
-
-    @property
-    def response_width(self) -> int:
-        return self.mask.shape[1]
-
-
-def collate(samples: Sequence[TrainSample], pad_token_id: int, device: torch.device) -> MicroBatch:
-    lengths = torch.tensor([len(s.tokens) for s in samples])
-    responses = torch.tensor([s.response_length for s in samples])
-    width = max(int(responses.max()), 1)
-    input_ids = pad_sequence([s.tokens for s in samples], batch_first=True, padding_value=pad_token_id)
-    attention_mask = (torch.arange(input_ids.shape[1]) < lengths.unsqueeze(1)).long()
-    j = torch.arange(width).unsqueeze(0)
-    inside = j < responses.unsqueeze(1)
-    # Token at position p is predicted by the logits at p - 1.
-    logit_index = torch.where(inside, (lengths - responses - 1).unsqueeze(1) + j, 0)
-    targets = torch.gather(input_ids, 1, torch.where(inside, logit_index + 1, 0))
-    mask = pad_to([s.loss_mask for s in samples], width)
-    return MicroBatch(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        logit_index=logit_index.to(device),
-        targets=targets.to(device),
-        mask=mask.to(device),
-    )
-
-
-def pad_to(rows: Sequence[Tensor], width: int, value: float = 0.0) -> Tensor:
-    """Stack 1-D tensors (at least one) into [len(rows), width], right-padded."""
-    out = torch.full((len(rows), width), value, dtype=rows[0].dtype, device=rows[0].device)
-    for i, row in enumerate(rows):
-        out[i, : row.numel()] = row
-    return out
-
-
-def token_log_probs(logits: Tensor, targets: Tensor) -> Tensor:
-    """log softmax(logits)[target] per position: [b, R, V], [b, R] -> [b, R]."""
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def split_evenly(n: int, parts: int) -> list[range]:
-    """[0, n) cut into `parts` contiguous ranges whose sizes differ by at most one."""
-    bounds = [round(k * n / parts) for k in range(parts + 1)]
-    return [range(bounds[k], bounds[k + 1]) for k in range(parts)]
-
-
-# --------------------------------------------------------------------------------------
-# Metrics accumulation
-# --------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Totals:
-    """Sums over optimizer steps (per-step losses) and over trained tokens."""
-
-    steps: int = 0
-    skipped_steps: int = 0
-    tokens: float = 0.0
-    per_step: dict[str, float] = field(default_factory=dict)
-    per_token: dict[str, float] = field(default_factory=dict)
-    grad_norms: list[float] = field(default_factory=list)
-    lr: float = 0.0
-
-    def add_step_value(self, name: str, value: float) -> None:
-        self.per_step[name] = self.per_step.get(name, 0.0) + value
-
-    def add_token_sum(self, name: str, value: float) -> None:
-        self.per_token[name] = self.per_token.get(name, 0.0) + value
-
-    def add_token_mean(self, name: str, mean: float, tokens: float) -> None:
-        """A micro-batch's mean over its `tokens` trained tokens, weighted like add_token_sum."""
-        self.add_token_sum(name, mean * tokens)
-
-    def metrics(self) -> dict[str, float]:
-        out = {k: v / max(self.steps, 1) for k, v in self.per_step.items()}
-        out.update({k: v / max(self.tokens, 1.0) for k, v in self.per_token.items()})
-        if self.grad_norms:
-            out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
-        out["lr"] = self.lr
-        out["optimizer_steps"] = float(self.steps)
-        if self.skipped_steps:
-            out["skipped_steps_nonfinite_grad"] = float(self.skipped_steps)
-        return out
-
-
-# --------------------------------------------------------------------------------------
 # The backend
 # --------------------------------------------------------------------------------------
-
-
-@dataclass
-class _FixedTokens:
-    """What a step computes once, before any update, as [B, W] tensors."""
-
-    old: Tensor  # log-probs of the policy before the update
-    ref: Tensor | None  # log-probs of the reference model
-    advantages: Tensor
-    is_weights: Tensor | None  # rollout importance weights (1 where the engine sent no log-probs)
-    values: Tensor | None = None  # the critic's values before the update (advantage_estimator 'gae')
-    returns: Tensor | None = None  # and its regression targets
-
-    def rows(self, index: Sequence[int], width: int) -> _FixedTokens:
-        """The rows of a micro-batch, cut to its response width."""
-        pick = torch.as_tensor(list(index), device=self.old.device)
-        fields = (self.old, self.ref, self.advantages, self.is_weights, self.values, self.returns)
-        return _FixedTokens(*(t[pick, :width] if t is not None else None for t in fields))
 
 
 @dataclass
@@ -305,111 +114,6 @@ def _load_model(path: str, device: torch.device, what: str = "model_path") -> Pr
     return model.to(device).eval()
 
 
-@dataclass
-class CheckpointSnapshot:
-    """A checkpoint copied to CPU memory, to be written (write_checkpoint) while training
-    goes on."""
-
-    model: PreTrainedModel  # for save_pretrained's config; its parameters are not read
-    weights: dict[str, Tensor] | None  # None: no full model (a LoRA run saves its adapters in `tensor_files`)
-    optimizers: dict
-    rng: dict
-    state: dict  # what trainer_state.json holds besides the caller's extra
-    extras_from: Path  # the run's model directory: tokenizer and the like
-    tensor_files: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # file name -> safetensors content
-    text_files: dict[str, str] = field(default_factory=dict)  # file name -> content
-
-
-def write_checkpoint(snapshot: CheckpointSnapshot, path: Path, extra: dict | None = None) -> Path:
-    """Write `snapshot` into `path` (a new directory): a complete model (save_pretrained),
-    optimizer and scheduler state, RNG states, trainer_state.json; every file synced, and
-    COMPLETE_FILE last. Not atomic by itself: the trainer writes to a hidden directory and
-    renames it into place."""
-    path.mkdir(parents=True)
-    if snapshot.weights is not None:
-        # save_pretrained pops the tensors it has written from the dict it is given.
-        snapshot.model.save_pretrained(path, state_dict=dict(snapshot.weights))
-    for name, tensors in snapshot.tensor_files.items():
-        save_file(tensors, path / name)
-    for name, text in snapshot.text_files.items():
-        (path / name).write_text(text)
-    _copy_model_extras(snapshot.extras_from, path)
-    torch.save(snapshot.optimizers, path / OPTIMIZER_FILE)
-    torch.save(snapshot.rng, path / RNG_FILE)
-    (path / STATE_FILE).write_text(json.dumps({**snapshot.state, **(extra or {})}, indent=2))
-    for f in path.rglob("*"):
-        if f.is_file():
-            _fsync(f)
-    (path / COMPLETE_FILE).touch()
-    _fsync(path / COMPLETE_FILE)
-    fsync_dir(path)
-    return path
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the entries of a directory (new files, renames) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _cpu_copy(value, memo: dict):
-    """`value` (nested dicts, lists, tuples) with every tensor copied to CPU memory; tensors
-    sharing memory (tied weights) stay shared, as save_pretrained expects."""
-    if isinstance(value, Tensor):
-        if not value.numel():  # no memory of its own to share
-            return value.detach().to("cpu", copy=True)
-        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype)
-        if key not in memo:
-            memo[key] = value.detach().to("cpu", copy=True)
-        return memo[key]
-    if isinstance(value, dict):
-        return {k: _cpu_copy(v, memo) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(v, memo) for v in value)
-    return value
-
-
-def _rng_state(device: torch.device) -> dict:
-    numpy_state = np.random.get_state(legacy=False)
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        # As plain values and a tensor, so that loading needs no pickled numpy objects.
-        "numpy": {
-            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
-            "pos": int(numpy_state["state"]["pos"]),
-            "has_gauss": int(numpy_state["has_gauss"]),
-            "gauss": float(numpy_state["gauss"]),
-        },
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state({
-        "bit_generator": "MT19937",
-        "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
-        "has_gauss": n["has_gauss"],
-        "gauss": n["gauss"],
-    })
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 class TorchBackend:
     def __init__(
         self,
@@ -433,7 +137,7 @@ class TorchBackend:
 
         self.dp = DataParallel.from_config(config)
         source = resume_from or Path(config.model_path)
-        saved_state = _read_state(source)
+        saved_state = read_state(source)
         # A LoRA checkpoint holds adapters only: the model comes from the base it names.
         lora_base = saved_state.get(lora.BASE_MODEL_STATE_KEY)
         if lora_base and config.lora is None:
@@ -588,7 +292,7 @@ class TorchBackend:
         (over every shard, with data parallelism)."""
         return self.dp.to_float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
 
-    def _optimizer_step(self, opt: _Optimizer, totals: _Totals) -> None:
+    def _optimizer_step(self, opt: _Optimizer, totals: Totals) -> None:
         grad_norm = self._clip_grad_norm(opt.config.grad_clip)
         totals.lr = opt.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
@@ -611,7 +315,7 @@ class TorchBackend:
     def _train_rl(self, batch: PreparedBatch) -> dict[str, float]:
         a = self.algorithm
         samples = batch.samples
-        metrics = _batch_metrics(batch)
+        metrics = batch_metrics(batch)
         if not samples:
             return metrics
         device = self.device
@@ -650,11 +354,11 @@ class TorchBackend:
             metrics["value_mean"] = float(algo.masked_mean(values, masks))
             metrics["return_mean"] = float(algo.masked_mean(returns, masks))
             metrics["explained_variance"] = float(algo.explained_variance(values, returns, masks))
-        fixed = _FixedTokens(old, ref, advantages, is_weights, values, returns)
+        fixed = FixedTokens(old, ref, advantages, is_weights, values, returns)
 
         # 3. One optimizer step per mini-batch.
         opt = self._optimizers["rl"]
-        totals = _Totals()
+        totals = Totals()
         for mini in split_evenly(len(samples), min(self.config.num_steps_per_rollout, len(samples))):
             mini_masks = masks[mini.start : mini.stop]
             num_tokens = mini_masks.sum().clamp(min=1)
@@ -682,7 +386,7 @@ class TorchBackend:
         return values, present
 
     def _rl_loss(
-        self, logits: Tensor, mb: MicroBatch, fixed: _FixedTokens, num_seqs: Tensor, num_tokens: Tensor, totals: _Totals,
+        self, logits: Tensor, mb: MicroBatch, fixed: FixedTokens, num_seqs: Tensor, num_tokens: Tensor, totals: Totals,
         values: Tensor | None = None,
     ) -> Tensor:
         """The loss of one micro-batch from its response logits (and the critic's `values`
@@ -731,12 +435,12 @@ class TorchBackend:
         """One optimizer step of plain NLL over the trained response tokens."""
         with self._lock:
             batch = prepare_batch(groups, self.vocab_size)
-            metrics = _batch_metrics(batch)
+            metrics = batch_metrics(batch)
             if not batch.samples:
                 return metrics
             samples = batch.samples
             num_tokens = torch.tensor(max(sum(s.num_trained_tokens for s in samples), 1.0), device=self.device)
-            totals = _Totals()
+            totals = Totals()
             for _, mb in self._micro_batches(range(len(samples)), samples):
                 self._backward(
                     self.policy, mb, functools.partial(self._sft_loss, mb=mb, num_tokens=num_tokens, totals=totals)
@@ -747,7 +451,7 @@ class TorchBackend:
                 metrics["sft_nll"] = metrics["loss"]
             return metrics
 
-    def _sft_loss(self, logits: Tensor, mb: MicroBatch, num_tokens: Tensor, totals: _Totals) -> Tensor:
+    def _sft_loss(self, logits: Tensor, mb: MicroBatch, num_tokens: Tensor, totals: Totals) -> Tensor:
         loss = algo.nll_loss(token_log_probs(logits, mb.targets), mb.mask, num_tokens)
         totals.add_step_value("loss", float(loss.detach()))
         return loss
@@ -776,7 +480,7 @@ class TorchBackend:
                 return path
             path.mkdir(parents=True, exist_ok=True)
             model.save_pretrained(path, state_dict=weights)
-            _copy_model_extras(Path(self.config.model_path), path)
+            copy_model_extras(Path(self.config.model_path), path)
             return path
 
     def snapshot(self) -> CheckpointSnapshot:
@@ -797,17 +501,17 @@ class TorchBackend:
             if self.config.lora is not None:  # the adapters only, in PEFT's own format
                 state[lora.BASE_MODEL_STATE_KEY] = self.base_model_path
                 adapters, adapter_config = lora.adapter_files(self.policy)
-                tensor_files[lora.ADAPTER_WEIGHTS] = _cpu_copy(adapters, {})
+                tensor_files[lora.ADAPTER_WEIGHTS] = cpu_copy(adapters, {})
                 text_files[lora.ADAPTER_CONFIG] = adapter_config
             else:
-                weights = _cpu_copy(self.dp.full_state_dict(self.policy), {})
+                weights = cpu_copy(self.dp.full_state_dict(self.policy), {})
             if self.critic is not None:
-                tensor_files[VALUE_HEAD_FILE] = _cpu_copy(self.dp.full_state_dict(self.critic), {})
+                tensor_files[VALUE_HEAD_FILE] = cpu_copy(self.dp.full_state_dict(self.critic), {})
             return CheckpointSnapshot(
                 model=self.policy,
                 weights=weights,
-                optimizers=_cpu_copy(optimizers, {}),
-                rng=_rng_state(self.device),
+                optimizers=cpu_copy(optimizers, {}),
+                rng=rng_state(self.device),
                 state=state,
                 extras_from=Path(self.config.model_path),
                 tensor_files=tensor_files,
@@ -840,7 +544,7 @@ class TorchBackend:
                 self.dp.load_optimizer_state(self._trained_modules(), opt.optimizer, saved[name]["optimizer"], by_name)
                 opt.scheduler.load_state_dict(saved[name]["scheduler"])
         if (path / RNG_FILE).is_file():
-            _set_rng_state(torch.load(path / RNG_FILE, weights_only=True), self.device)
+            set_rng_state(torch.load(path / RNG_FILE, weights_only=True), self.device)
         self.step = int(state.get("step", 0))
         log.info("resumed from checkpoint %s at step %d", path, self.step)
         return state
@@ -853,33 +557,3 @@ class TorchBackend:
             self._optimizers.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _read_state(path: Path) -> dict:
-    """trainer_state.json of a checkpoint of ours ({} for a plain model directory)."""
-    state_file = path / STATE_FILE
-    if not (state_file.exists() and (path / OPTIMIZER_FILE).exists()):
-        return {}
-    return json.loads(state_file.read_text())
-
-
-def _batch_metrics(batch: PreparedBatch) -> dict[str, float]:
-    samples = batch.samples
-    n = len(samples)
-    return {
-        "samples": float(n),
-        "groups": float(len(batch.group_sizes)),
-        "failed_count": float(batch.failed),
-        "truncated_fraction": batch.truncated / n if n else 0.0,
-        "reward_mean": sum(s.reward for s in samples) / n if n else 0.0,
-        "response_length_mean": sum(s.response_length for s in samples) / n if n else 0.0,
-        "trained_tokens": float(sum(s.num_trained_tokens for s in samples)),
-    }
-
-
-def _copy_model_extras(source: Path, target: Path) -> None:
-    if source.resolve() == target.resolve() or not source.is_dir():
-        return
-    for f in source.iterdir():
-        if f.is_file() and f.name not in _WRITTEN_BY_SAVE and not f.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(f, target / f.name)

@@ -104,7 +104,7 @@ class DataParallel:
         return float(self.full(value))
 
     def reduce_totals(self, totals):
-        """Metrics sums (backend._Totals) added up over ranks: each rank's losses are its
+        """Metrics sums (batches.Totals) added up over ranks: each rank's losses are its
         share of the batch's, its token sums those of its own tokens."""
         if self.world == 1:
             return totals

@@ -54,7 +54,7 @@ def rank() -> int:
 def backend_class(config: TrainerRunConfig) -> type[TorchBackend]:
     if config.backend == "megatron":
         try:
-            from rlmesh.trainer.megatron_backend import MegatronBackend
+            from rlmesh.trainer.megatron.backend import MegatronBackend
         except ImportError as e:
             raise errors.InvalidArgument(
                 f"backend 'megatron' needs megatron-core in the trainer's environment (pip install 'rlmesh[megatron]'): {e}"

@@ -1,65 +1,51 @@
 """The trainer's plain logic: one run at a time, its model on a backend (TorchBackend, or
 under torchrun MegatronBackend or an FSDP2 TorchBackend on every rank, led from rank 0:
-ranks.open_backend is the one place a backend is built), batches leased from the buffer and acknowledged after the optimizer step, weights pushed to
-the engines through the rollout service. No gRPC server here (see server.py); the
-model work runs on a worker thread so the event loop stays responsive."""
+ranks.open_backend is the one place a backend is built), batches leased from the buffer
+and acknowledged after the optimizer step (buffer_client.py), weights pushed to the
+engines through the rollout service, checkpoints written when due (checkpoints.py). No
+gRPC server here (see server.py); the model work runs on a worker thread so the event
+loop stays responsive."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
-import shutil
 import time
-import uuid
-from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import torch
 from pydantic import ValidationError
 
 from rlmesh.common import errors
-from rlmesh.common.faults import blocking_fault_point, fault_point
-from rlmesh.common.grpc_server import aio_channel
+from rlmesh.common.faults import fault_point
 from rlmesh.common.limits import at_most, seconds
 from rlmesh.common.paths import resolve_roots, resolve_under, validate_run_id
-from rlmesh.common.retry import retry
 from rlmesh.common.run_config import TrainerRunConfig, oldest_weight_version
 from rlmesh.common.sample import ConversionError, SampleGroup, group_from_proto
-from rlmesh.trainer.backend import (
-    COMPLETE_FILE,
+from rlmesh.trainer.backend import TorchBackend, resolve_device
+from rlmesh.trainer.batches import check_group
+from rlmesh.trainer.buffer_client import BufferClient
+from rlmesh.trainer.checkpoints import (
     OPTIMIZER_FILE,
     STATE_FILE,
-    CheckpointSnapshot,
-    TorchBackend,
-    check_group,
-    fsync_dir,
-    resolve_device,
-    write_checkpoint,
+    CheckpointInfo,
+    checkpoint_extra,
+    commit_checkpoint,
+    list_checkpoints,
+    newest_checkpoint,
+    write_in_background,
 )
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.ranks import open_backend
 from rlmesh.trainer.weight_sync import PushResult, WeightPusher
-from rlmesh.v1 import buffer_pb2, sample_pb2
-from rlmesh.v1.buffer_pb2_grpc import BufferStub
+from rlmesh.v1 import sample_pb2
 
 log = logging.getLogger(__name__)
 
 LOSSES = ("", "sft")
 PUBLISH_METHODS = ("distributed", "disk")
-# In trainer_state.json of every checkpoint this trainer writes: only such a directory is
-# ever replaced by a save (a Hugging Face Trainer checkpoint has the same file names).
-WRITTEN_BY = "rlmesh"
-# Names in a run's checkpoint_dir: automatic checkpoints (step-000010; only these are
-# pruned to keep_last), SaveCheckpoint's default (step_10), and the scratch directory of a
-# save (.<name>.<12 hex>), renamed into place once complete.
-AUTO_CHECKPOINT = re.compile(r"step-(\d+)")
-CHECKPOINT = re.compile(r"step[-_](\d+)")
-SCRATCH = re.compile(r"\.step[-_]\d+\.[0-9a-f]{12}")
 
 
 def parse_run_config(config_json: str) -> TrainerRunConfig:
@@ -135,7 +121,7 @@ class Trainer:
         self._roots = resolve_roots([settings.work_dir])
         self._run: _Run | None = None
         self._lock = asyncio.Lock()  # one user of the model at a time (steps, pushes, saves)
-        self._buffer_channel: grpc.aio.Channel | None = None
+        self._buffer = BufferClient(settings)
 
     # ---------------------------------------------------------------- runs
 
@@ -211,7 +197,7 @@ class Trainer:
                         raise errors.FailedPrecondition(
                             f"run {run_id!r}: the checkpoint of its last step ({run.backend.step}) could not be "
                             "written (the trainer's log says why); the run stays set up: EndRun again to retry")
-                await self._commit_acks(run.run_id, run.written_step, patiently=not shutting_down)
+                await self._buffer.commit_acks(run.run_id, run.written_step, patiently=not shutting_down)
             status = run.status()
             if run.pusher is not None:
                 await run.pusher.close()
@@ -223,9 +209,7 @@ class Trainer:
     async def close(self) -> None:
         if self._run is not None:
             await self.end_run(self._run.run_id, shutting_down=True)
-        if self._buffer_channel is not None:
-            await self._buffer_channel.close()
-            self._buffer_channel = None
+        await self._buffer.close()
 
     # ---------------------------------------------------------------- training
 
@@ -244,13 +228,17 @@ class Trainer:
     async def _lease_train_ack(self, run: _Run, num_groups: int, wait_seconds: float, loss: str) -> StepResult:
         async with self._holding(run):
             await self._rewind_buffer(run)
-            lease = await self._lease(run, num_groups, wait_seconds)
+            # (the bound counts back from the weights this trainer last published)
+            lease = await self._buffer.lease(
+                run.run_id, num_groups, wait_seconds,
+                oldest_weight_version(run.weight_version, run.config.staleness_bound), run.config.stale_policy,
+            )
             lease_id = lease.lease_id
             groups, rejected = _trainable(list(lease.groups), run.backend.vocab_size)
             if rejected:
                 # Failing the step would only have these redelivered, again and again: the
                 # buffer keeps them (and why) in its dead-letter list; the rest trains.
-                await self._reject(run.run_id, lease_id, rejected)
+                await self._buffer.reject(run.run_id, lease_id, rejected)
                 log.warning("run %s: %d of %d leased groups cannot be trained and went to the buffer's dead-letter "
                             "list%s; first reason: %s", run.run_id, len(rejected), len(lease.groups),
                             " (this step trains nothing)" if not groups else "", next(iter(rejected.values())))
@@ -258,7 +246,7 @@ class Trainer:
             # (extended: a step that trained nothing leaves the step where the previous one did)
             run.trained.setdefault(result.step, []).extend(g.group_id for g in groups)
             await fault_point("trainer.before_ack")
-            await self._ack(run, lease_id, result.step)
+            await self._buffer.ack(run.run_id, lease_id, result.step, provisional=run.acks_wait_for_checkpoints)
             result.metrics.update(
                 rejected_groups=float(len(rejected)), stale_groups_dropped=float(lease.stale_groups_dropped),
                 stale_groups_kept=float(lease.stale_groups), **_staleness(groups, run.weight_version),
@@ -289,119 +277,13 @@ class Trainer:
 
     # ---------------------------------------------------------------- buffer
 
-    def _buffer(self) -> BufferStub:
-        if not self.settings.buffer_address:
-            raise errors.FailedPrecondition(
-                "this trainer has no buffer_address (RLMESH_TRAINER_BUFFER_ADDRESS): it cannot lease batches"
-            )
-        if self._buffer_channel is None:
-            self._buffer_channel = aio_channel(self.settings.buffer_address, self.settings.max_message_bytes)
-        return BufferStub(self._buffer_channel)
-
-    async def _lease(self, run: _Run, num_groups: int, wait_seconds: float) -> buffer_pb2.LeaseBatchResponse:
-        """A batch of exactly num_groups groups, none older than the staleness bound allows
-        behind the weights this trainer last published (stale ones dropped or kept, counted)."""
-        run_id = run.run_id
-        request = buffer_pb2.LeaseBatchRequest(
-            run_id=run_id,
-            num_groups=num_groups,
-            lease_seconds=self.settings.lease_seconds,
-            wait_seconds=wait_seconds,
-            min_weight_version=oldest_weight_version(run.weight_version, run.config.staleness_bound),
-            stale_policy=buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP if run.config.stale_policy == "keep"
-            else buffer_pb2.LeaseBatchRequest.STALE_POLICY_DROP,
-        )
-        try:
-            response = await self._buffer().LeaseBatch(
-                request, timeout=wait_seconds + self.settings.buffer_timeout_seconds
-            )
-        except grpc.aio.AioRpcError as e:
-            raise errors.upstream_error("buffer (LeaseBatch)", self.settings.buffer_address, e) from None
-        if not response.groups:
-            raise errors.Unavailable(
-                f"buffer had only 0 of {num_groups} groups for run {run_id!r} after waiting {wait_seconds:g} s"
-            )
-        if len(response.groups) < num_groups:
-            log.warning("buffer leased %d of %d groups; training on those", len(response.groups), num_groups)
-        return response
-
-    async def _ack(self, run: _Run, lease_id: str, step: int) -> None:
-        request = buffer_pb2.AckBatchRequest(
-            run_id=run.run_id, lease_id=lease_id, step=step, provisional=run.acks_wait_for_checkpoints
-        )
-        try:
-            await self._call_buffer("AckBatch", request)
-        except errors.RlmeshError as error:
-            raise type(error)(
-                f"step {step} was taken but lease {lease_id!r} was not acknowledged ({error}); "
-                "the buffer will redeliver those groups when the lease expires"
-            ) from None
-
     async def _rewind_buffer(self, run: _Run) -> None:
-        """Tell the buffer where this freshly loaded model stands: acknowledgments up to its
-        step are final, later ones (steps a dead trainer took after its last checkpoint) go
-        back to the queue, and leases a dead trainer held are released now instead of at
-        their expiry. Once per load, before the first lease."""
+        """Tell the buffer where this freshly loaded model stands (BufferClient.rewind).
+        Once per load, before the first lease."""
         if run.buffer_rewound or not self.settings.buffer_address:
             return
-        request = buffer_pb2.RollbackToCheckpointRequest(run_id=run.run_id, step=run.backend.step)
-        try:
-            reply = await self._buffer().RollbackToCheckpoint(request, timeout=self.settings.buffer_timeout_seconds)
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.NOT_FOUND:
-                raise errors.upstream_error("buffer (RollbackToCheckpoint)", self.settings.buffer_address, e) from None
-            reply = buffer_pb2.RollbackToCheckpointResponse()  # no such run in the buffer: nothing it holds
+        await self._buffer.rewind(run.run_id, run.backend.step)
         run.buffer_rewound = True
-        if reply.requeued or reply.leases_released:
-            log.warning("run %s: resumed at step %d; the buffer hands out again %d groups trained after it and "
-                        "released %d leases of the previous trainer", run.run_id, run.backend.step, reply.requeued,
-                        reply.leases_released)
-
-    async def _commit_acks(self, run_id: str, step: int, patiently: bool = False) -> None:
-        """Make acknowledgments up to `step` final (a checkpoint holding it is written). A
-        failure only delays that: the next commit, or a rollback, covers these steps too;
-        `patiently`, it is retried through a buffer outage and then raised (no later commit
-        comes after the run's last)."""
-        if not self.settings.buffer_address:
-            return
-        request = buffer_pb2.CommitAcksRequest(run_id=run_id, through_step=step)
-        if patiently:
-            await self._call_buffer("CommitAcks", request, missing_run_ok=True)
-            return
-        try:
-            await self._buffer().CommitAcks(request, timeout=self.settings.buffer_timeout_seconds)
-        except grpc.aio.AioRpcError as e:
-            log.warning("run %s: acknowledgments through step %d stay provisional for now: %s", run_id, step,
-                        e.details())
-
-    async def _reject(self, run_id: str, lease_id: str, reasons: dict[str, str]) -> None:
-        """Before the step: if this fails, so does the step, and the whole lease is
-        redelivered (acknowledging it would drop the rejected groups unrecorded)."""
-        request = buffer_pb2.RejectGroupsRequest(run_id=run_id, lease_id=lease_id, groups=[
-            buffer_pb2.RejectGroupsRequest.Rejection(group_id=gid, reason=reason) for gid, reason in reasons.items()
-        ])
-        await self._call_buffer("RejectGroups", request)
-
-    async def _call_buffer(self, method: str, request, missing_run_ok: bool = False) -> None:
-        """A buffer call that changes state (acknowledge, reject, commit: safe to repeat),
-        retried while the buffer or its Redis is down or restarting, for up to
-        buffer_outage_seconds: giving up would leave the batch leased until its lease
-        expires. `missing_run_ok`: a run the buffer does not know has nothing to change."""
-        async def call():
-            try:
-                await getattr(self._buffer(), method)(request, timeout=self.settings.buffer_timeout_seconds)
-            except grpc.aio.AioRpcError as e:
-                if not (missing_run_ok and e.code() == grpc.StatusCode.NOT_FOUND):
-                    raise
-
-        async def waiting(reason: str) -> None:
-            log.warning("%s", reason)
-
-        try:
-            await retry(call, service=f"the buffer at {self.settings.buffer_address} ({method})",
-                        budget_seconds=self.settings.buffer_outage_seconds, on_wait=waiting)
-        except grpc.aio.AioRpcError as e:
-            raise errors.upstream_error(f"buffer ({method})", self.settings.buffer_address, e) from None
 
     # ---------------------------------------------------------------- weights and checkpoints
 
@@ -449,11 +331,12 @@ class Trainer:
             await run.saved()  # one writer at a time, were it the same directory
             try:
                 snapshot = await asyncio.to_thread(run.backend.snapshot)
-                written = await asyncio.to_thread(_commit_checkpoint, snapshot, target, _checkpoint_extra(run))
+                extra = checkpoint_extra(run.run_id, run.weight_version, run.trained)
+                written = await asyncio.to_thread(commit_checkpoint, snapshot, target, extra)
             except OSError as e:
                 raise errors.FailedPrecondition(f"cannot write checkpoint to {str(target)!r}: {e}") from None
             if run.acks_wait_for_checkpoints and written.parent == self._checkpoint_dir(run.run_id, run.config):
-                await self._commit_acks(run.run_id, run.backend.step)  # a restart would resume from it
+                await self._buffer.commit_acks(run.run_id, run.backend.step)  # a restart would resume from it
             return written
 
     async def _checkpoint_if_due(self, run: _Run) -> None:
@@ -484,11 +367,11 @@ class Trainer:
 
         async def written() -> None:
             run.written_step = max(run.written_step, step)
-            await self._commit_acks(run.run_id, step)
+            await self._buffer.commit_acks(run.run_id, step)
 
-        run.saving = asyncio.create_task(_write_in_background(
+        run.saving = asyncio.create_task(write_in_background(
             run.run_id, snapshot, self._checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}",
-            _checkpoint_extra(run), run.config.keep_last, on_written=written,
+            checkpoint_extra(run.run_id, run.weight_version, run.trained), run.config.keep_last, on_written=written,
         ))
 
     def _under_work_dir(self, path: str | Path, what: str) -> Path:
@@ -513,126 +396,6 @@ class Trainer:
         model = Path(config.model_path).absolute()
         if (model / STATE_FILE).exists() and (model / OPTIMIZER_FILE).exists():
             self._under_work_dir(model, "model_path (a checkpoint to resume)")
-
-
-def is_own_checkpoint(path: Path) -> bool:
-    """A checkpoint directory this trainer wrote (see WRITTEN_BY)."""
-    try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(state, dict) and state.get("written_by") == WRITTEN_BY and (path / OPTIMIZER_FILE).is_file()
-
-
-def _checkpoint_state(path: Path, run_id: str) -> dict | None:
-    """trainer_state.json of a complete checkpoint of `run_id` that rlmesh wrote, else None."""
-    if not (is_own_checkpoint(path) and (path / COMPLETE_FILE).is_file()):
-        return None
-    state = json.loads((path / STATE_FILE).read_text())
-    return state if state.get("run_id") == run_id else None
-
-
-@dataclass
-class CheckpointInfo:
-    step: int
-    path: Path
-    automatic: bool  # written at checkpoint_interval (pruned to keep_last); else SaveCheckpoint's
-    weight_version: int
-    written_at: float  # unix seconds: when the checkpoint was marked complete
-
-
-def list_checkpoints(directory: Path, run_id: str) -> list[CheckpointInfo]:
-    """The complete checkpoints of `run_id` in `directory` (saves in progress are not listed),
-    oldest step first."""
-    if not directory.is_dir():
-        return []
-    found = []
-    for entry in directory.iterdir():
-        if CHECKPOINT.fullmatch(entry.name) and (state := _checkpoint_state(entry, run_id)) is not None:
-            found.append(CheckpointInfo(
-                step=int(state.get("step", 0)), path=entry, automatic=bool(AUTO_CHECKPOINT.fullmatch(entry.name)),
-                weight_version=int(state.get("weight_version", 0)), written_at=(entry / COMPLETE_FILE).stat().st_mtime))
-    return sorted(found, key=lambda c: (c.step, c.path.name))
-
-
-def newest_checkpoint(directory: Path, run_id: str) -> Path | None:
-    """The complete checkpoint of `run_id` with the highest step in `directory` (automatic
-    or SaveCheckpoint's default name), or None. Scratch directories of saves cut short
-    (a killed trainer) are removed on the way: they are never renamed into place."""
-    if not directory.is_dir():
-        return None
-    found = []
-    for entry in directory.iterdir():
-        if SCRATCH.fullmatch(entry.name):
-            log.info("removing %s, left by a checkpoint save that did not finish", entry)
-            shutil.rmtree(entry, ignore_errors=True)
-        elif CHECKPOINT.fullmatch(entry.name) and (state := _checkpoint_state(entry, run_id)) is not None:
-            found.append((int(state.get("step", 0)), entry.name, entry))
-    return max(found)[2] if found else None
-
-
-def prune_checkpoints(directory: Path, run_id: str, keep: int) -> None:
-    """Delete all but the `keep` newest complete automatic checkpoints of `run_id`: only
-    those rlmesh wrote, never SaveCheckpoint's."""
-    auto = sorted(
-        (int(m[1]), entry) for entry in directory.iterdir()
-        if (m := AUTO_CHECKPOINT.fullmatch(entry.name)) and _checkpoint_state(entry, run_id) is not None
-    )
-    for _, entry in auto[:-keep]:
-        shutil.rmtree(entry)
-
-
-def _checkpoint_extra(run: _Run) -> dict:
-    return {
-        "run_id": run.run_id, "weight_version": run.weight_version, "written_by": WRITTEN_BY,
-        "trained_groups": {str(step): ids for step, ids in run.trained.items()},
-    }
-
-
-async def _write_in_background(run_id: str, snapshot: CheckpointSnapshot, target: Path, extra: dict, keep: int,
-                               on_written: Callable[[], Awaitable[None]]) -> None:
-    """An automatic checkpoint written, then on_written() (it commits the acknowledgments
-    the checkpoint holds) and the older checkpoints pruned, on a worker thread; the task
-    never raises: nobody awaits it for a result, so a failure is logged here."""
-    try:
-        await asyncio.to_thread(_commit_checkpoint, snapshot, target, extra)
-        log.info("run %s: checkpoint %s written", run_id, target)
-        await on_written()
-        await asyncio.to_thread(prune_checkpoints, target.parent, run_id, keep)
-    except Exception:
-        log.exception("run %s: checkpoint %s could not be written; training goes on", run_id, target)
-
-
-def _commit_checkpoint(snapshot: CheckpointSnapshot, target: Path, extra: dict) -> Path:
-    """The checkpoint is written under a fresh hidden name beside `target` and then moved
-    into place (a crash mid-save leaves only that hidden directory, never one that looks
-    complete), and an existing `target` is replaced only when it is a checkpoint of ours:
-    a save never deletes a directory rlmesh did not write."""
-    if target.exists() and not is_own_checkpoint(target):
-        raise errors.FailedPrecondition(
-            f"{str(target)!r} exists and is not a checkpoint rlmesh wrote; a save replaces only rlmesh's own "
-            "checkpoints: choose another path or remove it"
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fresh = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}")
-    try:
-        write_checkpoint(snapshot, fresh, extra)
-        blocking_fault_point("trainer.checkpoint_written")  # (complete, not yet in place)
-        if target.exists():
-            old = fresh.with_name(fresh.name + ".old")
-            target.rename(old)
-            try:
-                fresh.rename(target)
-            except OSError:
-                old.rename(target)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            fresh.rename(target)
-        fsync_dir(target.parent)
-    finally:
-        shutil.rmtree(fresh, ignore_errors=True)
-    return target
 
 
 def _trainable(leased: list[sample_pb2.SampleGroup], vocab_size: int) -> tuple[list[SampleGroup], dict[str, str]]:

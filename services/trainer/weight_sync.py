@@ -206,6 +206,24 @@ class _Group:
     sent: dict[tuple[str, ...], Tensor] = field(default_factory=dict)
 
 
+async def _all_answered(pending: list[asyncio.Future]) -> None:
+    """Wait for every UpdateWeights call not answered yet, oldest first (a failure is raised)."""
+    for answer in pending:
+        await answer
+    pending.clear()
+
+
+def _forget_sent(group: _Group, pending: list[asyncio.Future], ready: asyncio.Future) -> None:
+    """After a failed push: the calls not answered yet are cancelled, and the copies of what
+    was last sent are dropped (also the one the bucket being prepared, `ready`, adds), so
+    the next push is full."""
+    group.sent.clear()  # what the engines hold is unsure now: the next push is full
+    for answer in pending:
+        answer.cancel()
+    if not ready.done():  # let the bucket being prepared finish before the copies are dropped
+        ready.add_done_callback(lambda _: group.sent.clear())
+
+
 class WeightPusher:
     """Holds a run's weight-update group and its channel to the rollout service."""
 
@@ -418,17 +436,10 @@ class WeightPusher:
                     # gloo's root finishes a broadcast only once every rank has posted its
                     # receive, so the engines have bucket k's request before k+1's is sent;
                     # NCCL's root may finish first, so there each bucket is answered first.
-                    for answer in pending:
-                        await answer
-                    pending.clear()
-            for answer in pending:
-                await answer
+                    await _all_answered(pending)
+            await _all_answered(pending)
         except BaseException:
-            group.sent.clear()  # what the engines hold is unsure now: the next push is full
-            for answer in pending:
-                answer.cancel()
-            if not ready.done():  # let the bucket being prepared finish before the copies are dropped
-                ready.add_done_callback(lambda _: group.sent.clear())
+            _forget_sent(group, pending, ready)
             raise
         group.version = str(version)
         return PushResult(seconds=time.monotonic() - start, bytes=sent, buckets=len(buckets), delta_buckets=delta_buckets)

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlmesh.trainer.backend import TorchBackend, write_checkpoint
+from rlmesh.trainer.backend import TorchBackend
+from rlmesh.trainer.checkpoints import write_checkpoint
 from tests.service.test_trainer import CPU, config, make_groups
 
 STEPS = 2

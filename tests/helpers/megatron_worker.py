@@ -19,7 +19,7 @@ import torch
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import Sample, SampleGroup, Status
 from rlmesh.trainer import algorithms as algo
-from rlmesh.trainer.backend import _FixedTokens, _Totals, collate, prepare_batch
+from rlmesh.trainer.batches import FixedTokens, Totals, collate, prepare_batch
 
 RL_STEPS = 3
 
@@ -72,12 +72,12 @@ def script(backend) -> dict:
     old = backend._old_pass(backend.policy, samples, width)[0]
     rewards = torch.tensor([s.reward for s in samples])
     advantages = algo.compute_advantages(backend.algorithm, rewards, batch.group_sizes, mb.mask, None)
-    fixed = _FixedTokens(old, old, advantages, None)
+    fixed = FixedTokens(old, old, advantages, None)
     num_seqs, num_tokens = torch.tensor(float(len(samples))), mb.mask.sum()
 
     def loss_of(logits):
         out["logits"] = logits.detach().clone()
-        loss = backend._rl_loss(logits, mb, fixed, num_seqs, num_tokens, _Totals())
+        loss = backend._rl_loss(logits, mb, fixed, num_seqs, num_tokens, Totals())
         out["loss"] = loss.detach().clone()
         return loss
 
@@ -94,7 +94,7 @@ def script(backend) -> dict:
 
 
 def _megatron_hf(backend, local: dict) -> dict:
-    from rlmesh.trainer.megatron_backend import gather_hf
+    from rlmesh.trainer.megatron.conversion import gather_hf
 
     return gather_hf(backend.layout, local)
 
@@ -102,7 +102,7 @@ def _megatron_hf(backend, local: dict) -> dict:
 def resume_script(backend, out_dir: Path, save: bool) -> dict[str, torch.Tensor]:
     """With `save`: a step, a checkpoint (OUT/checkpoint), another step. Without (the
     backend resumed from that checkpoint): the other step. Returns the weights after."""
-    from rlmesh.trainer.backend import write_checkpoint
+    from rlmesh.trainer.checkpoints import write_checkpoint
 
     if save:
         backend.train_step(groups())
@@ -117,7 +117,7 @@ def resume_script(backend, out_dir: Path, save: bool) -> dict[str, torch.Tensor]
 def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
-    from rlmesh.trainer.megatron_backend import MegatronBackend
+    from rlmesh.trainer.megatron.backend import MegatronBackend
 
     mode, model_dir, tp, pp, out_dir = argv[0], Path(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     config = run_config(model_dir, "megatron", tp, pp)

@@ -18,12 +18,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import rlmesh.trainer.trainer as trainer_module
+import rlmesh.trainer.checkpoints as checkpoints_module
 from rlmesh.buffer.config import Settings as BufferSettings
 from rlmesh.buffer.server import start as start_buffer
+from rlmesh.common import errors
 from rlmesh.common.grpc_server import start_service, sync_channel
 from rlmesh.common.sample import Status, group_from_proto, group_to_proto
-from rlmesh.trainer.backend import COMPLETE_FILE, TorchBackend
+from rlmesh.trainer.backend import TorchBackend
+from rlmesh.trainer.checkpoints import COMPLETE_FILE
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.server import build
 from rlmesh.trainer.trainer import Trainer
@@ -89,7 +91,7 @@ def test_a_checkpoint_every_interval_and_only_the_newest_of_rlmeshs_own_kept(tin
     assert listed[-1].written_at == (newest / COMPLETE_FILE).stat().st_mtime
     assert asyncio.run(trainer.list_checkpoints("r1", str(checkpoints))) == listed
     assert asyncio.run(trainer.list_checkpoints("r2")) == []
-    with pytest.raises(trainer_module.errors.InvalidArgument, match="work_dir"):
+    with pytest.raises(errors.InvalidArgument, match="work_dir"):
         asyncio.run(trainer.list_checkpoints("r1", "/etc"))
 
 
@@ -124,7 +126,7 @@ def test_a_run_ends_only_once_its_last_step_is_in_a_checkpoint(tiny_model_dir, t
     """EndRun writes the steps since the last checkpoint; when that fails, it fails and the run
     stays set up, so a retried EndRun writes it (the run's last acknowledgments are final only
     in a checkpoint)."""
-    write, failures = trainer_module.write_checkpoint, [1]
+    write, failures = checkpoints_module.write_checkpoint, [1]
 
     def failing_once(*args):
         if failures[0]:
@@ -132,7 +134,7 @@ def test_a_run_ends_only_once_its_last_step_is_in_a_checkpoint(tiny_model_dir, t
             raise OSError(28, "No space left on device")
         return write(*args)
 
-    monkeypatch.setattr(trainer_module, "write_checkpoint", failing_once)
+    monkeypatch.setattr(checkpoints_module, "write_checkpoint", failing_once)
     checkpoints = tmp_path / "r1" / "checkpoints"
 
     async def scenario():
@@ -140,7 +142,7 @@ def test_a_run_ends_only_once_its_last_step_is_in_a_checkpoint(tiny_model_dir, t
         await trainer.init_run("r1", config(tiny_model_dir, checkpoint_interval=10))
         for _ in range(3):
             await trainer.train_on_groups("r1", make_groups())
-        with pytest.raises(trainer_module.errors.FailedPrecondition, match="last step .3.*EndRun again"):
+        with pytest.raises(errors.FailedPrecondition, match="last step .3.*EndRun again"):
             await trainer.end_run("r1")
         assert trainer.status("r1").step == 3  # still set up
         return await trainer.end_run("r1")
@@ -152,7 +154,7 @@ def test_a_run_ends_only_once_its_last_step_is_in_a_checkpoint(tiny_model_dir, t
 def test_writing_a_checkpoint_does_not_hold_up_the_next_step(tiny_model_dir, tmp_path, monkeypatch):
     started, release = threading.Event(), threading.Event()
     writing, most_at_once = [0], [0]
-    write = trainer_module.write_checkpoint
+    write = checkpoints_module.write_checkpoint
 
     def held_write(*args):
         writing[0] += 1
@@ -164,7 +166,7 @@ def test_writing_a_checkpoint_does_not_hold_up_the_next_step(tiny_model_dir, tmp
         finally:
             writing[0] -= 1
 
-    monkeypatch.setattr(trainer_module, "write_checkpoint", held_write)
+    monkeypatch.setattr(checkpoints_module, "write_checkpoint", held_write)
     checkpoints = tmp_path / "r1" / "checkpoints"
 
     async def scenario():

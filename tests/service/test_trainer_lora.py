@@ -17,7 +17,8 @@ from rlmesh.common import errors
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import Status
 from rlmesh.trainer import lora
-from rlmesh.trainer.backend import TorchBackend, prepare_batch
+from rlmesh.trainer.backend import TorchBackend
+from rlmesh.trainer.batches import prepare_batch
 from rlmesh.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rlmesh.v1 import trainer_pb2
 from tests.service import test_trainer

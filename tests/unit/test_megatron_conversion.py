@@ -10,7 +10,8 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from rlmesh.common import errors
 from rlmesh.common.run_config import TrainerRunConfig
-from rlmesh.trainer.megatron_backend import _hf_shape, _units, _unshard, hf_layout, hf_names, megatron_shards
+from rlmesh.trainer.megatron.conversion import hf_names, hf_shape, megatron_shards, units, unshard
+from rlmesh.trainer.megatron.layout import hf_layout
 
 DIMS = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, head_dim=4)
@@ -21,14 +22,14 @@ DIMS = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_laye
 def test_megatron_shards_put_back_together_give_the_hf_tensors(tp, pp, tied):
     layout = hf_layout(Qwen2Config(tie_word_embeddings=tied, **DIMS), tp, pp)
     torch.manual_seed(0)
-    hf = {name: torch.randn(_hf_shape(layout, name)) for name in hf_names(layout)}
+    hf = {name: torch.randn(hf_shape(layout, name)) for name in hf_names(layout)}
     shards = {(t, s): megatron_shards(layout, hf.__getitem__, t, tp, s, pp) for t in range(tp) for s in range(pp)}
 
     rebuilt = {}
-    for unit in _units(layout, pp):
+    for unit in units(layout, pp):
         parts = [shards[(t, unit.stage)][unit.local] for t in range(tp)]
         assert len({p.shape for p in parts}) == 1  # TP ranks hold equal shards
-        rebuilt.update(zip(unit.hf, _unshard(unit, layout, parts), strict=True))
+        rebuilt.update(zip(unit.hf, unshard(unit, layout, parts), strict=True))
     assert set(rebuilt) == set(hf)
     for name, tensor in hf.items():
         assert torch.equal(rebuilt[name], tensor), name
@@ -42,7 +43,7 @@ def test_fused_qkv_is_grouped_by_kv_head():
     its value (a rank of TP holds whole groups)."""
     layout = hf_layout(LlamaConfig(**{**DIMS, "num_attention_heads": 4, "num_key_value_heads": 2}), 1, 1)
     d = layout.head_dim
-    hf = {name: torch.zeros(_hf_shape(layout, name)) for name in hf_names(layout)}
+    hf = {name: torch.zeros(hf_shape(layout, name)) for name in hf_names(layout)}
     q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     for head in range(4):
         q[head * d : (head + 1) * d] = 10 + head

@@ -33,7 +33,7 @@ def apply() -> bool:
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
 
     # The tracker forks CUDA RNG states around dropout; on CPU there are none to fork (and
-    # the trainer runs with dropout off, see megatron_backend.transformer_config).
+    # the trainer runs with dropout off, see layout.build_model's TransformerConfig).
     def fork(self, name: str = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
         return contextlib.nullcontext()
 

@@ -1,0 +1,149 @@
+"""The trainer's client of the buffer service: lease a batch, acknowledge it after the
+optimizer step (provisionally while acknowledgments wait for checkpoints), reject the
+groups it cannot train, make acknowledgments final once a checkpoint holds their step
+(commit), and rewind the buffer to where a freshly loaded model stands. The calls that
+change state are retried through a buffer outage. Apart from Trainer (trainer.py), which
+decides when to call, so that the trainer's side of the buffer protocol reads in one
+place; errors are raised as rlmesh.common.errors."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from rlmesh.common import errors
+from rlmesh.common.grpc_server import aio_channel
+from rlmesh.common.retry import retry
+from rlmesh.common.run_config import StalePolicy
+from rlmesh.trainer.config import Settings
+from rlmesh.v1 import buffer_pb2
+from rlmesh.v1.buffer_pb2_grpc import BufferStub
+
+log = logging.getLogger(__name__)
+
+
+class BufferClient:
+    """One trainer's calls to the buffer at settings.buffer_address, over one channel
+    opened at the first call."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._channel: grpc.aio.Channel | None = None
+
+    def _stub(self) -> BufferStub:
+        if not self.settings.buffer_address:
+            raise errors.FailedPrecondition(
+                "this trainer has no buffer_address (RLMESH_TRAINER_BUFFER_ADDRESS): it cannot lease batches"
+            )
+        if self._channel is None:
+            self._channel = aio_channel(self.settings.buffer_address, self.settings.max_message_bytes)
+        return BufferStub(self._channel)
+
+    async def lease(
+        self, run_id: str, num_groups: int, wait_seconds: float, min_weight_version: int, stale_policy: StalePolicy,
+    ) -> buffer_pb2.LeaseBatchResponse:
+        """A batch of exactly num_groups groups, none generated with weights older than
+        min_weight_version (older ones dropped, or kept with stale_policy 'keep', counted)."""
+        request = buffer_pb2.LeaseBatchRequest(
+            run_id=run_id,
+            num_groups=num_groups,
+            lease_seconds=self.settings.lease_seconds,
+            wait_seconds=wait_seconds,
+            min_weight_version=min_weight_version,
+            stale_policy=buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP if stale_policy == "keep"
+            else buffer_pb2.LeaseBatchRequest.STALE_POLICY_DROP,
+        )
+        try:
+            response = await self._stub().LeaseBatch(
+                request, timeout=wait_seconds + self.settings.buffer_timeout_seconds
+            )
+        except grpc.aio.AioRpcError as e:
+            raise errors.upstream_error("buffer (LeaseBatch)", self.settings.buffer_address, e) from None
+        if not response.groups:
+            raise errors.Unavailable(
+                f"buffer had only 0 of {num_groups} groups for run {run_id!r} after waiting {wait_seconds:g} s"
+            )
+        if len(response.groups) < num_groups:
+            log.warning("buffer leased %d of %d groups; training on those", len(response.groups), num_groups)
+        return response
+
+    async def ack(self, run_id: str, lease_id: str, step: int, provisional: bool) -> None:
+        """Acknowledge a lease after its optimizer step; `provisional` until a checkpoint holds
+        the step (see commit_acks)."""
+        request = buffer_pb2.AckBatchRequest(run_id=run_id, lease_id=lease_id, step=step, provisional=provisional)
+        try:
+            await self._call("AckBatch", request)
+        except errors.RlmeshError as error:
+            raise type(error)(
+                f"step {step} was taken but lease {lease_id!r} was not acknowledged ({error}); "
+                "the buffer will redeliver those groups when the lease expires"
+            ) from None
+
+    async def rewind(self, run_id: str, step: int) -> None:
+        """Tell the buffer where a freshly loaded model (at `step`) stands: acknowledgments up
+        to its step are final, later ones (steps a dead trainer took after its last
+        checkpoint) go back to the queue, and leases a dead trainer held are released now
+        instead of at their expiry. The trainer calls it once per load, before the first lease."""
+        request = buffer_pb2.RollbackToCheckpointRequest(run_id=run_id, step=step)
+        try:
+            reply = await self._stub().RollbackToCheckpoint(request, timeout=self.settings.buffer_timeout_seconds)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise errors.upstream_error("buffer (RollbackToCheckpoint)", self.settings.buffer_address, e) from None
+            reply = buffer_pb2.RollbackToCheckpointResponse()  # no such run in the buffer: nothing it holds
+        if reply.requeued or reply.leases_released:
+            log.warning("run %s: resumed at step %d; the buffer hands out again %d groups trained after it and "
+                        "released %d leases of the previous trainer", run_id, step, reply.requeued,
+                        reply.leases_released)
+
+    async def commit_acks(self, run_id: str, step: int, patiently: bool = False) -> None:
+        """Make acknowledgments up to `step` final (a checkpoint holding it is written). A
+        failure only delays that: the next commit, or a rollback, covers these steps too;
+        `patiently`, it is retried through a buffer outage and then raised (no later commit
+        comes after the run's last)."""
+        if not self.settings.buffer_address:
+            return
+        request = buffer_pb2.CommitAcksRequest(run_id=run_id, through_step=step)
+        if patiently:
+            await self._call("CommitAcks", request, missing_run_ok=True)
+            return
+        try:
+            await self._stub().CommitAcks(request, timeout=self.settings.buffer_timeout_seconds)
+        except grpc.aio.AioRpcError as e:
+            log.warning("run %s: acknowledgments through step %d stay provisional for now: %s", run_id, step,
+                        e.details())
+
+    async def reject(self, run_id: str, lease_id: str, reasons: dict[str, str]) -> None:
+        """Before the step: if this fails, so does the step, and the whole lease is
+        redelivered (acknowledging it would drop the rejected groups unrecorded)."""
+        request = buffer_pb2.RejectGroupsRequest(run_id=run_id, lease_id=lease_id, groups=[
+            buffer_pb2.RejectGroupsRequest.Rejection(group_id=gid, reason=reason) for gid, reason in reasons.items()
+        ])
+        await self._call("RejectGroups", request)
+
+    async def _call(self, method: str, request, missing_run_ok: bool = False) -> None:
+        """A buffer call that changes state (acknowledge, reject, commit: safe to repeat),
+        retried while the buffer or its Redis is down or restarting, for up to
+        buffer_outage_seconds: giving up would leave the batch leased until its lease
+        expires. `missing_run_ok`: a run the buffer does not know has nothing to change."""
+        async def call():
+            try:
+                await getattr(self._stub(), method)(request, timeout=self.settings.buffer_timeout_seconds)
+            except grpc.aio.AioRpcError as e:
+                if not (missing_run_ok and e.code() == grpc.StatusCode.NOT_FOUND):
+                    raise
+
+        async def waiting(reason: str) -> None:
+            log.warning("%s", reason)
+
+        try:
+            await retry(call, service=f"the buffer at {self.settings.buffer_address} ({method})",
+                        budget_seconds=self.settings.buffer_outage_seconds, on_wait=waiting)
+        except grpc.aio.AioRpcError as e:
+            raise errors.upstream_error(f"buffer ({method})", self.settings.buffer_address, e) from None
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
