@@ -42,6 +42,7 @@ from rlmesh.common.run_config import OptimizerConfig, TrainerRunConfig
 from rlmesh.common.sample import SampleGroup
 from rlmesh.trainer import algorithms as algo
 from rlmesh.trainer import lora
+from rlmesh.trainer import loss_terms as terms
 from rlmesh.trainer.batches import (
     FixedTokens,
     MicroBatch,
@@ -331,11 +332,11 @@ class TorchBackend:
         rollout, has_rollout = self._rollout_log_probs(samples, width)
         if has_rollout.any():
             metrics["train_rollout_logprob_abs_diff"] = float(
-                algo.masked_mean((old - rollout).abs(), masks * has_rollout)
+                terms.masked_mean((old - rollout).abs(), masks * has_rollout)
             )
         is_weights = None
         if a.rollout_is_upper is not None:
-            weights = algo.rollout_is_weights(
+            weights = terms.rollout_is_weights(
                 old, rollout, masks * has_rollout, level=a.rollout_is_level, mode=a.rollout_is_mode,
                 lower=a.rollout_is_lower, upper=a.rollout_is_upper,
             )
@@ -344,16 +345,16 @@ class TorchBackend:
         # 2. Advantages for the whole batch.
         kl_for_reward = None
         if ref is not None and a.kl_coef > 0:
-            kl_for_reward = algo.kl_penalty(old, ref, a.kl_estimator)
+            kl_for_reward = terms.kl_penalty(old, ref, a.kl_estimator)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device)
         advantages, returns = algo.compute_advantages_and_returns(
             a, rewards, batch.group_sizes, masks, kl_for_reward, values
         )
-        metrics["advantage_abs_mean"] = float(algo.masked_mean(advantages.abs(), masks))
+        metrics["advantage_abs_mean"] = float(terms.masked_mean(advantages.abs(), masks))
         if values is not None and returns is not None:
-            metrics["value_mean"] = float(algo.masked_mean(values, masks))
-            metrics["return_mean"] = float(algo.masked_mean(returns, masks))
-            metrics["explained_variance"] = float(algo.explained_variance(values, returns, masks))
+            metrics["value_mean"] = float(terms.masked_mean(values, masks))
+            metrics["return_mean"] = float(terms.masked_mean(returns, masks))
+            metrics["explained_variance"] = float(terms.explained_variance(values, returns, masks))
         fixed = FixedTokens(old, ref, advantages, is_weights, values, returns)
 
         # 3. One optimizer step per mini-batch.
@@ -398,35 +399,35 @@ class TorchBackend:
         log_probs = torch.where(mask > 0, token_log_probs(logits, mb.targets), old)
         # The entropy bonus needs the entropy's gradient; the metric alone does not.
         with nullcontext() if a.entropy_coef else torch.no_grad():
-            entropy = algo.entropy_from_logits(logits)
+            entropy = terms.entropy_from_logits(logits)
         pg, clipped = self.policy_loss.compute(log_probs, old, fixed.advantages, mask, a)
         if fixed.is_weights is not None:
             pg = pg * fixed.is_weights
-            totals.add_token_sum("tis_weight_mean", float(algo.masked_sum(fixed.is_weights, mask)))
+            totals.add_token_sum("tis_weight_mean", float(terms.masked_sum(fixed.is_weights, mask)))
 
         def aggregate(per_token: Tensor) -> Tensor:
-            return algo.aggregate_loss(per_token, mask, a.loss_aggregation, num_seqs, num_tokens)
+            return terms.aggregate_loss(per_token, mask, a.loss_aggregation, num_seqs, num_tokens)
 
         pg_loss = aggregate(pg)
         loss = pg_loss
         if self.has_reference and a.kl_loss_coef > 0:
             ref = torch.where(mask > 0, fixed.ref, old)
-            kl_loss = aggregate(algo.kl_penalty(log_probs, ref, a.kl_estimator))
+            kl_loss = aggregate(terms.kl_penalty(log_probs, ref, a.kl_estimator))
             loss = loss + a.kl_loss_coef * kl_loss
             totals.add_step_value("kl_loss", float(kl_loss.detach()))
         if a.entropy_coef:
             loss = loss - a.entropy_coef * aggregate(entropy)
         if values is not None:
-            value_loss = algo.clipped_value_loss(values, fixed.values, fixed.returns, mask, a.value_clip, num_tokens)
+            value_loss = terms.clipped_value_loss(values, fixed.values, fixed.returns, mask, a.value_clip, num_tokens)
             loss = loss + a.value_loss_coef * value_loss
             totals.add_step_value("value_loss", float(value_loss.detach()))
 
         totals.add_step_value("loss", float(loss.detach()))
         totals.add_step_value("pg_loss", float(pg_loss.detach()))
         totals.tokens += float(mask.sum())
-        totals.add_token_sum("clip_frac", float(algo.masked_sum(clipped, mask)))
-        totals.add_token_mean("approx_kl", float(algo.approx_kl(log_probs.detach(), old, mask)), float(mask.sum()))
-        totals.add_token_sum("entropy", float(algo.masked_sum(entropy.detach(), mask)))
+        totals.add_token_sum("clip_frac", float(terms.masked_sum(clipped, mask)))
+        totals.add_token_mean("approx_kl", float(terms.approx_kl(log_probs.detach(), old, mask)), float(mask.sum()))
+        totals.add_token_sum("entropy", float(terms.masked_sum(entropy.detach(), mask)))
         return loss
 
     # ---------------------------------------------------------------- SFT step
@@ -452,7 +453,7 @@ class TorchBackend:
             return metrics
 
     def _sft_loss(self, logits: Tensor, mb: MicroBatch, num_tokens: Tensor, totals: Totals) -> Tensor:
-        loss = algo.nll_loss(token_log_probs(logits, mb.targets), mb.mask, num_tokens)
+        loss = terms.nll_loss(token_log_probs(logits, mb.targets), mb.mask, num_tokens)
         totals.add_step_value("loss", float(loss.detach()))
         return loss
 

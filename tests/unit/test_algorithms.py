@@ -1,6 +1,6 @@
-"""Every formula of rlmesh.trainer.algorithms against numbers worked out by hand
-(the arithmetic is in the comments), and the registries that the run config's
-estimator and policy-loss names come from."""
+"""Every formula of rlmesh.trainer.algorithms and rlmesh.trainer.loss_terms against
+numbers worked out by hand (the arithmetic is in the comments), and the registries that
+the run config's estimator and policy-loss names come from."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from rlmesh.common import algorithm as declared
 from rlmesh.common.algorithm import AlgorithmConfig
 from rlmesh.trainer import algorithms as algo
+from rlmesh.trainer import loss_terms as terms
 
 
 def t(values) -> torch.Tensor:
@@ -191,7 +192,7 @@ def test_rloo_leaves_one_out():
 
 def test_masked_whiten_uses_population_variance():
     # masked values 1 2 3: mean 2, var (1 + 0 + 1) / 3 = 2/3, std 0.816497
-    close(algo.masked_whiten(t([1, 2, 3, 100]), t([1, 1, 1, 0])), [-1.224745, 0.0, 1.224745, 0.0])
+    close(terms.masked_whiten(t([1, 2, 3, 100]), t([1, 1, 1, 0])), [-1.224745, 0.0, 1.224745, 0.0])
 
 
 def test_reinforce_plus_plus_token_rewards_put_the_reward_on_the_last_trained_token():
@@ -334,11 +335,11 @@ def test_the_gae_estimator_needs_the_critics_values():
 def test_explained_variance():
     # R = 1, 2, 3 (population var 2/3); a fourth, untrained token holds junk
     returns, mask = t([[1.0, 2.0, 3.0, 50.0]]), t([[1, 1, 1, 0]])
-    close(algo.explained_variance(t([[1.0, 2.0, 3.0, 0.0]]), returns, mask), 1.0)  # exact values
-    close(algo.explained_variance(t([[0.0, 0.0, 0.0, 0.0]]), returns, mask), 0.0)  # residual = R
+    close(terms.explained_variance(t([[1.0, 2.0, 3.0, 0.0]]), returns, mask), 1.0)  # exact values
+    close(terms.explained_variance(t([[0.0, 0.0, 0.0, 0.0]]), returns, mask), 0.0)  # residual = R
     # residual -.5, 0, .5: var 1/6 -> 1 - (1/6) / (2/3) = .75
-    close(algo.explained_variance(t([[1.5, 2.0, 2.5, 0.0]]), returns, mask), 0.75)
-    close(algo.explained_variance(t([[1.0, 9.0]]), t([[2.0, 2.0]]), t([[1, 1]])), 0.0)  # nothing to explain
+    close(terms.explained_variance(t([[1.5, 2.0, 2.5, 0.0]]), returns, mask), 0.75)
+    close(terms.explained_variance(t([[1.0, 9.0]]), t([[2.0, 2.0]]), t([[1, 1]])), 0.0)  # nothing to explain
 
 
 def test_clipped_value_loss():
@@ -349,9 +350,9 @@ def test_clipped_value_loss():
     #   the fourth token is not trained
     values, old = t([[1.0, 2.0, -1.0, 7.0]]), t([[0.5, 2.5, 0.0, 0.0]])
     returns, mask = t([[2.0, 2.0, 1.0, 0.0]]), t([[1, 1, 1, 0]])
-    close(algo.clipped_value_loss(values, old, returns, mask, clip=0.2), 2.89 / 3)
-    close(algo.clipped_value_loss(values, old, returns, mask, clip=0.2, num_tokens=5), 2.89 / 5)
-    close(algo.clipped_value_loss(values, old, returns, mask, clip=None), 0.5 * (1 + 0 + 4) / 3)
+    close(terms.clipped_value_loss(values, old, returns, mask, clip=0.2), 2.89 / 3)
+    close(terms.clipped_value_loss(values, old, returns, mask, clip=0.2, num_tokens=5), 2.89 / 5)
+    close(terms.clipped_value_loss(values, old, returns, mask, clip=None), 0.5 * (1 + 0 + 4) / 3)
 
 
 # ------------------------------------------------------------------ policy loss
@@ -451,22 +452,22 @@ MASK = t([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the third sequence trains nothing
 
 
 def test_token_mean():
-    close(algo.aggregate_loss(VALUES, MASK, "token_mean"), 7 / 3)  # (1 + 2 + 4) / 3
+    close(terms.aggregate_loss(VALUES, MASK, "token_mean"), 7 / 3)  # (1 + 2 + 4) / 3
 
 
 def test_seq_mean_token_mean():
-    close(algo.aggregate_loss(VALUES, MASK, "seq_mean_token_mean"), 2.75)  # (1.5 + 4) / 2
+    close(terms.aggregate_loss(VALUES, MASK, "seq_mean_token_mean"), 2.75)  # (1.5 + 4) / 2
 
 
 def test_seq_mean_token_sum():
-    close(algo.aggregate_loss(VALUES, MASK, "seq_mean_token_sum"), 3.5)  # (3 + 4) / 2
+    close(terms.aggregate_loss(VALUES, MASK, "seq_mean_token_sum"), 3.5)  # (3 + 4) / 2
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
 def test_micro_batches_with_global_counts_add_up_to_the_batch(mode):
-    whole = algo.aggregate_loss(VALUES, MASK, mode)
+    whole = terms.aggregate_loss(VALUES, MASK, mode)
     parts = sum(
-        algo.aggregate_loss(VALUES[rows], MASK[rows], mode, num_sequences=2, num_tokens=3)
+        terms.aggregate_loss(VALUES[rows], MASK[rows], mode, num_sequences=2, num_tokens=3)
         for rows in (slice(0, 1), slice(1, 3))
     )
     close(parts, float(whole))
@@ -474,7 +475,7 @@ def test_micro_batches_with_global_counts_add_up_to_the_batch(mode):
 
 def test_unknown_aggregation_is_refused():
     with pytest.raises(ValueError, match="aggregation"):
-        algo.aggregate_loss(VALUES, MASK, "seq_sum")
+        terms.aggregate_loss(VALUES, MASK, "seq_sum")
 
 
 # ------------------------------------------------------------------ KL, entropy, TIS, metrics, SFT
@@ -482,21 +483,21 @@ def test_unknown_aggregation_is_refused():
 
 def test_kl_estimators():
     logp, ref = t([-1.0]), t([-1.5])  # x = .5
-    close(algo.kl_penalty(logp, ref, "k1"), [0.5])
-    close(algo.kl_penalty(logp, ref, "k2"), [0.125])  # .5^2 / 2
-    close(algo.kl_penalty(logp, ref, "k3"), [math.exp(-0.5) - 0.5])  # .106531
-    close(algo.kl_penalty(logp, ref, "low_var_kl"), [0.106531])
+    close(terms.kl_penalty(logp, ref, "k1"), [0.5])
+    close(terms.kl_penalty(logp, ref, "k2"), [0.125])  # .5^2 / 2
+    close(terms.kl_penalty(logp, ref, "k3"), [math.exp(-0.5) - 0.5])  # .106531
+    close(terms.kl_penalty(logp, ref, "low_var_kl"), [0.106531])
 
 
 def test_low_var_kl_is_clamped():
     # x = -20: k3 = e^20 - 21 = 4.85e8 -> 10;  x = 20: k3 = e^-20 + 19 -> 10
-    close(algo.kl_penalty(t([-21.0, -1.0]), t([-1.0, -21.0]), "low_var_kl"), [10.0, 10.0])
-    close(algo.kl_penalty(t([-1.0]), t([-21.0]), "k3"), [19.0], atol=1e-4)
+    close(terms.kl_penalty(t([-21.0, -1.0]), t([-1.0, -21.0]), "low_var_kl"), [10.0, 10.0])
+    close(terms.kl_penalty(t([-1.0]), t([-21.0]), "k3"), [19.0], atol=1e-4)
 
 
 def test_entropy_from_logits():
     # uniform over 2: ln 2; probs (.25, .75): -( .25 ln .25 + .75 ln .75 ) = .562335
-    close(algo.entropy_from_logits(t([[0.0, 0.0], [0.0, math.log(3)]])), [0.693147, 0.562335])
+    close(terms.entropy_from_logits(t([[0.0, 0.0], [0.0, math.log(3)]])), [0.693147, 0.562335])
 
 
 # old - rollout: row 0: 0, 1, -.5 (ratios 1, e = 2.7183, .6065); row 1: .5, .5 (1.6487) and
@@ -514,7 +515,7 @@ IS_MASK = t([[1, 1, 1], [1, 1, 0]])
 ])
 def test_rollout_is_weights(level, mode, lower, expected):
     old = IS_OLD.clone().requires_grad_()
-    w = algo.rollout_is_weights(old, IS_ROLLOUT, IS_MASK, level=level, mode=mode, lower=lower, upper=2.0)
+    w = terms.rollout_is_weights(old, IS_ROLLOUT, IS_MASK, level=level, mode=mode, lower=lower, upper=2.0)
     close(w, expected)
     assert not w.requires_grad
 
@@ -523,26 +524,26 @@ def test_rollout_is_weights_of_far_off_sequences_stay_finite():
     # sum of log ratios +-1000: e^1000 overflows, the bounds are applied in log space
     far = {"old": t([[0.0, 0.0], [-500.0, -500.0]]), "rollout": t([[-500.0, -500.0], [0.0, 0.0]])}
     for mode, expected in (("truncate", [[2.0, 2.0], [0.5, 0.5]]), ("mask", [[0, 0], [0, 0]])):
-        w = algo.rollout_is_weights(far["old"], far["rollout"], torch.ones(2, 2), level="sequence", mode=mode,
+        w = terms.rollout_is_weights(far["old"], far["rollout"], torch.ones(2, 2), level="sequence", mode=mode,
                                     lower=0.5, upper=2.0)
         close(w, expected)
 
 
 def test_token_truncation_without_a_lower_bound_is_tis():
-    w = algo.rollout_is_weights(IS_OLD, IS_ROLLOUT, IS_MASK, level="token", mode="truncate", lower=0.0, upper=2.0)
+    w = terms.rollout_is_weights(IS_OLD, IS_ROLLOUT, IS_MASK, level="token", mode="truncate", lower=0.0, upper=2.0)
     # TIS: clamp(exp(old - rollout), 0, cap) on trained tokens
     close(w, (torch.clamp(torch.exp(IS_OLD - IS_ROLLOUT), 0.0, 2.0) * IS_MASK).tolist())
 
 
 def test_approx_kl_metric():
     # old - logp = -.5 and .5; only the first is trained
-    close(algo.approx_kl(t([-1.0, -2.0]), t([-1.5, -1.5]), t([1, 0])), -0.5)
-    close(algo.approx_kl(t([-1.0, -2.0]), t([-1.5, -1.5]), t([1, 1])), 0.0)
+    close(terms.approx_kl(t([-1.0, -2.0]), t([-1.5, -1.5]), t([1, 0])), -0.5)
+    close(terms.approx_kl(t([-1.0, -2.0]), t([-1.5, -1.5]), t([1, 1])), 0.0)
 
 
 def test_sft_nll_is_the_mean_over_trained_tokens():
-    close(algo.nll_loss(t([[-0.5, -1.5, -9.0]]), t([[1, 1, 0]])), 1.0)  # (.5 + 1.5) / 2
-    close(algo.nll_loss(t([[-0.5, -1.5, -9.0]]), t([[1, 1, 0]]), num_tokens=4), 0.5)
+    close(terms.nll_loss(t([[-0.5, -1.5, -9.0]]), t([[1, 1, 0]])), 1.0)  # (.5 + 1.5) / 2
+    close(terms.nll_loss(t([[-0.5, -1.5, -9.0]]), t([[1, 1, 0]]), num_tokens=4), 0.5)
 
 
 @pytest.mark.parametrize("value", [0.1, 0.3, 0.7, 1 / 3, 1.0])
