@@ -277,7 +277,7 @@ class VerifierPool:
     @staticmethod
     async def _receive(worker: _Worker, timeout: float) -> bytes:
         """The worker's next message, waiting without a thread; EOFError when it died."""
-        if not _readable_now(worker.conn.fileno()):
+        if not readable_now(worker.conn.fileno()):
             loop = asyncio.get_running_loop()
             readable = loop.create_future()
             fd = worker.conn.fileno()
@@ -328,7 +328,7 @@ class VerifierPool:
                 await asyncio.sleep(_RESTART_DELAY_SECONDS)
 
 
-def _readable_now(fd: int) -> bool:
+def readable_now(fd: int) -> bool:
     """Whether `fd` has data, without waiting. poll(), not select(): select() refuses
     descriptors above 1023, which a busy service (or a long test run) reaches; and
     conn.poll() would build a selector per call."""

@@ -26,7 +26,7 @@ from rlmesh.common.auth import client_headers
 from rlmesh.common.faults import FAULTS_DIR_ENV
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from tests.e2e.test_runs import run_config
+from tests.helpers.runs import run_config
 from tests.helpers.stack import wait_for_run
 
 PROCESSES = ("engine", "reward", "buffer", "rollout", "trainer", "coordinator", "redis")

@@ -27,8 +27,8 @@ from rlmesh.coordinator.config import Settings as CoordinatorSettings
 from rlmesh.trainer.config import Settings as TrainerSettings
 from rlmesh.trainer.server import start as start_trainer
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from tests.e2e.test_runs import run_config
 from tests.helpers.buffer import completed, create, prompts, put, start_buffer_process, stats
+from tests.helpers.runs import run_config
 from tests.helpers.stack import wait_for_run
 
 

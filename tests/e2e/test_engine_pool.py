@@ -9,9 +9,9 @@ import pytest
 
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from tests.e2e.test_runs import run_config
+from tests.helpers.runs import run_config
 from tests.helpers.stack import start_local_stack, wait_for_run
-from tests.service.test_trainer import EngineProcess
+from tests.helpers.trainer import EngineProcess
 
 ROLLOUTS = 10
 

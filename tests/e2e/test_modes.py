@@ -10,13 +10,13 @@ import pytest
 from rlmesh.cli.demo import demo_config, write_task
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from tests.e2e.test_runs import run_config, services  # noqa: F401 - the fixture
+from tests.helpers.runs import run_config
 from tests.helpers.stack import start_local_stack, wait_for_run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "bound"), [("sync", 0), ("one_step_off", 1), ("fully_async", 2)])
-def test_each_mode_completes_within_its_staleness_bound(services, tmp_path, tiny_model_dir, mode, bound):  # noqa: F811
+def test_each_mode_completes_within_its_staleness_bound(services, tmp_path, tiny_model_dir, mode, bound):
     api, buffer = services
     config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=4), "mode": mode}
     config["rollout"]["partial_rollout"] = mode == "fully_async"
@@ -38,7 +38,7 @@ def test_each_mode_completes_within_its_staleness_bound(services, tmp_path, tiny
         assert s.groups_written == s.acknowledged_groups and s.queued_groups == 0
 
 
-def test_async_modes_need_a_staleness_bound_of_at_least_one(services, tmp_path, tiny_model_dir):  # noqa: F811
+def test_async_modes_need_a_staleness_bound_of_at_least_one(services, tmp_path, tiny_model_dir):
     api, _ = services
     r = api.post("/runs", json={**run_config(tmp_path, tiny_model_dir, 2), "mode": "fully_async", "max_staleness": 0})
     assert r.status_code == 422 and "max_staleness" in r.text
@@ -77,7 +77,7 @@ def test_over_sampling_the_dynamic_filter_and_partial_rollout_work_in_each_mode(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pause_mode", ["in_place", "retract"])
-def test_fully_async_keeps_requests_in_flight_across_weight_pushes(services, tmp_path, tiny_model_dir,  # noqa: F811
+def test_fully_async_keeps_requests_in_flight_across_weight_pushes(services, tmp_path, tiny_model_dir,
                                                                    pause_mode):
     api, buffer = services
     config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=3), "mode": "fully_async", "pause_mode": pause_mode}
@@ -95,7 +95,7 @@ def test_fully_async_keeps_requests_in_flight_across_weight_pushes(services, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
-def test_each_mode_learns_the_demo_task(services, tmp_path, tiny_model_dir, mode):  # noqa: F811
+def test_each_mode_learns_the_demo_task(services, tmp_path, tiny_model_dir, mode):
     api, _ = services
     train, held_out = write_task(tmp_path)
     config = demo_config(str(tiny_model_dir), train, held_out, rollouts=30).model_dump(mode="json")

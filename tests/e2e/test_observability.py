@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.test_runs import run_config
 from tests.helpers.prometheus import scrape, value
 from tests.helpers.run_logs import tensorboard_scalars, wandb_history
+from tests.helpers.runs import run_config
 from tests.helpers.stack import start_local_stack, wait_for_run
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rlmesh.common.net import free_port
-from tests.e2e.test_runs import run_config
+from tests.helpers.runs import run_config
 from tests.helpers.stack import FINAL, start_local_stack, wait_for_run
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlmesh.common.auth import stack_token
-from tests.e2e.test_runs import run_config
+from tests.helpers.runs import run_config
 from tests.helpers.stack import start_local_stack, wait_for_run
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -16,7 +16,7 @@ from rlmesh.coordinator.app import API_TASK
 from rlmesh.coordinator.app import start as start_coordinator
 from rlmesh.coordinator.config import Settings as CoordinatorSettings
 from rlmesh.v1 import buffer_pb2
-from tests.e2e.test_runs import run_config, services  # noqa: F401 - the fixture
+from tests.helpers.runs import run_config
 from tests.helpers.stack import start_local_stack, wait_for_run
 
 ROLLOUTS = 8
@@ -24,7 +24,7 @@ ROLLOUTS = 8
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
-def test_a_paused_run_rests_and_resumed_loses_nothing(services, tmp_path, tiny_model_dir, mode):  # noqa: F811
+def test_a_paused_run_rests_and_resumed_loses_nothing(services, tmp_path, tiny_model_dir, mode):
     api, buffer = services
     config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=ROLLOUTS), "mode": mode}
     config["rollout"]["partial_rollout"] = mode == "fully_async"

@@ -3,37 +3,12 @@ own process), a real Redis, a real gloo weight group."""
 
 from __future__ import annotations
 
-import json
-
 import grpc
 import pytest
 
-from rlmesh.common.grpc_server import sync_channel
-from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from tests.helpers.stack import start_local_stack, wait_for_run
-
-
-@pytest.fixture
-def services(redis_url, start_in_loop, engine_url, tmp_path):
-    stack = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path)
-    return stack.api, buffer_pb2_grpc.BufferStub(sync_channel(stack.addresses["buffer"]))
-
-
-def run_config(tmp_path, tiny_model_dir, num_rollouts: int) -> dict:
-    dataset = tmp_path / "train.jsonl"
-    if not dataset.exists():  # written once: a running run may be reading it while the next is posted
-        rows = [{"prompt": f"rev {a}{b}=", "label": f"{b}{a}"} for a in "abcd" for b in "abcd"]
-        dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {
-        "model_path": str(tiny_model_dir),
-        "datasets": [{"name": "train", "path": str(tmp_path / "train.jsonl")},
-                     {"name": "held_out", "path": str(tmp_path / "train.jsonl"), "eval": True}],
-        "num_rollouts": num_rollouts,
-        "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 3, "sampling": {"max_new_tokens": 4}},
-        "optimizer": {"lr": 1e-3},
-        "sft_warmup": {"steps": 1, "batch_groups": 2},
-        "eval": {"limit": 4, "sampling": {"max_new_tokens": 4, "temperature": 0}},
-    }
+from rlmesh.v1 import buffer_pb2
+from tests.helpers.runs import run_config
+from tests.helpers.stack import wait_for_run
 
 
 @pytest.mark.slow

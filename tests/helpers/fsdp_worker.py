@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from rlmesh.trainer.backend import TorchBackend
 from rlmesh.trainer.checkpoints import write_checkpoint
-from tests.service.test_trainer import CPU, config, make_groups
+from tests.helpers.trainer import CPU, config, make_groups
 
 STEPS = 2
 

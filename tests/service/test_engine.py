@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,9 +24,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlmesh.cli.launcher import http_ready, wait_until_ready
 from rlmesh.cli.tiny_model import build_tiny_model
 from rlmesh.common.auth import client_headers
-from rlmesh.common.weight_group import destroy_weight_group, init_weight_group
+from rlmesh.common.weight_group import destroy_weight_group
 from rlmesh.engine.config import Settings
 from rlmesh.engine.server import start
+from tests.helpers.weight_group import WeightSender, in_background
 
 # Long enough that a request with ignore_eos is still running when a test aborts it.
 LONG = {"max_new_tokens": 100_000, "ignore_eos": True, "temperature": 0}
@@ -60,13 +60,6 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def _in_background(fn, *args, **kwargs) -> Future:
-    pool = ThreadPoolExecutor(max_workers=1)
-    future = pool.submit(fn, *args, **kwargs)
-    pool.shutdown(wait=False)
-    return future
 
 
 def _wait_until_in_flight(client: httpx.Client) -> None:
@@ -258,7 +251,7 @@ def test_requests_joining_a_running_batch_are_not_disturbed(client, engine_url, 
     chunks_seen = threading.Event()
     body = {"input_ids": tokenizer("a long running one")["input_ids"], "sampling_params": {**LONG}, "stream": True,
             "rid": "runner"}
-    streaming = _in_background(_stream_chunks, engine_url, body, lambda chunks: chunks_seen.set())
+    streaming = in_background(_stream_chunks, engine_url, body, lambda chunks: chunks_seen.set())
     assert chunks_seen.wait(30)
     assert _greedy(client, short_prompt, n=15)["output_ids"] == expected
     client.post("/abort_request", json={"rid": "runner"})
@@ -290,7 +283,7 @@ def test_bad_input_is_400_with_a_message(client):
 
 
 def test_abort_in_flight_request_returns_partial_output(client):
-    pending = _in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG, "rid": "a-1"})
+    pending = in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG, "rid": "a-1"})
     _wait_until_in_flight(client)
     duplicate = client.post("/generate", json={"text": "go", "sampling_params": {"max_new_tokens": 1}, "rid": "a-1"})
     assert duplicate.status_code == 400 and "a-1" in duplicate.json()["error"]["message"]
@@ -308,7 +301,7 @@ def test_abort_in_flight_request_returns_partial_output(client):
 def test_abort_all_while_streaming_keeps_the_tokens_so_far(client, engine_url):
     body = {"text": "go", "sampling_params": LONG, "stream": True, "return_logprob": True}
     started = threading.Event()
-    streaming = _in_background(_stream_chunks, engine_url, body, lambda chunks: len(chunks) >= 3 and started.set())
+    streaming = in_background(_stream_chunks, engine_url, body, lambda chunks: len(chunks) >= 3 and started.set())
     assert started.wait(30)
     client.post("/abort_request", json={"abort_all": True})
     chunks = streaming.result(30)
@@ -320,11 +313,11 @@ def test_abort_all_while_streaming_keeps_the_tokens_so_far(client, engine_url):
 
 
 def test_pause_abort_mode_holds_new_requests_until_continue(client):
-    running = _in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG})
+    running = in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG})
     _wait_until_in_flight(client)
     assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200
     assert running.result(30).json()["meta_info"]["finish_reason"]["type"] == "abort"
-    held = _in_background(client.post, "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    held = in_background(client.post, "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
     time.sleep(0.3)
     assert not held.done()
     assert client.post("/continue_generation", json={}).status_code == 200
@@ -335,7 +328,7 @@ def test_pause_abort_mode_holds_new_requests_until_continue(client):
 def test_pause_keeps_running_requests(client, tokenizer, mode):
     prompt = tokenizer("pause me")["input_ids"]
     expected = _greedy(client, prompt, n=150)["output_ids"]
-    running = _in_background(_greedy, client, prompt, 150)
+    running = in_background(_greedy, client, prompt, 150)
     _wait_until_in_flight(client)
     assert client.post("/pause_generation", json={"mode": mode}).status_code == 200
     assert client.get("/flush_cache").status_code == 400
@@ -443,7 +436,7 @@ def test_sigterm_answers_in_flight_requests_with_their_partial_output(tiny_model
     proc, url = _launch_engine(tiny_model_dir, tmp_path / "engine.log")
     try:
         with httpx.Client(base_url=url, timeout=60, headers=client_headers()) as client:
-            pending = _in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG})
+            pending = in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG})
             _wait_until_in_flight(client)
             proc.send_signal(signal.SIGTERM)
             response = pending.result(60)
@@ -453,44 +446,6 @@ def test_sigterm_answers_in_flight_requests_with_their_partial_output(tiny_model
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-class Trainer:
-    """Rank 0 of a weight-update group, as the trainer runs it."""
-
-    def __init__(self, client: httpx.Client, group_name: str) -> None:
-        self.client = client
-        self.group_name = group_name
-        port = _free_port()
-        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-                "group_name": group_name, "backend": "gloo"}
-        joined = _in_background(client.post, "/init_weights_update_group", json=body)
-        self.group = init_weight_group("gloo", "127.0.0.1", port, 2, 0, group_name, timeout_seconds=60)
-        r = joined.result(60)
-        assert r.status_code == 200 and r.json()["success"] is True, r.text
-
-    def send(self, named: list[tuple[str, torch.Tensor]], version: str, flattened: bool = False) -> httpx.Response:
-        body = {
-            "names": [n for n, _ in named],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
-            "shapes": [list(t.shape) for _, t in named],
-            "group_name": self.group_name,
-            "weight_version": version,
-            "load_format": "flattened_bucket" if flattened else None,
-        }
-        answer = _in_background(self.client.post, "/update_weights_from_distributed", json=body)
-        if flattened:
-            bucket = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in named])
-            torch.distributed.broadcast(bucket, src=0, group=self.group)
-        else:
-            for _, t in named:
-                torch.distributed.broadcast(t, src=0, group=self.group)
-        return answer.result(60)
-
-    def close(self) -> None:
-        r = self.client.post("/destroy_weights_update_group", json={"group_name": self.group_name})
-        assert r.status_code == 200 and r.json()["success"] is True
-        destroy_weight_group(self.group, self.group_name)
 
 
 def _new_weights(hf_model, seed: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:
@@ -508,7 +463,7 @@ def _assert_engine_has(client: httpx.Client, named: list[tuple[str, torch.Tensor
 def test_update_weights_from_distributed(engine_process, hf_model, flattened):
     with httpx.Client(base_url=engine_process, timeout=60, headers=client_headers()) as client:
         assert client.post("/begin_weight_update", json={"selector": "all"}).json()["success"] is True
-        trainer = Trainer(client, f"wu-{'flat' if flattened else 'plain'}")
+        trainer = WeightSender(client, f"wu-{'flat' if flattened else 'plain'}")
         version = f"v-{flattened}"
         named = _new_weights(hf_model, seed=1 + flattened)
         r = trainer.send(named, version, flattened=flattened)
@@ -523,7 +478,7 @@ def test_update_weights_from_distributed(engine_process, hf_model, flattened):
 
 def test_bad_weight_update_is_refused_and_changes_nothing(engine_process, hf_model):
     with httpx.Client(base_url=engine_process, timeout=60, headers=client_headers()) as client:
-        trainer = Trainer(client, "wu-bad")
+        trainer = WeightSender(client, "wu-bad")
         good = _new_weights(hf_model, seed=5)
         assert trainer.send(good, "good").json()["success"] is True
         bad = [(good[0][0], torch.zeros(good[0][1].shape)), ("model.no_such.weight", torch.zeros(3))]
@@ -551,7 +506,7 @@ def test_the_weight_group_rendezvous_is_the_one_sglang_clients_use(engine_proces
 
     with httpx.Client(base_url=engine_process, timeout=60, headers=client_headers()) as client:
         port, group_name = _free_port(), "sglang-style"
-        joined = _in_background(client.post, "/init_weights_update_group", json={
+        joined = in_background(client.post, "/init_weights_update_group", json={
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": group_name, "backend": "gloo"})
         timeout = timedelta(seconds=30)
@@ -564,7 +519,7 @@ def test_the_weight_group_rendezvous_is_the_one_sglang_clients_use(engine_proces
         assert r.status_code == 200 and r.json()["success"] is True, r.text
 
         name, tensor = _new_weights(hf_model, seed=11)[0]
-        answer = _in_background(client.post, "/update_weights_from_distributed", json={
+        answer = in_background(client.post, "/update_weights_from_distributed", json={
             "names": [name], "dtypes": ["float32"], "shapes": [list(tensor.shape)], "group_name": group_name,
             "weight_version": "sglang-style"})
         torch.distributed.broadcast(tensor, src=0, group=group)
@@ -606,7 +561,7 @@ def test_metrics_under_sglangs_names_count_tokens_and_show_running_requests(loop
             assert value(samples, "sglang:generation_tokens_total", model_name="tiny") == 10
             assert value(samples, "sglang:prompt_tokens_total", model_name="tiny") == 7
             assert value(samples, "sglang:num_running_reqs") == value(samples, "sglang:num_queue_reqs") == 0
-            running = _in_background(c.post, "/generate", json={"input_ids": [1, 2], "sampling_params": LONG})
+            running = in_background(c.post, "/generate", json={"input_ids": [1, 2], "sampling_params": LONG})
             _wait_until_in_flight(c)
             samples = scrape(f"{base}/metrics", headers={})
             assert value(samples, "sglang:num_running_reqs") + value(samples, "sglang:num_queue_reqs") == 1

@@ -20,6 +20,7 @@ from rlmesh.reward.server import start as start_reward
 from rlmesh.rollout.config import Settings as RolloutSettings
 from rlmesh.rollout.server import start as start_rollout
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, rollout_pb2, rollout_pb2_grpc, sample_pb2
+from tests.helpers.rollout import request
 
 
 @pytest.fixture
@@ -46,13 +47,6 @@ class WithDeadline:
 
     def __getattr__(self, name: str):
         return functools.partial(getattr(self.stub, name), timeout=self.seconds)
-
-
-def request(**kw) -> rollout_pb2.GenerateRolloutRequest:
-    defaults = dict(run_id="r", num_groups=2,  # group size: the buffer run's (3)
-                    sampling=sampling_to_proto(SamplingConfig(max_new_tokens=6)),
-                    reward=reward_pb2.RewardSpec(components={"exact_match": 1.0}))
-    return rollout_pb2.GenerateRolloutRequest(**{**defaults, **kw})
 
 
 def test_rollout_writes_scored_groups_with_engine_tokens_and_logprobs(stack):

@@ -21,7 +21,7 @@ from rlmesh.rollout.config import Settings as RolloutSettings
 from rlmesh.rollout.generation import GenerateContext, default_generate
 from rlmesh.rollout.server import start as start_rollout
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from tests.service.test_rollout import request
+from tests.helpers.rollout import request
 
 
 async def fails_for_the_second_sample(ctx: GenerateContext, sample: Sample, params: dict) -> Sample:

@@ -33,7 +33,7 @@ from rlmesh.v1 import buffer_pb2, trainer_pb2
 from rlmesh.v1.buffer_pb2_grpc import BufferStub
 from rlmesh.v1.trainer_pb2_grpc import TrainerStub
 from tests.helpers.buffer import code_of, create, prompts, put
-from tests.service.test_trainer import CPU, config, make_groups
+from tests.helpers.trainer import CPU, config, make_groups
 
 
 def names(directory: Path) -> list[str]:

@@ -26,11 +26,9 @@ from rlmesh.trainer.backend import TorchBackend
 from rlmesh.v1 import trainer_pb2
 from rlmesh.v1.trainer_pb2_grpc import TrainerStub
 from tests.helpers.fsdp_worker import STEPS
-from tests.service import test_trainer
-from tests.service.test_trainer import CPU, config, fill_buffer, make_groups
+from tests.helpers.trainer import CPU, config, fill_buffer, make_groups
 
 # The real buffer, engine and rollout service of the trainer's tests.
-buffer_address, engine, rollout_address = test_trainer.buffer_address, test_trainer.engine, test_trainer.rollout_address
 
 REPO = Path(__file__).resolve().parents[2]
 # Float sums in another order (two shards and an all-reduce instead of one sum).

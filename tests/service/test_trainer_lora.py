@@ -21,11 +21,9 @@ from rlmesh.trainer.backend import TorchBackend
 from rlmesh.trainer.batches import prepare_batch
 from rlmesh.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rlmesh.v1 import trainer_pb2
-from tests.service import test_trainer
-from tests.service.test_trainer import CPU, config, independent_log_probs, make_groups
+from tests.helpers.trainer import CPU, config, independent_log_probs, make_groups
 
 # The real engine, rollout service and trainer server of the trainer's tests.
-engine, rollout_address, trainer_server = test_trainer.engine, test_trainer.rollout_address, test_trainer.trainer_server
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 

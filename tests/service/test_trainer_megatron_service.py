@@ -23,16 +23,10 @@ from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.net import free_port
 from rlmesh.v1 import trainer_pb2
 from rlmesh.v1.trainer_pb2_grpc import TrainerStub
-from tests.service.test_trainer import (  # noqa: F401 (fixtures)
-    assert_engine_has,
-    buffer_address,
-    config,
-    engine,
-    fill_buffer,
-    rollout_address,
-    trainer_server,
-)
-from tests.service.test_trainer_megatron import REPO, build_model
+from tests.helpers.megatron_models import build_model
+from tests.helpers.trainer import assert_engine_has, config, fill_buffer
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -79,7 +73,7 @@ def train_and_save(stub: TrainerStub, run_id: str, run_config) -> tuple[dict, Pa
 
 @pytest.mark.slow
 def test_megatron_tp2_service_trains_like_the_torch_backend(
-    buffer_address, torchrun_trainer, trainer_server, tmp_path  # noqa: F811
+    buffer_address, torchrun_trainer, trainer_server, tmp_path
 ):
     model_dir = build_model("llama", tmp_path / "llama")
     stub = torchrun_trainer("--buffer-address", buffer_address)
@@ -111,7 +105,7 @@ def test_megatron_tp2_service_trains_like_the_torch_backend(
 
 @pytest.mark.slow
 def test_megatron_tp2_pushes_hf_weights_to_the_engine(
-    buffer_address, rollout_address, engine, torchrun_trainer, tiny_model_dir, tmp_path  # noqa: F811
+    buffer_address, rollout_address, engine, torchrun_trainer, tiny_model_dir, tmp_path
 ):
     """Through the rollout service to the CPU reference engine over a gloo weight group,
     as from the torch backend: before training the engine gets the model's own tensors bit

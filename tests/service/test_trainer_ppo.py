@@ -9,7 +9,7 @@ import torch
 
 from rlmesh.trainer.backend import TorchBackend
 from rlmesh.trainer.critic import VALUE_HEAD_FILE
-from tests.service.test_trainer import CPU, config, make_groups
+from tests.helpers.trainer import CPU, config, make_groups
 
 PPO = {"advantage_estimator": "gae", "gamma": 0.99, "gae_lambda": 0.95, "value_loss_coef": 0.5, "value_clip": 0.2}
 

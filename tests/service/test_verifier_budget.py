@@ -215,7 +215,7 @@ def test_a_worker_is_heard_on_a_descriptor_above_1023():
     import os
     import resource
 
-    from rlmesh.reward.workers import _readable_now
+    from rlmesh.reward.workers import readable_now
 
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] <= 1500:
         pytest.skip("this machine allows too few descriptors to test one above 1023")
@@ -224,9 +224,9 @@ def test_a_worker_is_heard_on_a_descriptor_above_1023():
     r, w = os.pipe()
     high = os.dup2(r, 1500)
     try:
-        assert not _readable_now(high)
+        assert not readable_now(high)
         os.write(w, b"ready")
-        assert _readable_now(high)
+        assert readable_now(high)
     finally:
         for fd in (r, w, high):
             os.close(fd)

@@ -22,8 +22,8 @@ from rlmesh.rollout.server import start as start_rollout
 from rlmesh.trainer.weight_sync import WeightPusher, changed_elements, delta_payload
 from rlmesh.v1 import rollout_pb2
 from rlmesh.v1.rollout_pb2_grpc import RolloutStub
-from tests.service.test_engine import Trainer
-from tests.service.test_trainer import EngineProcess
+from tests.helpers.trainer import EngineProcess
+from tests.helpers.weight_group import WeightSender
 
 BF16 = torch.bfloat16
 SYNC = WeightSyncConfig(backend="gloo", bucket_bytes=64 * 1024, delta=True)
@@ -213,7 +213,7 @@ def test_the_engine_applies_a_delta_over_its_base_version_only(bf16_engine):
     """The engine's side of the wire form, driven by hand over HTTP and a gloo group."""
     name = "model.norm.weight"
     with httpx.Client(base_url=bf16_engine.url, timeout=60, headers=client_headers()) as client:
-        trainer = Trainer(client, "wu-delta")
+        trainer = WeightSender(client, "wu-delta")
         try:
             old = (torch.randn(64) * 0.05).to(BF16)
             assert trainer.send([(name, old)], "d1").json()["success"] is True

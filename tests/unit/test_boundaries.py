@@ -45,13 +45,13 @@ def boundary_breaks(root: Path) -> list[str]:
     return breaks
 
 
-def private_imports(root: Path) -> list[str]:
+def private_imports(root: Path, shown_as: str = "services") -> list[str]:
     offenders = []
-    for path in sorted(root.glob("*/**/*.py")):
+    for path in sorted(root.rglob("*.py")):
         for line, module, names in _imports(path, root):
             private = [n for n in names if n.startswith("_") and not n.startswith("__")]
             if private:
-                offenders.append(f"services/{path.relative_to(root)}:{line} takes {', '.join(private)} from {module}")
+                offenders.append(f"{shown_as}/{path.relative_to(root)}:{line} takes {', '.join(private)} from {module}")
     return offenders
 
 
@@ -61,7 +61,9 @@ def test_services_share_only_common_and_the_contracts():
 
 
 def test_no_module_imports_another_modules_private_names():
-    offenders = private_imports(SERVICES)
+    # (tests and benchmarks too: what they need of a module is part of its public face)
+    offenders = [o for folder in ("services", "tests", "bench")
+                 for o in private_imports(SERVICES.parent / folder, shown_as=folder)]
     assert offenders == [], "make these public, or keep them in their module:\n" + "\n".join(offenders)
 
 

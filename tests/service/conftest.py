@@ -1,0 +1,63 @@
+"""Fixtures the service tests share: a trainer served over gRPC, the real buffer on the
+test's Redis, the CPU reference engine in its own process and the rollout service in
+front of it."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from rlmesh.buffer.config import Settings as BufferSettings
+from rlmesh.buffer.server import start as start_buffer
+from rlmesh.common.grpc_server import start_service, sync_channel
+from rlmesh.rollout.config import Settings as RolloutSettings
+from rlmesh.rollout.server import start as start_rollout
+from rlmesh.trainer.config import Settings
+from rlmesh.trainer.server import build
+from rlmesh.trainer.trainer import Trainer
+from rlmesh.v1.trainer_pb2_grpc import TrainerStub
+from tests.helpers.trainer import EngineProcess
+
+
+@pytest.fixture
+def trainer_server(loop_thread, tmp_path):
+    """start(settings) -> a TrainerStub; the trainer and server stop with the test."""
+    made = []
+
+    def make(**settings):
+        # Any free port: the default one may be taken on a shared machine.
+        trainer = Trainer(Settings(**{"work_dir": tmp_path, "port": 0, **settings}))
+        server, port = loop_thread.run(start_service(functools.partial(build, trainer=trainer), trainer.settings))
+        made.append((trainer, server))
+        make.trainers.append(trainer)
+        return TrainerStub(sync_channel(f"127.0.0.1:{port}"))
+
+    make.trainers = []
+    yield make
+    for trainer, server in made:
+        loop_thread.run(trainer.close())
+        loop_thread.run(server.stop(None))
+
+
+@pytest.fixture
+def buffer_address(redis_url, loop_thread):
+    """The real buffer service on the test's Redis."""
+    server, port = loop_thread.run(start_buffer(BufferSettings(redis_url=redis_url, port=0)))
+    yield f"127.0.0.1:{port}"
+    loop_thread.run(server.stop(None))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    process = EngineProcess(tiny_model_dir, tmp_path_factory.mktemp("engine") / "engine.log")
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def rollout_address(loop_thread, engine):
+    """The real rollout service in front of the engine (generation is not used here)."""
+    server, port = loop_thread.run(start_rollout(RolloutSettings(port=0, engine_urls=[engine.url])))
+    yield f"127.0.0.1:{port}"
+    loop_thread.run(server.stop(None))
