@@ -48,7 +48,10 @@ def run_mode(api: httpx.Client, config: dict, mode: str) -> dict:
     r.raise_for_status()
     run_id = r.json()["id"]
     while (run := api.get(f"/runs/{run_id}", params={"metrics_last": 100000}).json())["status"] not in (
-            "completed", "failed", "stopped"):
+        "completed",
+        "failed",
+        "stopped",
+    ):
         time.sleep(0.5)
     if run["status"] != "completed":
         raise SystemExit(f"{mode} run {run['status']}: {run['error']}")
@@ -62,10 +65,12 @@ def run_mode(api: httpx.Client, config: dict, mode: str) -> dict:
         "staleness_max": max((m.get("train/staleness_max", 0.0) for m in rl), default=0.0),
         "stale_groups_dropped": sum(m.get("train/stale_groups_dropped", 0.0) for m in rl),
     }
-    print(f"{mode:>13} seed {config['seed']}: {result['samples'] / result['seconds']:7.1f} samples/s "
-          f"({result['samples']:.0f} samples in {result['seconds']:.1f} s), eval after {result['eval_after']:.2f}, "
-          f"staleness max {result['staleness_max']:.0f}, {result['stale_groups_dropped']:.0f} stale groups dropped",
-          flush=True)
+    print(
+        f"{mode:>13} seed {config['seed']}: {result['samples'] / result['seconds']:7.1f} samples/s "
+        f"({result['samples']:.0f} samples in {result['seconds']:.1f} s), eval after {result['eval_after']:.2f}, "
+        f"staleness max {result['staleness_max']:.0f}, {result['stale_groups_dropped']:.0f} stale groups dropped",
+        flush=True,
+    )
     return result
 
 
@@ -73,11 +78,15 @@ def summarize(runs: list[dict]) -> dict:
     """One mode over its seeds: throughput over all its runs, the evals' mean."""
     samples, seconds = sum(r["samples"] for r in runs), sum(r["seconds"] for r in runs)
     evals = [r["eval_after"] for r in runs]
-    return {"samples_per_s": samples / seconds, "eval_after": statistics.fmean(evals), "evals": evals,
-            "generate_seconds": sum(r["generate_seconds"] for r in runs),
-            "train_seconds": sum(r["train_seconds"] for r in runs),
-            "staleness_max": max(r["staleness_max"] for r in runs),
-            "stale_groups_dropped": sum(r["stale_groups_dropped"] for r in runs)}
+    return {
+        "samples_per_s": samples / seconds,
+        "eval_after": statistics.fmean(evals),
+        "evals": evals,
+        "generate_seconds": sum(r["generate_seconds"] for r in runs),
+        "train_seconds": sum(r["train_seconds"] for r in runs),
+        "staleness_max": max(r["staleness_max"] for r in runs),
+        "stale_groups_dropped": sum(r["stale_groups_dropped"] for r in runs),
+    }
 
 
 def main() -> None:
@@ -88,12 +97,24 @@ def main() -> None:
     # there swing from 0 to 1 and drown the modes' difference in seed noise)
     parser.add_argument("--sft-steps", type=int, default=60, help="SFT warm-start steps per run")
     parser.add_argument("--lr", type=float, default=0.0, help="RL learning rate (0 = the demo's)")
-    parser.add_argument("--pause-mode", default="in_place", choices=("abort", "in_place", "retract"),
-                        help="fully_async: how the engines pause for a weight push")
-    parser.add_argument("--max-staleness", type=int, default=0,
-                        help="fully_async's staleness bound in weight versions (0 = the run config's default)")
-    parser.add_argument("--tis-cap", type=float, default=2.0,
-                        help="truncated importance sampling against the engines' log-probs (every mode; 0 = off)")
+    parser.add_argument(
+        "--pause-mode",
+        default="in_place",
+        choices=("abort", "in_place", "retract"),
+        help="fully_async: how the engines pause for a weight push",
+    )
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="fully_async's staleness bound in weight versions (0 = the run config's default)",
+    )
+    parser.add_argument(
+        "--tis-cap",
+        type=float,
+        default=2.0,
+        help="truncated importance sampling against the engines' log-probs (every mode; 0 = off)",
+    )
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per torch process (engine, trainer)
 
@@ -115,50 +136,86 @@ def main() -> None:
             with httpx.Client(base_url=stack.coordinator_url, timeout=60, headers=client_headers()) as api:
                 runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
                 for seed in range(args.seeds):  # interleaved: a change of the machine's load hits every mode
-                    seeded = {**config, "seed": seed,
-                              "datasets": [{**d, "seed": seed} for d in config["datasets"]]}
+                    seeded = {**config, "seed": seed, "datasets": [{**d, "seed": seed} for d in config["datasets"]]}
                     for mode in MODES:
-                        bound = {"max_staleness": args.max_staleness} if mode == "fully_async" and args.max_staleness else {}
+                        bound = (
+                            {"max_staleness": args.max_staleness}
+                            if mode == "fully_async" and args.max_staleness
+                            else {}
+                        )
                         runs[mode].append(run_mode(api, {**seeded, **bound}, mode))
         finally:
             stack.stop()
     results = {mode: summarize(r) for mode, r in runs.items()}
     for mode, r in results.items():
-        print(f"{mode:>13}: {r['samples_per_s']:7.1f} samples/s, eval after {r['eval_after']:.2f} "
-              f"(mean of {', '.join(f'{e:.2f}' for e in r['evals'])})")
+        print(
+            f"{mode:>13}: {r['samples_per_s']:7.1f} samples/s, eval after {r['eval_after']:.2f} "
+            f"(mean of {', '.join(f'{e:.2f}' for e in r['evals'])})"
+        )
 
     sync = results["sync"]
     g, t = sync["generate_seconds"], sync["train_seconds"]
     ideal = (g + t) / max(g, t)
     speedup = results["fully_async"]["samples_per_s"] / sync["samples_per_s"]
-    print(f"sync phases: generation {g:.1f} s, training {t:.1f} s -> ideal speedup {ideal:.2f}; "
-          f"fully_async achieved {speedup:.2f} ({speedup / ideal:.0%} of ideal)")
+    print(
+        f"sync phases: generation {g:.1f} s, training {t:.1f} s -> ideal speedup {ideal:.2f}; "
+        f"fully_async achieved {speedup:.2f} ({speedup / ideal:.0%} of ideal)"
+    )
     samples_per_rollout = config["rollout"]["rollout_batch_size"] * config["rollout"]["n_samples_per_prompt"]
-    title = (f"python -m bench.async: {args.seeds} seeds x {args.rollouts} rollouts x {samples_per_rollout} samples, "
-             f"lr {config['optimizer']['lr']:g}, pause_mode {args.pause_mode}, {os.cpu_count()} CPUs")
+    title = (
+        f"python -m bench.async: {args.seeds} seeds x {args.rollouts} rollouts x {samples_per_rollout} samples, "
+        f"lr {config['optimizer']['lr']:g}, pause_mode {args.pause_mode}, {os.cpu_count()} CPUs"
+    )
     seeds = ", ".join(str(seed) for seed in range(args.seeds))
-    print_table([{"mode": f"`{mode}`", "samples/s": f"{r['samples_per_s']:.1f}",
-                  f"held-out eval after (seeds {seeds})":
-                  f"{r['eval_after']:.2f} ({', '.join(f'{e:.2f}' for e in r['evals'])})"}
-                 for mode, r in results.items()], title)
-    print_table([{"sync generation s": f"{g:.1f}", "sync training s": f"{t:.1f}", "ideal speedup": f"{ideal:.2f}",
-                  "fully_async speedup": f"{speedup:.2f}", "of the ideal": f"{speedup / ideal:.0%}"}])
-    print(json.dumps({
-        **{f"{mode}_samples_per_s": round(r["samples_per_s"], 2) for mode, r in results.items()},
-        "sync_generate_seconds": round(g, 2), "sync_train_seconds": round(t, 2),
-        "ideal_speedup": round(ideal, 3),
-        "one_step_off_speedup": round(results["one_step_off"]["samples_per_s"] / sync["samples_per_s"], 3),
-        "fully_async_speedup": round(speedup, 3),
-        "fully_async_fraction_of_ideal": round(speedup / ideal, 3),
-        **{f"{mode}_eval_after": round(r["eval_after"], 3) for mode, r in results.items()},
-        **{f"{mode}_evals": [round(e, 3) for e in r["evals"]] for mode, r in results.items()},  # (the seed noise)
-        "fully_async_eval_gap": round(results["fully_async"]["eval_after"] - sync["eval_after"], 3),
-        **{f"{mode}_staleness_max": r["staleness_max"] for mode, r in results.items()},
-        "pause_mode": args.pause_mode, "tis_cap": args.tis_cap, "lr": config["optimizer"]["lr"],
-        "fully_async_max_staleness": args.max_staleness or DEFAULT_MAX_STALENESS["fully_async"],
-        "sft_steps": args.sft_steps,
-        "rollouts": args.rollouts, "seeds": args.seeds, "samples_per_rollout": samples_per_rollout,
-    }))
+    print_table(
+        [
+            {
+                "mode": f"`{mode}`",
+                "samples/s": f"{r['samples_per_s']:.1f}",
+                f"held-out eval after (seeds {seeds})": f"{r['eval_after']:.2f} ({', '.join(f'{e:.2f}' for e in r['evals'])})",
+            }
+            for mode, r in results.items()
+        ],
+        title,
+    )
+    print_table(
+        [
+            {
+                "sync generation s": f"{g:.1f}",
+                "sync training s": f"{t:.1f}",
+                "ideal speedup": f"{ideal:.2f}",
+                "fully_async speedup": f"{speedup:.2f}",
+                "of the ideal": f"{speedup / ideal:.0%}",
+            }
+        ]
+    )
+    print(
+        json.dumps(
+            {
+                **{f"{mode}_samples_per_s": round(r["samples_per_s"], 2) for mode, r in results.items()},
+                "sync_generate_seconds": round(g, 2),
+                "sync_train_seconds": round(t, 2),
+                "ideal_speedup": round(ideal, 3),
+                "one_step_off_speedup": round(results["one_step_off"]["samples_per_s"] / sync["samples_per_s"], 3),
+                "fully_async_speedup": round(speedup, 3),
+                "fully_async_fraction_of_ideal": round(speedup / ideal, 3),
+                **{f"{mode}_eval_after": round(r["eval_after"], 3) for mode, r in results.items()},
+                **{
+                    f"{mode}_evals": [round(e, 3) for e in r["evals"]] for mode, r in results.items()
+                },  # (the seed noise)
+                "fully_async_eval_gap": round(results["fully_async"]["eval_after"] - sync["eval_after"], 3),
+                **{f"{mode}_staleness_max": r["staleness_max"] for mode, r in results.items()},
+                "pause_mode": args.pause_mode,
+                "tis_cap": args.tis_cap,
+                "lr": config["optimizer"]["lr"],
+                "fully_async_max_staleness": args.max_staleness or DEFAULT_MAX_STALENESS["fully_async"],
+                "sft_steps": args.sft_steps,
+                "rollouts": args.rollouts,
+                "seeds": args.seeds,
+                "samples_per_rollout": samples_per_rollout,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ class Options:
 
 # ---------------------------------------------------------------- payload
 
+
 def templates() -> list[sample_pb2.SampleGroup]:
     return [group_to_proto(realistic_group(seed)) for seed in range(TEMPLATES)]
 
@@ -83,14 +84,28 @@ def json_payloads(groups: list[sample_pb2.SampleGroup]) -> list[dict]:
     out = []
     for g in groups:
         py = group_from_proto(g)
-        out.append({"group_id": py.group_id, "sequences": [
-            {"tokens": s.tokens, "log_probs": s.rollout_log_probs, "loss_mask": s.loss_mask,
-             "response_length": s.response_length, "reward": s.reward, "prompt": s.prompt, "response": s.response}
-            for s in py.samples]})
+        out.append(
+            {
+                "group_id": py.group_id,
+                "sequences": [
+                    {
+                        "tokens": s.tokens,
+                        "log_probs": s.rollout_log_probs,
+                        "loss_mask": s.loss_mask,
+                        "response_length": s.response_length,
+                        "reward": s.reward,
+                        "prompt": s.prompt,
+                        "response": s.response,
+                    }
+                    for s in py.samples
+                ],
+            }
+        )
     return out
 
 
 # ---------------------------------------------------------------- raw Redis baseline
+
 
 def raw_redis_round(url: str, raws: list[bytes], n: int, per_call: int, tag: str) -> float:
     client = redis.Redis.from_url(url)
@@ -112,6 +127,7 @@ def raw_redis_round(url: str, raws: list[bytes], n: int, per_call: int, tag: str
 
 
 # ---------------------------------------------------------------- the buffer over gRPC
+
 
 async def grpc_round(address: str, groups: list[sample_pb2.SampleGroup], opts: Options, run_id: str) -> float:
     channel = aio_channel(address)
@@ -135,15 +151,14 @@ async def grpc_round(address: str, groups: list[sample_pb2.SampleGroup], opts: O
         seen = 0
         while seen < n:
             want = min(per_call, n - seen)
-            batch = await stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(
-                run_id=run_id, num_groups=want, wait_seconds=30))
+            batch = await stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id=run_id, num_groups=want, wait_seconds=30))
             assert len(batch.groups) == want, "lease came back short"
             await stub.AckBatch(buffer_pb2.AckBatchRequest(run_id=run_id, lease_id=batch.lease_id))
             seen += want
         return seen
 
     start = time.perf_counter()
-    await asyncio.gather(trainer(), *(writer(batches[w::opts.writers]) for w in range(opts.writers)))
+    await asyncio.gather(trainer(), *(writer(batches[w :: opts.writers]) for w in range(opts.writers)))
     elapsed = time.perf_counter() - start
     await channel.close()
     return n / elapsed
@@ -151,13 +166,18 @@ async def grpc_round(address: str, groups: list[sample_pb2.SampleGroup], opts: O
 
 async def create_run(address: str, run_id: str, dataset: str) -> None:
     channel = aio_channel(address)
-    await buffer_pb2_grpc.BufferStub(channel).CreateRun(buffer_pb2.CreateRunRequest(
-        run_id=run_id, n_samples_per_prompt=SAMPLES_PER_GROUP,
-        datasets=[buffer_pb2.DatasetSpec(name="train", path=dataset)]))
+    await buffer_pb2_grpc.BufferStub(channel).CreateRun(
+        buffer_pb2.CreateRunRequest(
+            run_id=run_id,
+            n_samples_per_prompt=SAMPLES_PER_GROUP,
+            datasets=[buffer_pb2.DatasetSpec(name="train", path=dataset)],
+        )
+    )
     await channel.close()
 
 
 # ---------------------------------------------------------------- JSON over HTTP baseline
+
 
 class Sequence(BaseModel):
     tokens: list[int]
@@ -210,8 +230,9 @@ async def json_round(url: str, payloads: list[dict], opts: Options) -> float:
             i = next_group
             next_group += 1
             body = dict(payloads[i % len(payloads)], group_id=f"json-{i}")
-            r = await client.post("/trajectories", content=json.dumps(body),
-                                  headers={"content-type": "application/json"})
+            r = await client.post(
+                "/trajectories", content=json.dumps(body), headers={"content-type": "application/json"}
+            )
             r.raise_for_status()
 
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -222,6 +243,7 @@ async def json_round(url: str, payloads: list[dict], opts: Options) -> float:
 
 
 # ---------------------------------------------------------------- processes
+
 
 def wait_grpc(address: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
@@ -268,6 +290,7 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 # ---------------------------------------------------------------- main
 
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=1536, help="groups per measured round")
@@ -277,15 +300,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per path (best kept)")
     parser.add_argument("--json-sequences", type=int, default=1600, help="sequences per JSON round")
     parser.add_argument("--json-concurrency", type=int, default=4, help="concurrent JSON posters")
-    parser.add_argument("--cache-megabytes", type=int, default=None,
-                        help="the buffer's group cache (default: its own default; 0 = off)")
+    parser.add_argument(
+        "--cache-megabytes", type=int, default=None, help="the buffer's group cache (default: its own default; 0 = off)"
+    )
     parser.add_argument("--serve-json", nargs=2, metavar=("PORT", "REDIS_URL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_json:
         serve_json(int(args.serve_json[0]), args.serve_json[1])
         return
-    opts = Options(args.groups, args.groups_per_call, args.writers, args.rounds, args.json_sequences,
-                   args.json_concurrency)
+    opts = Options(
+        args.groups, args.groups_per_call, args.writers, args.rounds, args.json_sequences, args.json_concurrency
+    )
     ensure_stack_token()  # the buffer processes and the clients here share it
 
     work = tempfile.mkdtemp(prefix="rlmesh-bench-buffer-")
@@ -299,15 +324,36 @@ def main(argv: list[str] | None = None) -> None:
 
         port = free_port()
         buffer_log = open(os.path.join(work, "buffer.log"), "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "rlmesh.cli", "serve", "buffer", "--redis-url", server.url,
-             "--port", str(port), "--log-level", "WARNING", "--data-roots", json.dumps([work]),
-             *([] if args.cache_megabytes is None else ["--cache-megabytes", str(args.cache_megabytes)])],
-            stdout=buffer_log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "rlmesh.cli",
+                    "serve",
+                    "buffer",
+                    "--redis-url",
+                    server.url,
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "WARNING",
+                    "--data-roots",
+                    json.dumps([work]),
+                    *([] if args.cache_megabytes is None else ["--cache-megabytes", str(args.cache_megabytes)]),
+                ],
+                stdout=buffer_log,
+                stderr=subprocess.STDOUT,
+            )
+        )
         json_port = free_port()
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "bench.buffer", "--serve-json", str(json_port), server.url],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "bench.buffer", "--serve-json", str(json_port), server.url],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        )
         address, json_url = f"127.0.0.1:{port}", f"http://127.0.0.1:{json_port}"
         wait_grpc(address, procs[0])
         wait_until_ready(lambda: http_ready(json_url), procs[1], "the JSON trajectory server", timeout=60)
@@ -345,19 +391,26 @@ def main(argv: list[str] | None = None) -> None:
         grpc_gps, raw_gps, json_sps = (statistics.median(r) for r in (grpc_rates, raw_rates, json_rates))
         grpc_sps = grpc_gps * SAMPLES_PER_GROUP
         ratio = statistics.median(g / r for g, r in zip(grpc_rates, raw_rates))
-        print(f"payload: {SAMPLES_PER_GROUP} samples x 1024 tokens per group, {group_bytes / 1024:.1f} KiB serialized; "
-              f"{opts.groups} groups per round, {opts.groups_per_call} per call, {opts.writers} writers; "
-              f"median of {opts.rounds} rounds; {os.cpu_count()} CPUs, shared")
+        print(
+            f"payload: {SAMPLES_PER_GROUP} samples x 1024 tokens per group, {group_bytes / 1024:.1f} KiB serialized; "
+            f"{opts.groups} groups per round, {opts.groups_per_call} per call, {opts.writers} writers; "
+            f"median of {opts.rounds} rounds; {os.cpu_count()} CPUs, shared"
+        )
         print(f"{'path':<48}{'groups/s':>12}{'sequences/s':>14}{'best':>8}{'rounds':>30}")
         rows = [
             ("buffer over gRPC (write -> lease -> ack)", grpc_gps, grpc_rates),
             ("raw redis-py, same bytes (write -> read+delete)", raw_gps, raw_rates),
-            ("JSON over HTTP, FastAPI (write only)", json_sps / SAMPLES_PER_GROUP,
-             [x / SAMPLES_PER_GROUP for x in json_rates]),
+            (
+                "JSON over HTTP, FastAPI (write only)",
+                json_sps / SAMPLES_PER_GROUP,
+                [x / SAMPLES_PER_GROUP for x in json_rates],
+            ),
         ]
         for name, gps, rates in rows:
-            print(f"{name:<48}{gps:>12.0f}{gps * SAMPLES_PER_GROUP:>14.0f}{max(rates):>8.0f}"
-                  f"{' '.join(f'{x:.0f}' for x in rates):>30}")
+            print(
+                f"{name:<48}{gps:>12.0f}{gps * SAMPLES_PER_GROUP:>14.0f}{max(rates):>8.0f}"
+                f"{' '.join(f'{x:.0f}' for x in rates):>30}"
+            )
         result = {
             "grpc_groups_per_s": round(grpc_gps, 1),
             "raw_redis_groups_per_s": round(raw_gps, 1),
@@ -371,18 +424,32 @@ def main(argv: list[str] | None = None) -> None:
             "wire_form": "raw little-endian bytes fields (int32 tokens, float32 log-probs, uint8 masks)",
         }
         for name, used in (("gRPC path", grpc_cpu), ("raw Redis", raw_cpu)):
-            print(f"CPU per group, {name} (best round): " + ", ".join(
-                f"{k} {v:.0f} us" for k, v in used.items() if name == "gRPC path" or k != "buffer"))
-        print(f"ratio (gRPC / raw Redis): {result['ratio']:.2f}   "
-              f"gRPC vs JSON over HTTP: {result['grpc_vs_json_http_ratio']:.1f}x")
+            print(
+                f"CPU per group, {name} (best round): "
+                + ", ".join(f"{k} {v:.0f} us" for k, v in used.items() if name == "gRPC path" or k != "buffer")
+            )
+        print(
+            f"ratio (gRPC / raw Redis): {result['ratio']:.2f}   "
+            f"gRPC vs JSON over HTTP: {result['grpc_vs_json_http_ratio']:.1f}x"
+        )
         print_table(
-            [{"path": name, "groups/s": f"{gps:.0f}", "sequences/s": f"{gps * SAMPLES_PER_GROUP:.0f}",
-              "best round groups/s": f"{max(rates):.0f}"} for name, gps, rates in rows]
-            + [{"path": "gRPC / raw Redis (median of paired rounds)", "groups/s": f"{result['ratio']:.2f}x"},
-               {"path": "gRPC / JSON over HTTP", "sequences/s": f"{result['grpc_vs_json_http_ratio']:.1f}x"}],
+            [
+                {
+                    "path": name,
+                    "groups/s": f"{gps:.0f}",
+                    "sequences/s": f"{gps * SAMPLES_PER_GROUP:.0f}",
+                    "best round groups/s": f"{max(rates):.0f}",
+                }
+                for name, gps, rates in rows
+            ]
+            + [
+                {"path": "gRPC / raw Redis (median of paired rounds)", "groups/s": f"{result['ratio']:.2f}x"},
+                {"path": "gRPC / JSON over HTTP", "sequences/s": f"{result['grpc_vs_json_http_ratio']:.1f}x"},
+            ],
             f"python -m bench.buffer: {SAMPLES_PER_GROUP} samples x 1024 tokens per group, {opts.groups} groups per "
             f"round, {opts.groups_per_call} per call, {opts.writers} writers, median of {opts.rounds} rounds, "
-            f"{os.cpu_count()} CPUs")
+            f"{os.cpu_count()} CPUs",
+        )
         print(json.dumps(result))
     finally:
         for p in procs:

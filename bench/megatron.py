@@ -39,8 +39,16 @@ from rlmesh.common.sample import Sample, SampleGroup, Status
 WARMUP_STEPS = 1
 STEPS = 3
 GROUPS, PER_GROUP, PROMPT, RESPONSE = 4, 4, 96, 96
-MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False)
+MODEL = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -58,8 +66,13 @@ def batch() -> list[SampleGroup]:
     for i in range(GROUPS):
         prompt = torch.randint(3, MODEL["vocab_size"], (PROMPT,), generator=g).tolist()
         samples = [
-            Sample(index=j, tokens=prompt + torch.randint(3, MODEL["vocab_size"], (RESPONSE,), generator=g).tolist(),
-                   response_length=RESPONSE, reward=float(j % 2), status=Status.COMPLETED)
+            Sample(
+                index=j,
+                tokens=prompt + torch.randint(3, MODEL["vocab_size"], (RESPONSE,), generator=g).tolist(),
+                response_length=RESPONSE,
+                reward=float(j % 2),
+                status=Status.COMPLETED,
+            )
             for j in range(PER_GROUP)
         ]
         groups.append(SampleGroup(f"g{i}", i, samples))
@@ -67,8 +80,14 @@ def batch() -> list[SampleGroup]:
 
 
 def run_config(model: Path, backend: str = "torch", tp: int = 1, pp: int = 1) -> TrainerRunConfig:
-    return TrainerRunConfig(model_path=str(model), backend=backend, tensor_parallel_size=tp,
-                            pipeline_parallel_size=pp, micro_batch_size=8, device="cpu")
+    return TrainerRunConfig(
+        model_path=str(model),
+        backend=backend,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        micro_batch_size=8,
+        device="cpu",
+    )
 
 
 def time_steps(backend) -> tuple[float, float]:
@@ -106,9 +125,24 @@ def worker(argv: list[str]) -> None:
 def megatron(model: Path, tp: int, pp: int, work: Path) -> tuple[float, float]:
     out = work / f"tp{tp}pp{pp}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "-m", "bench.megatron", "--worker", str(model), str(tp),
-           str(pp), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(tp * pp),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "bench.megatron",
+        "--worker",
+        str(model),
+        str(tp),
+        str(pp),
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"megatron TP={tp} PP={pp} failed:\n{proc.stderr[-4000:]}")
@@ -122,9 +156,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = build_model(work / "model")
-        print(f"model: Llama-family {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, "
-              f"{MODEL['num_attention_heads']} heads / {MODEL['num_key_value_heads']} KV groups, vocab {MODEL['vocab_size']}; "
-              f"batch {GROUPS}x{PER_GROUP} samples of {PROMPT}+{RESPONSE} tokens ({TOKENS_PER_STEP} tokens/step)")
+        print(
+            f"model: Llama-family {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, "
+            f"{MODEL['num_attention_heads']} heads / {MODEL['num_key_value_heads']} KV groups, vocab {MODEL['vocab_size']}; "
+            f"batch {GROUPS}x{PER_GROUP} samples of {PROMPT}+{RESPONSE} tokens ({TOKENS_PER_STEP} tokens/step)"
+        )
 
         torch.set_num_threads(1)
         backend = TorchBackend(run_config(model), torch.device("cpu"), mixed_precision=False)
@@ -132,23 +168,41 @@ def main() -> None:
         backend.close()
         base_tps, base_cpu = TOKENS_PER_STEP / seconds, cpu
         results = {"torch_backend_tokens_per_s": base_tps, "torch_backend_cpu_s_per_step": base_cpu}
-        rows = [{"backend": "torch (baseline)", "processes": 1, "tokens/s": f"{base_tps:.0f}",
-                 "CPU-s/step (all processes)": f"{base_cpu:.2f}"}]
-        print(f"baseline: torch backend, 1 process: {seconds:.2f} s/step, {base_tps:.0f} tokens/s, "
-              f"{cpu:.2f} CPU-s/step")
+        rows = [
+            {
+                "backend": "torch (baseline)",
+                "processes": 1,
+                "tokens/s": f"{base_tps:.0f}",
+                "CPU-s/step (all processes)": f"{base_cpu:.2f}",
+            }
+        ]
+        print(
+            f"baseline: torch backend, 1 process: {seconds:.2f} s/step, {base_tps:.0f} tokens/s, {cpu:.2f} CPU-s/step"
+        )
         for tp, pp in ((2, 1), (1, 2)):
             seconds, cpu = megatron(model, tp, pp, work)
             key = f"megatron_tp{tp}_pp{pp}"
             results[f"{key}_tokens_per_s"] = TOKENS_PER_STEP / seconds
             results[f"{key}_cpu_s_per_step"] = cpu
-            rows.append({"backend": f"megatron TP={tp} PP={pp}", "processes": tp * pp,
-                         "tokens/s": f"{TOKENS_PER_STEP / seconds:.0f}", "CPU-s/step (all processes)": f"{cpu:.2f}"})
-            print(f"megatron TP={tp} PP={pp}, {tp * pp} processes (gloo): {seconds:.2f} s/step, "
-                  f"{TOKENS_PER_STEP / seconds:.0f} tokens/s ({TOKENS_PER_STEP / seconds / base_tps:.2f}x the baseline), "
-                  f"{cpu:.2f} CPU-s/step over all ranks ({cpu / base_cpu:.2f}x the baseline's)")
+            rows.append(
+                {
+                    "backend": f"megatron TP={tp} PP={pp}",
+                    "processes": tp * pp,
+                    "tokens/s": f"{TOKENS_PER_STEP / seconds:.0f}",
+                    "CPU-s/step (all processes)": f"{cpu:.2f}",
+                }
+            )
+            print(
+                f"megatron TP={tp} PP={pp}, {tp * pp} processes (gloo): {seconds:.2f} s/step, "
+                f"{TOKENS_PER_STEP / seconds:.0f} tokens/s ({TOKENS_PER_STEP / seconds / base_tps:.2f}x the baseline), "
+                f"{cpu:.2f} CPU-s/step over all ranks ({cpu / base_cpu:.2f}x the baseline's)"
+            )
         results.update(tokens_per_step=TOKENS_PER_STEP, steps=STEPS)
-        print_table(rows, f"python -m bench.megatron: {MODEL['num_hidden_layers']}-layer model, {TOKENS_PER_STEP} "
-                          f"tokens/step, one thread per process, {os.cpu_count()} CPUs")
+        print_table(
+            rows,
+            f"python -m bench.megatron: {MODEL['num_hidden_layers']}-layer model, {TOKENS_PER_STEP} "
+            f"tokens/step, one thread per process, {os.cpu_count()} CPUs",
+        )
         print(json.dumps(results))
 
 

@@ -55,8 +55,10 @@ def main() -> None:
     with_metrics, port_a, _ = run(start_server([], "127.0.0.1:0", metrics=metrics))
     without, port_b, _ = run(start_server([], "127.0.0.1:0"))
     scrape_server = run(start_metrics_server(metrics, "127.0.0.1", metrics_port))
-    channels = {"with_metrics": sync_channel(f"127.0.0.1:{port_a}"),
-                "without_metrics": sync_channel(f"127.0.0.1:{port_b}")}
+    channels = {
+        "with_metrics": sync_channel(f"127.0.0.1:{port_a}"),
+        "without_metrics": sync_channel(f"127.0.0.1:{port_b}"),
+    }
     stubs = {name: health_pb2_grpc.HealthStub(channel) for name, channel in channels.items()}
     for stub in stubs.values():
         for _ in range(200):  # warm up
@@ -77,15 +79,24 @@ def main() -> None:
         scrape_ms = (time.perf_counter() - started) / SCRAPES * 1000
 
     per_call_us = (1 / best["with_metrics"] - 1 / best["without_metrics"]) * 1e6
-    print(f"health Check, calls/s: with metrics {best['with_metrics']:.0f}, "
-          f"without (baseline) {best['without_metrics']:.0f}; ratio {best['with_metrics'] / best['without_metrics']:.3f}; "
-          f"~{per_call_us:.1f} us per call")
+    print(
+        f"health Check, calls/s: with metrics {best['with_metrics']:.0f}, "
+        f"without (baseline) {best['without_metrics']:.0f}; ratio {best['with_metrics'] / best['without_metrics']:.3f}; "
+        f"~{per_call_us:.1f} us per call"
+    )
     print(f"scrape of /metrics: {scrape_ms:.2f} ms")
-    print_table([{"health Check calls/s, with metrics": f"{best['with_metrics']:.0f}",
-                  "without (baseline)": f"{best['without_metrics']:.0f}",
-                  "ratio": f"{best['with_metrics'] / best['without_metrics']:.3f}",
-                  "us per call": f"{per_call_us:.1f}", "scrape of /metrics ms": f"{scrape_ms:.2f}"}],
-                "python -m bench.metrics")
+    print_table(
+        [
+            {
+                "health Check calls/s, with metrics": f"{best['with_metrics']:.0f}",
+                "without (baseline)": f"{best['without_metrics']:.0f}",
+                "ratio": f"{best['with_metrics'] / best['without_metrics']:.3f}",
+                "us per call": f"{per_call_us:.1f}",
+                "scrape of /metrics ms": f"{scrape_ms:.2f}",
+            }
+        ],
+        "python -m bench.metrics",
+    )
     for channel in channels.values():
         channel.close()
     scrape_server.close()
@@ -93,10 +104,18 @@ def main() -> None:
     run(without.stop(None))
     loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=10)
-    print(json.dumps({"bench": "metrics", "calls_per_second_with_metrics": round(best["with_metrics"]),
-                      "calls_per_second_without_metrics_baseline": round(best["without_metrics"]),
-                      "ratio": round(best["with_metrics"] / best["without_metrics"], 3),
-                      "overhead_us_per_call": round(per_call_us, 1), "scrape_ms": round(scrape_ms, 2)}))
+    print(
+        json.dumps(
+            {
+                "bench": "metrics",
+                "calls_per_second_with_metrics": round(best["with_metrics"]),
+                "calls_per_second_without_metrics_baseline": round(best["without_metrics"]),
+                "ratio": round(best["with_metrics"] / best["without_metrics"], 3),
+                "overhead_us_per_call": round(per_call_us, 1),
+                "scrape_ms": round(scrape_ms, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -60,11 +60,22 @@ def make_samples(n: int) -> list[Sample]:
     samples = []
     for i in range(n):
         response, label = forms[i % len(forms)]
-        samples.append(Sample(
-            index=i, group_index=i // 8, prompt=f"Problem {i}: compute it.", tokens=list(range(224)),
-            response=f"Step {i}. " + response, response_length=96, label=label, loss_mask=[1] * 96,
-            rollout_log_probs=[-0.5] * 96, status=Status.COMPLETED, weight_versions=[1], metadata={"dataset": "math"},
-        ))
+        samples.append(
+            Sample(
+                index=i,
+                group_index=i // 8,
+                prompt=f"Problem {i}: compute it.",
+                tokens=list(range(224)),
+                response=f"Step {i}. " + response,
+                response_length=96,
+                label=label,
+                loss_mask=[1] * 96,
+                rollout_log_probs=[-0.5] * 96,
+                status=Status.COMPLETED,
+                weight_versions=[1],
+                metadata={"dataset": "math"},
+            )
+        )
     return samples
 
 
@@ -87,9 +98,22 @@ def wait_until(ready: Callable[[], bool], proc: subprocess.Popen, what: str, tim
 
 def start_reward_service(port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlmesh.cli", "serve", "reward", "--port", str(port),
-         "--default-components", json.dumps({"math": 1.0}), "--log-level", "WARNING",
-         "--remote-allowed-networks", json.dumps(["127.0.0.0/8"])])  # the benchmark's remote is on loopback
+        [
+            sys.executable,
+            "-m",
+            "rlmesh.cli",
+            "serve",
+            "reward",
+            "--port",
+            str(port),
+            "--default-components",
+            json.dumps({"math": 1.0}),
+            "--log-level",
+            "WARNING",
+            "--remote-allowed-networks",
+            json.dumps(["127.0.0.0/8"]),
+        ]
+    )  # the benchmark's remote is on loopback
     channel = sync_channel(f"127.0.0.1:{port}")
 
     def ready() -> bool:
@@ -122,6 +146,7 @@ def direct_per_second(url: str, payloads: list[bytes], in_flight: int) -> float:
     async def measure() -> float:
         headers = {"content-type": "application/json"}
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=in_flight)) as client:
+
             async def one(body: bytes) -> None:
                 reply = await client.post(url, content=body, headers=headers)
                 reply.raise_for_status()
@@ -165,8 +190,10 @@ def main() -> dict[str, float]:
     try:
         stub = reward_pb2_grpc.RewardStub(sync_channel(f"127.0.0.1:{reward_port}"))
         math_requests = [
-            reward_pb2.ScoreRequest(samples=[sample_to_proto(s) for s in samples[i : i + BATCH]],
-                                    spec=reward_pb2.RewardSpec(components={"math": 1.0}))
+            reward_pb2.ScoreRequest(
+                samples=[sample_to_proto(s) for s in samples[i : i + BATCH]],
+                spec=reward_pb2.RewardSpec(components={"math": 1.0}),
+            )
             for i in range(0, len(samples), BATCH)
         ]
         turn = [0]
@@ -181,11 +208,17 @@ def main() -> dict[str, float]:
         # 2. a remote HTTP reward service: through rlmesh (batched), and directly per sample
         remote_proc = start_remote(remote_port)
         url = f"http://127.0.0.1:{remote_port}/score"
-        stub.RegisterService(reward_pb2.RegisterServiceRequest(service=reward_pb2.RemoteService(
-            name="judge", url=url, timeout_seconds=30, max_concurrency=CONCURRENCY, max_batch_size=REMOTE_BATCH)))
+        stub.RegisterService(
+            reward_pb2.RegisterServiceRequest(
+                service=reward_pb2.RemoteService(
+                    name="judge", url=url, timeout_seconds=30, max_concurrency=CONCURRENCY, max_batch_size=REMOTE_BATCH
+                )
+            )
+        )
         judge_request = reward_pb2.ScoreRequest(
             samples=[sample_to_proto(s) for s in samples[: REMOTE_BATCH * CONCURRENCY * 2]],
-            spec=reward_pb2.RewardSpec(components={"judge/exact": 1.0, "judge/similarity": 0.5}))
+            spec=reward_pb2.RewardSpec(components={"judge/exact": 1.0, "judge/similarity": 0.5}),
+        )
 
         def via_rlmesh_batch() -> int:
             reply = stub.Score(judge_request, timeout=60)
@@ -205,25 +238,36 @@ def main() -> dict[str, float]:
                 proc.wait(timeout=30)
 
     results["service_overhead_ratio"] = results["inprocess_samples_per_s"] / results["service_samples_per_s"]
-    results["remote_batching_speedup"] = results["remote_via_rlmesh_samples_per_s"] / results["remote_direct_samples_per_s"]
+    results["remote_batching_speedup"] = (
+        results["remote_via_rlmesh_samples_per_s"] / results["remote_direct_samples_per_s"]
+    )
 
     print(f"Reward scoring throughput ({SECONDS_PER_CASE:g} s per case; the services run as separate processes)")
     print(f"{'path':<58}{'samples/s':>12}")
     rows = [
         ("math verifier, in-process (baseline)", "inprocess_samples_per_s"),
         (f"math verifier, reward service over gRPC ({BATCH}/call)", "service_samples_per_s"),
-        (f"remote HTTP, through rlmesh ({REMOTE_BATCH}/request, {CONCURRENCY} in flight)", "remote_via_rlmesh_samples_per_s"),
+        (
+            f"remote HTTP, through rlmesh ({REMOTE_BATCH}/request, {CONCURRENCY} in flight)",
+            "remote_via_rlmesh_samples_per_s",
+        ),
         (f"remote HTTP, direct, 1 sample/request, {CONCURRENCY} in flight (baseline)", "remote_direct_samples_per_s"),
         ("remote HTTP, direct, 1 sample/request, one at a time", "remote_direct_sequential_samples_per_s"),
     ]
     for label, key in rows:
         print(f"{label:<58}{results[key]:>12.0f}")
-    print(f"service overhead: in-process is x{results['service_overhead_ratio']:.2f} the service's rate; "
-          f"batching through rlmesh: x{results['remote_batching_speedup']:.2f} the direct per-sample rate")
-    print_table([{"path": label, "samples/s": f"{results[key]:.0f}"} for label, key in rows]
-                + [{"path": "in-process / service", "samples/s": f"{results['service_overhead_ratio']:.2f}x"},
-                   {"path": "remote: through rlmesh / direct", "samples/s": f"{results['remote_batching_speedup']:.2f}x"}],
-                f"python -m bench.reward: {SECONDS_PER_CASE:g} s per case")
+    print(
+        f"service overhead: in-process is x{results['service_overhead_ratio']:.2f} the service's rate; "
+        f"batching through rlmesh: x{results['remote_batching_speedup']:.2f} the direct per-sample rate"
+    )
+    print_table(
+        [{"path": label, "samples/s": f"{results[key]:.0f}"} for label, key in rows]
+        + [
+            {"path": "in-process / service", "samples/s": f"{results['service_overhead_ratio']:.2f}x"},
+            {"path": "remote: through rlmesh / direct", "samples/s": f"{results['remote_batching_speedup']:.2f}x"},
+        ],
+        f"python -m bench.reward: {SECONDS_PER_CASE:g} s per case",
+    )
     print(json.dumps({k: round(v, 3) for k, v in results.items()}))
     return results
 

@@ -75,7 +75,9 @@ class LoopThread:
 # ---------------------------------------------------------------- the batch
 
 
-def make_batch(groups: int, samples: int, prompt_len: int, response_len: int, vocab: int, seed: int) -> list[SampleGroup]:
+def make_batch(
+    groups: int, samples: int, prompt_len: int, response_len: int, vocab: int, seed: int
+) -> list[SampleGroup]:
     """Random token sequences (ids 3.. below the vocabulary), 0/1 rewards, engine log-probs."""
     rng = random.Random(seed)
     out = []
@@ -84,11 +86,17 @@ def make_batch(groups: int, samples: int, prompt_len: int, response_len: int, vo
         group = SampleGroup(f"g{g}", g, [])
         for i in range(samples):
             response = [rng.randrange(3, vocab) for _ in range(response_len)]
-            group.samples.append(Sample(
-                index=i, tokens=prompt + response, response_length=response_len, reward=float(rng.random() < 0.5),
-                status=Status.COMPLETED, loss_mask=[1] * response_len,
-                rollout_log_probs=[-rng.uniform(0.5, 5.0) for _ in range(response_len)],
-            ))
+            group.samples.append(
+                Sample(
+                    index=i,
+                    tokens=prompt + response,
+                    response_length=response_len,
+                    reward=float(rng.random() < 0.5),
+                    status=Status.COMPLETED,
+                    loss_mask=[1] * response_len,
+                    rollout_log_probs=[-rng.uniform(0.5, 5.0) for _ in range(response_len)],
+                )
+            )
         out.append(group)
     return out
 
@@ -166,26 +174,44 @@ def main() -> None:
     ensure_stack_token()  # the servers here and the clients share it
 
     work = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
-    model_dir = build_tiny_model(work / "model", hidden_size=opts.hidden_size, num_layers=opts.layers,
-                                 max_positions=opts.prompt_len + opts.response_len + 8)
+    model_dir = build_tiny_model(
+        work / "model",
+        hidden_size=opts.hidden_size,
+        num_layers=opts.layers,
+        max_positions=opts.prompt_len + opts.response_len + 8,
+    )
     redis_server = start_redis(work / "redis")
     loop = LoopThread()
     try:
-        buffer_server, buffer_port = loop.run(start_buffer(BufferSettings(redis_url=redis_server.url, port=0, data_roots=[work])))
-        trainer = Trainer(TrainerSettings(work_dir=work / "trainer", port=0, buffer_address=f"127.0.0.1:{buffer_port}",
-                                          device="cpu"))
-        trainer_server, trainer_port = loop.run(start_service(functools.partial(build_trainer, trainer=trainer),
-                                                              trainer.settings))
+        buffer_server, buffer_port = loop.run(
+            start_buffer(BufferSettings(redis_url=redis_server.url, port=0, data_roots=[work]))
+        )
+        trainer = Trainer(
+            TrainerSettings(work_dir=work / "trainer", port=0, buffer_address=f"127.0.0.1:{buffer_port}", device="cpu")
+        )
+        trainer_server, trainer_port = loop.run(
+            start_service(functools.partial(build_trainer, trainer=trainer), trainer.settings)
+        )
         buffer = BufferStub(sync_channel(f"127.0.0.1:{buffer_port}"))
         stub = TrainerStub(sync_channel(f"127.0.0.1:{trainer_port}"))
 
         dataset = work / "prompts.jsonl"
         total_groups = opts.groups * (opts.rounds + 1)
         dataset.write_text("".join(json.dumps({"prompt": f"q{i}", "label": "0"}) + "\n" for i in range(total_groups)))
-        buffer.CreateRun(buffer_pb2.CreateRunRequest(run_id=RUN, n_samples_per_prompt=opts.samples,
-                                                     datasets=[buffer_pb2.DatasetSpec(name="train", path=str(dataset))]))
-        config = TrainerRunConfig(model_path=str(model_dir), micro_batch_size=MICRO_BATCH, device="cpu",
-                                  optimizer={"lr": LR, "grad_clip": GRAD_CLIP}, algorithm={"eps_clip": EPS_CLIP})
+        buffer.CreateRun(
+            buffer_pb2.CreateRunRequest(
+                run_id=RUN,
+                n_samples_per_prompt=opts.samples,
+                datasets=[buffer_pb2.DatasetSpec(name="train", path=str(dataset))],
+            )
+        )
+        config = TrainerRunConfig(
+            model_path=str(model_dir),
+            micro_batch_size=MICRO_BATCH,
+            device="cpu",
+            optimizer={"lr": LR, "grad_clip": GRAD_CLIP},
+            algorithm={"eps_clip": EPS_CLIP},
+        )
         stub.InitRun(trainer_pb2.InitRunRequest(run_id=RUN, config_json=config.model_dump_json()))
         vocab = trainer._run.backend.vocab_size
         batch = make_batch(opts.groups, opts.samples, opts.prompt_len, opts.response_len, vocab, seed=0)
@@ -213,37 +239,68 @@ def main() -> None:
             service_times.append(s)
             baseline_times.append(b)
             ratios.append(s / b)
-            print(f"round {r}: service {tokens / s:,.0f} tokens/s, plain torch loop {tokens / b:,.0f} tokens/s "
-                  f"(overhead {100 * (s / b - 1):+.1f}%)", flush=True)
+            print(
+                f"round {r}: service {tokens / s:,.0f} tokens/s, plain torch loop {tokens / b:,.0f} tokens/s "
+                f"(overhead {100 * (s / b - 1):+.1f}%)",
+                flush=True,
+            )
 
         # Best step of each path: the least disturbed by other work on a shared machine.
         best_service, best_plain = tokens / min(service_times), tokens / min(baseline_times)
         best_overhead = 100 * (min(service_times) / min(baseline_times) - 1)
         median_overhead = 100 * (statistics.median(ratios) - 1)
-        print(f"batch: {opts.groups} groups x {opts.samples} samples x {opts.prompt_len}+{opts.response_len} tokens "
-              f"= {tokens} tokens; model: Llama hidden {opts.hidden_size}, {opts.layers} layers; "
-              f"{torch.get_num_threads()} torch threads; {opts.rounds} steps of each path")
-        print(f"service (TrainStep over gRPC, lease from the buffer): best {best_service:,.0f} tokens/s, "
-              f"median {tokens / statistics.median(service_times):,.0f}")
-        print(f"plain torch loop, same model and batch:               best {best_plain:,.0f} tokens/s, "
-              f"median {tokens / statistics.median(baseline_times):,.0f}")
-        print(f"service overhead: {best_overhead:+.1f}% best step against best step, {median_overhead:+.1f}% median of "
-              "the paired steps' ratios (target at most 10%)")
-        print_table([
-            {"path": "service (TrainStep over gRPC, lease from the buffer)", "best tokens/s": f"{best_service:,.0f}",
-             "median tokens/s": f"{tokens / statistics.median(service_times):,.0f}"},
-            {"path": "plain torch loop, same model and batch (baseline)", "best tokens/s": f"{best_plain:,.0f}",
-             "median tokens/s": f"{tokens / statistics.median(baseline_times):,.0f}"},
-            {"path": "service overhead (target at most 10%)", "best tokens/s": f"{best_overhead:+.1f}%",
-             "median tokens/s": f"{median_overhead:+.1f}% (paired)"},
-        ], f"python -m bench.trainer: {tokens} tokens/step, Llama hidden {opts.hidden_size}, {opts.layers} layers, "
-           f"{torch.get_num_threads()} torch threads, {opts.rounds} steps of each path")
-        print(json.dumps({
-            "benchmark": "trainer", "tokens_per_step": tokens, "steps": opts.rounds,
-            "service_tokens_per_s": round(best_service, 1), "plain_torch_tokens_per_s": round(best_plain, 1),
-            "service_overhead_pct": round(best_overhead, 2), "service_overhead_median_pct": round(median_overhead, 2),
-            "within_10pct": best_overhead <= 10.0,
-        }))
+        print(
+            f"batch: {opts.groups} groups x {opts.samples} samples x {opts.prompt_len}+{opts.response_len} tokens "
+            f"= {tokens} tokens; model: Llama hidden {opts.hidden_size}, {opts.layers} layers; "
+            f"{torch.get_num_threads()} torch threads; {opts.rounds} steps of each path"
+        )
+        print(
+            f"service (TrainStep over gRPC, lease from the buffer): best {best_service:,.0f} tokens/s, "
+            f"median {tokens / statistics.median(service_times):,.0f}"
+        )
+        print(
+            f"plain torch loop, same model and batch:               best {best_plain:,.0f} tokens/s, "
+            f"median {tokens / statistics.median(baseline_times):,.0f}"
+        )
+        print(
+            f"service overhead: {best_overhead:+.1f}% best step against best step, {median_overhead:+.1f}% median of "
+            "the paired steps' ratios (target at most 10%)"
+        )
+        print_table(
+            [
+                {
+                    "path": "service (TrainStep over gRPC, lease from the buffer)",
+                    "best tokens/s": f"{best_service:,.0f}",
+                    "median tokens/s": f"{tokens / statistics.median(service_times):,.0f}",
+                },
+                {
+                    "path": "plain torch loop, same model and batch (baseline)",
+                    "best tokens/s": f"{best_plain:,.0f}",
+                    "median tokens/s": f"{tokens / statistics.median(baseline_times):,.0f}",
+                },
+                {
+                    "path": "service overhead (target at most 10%)",
+                    "best tokens/s": f"{best_overhead:+.1f}%",
+                    "median tokens/s": f"{median_overhead:+.1f}% (paired)",
+                },
+            ],
+            f"python -m bench.trainer: {tokens} tokens/step, Llama hidden {opts.hidden_size}, {opts.layers} layers, "
+            f"{torch.get_num_threads()} torch threads, {opts.rounds} steps of each path",
+        )
+        print(
+            json.dumps(
+                {
+                    "benchmark": "trainer",
+                    "tokens_per_step": tokens,
+                    "steps": opts.rounds,
+                    "service_tokens_per_s": round(best_service, 1),
+                    "plain_torch_tokens_per_s": round(best_plain, 1),
+                    "service_overhead_pct": round(best_overhead, 2),
+                    "service_overhead_median_pct": round(median_overhead, 2),
+                    "within_10pct": best_overhead <= 10.0,
+                }
+            )
+        )
         loop.run(trainer.close())
         loop.run(trainer_server.stop(None))
         loop.run(buffer_server.stop(None))

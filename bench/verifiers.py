@@ -62,10 +62,14 @@ async def measure() -> dict[str, float]:
     samples = make_samples(512)
     workers = min(4, os.cpu_count() or 1)
     results = {"workers": float(workers), "cpus": float(os.cpu_count() or 1)}
-    pools = {"pool_samples_per_s": VerifierPool(workers, timeout_seconds=5.0, overload_seconds=2.0),
-             "pool_1_worker_samples_per_s": VerifierPool(1, timeout_seconds=5.0, overload_seconds=2.0)}
-    scorers = {"in_thread_samples_per_s": Scorer.from_config({"math": 1.0}),
-               **{key: Scorer.from_config({"math": 1.0}, verifier_pool=pool) for key, pool in pools.items()}}
+    pools = {
+        "pool_samples_per_s": VerifierPool(workers, timeout_seconds=5.0, overload_seconds=2.0),
+        "pool_1_worker_samples_per_s": VerifierPool(1, timeout_seconds=5.0, overload_seconds=2.0),
+    }
+    scorers = {
+        "in_thread_samples_per_s": Scorer.from_config({"math": 1.0}),
+        **{key: Scorer.from_config({"math": 1.0}, verifier_pool=pool) for key, pool in pools.items()},
+    }
     try:
         for _ in range(ROUNDS):
             for key, scorer in scorers.items():
@@ -85,8 +89,10 @@ async def measure() -> dict[str, float]:
 def main() -> dict[str, float]:
     results = asyncio.run(measure())
     ratio = results["pool_samples_per_s"] / results["in_thread_samples_per_s"]
-    print(f"Math verifier throughput (best of {ROUNDS} x {SECONDS_PER_CASE:g} s per case, {CONCURRENCY} requests of "
-          f"{BATCH} samples in flight, {results['cpus']:.0f} CPUs)")
+    print(
+        f"Math verifier throughput (best of {ROUNDS} x {SECONDS_PER_CASE:g} s per case, {CONCURRENCY} requests of "
+        f"{BATCH} samples in flight, {results['cpus']:.0f} CPUs)"
+    )
     print(f"{'path':<52}{'samples/s':>12}")
     print(f"{'in-thread call (baseline, no time budget)':<52}{results['in_thread_samples_per_s']:>12.0f}")
     pool_row = f"worker pool, {results['workers']:.0f} workers (the service default)"
@@ -96,14 +102,26 @@ def main() -> dict[str, float]:
     for key, seconds in results.items():
         if key.startswith("adversarial"):
             print(f"{key.removeprefix('adversarial: ').removesuffix(' (s)'):<52}{seconds:>11.3f}s")
-    print_table([
-        {"path": "in-thread call (baseline, no time budget)", "samples/s": f"{results['in_thread_samples_per_s']:.0f}"},
-        {"path": pool_row, "samples/s": f"{results['pool_samples_per_s']:.0f}"},
-        {"path": "worker pool, 1 worker", "samples/s": f"{results['pool_1_worker_samples_per_s']:.0f}"},
-        {"path": "worker pool / in-thread", "samples/s": f"{ratio:.2f}x"},
-        *({"path": f"adversarial: {key.removeprefix('adversarial: ').removesuffix(' (s)')}",
-           "samples/s": f"{seconds:.3f} s"} for key, seconds in results.items() if key.startswith("adversarial")),
-    ], f"python -m bench.verifiers: best of {ROUNDS} x {SECONDS_PER_CASE:g} s per case, {results['cpus']:.0f} CPUs")
+    print_table(
+        [
+            {
+                "path": "in-thread call (baseline, no time budget)",
+                "samples/s": f"{results['in_thread_samples_per_s']:.0f}",
+            },
+            {"path": pool_row, "samples/s": f"{results['pool_samples_per_s']:.0f}"},
+            {"path": "worker pool, 1 worker", "samples/s": f"{results['pool_1_worker_samples_per_s']:.0f}"},
+            {"path": "worker pool / in-thread", "samples/s": f"{ratio:.2f}x"},
+            *(
+                {
+                    "path": f"adversarial: {key.removeprefix('adversarial: ').removesuffix(' (s)')}",
+                    "samples/s": f"{seconds:.3f} s",
+                }
+                for key, seconds in results.items()
+                if key.startswith("adversarial")
+            ),
+        ],
+        f"python -m bench.verifiers: best of {ROUNDS} x {SECONDS_PER_CASE:g} s per case, {results['cpus']:.0f} CPUs",
+    )
     print(json.dumps({k: round(v, 3) for k, v in results.items()}))
     return results
 

@@ -77,9 +77,16 @@ def build_model(out: Path, layers: int) -> Path:
 
     tokenizer = build_char_tokenizer()
     config = LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
@@ -105,8 +112,25 @@ def master_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
 
 def start_engine(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [sys.executable, "-m", "rlmesh.cli", "serve", "engine", "--model-path", str(model_dir), "--port", str(port),
-               "--dtype", "bfloat16", "--num-threads", "1", "--max-batch-size", "1", "--context-length", "64"]
+    command = [
+        sys.executable,
+        "-m",
+        "rlmesh.cli",
+        "serve",
+        "engine",
+        "--model-path",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--num-threads",
+        "1",
+        "--max-batch-size",
+        "1",
+        "--context-length",
+        "64",
+    ]
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -132,7 +156,8 @@ class RawBroadcast:
         name = f"raw-{free_port()}"
         port, fd = rendezvous_socket("127.0.0.1")
         self.receiver = subprocess.Popen(
-            [sys.executable, "-c", RAW_RECEIVER, str(port), name, json.dumps(sizes), str(rounds)])
+            [sys.executable, "-c", RAW_RECEIVER, str(port), name, json.dumps(sizes), str(rounds)]
+        )
         self.group = init_weight_group("gloo", "127.0.0.1", port, 2, 0, name, 300, fd)
         self.name = name
         self.buffer = torch.empty(max(sizes), dtype=torch.uint8)
@@ -161,8 +186,9 @@ def adamw_step(named: list[tuple[str, torch.Tensor]], lr: float) -> None:
 
 
 def engine_tensor(url: str, name: str, rows: int) -> torch.Tensor:
-    r = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": rows}, headers=client_headers(),
-                   timeout=300)
+    r = httpx.post(
+        f"{url}/get_weights_by_name", json={"name": name, "truncate_size": rows}, headers=client_headers(), timeout=300
+    )
     r.raise_for_status()
     return torch.tensor(r.json(), dtype=torch.float32)
 
@@ -195,7 +221,10 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
             push_s.append((await pusher.push_distributed(as_sent, version, full)).seconds)
             version += 1
             cast_s.append((await pusher.push_distributed(named, version, full, wire)).seconds)
-            print(f"raw broadcast {raw_s[-1]:.2f} s, push {push_s[-1]:.2f} s, push from fp32 {cast_s[-1]:.2f} s", flush=True)
+            print(
+                f"raw broadcast {raw_s[-1]:.2f} s, push {push_s[-1]:.2f} s, push from fp32 {cast_s[-1]:.2f} s",
+                flush=True,
+            )
         raw.close()
         del as_sent
         push_time, cast_time, raw_time = (statistics.median(x) for x in (push_s, cast_s, raw_s))
@@ -218,7 +247,9 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         await asyncio.to_thread(adamw_step, named, args.lr)
         version += 1
         delta = await pusher.push_distributed(named, version, delta_cfg, wire)
-        print(f"delta push after one AdamW step: {delta.bytes} bytes of {base.bytes} ({delta.seconds:.2f} s)", flush=True)
+        print(
+            f"delta push after one AdamW step: {delta.bytes} bytes of {base.bytes} ({delta.seconds:.2f} s)", flush=True
+        )
         exact = all(
             torch.equal(engine_tensor(url, n, 64), t[:64].to(wire).float()) for n, t in named[: args.check_tensors]
         )
@@ -257,8 +288,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=9, help="decoder layers (9: about 1.06 GB in bfloat16)")
     parser.add_argument("--rounds", type=int, default=3, help="timed full pushes and raw broadcasts (medians)")
     parser.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MiB (the run config's default)")
-    parser.add_argument("--load-format", default="", choices=["", "flattened_bucket"],
-                        help="the run config's load_format (default \"\": one broadcast per tensor)")
+    parser.add_argument(
+        "--load-format",
+        default="",
+        choices=["", "flattened_bucket"],
+        help='the run config\'s load_format (default "": one broadcast per tensor)',
+    )
     parser.add_argument("--lr", type=float, default=1e-6, help="learning rate of the optimizer step before the delta")
     parser.add_argument("--check-tensors", type=int, default=12, help="tensors compared with the engine afterwards")
     args = parser.parse_args()
@@ -270,17 +305,31 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     gb = results["model_bytes"] / GB
-    print_table([
-        {"push": f"distributed, load_format {results['load_format']}", "GB/s": f"{results['push_gb_per_s']:.2f}",
-         "seconds": f"{results['dist_push_s']:.2f}", "bytes sent": results["full_push_bytes"]},
-        {"push": "same, from float32 weights converted on the way", "GB/s": f"{results['push_from_fp32_gb_per_s']:.2f}"},
-        {"push": "raw torch.distributed broadcast (baseline)", "GB/s": f"{results['raw_broadcast_gb_per_s']:.2f}"},
-        {"push": "push / raw broadcast (median of paired rounds)", "GB/s": f"{results['push_vs_raw']:.2f}"},
-        {"push": "disk", "GB/s": f"{gb / results['disk_push_s']:.2f}", "seconds": f"{results['disk_push_s']:.2f}"},
-        {"push": "delta, after one AdamW step", "GB/s": "", "seconds": f"{results['delta_push_s']:.2f}",
-         "bytes sent": f"{results['delta_push_bytes']} ({results['delta_fraction']:.1%})"},
-    ], f"python -m bench.weights: {gb:.3f} GB in bfloat16, {results['bucket_bytes'] // 2**20} MiB buckets, "
-       f"medians of {args.rounds} rounds")
+    print_table(
+        [
+            {
+                "push": f"distributed, load_format {results['load_format']}",
+                "GB/s": f"{results['push_gb_per_s']:.2f}",
+                "seconds": f"{results['dist_push_s']:.2f}",
+                "bytes sent": results["full_push_bytes"],
+            },
+            {
+                "push": "same, from float32 weights converted on the way",
+                "GB/s": f"{results['push_from_fp32_gb_per_s']:.2f}",
+            },
+            {"push": "raw torch.distributed broadcast (baseline)", "GB/s": f"{results['raw_broadcast_gb_per_s']:.2f}"},
+            {"push": "push / raw broadcast (median of paired rounds)", "GB/s": f"{results['push_vs_raw']:.2f}"},
+            {"push": "disk", "GB/s": f"{gb / results['disk_push_s']:.2f}", "seconds": f"{results['disk_push_s']:.2f}"},
+            {
+                "push": "delta, after one AdamW step",
+                "GB/s": "",
+                "seconds": f"{results['delta_push_s']:.2f}",
+                "bytes sent": f"{results['delta_push_bytes']} ({results['delta_fraction']:.1%})",
+            },
+        ],
+        f"python -m bench.weights: {gb:.3f} GB in bfloat16, {results['bucket_bytes'] // 2**20} MiB buckets, "
+        f"medians of {args.rounds} rounds",
+    )
     print(json.dumps(results))
 
 

@@ -43,6 +43,7 @@ BUDGET_SECONDS_PER_CASE = 3.0
 
 # ---------------------------------------------------------------- the packed alternative, built at runtime
 
+
 def _packed_classes() -> tuple[type, type]:
     """PackedSample / PackedSampleGroup: sample.proto's fields with the arrays as packed
     repeated fields (proto3 packs repeated scalars by default)."""
@@ -148,6 +149,7 @@ def bytes_decode(data: bytes) -> SampleGroup:
 
 # ---------------------------------------------------------------- data and timing
 
+
 def realistic_group(seed: int = 0) -> SampleGroup:
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 151_000, PROMPT_TOKENS).tolist()
@@ -229,15 +231,27 @@ def main() -> dict[str, float]:
             f"{results[f'{form}_decode_groups_per_s']:>18.0f}{results[f'{form}_size']:>14d}"
         )
     print(f"bytes / packed speed: encode x{results['encode_ratio']:.2f}, decode x{results['decode_ratio']:.2f}")
-    print_table([
-        *({"form": form, "encode groups/s": f"{results[f'{form}_encode_groups_per_s']:.0f}",
-           "decode groups/s": f"{results[f'{form}_decode_groups_per_s']:.0f}",
-           "size bytes": results[f"{form}_size"]} for form in ("bytes", "packed")),
-        {"form": "bytes / packed", "encode groups/s": f"{results['encode_ratio']:.2f}x",
-         "decode groups/s": f"{results['decode_ratio']:.2f}x",
-         "size bytes": f"{results['bytes_size'] / results['packed_size']:.2f}x"},
-    ], f"python -m bench.wire: {N_SAMPLES} samples x {PROMPT_TOKENS + RESPONSE_TOKENS} tokens per group, "
-       f"protobuf backend {api_implementation.Type()}")
+    print_table(
+        [
+            *(
+                {
+                    "form": form,
+                    "encode groups/s": f"{results[f'{form}_encode_groups_per_s']:.0f}",
+                    "decode groups/s": f"{results[f'{form}_decode_groups_per_s']:.0f}",
+                    "size bytes": results[f"{form}_size"],
+                }
+                for form in ("bytes", "packed")
+            ),
+            {
+                "form": "bytes / packed",
+                "encode groups/s": f"{results['encode_ratio']:.2f}x",
+                "decode groups/s": f"{results['decode_ratio']:.2f}x",
+                "size bytes": f"{results['bytes_size'] / results['packed_size']:.2f}x",
+            },
+        ],
+        f"python -m bench.wire: {N_SAMPLES} samples x {PROMPT_TOKENS + RESPONSE_TOKENS} tokens per group, "
+        f"protobuf backend {api_implementation.Type()}",
+    )
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()}))
     return results
 

@@ -151,9 +151,22 @@ def engine_url(tiny_model_dir, tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("engine") / "engine.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlmesh.cli", "serve", "engine", "--model-path", str(tiny_model_dir),
-         "--port", str(port), "--num-threads", "1", "--enable-metrics"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "rlmesh.cli",
+            "serve",
+            "engine",
+            "--model-path",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--num-threads",
+            "1",
+            "--enable-metrics",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -18,9 +18,11 @@ class Settings(GrpcServiceSettings):
     prompt_lease_seconds: float = Field(600.0, gt=0, description="Default lease on prompts handed to a rollout worker.")
     batch_lease_seconds: float = Field(600.0, gt=0, description="Default lease on a training batch until its ack.")
     max_deliveries: int = Field(
-        5, ge=1, description="Times a group may be leased to trainers without an acknowledgment: when its last "
+        5,
+        ge=1,
+        description="Times a group may be leased to trainers without an acknowledgment: when its last "
         "lease expires too it goes to the run's dead-letter list (exported by ExportGroups with dead_letters) "
-        "instead of being redelivered forever."
+        "instead of being redelivered forever.",
     )
     poll_interval_seconds: float = Field(0.02, gt=0, description="How often a waiting LeaseBatch checks the queue.")
     buffer_filter: PluginPath = Field(
@@ -30,12 +32,17 @@ class Settings(GrpcServiceSettings):
     )
     filter_window: int = Field(4096, ge=1, description="How many of the oldest queued groups a buffer filter sees.")
     cache_megabytes: int = Field(
-        256, ge=0, description="In-process copy of recently written groups, so leases skip reading them back "
-        "from Redis (0 = off; Redis stays the only state)."
+        256,
+        ge=0,
+        description="In-process copy of recently written groups, so leases skip reading them back "
+        "from Redis (0 = off; Redis stays the only state).",
     )
     recent_groups: int = Field(
-        64, ge=0, le=4096, description="Newest stored groups kept per run for people to browse (GetRecentGroups, "
-        "the coordinator's GET /runs/{id}/samples and page), whatever became of them since; 0 = none kept."
+        64,
+        ge=0,
+        le=4096,
+        description="Newest stored groups kept per run for people to browse (GetRecentGroups, "
+        "the coordinator's GET /runs/{id}/samples and page), whatever became of them since; 0 = none kept.",
     )
     rate_window_seconds: float = Field(60.0, gt=0, description="Window of the per-second rates in the stats.")
     data_roots: list[Path] = Field(
@@ -45,12 +52,12 @@ class Settings(GrpcServiceSettings):
         "relative path is taken under the first). Relative roots are from the working directory.",
     )
     dataset_max_files: int = Field(
-        10_000, ge=1, description="Most directory entries a dataset directory may hold (counted recursively), "
-        "so a dataset path cannot make the buffer walk a whole tree."
+        10_000,
+        ge=1,
+        description="Most directory entries a dataset directory may hold (counted recursively), "
+        "so a dataset path cannot make the buffer walk a whole tree.",
     )
-    dataset_max_bytes: int = Field(
-        8 * 1024**3, ge=1, description="Most bytes of files one dataset may read."
-    )
+    dataset_max_bytes: int = Field(8 * 1024**3, ge=1, description="Most bytes of files one dataset may read.")
     export_dir: Path = Field(
         Path(".rlmesh/buffer/exports"),
         description="The only directory ExportGroups writes to and ImportGroups reads from (relative request "

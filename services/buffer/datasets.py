@@ -103,8 +103,8 @@ def _message(m: Any, bad) -> dict[str, Any]:
     if m.get("tool_calls"):  # an earlier assistant turn's calls, in OpenAI's form
         calls = m["tool_calls"]
         if not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) and c["function"].get("name")
-                for c in calls):
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and c["function"].get("name") for c in calls
+        ):
             raise bad("tool_calls must be a list of {'id', 'type': 'function', 'function': {'name', 'arguments'}}")
         message["tool_calls"] = calls
     for key in ("tool_call_id", "name"):  # a tool turn: which call it answers
@@ -139,8 +139,9 @@ def _template(name: str, tokenizer, record: dict) -> None:
 def prompt_lengths(tokenizer, records: list[dict]) -> list[int]:
     """Tokens the engine will see (with a tokenizer), else characters."""
     if tokenizer is None:
-        return [len(r["prompt"]) if not r["messages"] else sum(len(m["content"]) for m in r["messages"])
-                for r in records]
+        return [
+            len(r["prompt"]) if not r["messages"] else sum(len(m["content"]) for m in r["messages"]) for r in records
+        ]
     texts = []
     for r in records:
         templated = r["metadata"].get("chat_template_applied")

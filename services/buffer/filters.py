@@ -36,13 +36,13 @@ class QueuedGroup:
     position: int  # 0 = oldest in the queue
 
 
-def encode_meta(num_samples: int, oldest_weight_version: int, group_index: int, dataset: str,
-                rewards: list[float]) -> str:
+def encode_meta(
+    num_samples: int, oldest_weight_version: int, group_index: int, dataset: str, rewards: list[float]
+) -> str:
     """The per-group summary stored beside the bytes (see rlmesh.buffer.scripts)."""
     # formatted by hand: json.dumps of a whole dict costs more than the rest of a write
     extra = f'{{"i":{group_index},"d":{json.dumps(dataset)},"r":{json.dumps(rewards)}}}'
     return f"{num_samples} {oldest_weight_version} {extra}"
-
 
 
 def decode_meta(group_id: str, raw: bytes | None, position: int) -> QueuedGroup:

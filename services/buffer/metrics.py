@@ -21,8 +21,12 @@ FIELDS = [
     ("queued_samples", "queued_samples", "gauge", "Samples in the queued groups."),
     ("leased_groups", "leased_groups", "gauge", "Groups leased to a trainer, not yet acknowledged."),
     ("partial_groups", "partial_groups", "gauge", "Aborted groups waiting to resume."),
-    ("dead_letter_groups", "dead_letter_groups", "gauge",
-     "Groups in the dead-letter list (rejected by a trainer, or delivered max_deliveries times); never delivered."),
+    (
+        "dead_letter_groups",
+        "dead_letter_groups",
+        "gauge",
+        "Groups in the dead-letter list (rejected by a trainer, or delivered max_deliveries times); never delivered.",
+    ),
     ("epoch", "epoch", "gauge", "Epoch of the first training dataset."),
     ("groups_written", "groups_written", "counter", "Completed groups stored (duplicates not counted)."),
     ("acknowledged_groups", "acknowledged_groups", "counter", "Groups acknowledged by a trainer."),
@@ -35,10 +39,18 @@ FIELDS = [
     ("partial_groups_returned", "partial_groups_returned", "counter", "Aborted groups handed back to resume."),
     ("prompts_skipped", "prompts_skipped", "counter", "Dataset records skipped as longer than max_prompt_length."),
     ("groups_written_per_second", "groups_written_per_second", "gauge", "Groups written per second (rate window)."),
-    ("groups_acknowledged_per_second", "groups_acknowledged_per_second", "gauge",
-     "Groups acknowledged per second (rate window)."),
-    ("prompts_handed_out_per_second", "prompts_handed_out_per_second", "gauge",
-     "Prompt groups handed out per second (rate window)."),
+    (
+        "groups_acknowledged_per_second",
+        "groups_acknowledged_per_second",
+        "gauge",
+        "Groups acknowledged per second (rate window).",
+    ),
+    (
+        "prompts_handed_out_per_second",
+        "prompts_handed_out_per_second",
+        "gauge",
+        "Prompt groups handed out per second (rate window).",
+    ),
 ]
 
 
@@ -65,12 +77,14 @@ class BufferCollector(Collector):
         stats = self.stats
         for field, name, kind, help_text in FIELDS:
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-                PREFIX + name, help_text, labels=["run"])
+                PREFIX + name, help_text, labels=["run"]
+            )
             for run, s in stats.items():
                 family.add_metric([run], float(s[field]))
             yield family
-        by_reason = CounterMetricFamily(PREFIX + "dropped_groups_by_reason", "Groups dropped, by reason.",
-                                        labels=["run", "reason"])
+        by_reason = CounterMetricFamily(
+            PREFIX + "dropped_groups_by_reason", "Groups dropped, by reason.", labels=["run", "reason"]
+        )
         for run, s in stats.items():
             for reason, n in bounded_reasons(s["dropped_by_reason"]).items():
                 by_reason.add_metric([run, reason], float(n))
@@ -83,8 +97,8 @@ def bounded_reasons(counts: dict[str, int], most: int = MAX_REASONS) -> dict[str
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     if len(ranked) <= most:
         return dict(ranked)
-    kept = dict(ranked[:most - 1])
-    kept["other"] = kept.get("other", 0) + sum(n for _, n in ranked[most - 1:])
+    kept = dict(ranked[: most - 1])
+    kept["other"] = kept.get("other", 0) + sum(n for _, n in ranked[most - 1 :])
     return kept
 
 

@@ -26,8 +26,9 @@ def check_dataset_names(datasets: list[DatasetConfig]) -> None:
     names = set()
     for d in datasets:
         if not _NAME.fullmatch(d.name) or d.name == "__groups__":
-            raise InvalidArgument(f"dataset name must be 1-128 letters, digits, '_', '.' or '-' "
-                                  f"(not '__groups__'), got {d.name!r}")
+            raise InvalidArgument(
+                f"dataset name must be 1-128 letters, digits, '_', '.' or '-' (not '__groups__'), got {d.name!r}"
+            )
         if d.name in names:
             raise InvalidArgument(f"dataset names must be unique; {d.name!r} appears twice")
         names.add(d.name)
@@ -50,7 +51,7 @@ class PromptSource:
             pipe = self.redis.pipeline(transaction=True)
             pipe.delete(k.data(dataset.name))
             for start in range(0, len(loaded.records), 1000):
-                pipe.rpush(k.data(dataset.name), *[json.dumps(r) for r in loaded.records[start:start + 1000]])
+                pipe.rpush(k.data(dataset.name), *[json.dumps(r) for r in loaded.records[start : start + 1000]])
             await pipe.execute()
             sizes[dataset.name], skipped[dataset.name] = len(loaded.records), loaded.skipped
         return sizes, skipped
@@ -96,12 +97,21 @@ class PromptSource:
             wanted.append((int(r["i"]), d["name"]))
         records = await pipe.execute()
         n = spec["n_samples_per_prompt"]
-        groups = [SampleGroup(f"g{gi}", gi, record_to_samples(json.loads(rec), gi, n, name), name)
-                  for (gi, name), rec in zip(wanted, records)]
+        groups = [
+            SampleGroup(f"g{gi}", gi, record_to_samples(json.loads(rec), gi, n, name), name)
+            for (gi, name), rec in zip(wanted, records)
+        ]
         return [group_to_proto(g).SerializeToString() for g in groups]
 
-    async def get_eval_prompts(self, run_id: str, dataset: str, offset: int = 0, limit: int = 0,
-                               n_samples_per_prompt: int = 1, wrap: bool = False) -> list[bytes]:
+    async def get_eval_prompts(
+        self,
+        run_id: str,
+        dataset: str,
+        offset: int = 0,
+        limit: int = 0,
+        n_samples_per_prompt: int = 1,
+        wrap: bool = False,
+    ) -> list[bytes]:
         """Serialized groups of a dataset's prompts, rows offset.. (limit 0 = all); no lease.
         `wrap`: row offset + j is row (offset + j) mod the dataset's length, so `limit` rows
         always come back (a warm start cycling its own dataset); group ids count on past the end."""

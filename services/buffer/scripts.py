@@ -119,7 +119,9 @@ end
 
 # First in, first out: the default. Fast path (no staleness bound, counted in groups):
 # one LPOP. Otherwise scan the queue from the front.
-LEASE_FIFO = _HELPERS + r"""
+LEASE_FIFO = (
+    _HELPERS
+    + r"""
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-1} end
 requeue_expired(k, ARGV[1], ARGV[2], tonumber(ARGV[5]))
@@ -163,11 +165,14 @@ end
 if #take == 0 then return {0, #drop} end
 return leased(k, take, ARGV[3], ARGV[4], stale_kept, #drop)
 """
+)
 
 # A buffer filter chose the groups (from a snapshot of the queue): claim exactly those,
 # or nothing if another replica took one meanwhile ({-2}: choose again).
 #   ARGV: now batch_prefix lease_id expiry max_deliveries n_take n_drop stale_kept take_ids... drop_ids...
-LEASE_CHOSEN = _HELPERS + r"""
+LEASE_CHOSEN = (
+    _HELPERS
+    + r"""
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-1} end
 local n_take, n_drop, stale_kept = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -185,12 +190,16 @@ if n_take == 0 then return {0, #drop} end
 for _, id in ipairs(take) do redis.call('LREM', k.queue, 1, id) end
 return leased(k, take, ARGV[3], ARGV[4], stale_kept, #drop)
 """
+)
 
-REQUEUE_EXPIRED = _HELPERS + r"""
+REQUEUE_EXPIRED = (
+    _HELPERS
+    + r"""
 local k = lease_keys()
 requeue_expired(k, ARGV[1], ARGV[2], tonumber(ARGV[5]))
 return 0
 """
+)
 
 # Groups of a live lease that can never be trained go to the dead-letter list with their
 # reasons; all or nothing. The lease keeps its other groups. A group already dead-lettered
@@ -198,7 +207,9 @@ return 0
 #   KEYS: as the lease scripts (batch:<lease_id> of this lease);  ARGV: lease_id (id, reason)...
 # Returns {-2} unknown run, {-1} unknown or expired lease, {-3, id} a group not in the
 # lease, else {groups rejected}.
-REJECT_GROUPS = _HELPERS + r"""
+REJECT_GROUPS = (
+    _HELPERS
+    + r"""
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-2} end
 if not redis.call('ZSCORE', k.leases, ARGV[1]) then return {-1} end
@@ -212,6 +223,7 @@ for i = 2, #ARGV, 2 do
 end
 return {(#ARGV - 1) / 2}
 """
+)
 
 # Store completed groups all-or-nothing: skip duplicates (already stored, leased,
 # acknowledged or discarded), refuse the whole write when it would pass the queue cap.
@@ -296,7 +308,9 @@ end
 #         acked_leases acked_lease_order
 #   ARGV: lease_id provisional(0|1) step remembered_leases
 # Returns -2 unknown run, -1 unknown or redelivered lease, else groups acknowledged.
-ACK_BATCH = _FINAL + r"""
+ACK_BATCH = (
+    _FINAL
+    + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -2 end
 if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
   local before = redis.call('HGET', KEYS[11], ARGV[1])
@@ -321,14 +335,18 @@ if redis.call('RPUSH', KEYS[12], ARGV[1]) > tonumber(ARGV[4]) then
 end
 return #ids
 """
+)
 
 #   KEYS: spec groups acked stats meta deliveries provisional provisional_steps;  ARGV: through_step
 # Returns -2 unknown run, else groups committed.
-COMMIT_ACKS = _FINAL + r"""
+COMMIT_ACKS = (
+    _FINAL
+    + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -2 end
 local n = commit_through(KEYS[2], KEYS[5], KEYS[6], KEYS[3], KEYS[4], KEYS[7], KEYS[8], tonumber(ARGV[1]))
 return n
 """
+)
 
 # A trainer restarted from its checkpoint at `step`: provisional acknowledgments up to it
 # become final; later ones go back to the very front of the queue in the order they were
@@ -337,7 +355,10 @@ return n
 #   KEYS: as the lease scripts, then acked provisional provisional_steps
 #   ARGV: now batch_prefix step max_deliveries
 # Returns {-2} unknown run, else {committed, requeued, leases released}.
-ROLLBACK_TO_CHECKPOINT = _HELPERS + _FINAL + r"""
+ROLLBACK_TO_CHECKPOINT = (
+    _HELPERS
+    + _FINAL
+    + r"""
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-2} end
 local released = redis.call('ZCARD', k.leases)
@@ -357,6 +378,7 @@ if #later > 0 then
 end
 return {committed, #later, released}
 """
+)
 
 # Hand out up to n prompt groups, each leased until `expiry`, in this order: prompts whose
 # lease expired (their worker died), partial groups to resume, fresh prompts. A fresh

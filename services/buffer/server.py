@@ -40,12 +40,21 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         self.settings = settings
 
     async def CreateRun(self, request, context):
-        within([(len(request.datasets), MAX_DATASETS, "datasets of a run", ""),
-                (request.n_samples_per_prompt, self.settings.limits.max_samples_per_prompt, "n_samples_per_prompt",
-                 "max_samples_per_prompt")])
+        within(
+            [
+                (len(request.datasets), MAX_DATASETS, "datasets of a run", ""),
+                (
+                    request.n_samples_per_prompt,
+                    self.settings.limits.max_samples_per_prompt,
+                    "n_samples_per_prompt",
+                    "max_samples_per_prompt",
+                ),
+            ]
+        )
         datasets = [dataset_from_proto(d, request) for d in request.datasets]
-        created = await self.store.create_run(request.run_id, datasets, request.n_samples_per_prompt,
-                                              request.max_queued_groups, request.vocab_size)
+        created = await self.store.create_run(
+            request.run_id, datasets, request.n_samples_per_prompt, request.max_queued_groups, request.vocab_size
+        )
         return buffer_pb2.CreateRunResponse(created=created)
 
     async def DeleteRun(self, request, context):
@@ -60,12 +69,25 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def GetEvalPrompts(self, request, context) -> bytes:
         limits = self.settings.limits
         n = request.n_samples_per_prompt or 1
-        within([(n, limits.max_samples_per_prompt, "n_samples_per_prompt", "max_samples_per_prompt"),
-                (request.limit * n, limits.max_samples_per_call, "samples asked for (limit x n_samples_per_prompt)",
-                 "max_samples_per_call")])
-        groups = await self.store.prompts.get_eval_prompts(request.run_id, request.dataset, request.offset,
-                                                           request.limit, request.n_samples_per_prompt or 1,
-                                                           wrap=request.wrap)
+        within(
+            [
+                (n, limits.max_samples_per_prompt, "n_samples_per_prompt", "max_samples_per_prompt"),
+                (
+                    request.limit * n,
+                    limits.max_samples_per_call,
+                    "samples asked for (limit x n_samples_per_prompt)",
+                    "max_samples_per_call",
+                ),
+            ]
+        )
+        groups = await self.store.prompts.get_eval_prompts(
+            request.run_id,
+            request.dataset,
+            request.offset,
+            request.limit,
+            request.n_samples_per_prompt or 1,
+            wrap=request.wrap,
+        )
         return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 
     async def PutGroups(self, request: wire.PutGroupsWire, context):
@@ -79,8 +101,12 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return buffer_pb2.PutGroupsResponse(stored=stored)
 
     async def DropGroups(self, request, context):
-        at_most(len(request.group_ids), self.settings.limits.max_groups_per_call, "group ids in one call",
-                "max_groups_per_call")
+        at_most(
+            len(request.group_ids),
+            self.settings.limits.max_groups_per_call,
+            "group ids in one call",
+            "max_groups_per_call",
+        )
         dropped = await self.store.drop_groups(request.run_id, request.group_ids, request.reason)
         return buffer_pb2.DropGroupsResponse(dropped=dropped)
 
@@ -88,8 +114,12 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         if request.stale_policy not in _STALE_POLICIES:
             raise InvalidArgument(f"unknown stale_policy {request.stale_policy}; use DROP (0) or KEEP (1)")
         limits = self.settings.limits
-        within([(request.num_groups, limits.max_groups_per_call, "num_groups", "max_groups_per_call"),
-                (request.num_samples, limits.max_samples_per_call, "num_samples", "max_samples_per_call")])
+        within(
+            [
+                (request.num_groups, limits.max_groups_per_call, "num_groups", "max_groups_per_call"),
+                (request.num_samples, limits.max_samples_per_call, "num_samples", "max_samples_per_call"),
+            ]
+        )
         batch = await self.store.lease_batch(
             request.run_id,
             num_groups=request.num_groups,
@@ -103,37 +133,42 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         return batch.response
 
     async def AckBatch(self, request, context):
-        return buffer_pb2.AckBatchResponse(acknowledged=await self.store.ack_batch(
-            request.run_id, request.lease_id, request.step, request.provisional))
+        return buffer_pb2.AckBatchResponse(
+            acknowledged=await self.store.ack_batch(request.run_id, request.lease_id, request.step, request.provisional)
+        )
 
     async def CommitAcks(self, request, context):
-        return buffer_pb2.CommitAcksResponse(committed=await self.store.commit_acks(request.run_id, request.through_step))
+        return buffer_pb2.CommitAcksResponse(
+            committed=await self.store.commit_acks(request.run_id, request.through_step)
+        )
 
     async def RollbackToCheckpoint(self, request, context):
         committed, requeued, released = await self.store.rollback_to_checkpoint(request.run_id, request.step)
         return buffer_pb2.RollbackToCheckpointResponse(committed=committed, requeued=requeued, leases_released=released)
 
     async def RejectGroups(self, request, context):
-        at_most(len(request.groups), self.settings.limits.max_groups_per_call, "groups in one call",
-                "max_groups_per_call")
+        at_most(
+            len(request.groups), self.settings.limits.max_groups_per_call, "groups in one call", "max_groups_per_call"
+        )
         reasons = {g.group_id: g.reason for g in request.groups}
         return buffer_pb2.RejectGroupsResponse(
-            rejected=await self.store.reject_groups(request.run_id, request.lease_id, reasons))
+            rejected=await self.store.reject_groups(request.run_id, request.lease_id, reasons)
+        )
 
     async def GetStats(self, request, context):
         return buffer_pb2.BufferStats(**await self.store.stats(request.run_id))
 
     async def ExportGroups(self, request, context):
-        exported = await transfer.export_groups(self.store, request.run_id, request.path, self.settings.export_dir,
-                                                dead_letters=request.dead_letters)
+        exported = await transfer.export_groups(
+            self.store, request.run_id, request.path, self.settings.export_dir, dead_letters=request.dead_letters
+        )
         return buffer_pb2.ExportGroupsResponse(groups=exported)
 
     async def ImportGroups(self, request, context):
-        stored, duplicates = await transfer.import_groups(self.store, request.run_id, request.path,
-                                                          self.settings.export_dir,
-                                                          self.settings.limits.max_groups_per_call)
+        stored, duplicates = await transfer.import_groups(
+            self.store, request.run_id, request.path, self.settings.export_dir, self.settings.limits.max_groups_per_call
+        )
         return buffer_pb2.ImportGroupsResponse(groups=stored, duplicates=duplicates)
-
 
     async def GetRecentGroups(self, request, context) -> bytes:
         if request.offset < 0 or request.limit < 0:
@@ -147,13 +182,23 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 def _check_counts(groups, limits: Limits) -> None:
     """A write's counts within the operator's limits (each group's own invariants are the
     store's to check)."""
-    within([
-        (len(groups), limits.max_groups_per_call, "groups in one write", "max_groups_per_call"),
-        (max((len(g.samples) for g in groups), default=0), limits.max_samples_per_prompt, "samples in one group",
-         "max_samples_per_prompt"),
-        (sum(len(g.samples) for g in groups), limits.max_samples_per_call, "samples in one write",
-         "max_samples_per_call"),
-    ])
+    within(
+        [
+            (len(groups), limits.max_groups_per_call, "groups in one write", "max_groups_per_call"),
+            (
+                max((len(g.samples) for g in groups), default=0),
+                limits.max_samples_per_prompt,
+                "samples in one group",
+                "max_samples_per_prompt",
+            ),
+            (
+                sum(len(g.samples) for g in groups),
+                limits.max_samples_per_call,
+                "samples in one write",
+                "max_samples_per_call",
+            ),
+        ]
+    )
 
 
 # Requests parsed with their raw group bytes kept; responses that may arrive as bytes.

@@ -62,8 +62,10 @@ class _Reader:
         for top, dirs, names in os.walk(directory):
             self.entries += len(dirs) + len(names)
             if self.entries > self.files.max_files:
-                raise self.error(f"directory {directory} holds more than {self.files.max_files} entries (the buffer's "
-                                 "dataset_max_files); point path at the dataset's own directory")
+                raise self.error(
+                    f"directory {directory} holds more than {self.files.max_files} entries (the buffer's "
+                    "dataset_max_files); point path at the dataset's own directory"
+                )
             found.extend(Path(top, n) for n in names)
         return sorted(found)
 
@@ -159,8 +161,11 @@ def _read_directory(reader: _Reader, p: Path, columns: list[str], split: str) ->
     parquet = [f for f in reader.listing(p) if f.suffix == ".parquet"]
     if parquet:
         if split:  # the Hub layout: <split>/*.parquet or <split>-00000-of-00001.parquet
-            parquet = [f for f in parquet if split in f.relative_to(p).parts[:-1]
-                       or f.stem == split or f.name.startswith(split + "-")]
+            parquet = [
+                f
+                for f in parquet
+                if split in f.relative_to(p).parts[:-1] or f.stem == split or f.name.startswith(split + "-")
+            ]
             if not parquet:
                 raise reader.error(f"no Parquet file of split {split!r} under {p}")
         return _read_parquet(reader, parquet, columns)

@@ -48,7 +48,7 @@ async def run_stats(redis: aioredis.Redis, k: RunKeys, spec: dict, rate_window_s
         prompts_skipped_by_dataset=skipped,
         prompts_reissued=counters.get("prompts_reissued", 0),
         partial_groups_returned=counters.get("partial_groups_returned", 0),
-        dropped_by_reason={kk[len("dropped:"):]: v for kk, v in counters.items() if kk.startswith("dropped:")},
+        dropped_by_reason={kk[len("dropped:") :]: v for kk, v in counters.items() if kk.startswith("dropped:")},
         groups_written_per_second=rates["groups_written"],
         groups_acknowledged_per_second=rates["acknowledged_groups"],
         prompts_handed_out_per_second=rates["prompts_handed_out"],
@@ -60,8 +60,9 @@ async def run_stats(redis: aioredis.Redis, k: RunKeys, spec: dict, rate_window_s
     )
 
 
-async def _rates(redis: aioredis.Redis, k: RunKeys, counters: dict[str, int],
-                 window: float) -> tuple[dict[str, float], float]:
+async def _rates(
+    redis: aioredis.Redis, k: RunKeys, counters: dict[str, int], window: float
+) -> tuple[dict[str, float], float]:
     """Per-second rates against a snapshot of the counters taken about
     rate_window_seconds ago (snapshots live in Redis, so every replica agrees)."""
     now = time.time()

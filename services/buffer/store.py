@@ -121,12 +121,18 @@ class BufferStore:
     async def list_runs(self) -> list[str]:
         head, tail = f"{self.key_prefix}:run:", ":spec"
         keys = self.redis.scan_iter(match=f"{head}*{tail}", count=1000)
-        return sorted([key.decode()[len(head):-len(tail)] async for key in keys])
+        return sorted([key.decode()[len(head) : -len(tail)] async for key in keys])
 
     # ---- runs ---------------------------------------------------------------------------
 
-    async def create_run(self, run_id: str, datasets: list[DatasetConfig], n_samples_per_prompt: int,
-                         max_queued_groups: int = 0, vocab_size: int = 0) -> bool:
+    async def create_run(
+        self,
+        run_id: str,
+        datasets: list[DatasetConfig],
+        n_samples_per_prompt: int,
+        max_queued_groups: int = 0,
+        vocab_size: int = 0,
+    ) -> bool:
         """Register a run and load its datasets into Redis. The same spec again is a no-op."""
         k = self.keys(run_id)
         if n_samples_per_prompt < 1:
@@ -138,8 +144,12 @@ class BufferStore:
         if not any(not d.eval for d in datasets):
             raise InvalidArgument("a run needs at least one training dataset (eval = false)")
         check_dataset_names(datasets)
-        spec = {"datasets": [d.model_dump() for d in datasets], "n_samples_per_prompt": n_samples_per_prompt,
-                "max_queued_groups": max_queued_groups, "vocab_size": vocab_size}
+        spec = {
+            "datasets": [d.model_dump() for d in datasets],
+            "n_samples_per_prompt": n_samples_per_prompt,
+            "max_queued_groups": max_queued_groups,
+            "vocab_size": vocab_size,
+        }
         existing = await self.redis.get(k.spec)
         if existing is not None:
             old = json.loads(existing)
@@ -188,7 +198,8 @@ class BufferStore:
             if len(groups) > spec["max_queued_groups"]:  # waiting would never help
                 raise FailedPrecondition(
                     f"run {run_id!r}: a write of {len(groups)} groups can never fit under the queue cap of "
-                    f"{spec['max_queued_groups']}; write fewer groups per call or raise max_queued_groups")
+                    f"{spec['max_queued_groups']}; write fewer groups per call or raise max_queued_groups"
+                )
             raise ResourceExhausted(
                 f"run {run_id!r}: the buffer holds {result[1]} queued groups and its cap is "
                 f"{spec['max_queued_groups']}; retry after the trainer has consumed some"
@@ -204,7 +215,7 @@ class BufferStore:
         crash between the two loses only a view, never a group."""
         if not self.recent_groups or not raw_groups:
             return
-        newest = [bytes(raw) for raw in raw_groups[-self.recent_groups:]]
+        newest = [bytes(raw) for raw in raw_groups[-self.recent_groups :]]
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.lpush(k.recent, *newest)  # LPUSH of a, b, c leaves c first: newest first
             pipe.ltrim(k.recent, 0, self.recent_groups - 1)
@@ -229,8 +240,17 @@ class BufferStore:
         args: list = []
         for g, raw in zip(groups, raw_groups or [g.SerializeToString() for g in groups]):
             args += [g.group_id, raw]
-        keys = [k.spec, k.partial, k.partial_groups, k.prompt_leases, k.prompts, k.stats,
-                k.groups, k.acked, k.discarded]
+        keys = [
+            k.spec,
+            k.partial,
+            k.partial_groups,
+            k.prompt_leases,
+            k.prompts,
+            k.stats,
+            k.groups,
+            k.acked,
+            k.discarded,
+        ]
         n = await self._return_partial(keys=keys, args=args)
         if n < 0:
             raise unknown_run(run_id)
@@ -244,15 +264,17 @@ class BufferStore:
             try:
                 validate_group_proto(g, vocab_size)
             except ConversionError as e:
-                raise InvalidArgument(f"run {run_id!r}: {e}; the write was refused whole: none of its groups "
-                                      "was stored") from None
+                raise InvalidArgument(
+                    f"run {run_id!r}: {e}; the write was refused whole: none of its groups was stored"
+                ) from None
 
     async def drop_groups(self, run_id: str, group_ids, reason: str) -> int:
         if not group_ids:
             raise InvalidArgument("DropGroups needs at least one group id")
         k = self.keys(run_id)
-        n = await self._drop(keys=[k.spec, k.prompt_leases, k.prompts, k.stats, k.discarded],
-                             args=[reason or "unspecified", *group_ids])
+        n = await self._drop(
+            keys=[k.spec, k.prompt_leases, k.prompts, k.stats, k.discarded], args=[reason or "unspecified", *group_ids]
+        )
         if n < 0:
             raise unknown_run(run_id)
         return n
@@ -314,7 +336,8 @@ class BufferStore:
             head = [now, k.batch(""), lease_id, now + lease_seconds, self.max_deliveries]
             if self.buffer_filter is None:
                 result = await self._lease_fifo(
-                    keys=keys, args=[*head, num_groups, num_samples, min_weight_version, int(keep_stale)])
+                    keys=keys, args=[*head, num_groups, num_samples, min_weight_version, int(keep_stale)]
+                )
             else:
                 result = await self._lease_filtered(keys, head, num_groups, num_samples, min_weight_version, keep_stale)
             if result[0] == -1:
@@ -330,8 +353,20 @@ class BufferStore:
     @staticmethod
     def _lease_keys(k: RunKeys, lease_id: str) -> list[str]:
         """KEYS of the lease scripts and REJECT_GROUPS (see rlmesh.buffer.scripts)."""
-        return [k.spec, k.queue, k.batch_leases, k.groups, k.meta, k.stats, k.discarded, k.batch(lease_id),
-                k.deliveries, k.dead_letters, k.dead_groups, k.dead_reasons]
+        return [
+            k.spec,
+            k.queue,
+            k.batch_leases,
+            k.groups,
+            k.meta,
+            k.stats,
+            k.discarded,
+            k.batch(lease_id),
+            k.deliveries,
+            k.dead_letters,
+            k.dead_groups,
+            k.dead_reasons,
+        ]
 
     async def _group_bytes(self, k: RunKeys, token: str, ids: list[str]) -> list:
         """The leased groups' bytes, in order: from this replica's cache, else Redis."""
@@ -342,8 +377,9 @@ class BufferStore:
             found = [data if data is not None else from_redis[gid] for gid, data in zip(ids, found)]
         return [data for data in found if data is not None]  # None: the run was deleted meanwhile
 
-    async def _lease_filtered(self, keys: list[str], head: list, num_groups: int, num_samples: int,
-                              min_version: int, keep_stale: bool) -> list:
+    async def _lease_filtered(
+        self, keys: list[str], head: list, num_groups: int, num_samples: int, min_version: int, keep_stale: bool
+    ) -> list:
         """The buffer filter picks from a snapshot of the queue; the claim is atomic and
         fails if another replica took a chosen group meanwhile (then pick again)."""
         queue, meta = keys[1], keys[4]
@@ -375,7 +411,8 @@ class BufferStore:
                 take = []
             stale_kept = sum(1 for g in take if stale(g))
             result = await self._lease_chosen(
-                keys=keys, args=[*head, len(take), len(drop), stale_kept, *(g.group_id for g in take), *drop])
+                keys=keys, args=[*head, len(take), len(drop), stale_kept, *(g.group_id for g in take), *drop]
+            )
             if result[0] != -2:
                 return result
         return [0, 0]  # contended: try again at the next poll
@@ -387,23 +424,39 @@ class BufferStore:
             raise InvalidArgument("lease_id is required")
         _check_step(step, "step")
         k = self.keys(run_id)
-        n = await self._ack(keys=[k.spec, k.batch_leases, k.batch(lease_id), k.groups, k.acked, k.stats, k.meta,
-                                  k.deliveries, k.provisional, k.provisional_steps, k.acked_leases,
-                                  k.acked_lease_order],
-                            args=[lease_id, int(provisional), step, _REMEMBERED_ACKED_LEASES])
+        n = await self._ack(
+            keys=[
+                k.spec,
+                k.batch_leases,
+                k.batch(lease_id),
+                k.groups,
+                k.acked,
+                k.stats,
+                k.meta,
+                k.deliveries,
+                k.provisional,
+                k.provisional_steps,
+                k.acked_leases,
+                k.acked_lease_order,
+            ],
+            args=[lease_id, int(provisional), step, _REMEMBERED_ACKED_LEASES],
+        )
         if n == -2:
             raise unknown_run(run_id)
         if n == -1:
             raise NotFound(
-                f"lease {lease_id!r} of run {run_id!r} is unknown or has expired (its groups were redelivered)")
+                f"lease {lease_id!r} of run {run_id!r} is unknown or has expired (its groups were redelivered)"
+            )
         return n
 
     async def commit_acks(self, run_id: str, through_step: int) -> int:
         """Provisional acknowledgments of steps <= through_step become final."""
         _check_step(through_step, "through_step")
         k = self.keys(run_id)
-        n = await self._commit_acks(keys=[k.spec, k.groups, k.acked, k.stats, k.meta, k.deliveries, k.provisional,
-                                          k.provisional_steps], args=[through_step])
+        n = await self._commit_acks(
+            keys=[k.spec, k.groups, k.acked, k.stats, k.meta, k.deliveries, k.provisional, k.provisional_steps],
+            args=[through_step],
+        )
         if n == -2:
             raise unknown_run(run_id)
         return n
@@ -433,10 +486,12 @@ class BufferStore:
             raise unknown_run(run_id)
         if result[0] == -1:
             raise NotFound(
-                f"lease {lease_id!r} of run {run_id!r} is unknown or has expired (its groups were redelivered)")
+                f"lease {lease_id!r} of run {run_id!r} is unknown or has expired (its groups were redelivered)"
+            )
         if result[0] == -3:
-            raise InvalidArgument(f"group {result[1].decode()!r} is not in lease {lease_id!r} of run {run_id!r}; "
-                                  "nothing was rejected")
+            raise InvalidArgument(
+                f"group {result[1].decode()!r} is not in lease {lease_id!r} of run {run_id!r}; nothing was rejected"
+            )
         return result[0]
 
     # ---- stats --------------------------------------------------------------------------
@@ -468,5 +523,6 @@ def _meta(g: sample_pb2.SampleGroup) -> str:
 def lease_response(lease_id: str, groups: list[bytes], stale_kept: int, stale_dropped: int) -> bytes:
     """A LeaseBatchResponse in wire form, its groups the stored bytes as they are."""
     head = buffer_pb2.LeaseBatchResponse(
-        lease_id=lease_id, stale_groups=stale_kept, stale_groups_dropped=stale_dropped).SerializeToString()
+        lease_id=lease_id, stale_groups=stale_kept, stale_groups_dropped=stale_dropped
+    ).SerializeToString()
     return repeated_messages(2, groups, head)

@@ -38,8 +38,9 @@ def _path(path: str, export_dir: Path) -> Path:
     return target
 
 
-async def export_groups(store: BufferStore, run_id: str, path: str, export_dir: Path,
-                        dead_letters: bool = False) -> int:
+async def export_groups(
+    store: BufferStore, run_id: str, path: str, export_dir: Path, dead_letters: bool = False
+) -> int:
     try:
         export_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -60,8 +61,9 @@ async def export_groups(store: BufferStore, run_id: str, path: str, export_dir: 
 
 
 def _taken(path: str) -> FailedPrecondition:
-    return FailedPrecondition(f"{path} already exists in the buffer's export_dir and an export never replaces a "
-                              "file: choose another name")
+    return FailedPrecondition(
+        f"{path} already exists in the buffer's export_dir and an export never replaces a file: choose another name"
+    )
 
 
 def _write(path: str, target: Path, raws: list[bytes], extras: list[dict] | None = None) -> None:
@@ -73,8 +75,13 @@ def _write(path: str, target: Path, raws: list[bytes], extras: list[dict] | None
         with os.fdopen(fd, "w") as f:
             for i, raw in enumerate(raws):
                 g = group_from_proto(sample_pb2.SampleGroup.FromString(raw))
-                line = {"group_id": g.group_id, "group_index": g.group_index, "dataset": g.dataset,
-                        "samples": [sample_to_json(s) for s in g.samples], **(extras[i] if extras else {})}
+                line = {
+                    "group_id": g.group_id,
+                    "group_index": g.group_index,
+                    "dataset": g.dataset,
+                    "samples": [sample_to_json(s) for s in g.samples],
+                    **(extras[i] if extras else {}),
+                }
                 f.write(json.dumps(line) + "\n")
         os.link(tmp, target)  # fails if the name is taken, unlike a rename
     except FileExistsError:
@@ -85,8 +92,9 @@ def _write(path: str, target: Path, raws: list[bytes], extras: list[dict] | None
         os.unlink(tmp)
 
 
-async def import_groups(store: BufferStore, run_id: str, path: str, export_dir: Path,
-                        groups_per_write: int = 4096) -> tuple[int, int]:
+async def import_groups(
+    store: BufferStore, run_id: str, path: str, export_dir: Path, groups_per_write: int = 4096
+) -> tuple[int, int]:
     """Store every group of the file, checked whole first, written `groups_per_write` at a
     time (each write bounded like any other); returns (stored, duplicates). Writes are
     idempotent on group_id, so an interrupted import is finished by importing again."""
@@ -98,7 +106,7 @@ async def import_groups(store: BufferStore, run_id: str, path: str, export_dir: 
         raise InvalidArgument(f"{path} holds no groups")
     stored = duplicates = 0
     for start in range(0, len(groups), groups_per_write):
-        new, seen = await store.put_groups(run_id, groups[start:start + groups_per_write])
+        new, seen = await store.put_groups(run_id, groups[start : start + groups_per_write])
         stored, duplicates = stored + new, duplicates + seen
     return stored, duplicates
 

@@ -45,7 +45,7 @@ def field_slices(data: bytes, field_number: int) -> list[memoryview]:
         if wire_type == _LENGTH_DELIMITED:
             length, pos = _read_varint(data, pos)
             if key >> 3 == field_number:
-                out.append(view[pos:pos + length])
+                out.append(view[pos : pos + length])
             pos += length
         elif wire_type == 0:
             _, pos = _read_varint(data, pos)
@@ -78,9 +78,9 @@ class PutGroupsWire:
         self.message = buffer_pb2.PutGroupsRequest.FromString(data)
         raw = field_slices(data, 2)
         # Always equal for a well-formed message; re-serialize if a sender did something odd.
-        self.raw_groups = raw if len(raw) == len(self.message.groups) else [
-            g.SerializeToString() for g in self.message.groups
-        ]
+        self.raw_groups = (
+            raw if len(raw) == len(self.message.groups) else [g.SerializeToString() for g in self.message.groups]
+        )
 
     @property
     def run_id(self) -> str:

@@ -32,7 +32,9 @@ def _serve(name: str, argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog=f"rlmesh serve {name}", description=f"Run the {name} service.")
     add_settings_flags(parser, settings_cls)
     settings = settings_from_args(settings_cls, parser.parse_args(argv))
-    logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
+    )
     if logging.getLogger().level > logging.DEBUG:
         # httpx logs every request at INFO: a line per sample generated (failures are logged as ours).
         logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -78,18 +80,35 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("serve", help="run one service (rlmesh serve SERVICE --help lists its settings)", add_help=False)
     s.add_argument("service", choices=sorted(SERVICE_PACKAGES))
     u = sub.add_parser("up", help="run every service as a local process (embedded Redis, CPU engine, tiny model)")
-    d = sub.add_parser("demo", help="train the tiny model on a small task end to end and print eval reward before/after")
+    d = sub.add_parser(
+        "demo", help="train the tiny model on a small task end to end and print eval reward before/after"
+    )
     for p in (u, d):
         p.add_argument("--data-dir", default=".rlmesh", help="where Redis data, logs and the tiny model live")
         p.add_argument("--redis-url", default="", help="use this Redis instead of starting an embedded one")
-    u.add_argument("--model-path", default="", help="a local Hugging Face checkpoint directory (default: the tiny model)")
-    d.add_argument("--task", choices=("reverse", "agent"), default="reverse",
-                   help="reverse: reverse three letters; agent: call a tool to find a secret code (multi-turn)")
+    u.add_argument(
+        "--model-path", default="", help="a local Hugging Face checkpoint directory (default: the tiny model)"
+    )
+    d.add_argument(
+        "--task",
+        choices=("reverse", "agent"),
+        default="reverse",
+        help="reverse: reverse three letters; agent: call a tool to find a secret code (multi-turn)",
+    )
     d.add_argument("--sft-steps", type=int, default=0, help="SFT warm-start steps before RL (default: the task's)")
     d.add_argument("--rollouts", type=int, default=0, help="RL iterations (default: the task's)")
-    d.add_argument("--coordinator-url", default="", help="use running services (default: the ones `rlmesh up` started, else start them)")
-    sub.add_parser("reward", help="reward tools: `rlmesh reward check URL` runs the conformance suite against a remote reward service")
-    h = sub.add_parser("health", help="exit 0 if the gRPC service at HOST:PORT reports SERVING (grpc.health.v1), else 1")
+    d.add_argument(
+        "--coordinator-url",
+        default="",
+        help="use running services (default: the ones `rlmesh up` started, else start them)",
+    )
+    sub.add_parser(
+        "reward",
+        help="reward tools: `rlmesh reward check URL` runs the conformance suite against a remote reward service",
+    )
+    h = sub.add_parser(
+        "health", help="exit 0 if the gRPC service at HOST:PORT reports SERVING (grpc.health.v1), else 1"
+    )
     h.add_argument("address", metavar="HOST:PORT")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     t = sub.add_parser("build-tiny-model", help="write the tiny model and tokenizer to a directory")

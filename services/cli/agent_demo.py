@@ -62,34 +62,46 @@ def write_task(out_dir: Path) -> tuple[Path, Path, Path]:
     return paths
 
 
-def agent_demo_config(model_path: str, warm_start: Path, train: Path, held_out: Path, sft_steps: int,
-                      rollouts: int) -> RunConfig:
+def agent_demo_config(
+    model_path: str, warm_start: Path, train: Path, held_out: Path, sft_steps: int, rollouts: int
+) -> RunConfig:
     # The turn ends with its call: the tool answers, not the model's imagination.
     sampling = {"max_new_tokens": 80, "stop": ["</tool_call>"], "no_stop_trim": True}
-    return RunConfig.model_validate({
-        "name": "demo: call a tool for a secret code",
-        "model_path": model_path,
-        "datasets": [
-            {"name": "warm_start", "path": str(warm_start), "metadata_key": "meta"},
-            {"name": "train", "path": str(train), "metadata_key": "meta", "seed": 0},
-            {"name": "held_out", "path": str(held_out), "metadata_key": "meta", "eval": True},
-        ],
-        "num_rollouts": rollouts,
-        "rollout": {
-            "rollout_batch_size": 8, "n_samples_per_prompt": 16, "sampling": {**sampling, "temperature": 0.8},
-            # The SFT warm start templates prompts as the agent loop does.
-            "apply_chat_template": True,
-            "generate": {"name": "agent", "options": {
-                "tools": [TOOL_NAME], "tool_parser": "hermes", "max_turns": 3, "max_response_tokens": 160}},
-        },
-        "reward": {"components": {"exact_match": 1.0}},
-        "algorithm": {"advantage_estimator": "grpo"},
-        # RL steps far smaller than the warm start's: after it the policy is sharp, and at
-        # SFT's rate one RL step moved whole episodes' log-probs by tens of nats.
-        "sft_optimizer": {"lr": 3e-3, "grad_clip": 1.0},
-        "optimizer": {"lr": 5e-4, "grad_clip": 1.0},
-        "micro_batch_size": 64,
-        "sft_warmup": {"steps": sft_steps, "batch_groups": 32, "dataset": "warm_start"},
-        "eval": {"interval": 5, "limit": 48, "sampling": {**sampling, "temperature": 0.0}},
-        "seed": 0,
-    })
+    return RunConfig.model_validate(
+        {
+            "name": "demo: call a tool for a secret code",
+            "model_path": model_path,
+            "datasets": [
+                {"name": "warm_start", "path": str(warm_start), "metadata_key": "meta"},
+                {"name": "train", "path": str(train), "metadata_key": "meta", "seed": 0},
+                {"name": "held_out", "path": str(held_out), "metadata_key": "meta", "eval": True},
+            ],
+            "num_rollouts": rollouts,
+            "rollout": {
+                "rollout_batch_size": 8,
+                "n_samples_per_prompt": 16,
+                "sampling": {**sampling, "temperature": 0.8},
+                # The SFT warm start templates prompts as the agent loop does.
+                "apply_chat_template": True,
+                "generate": {
+                    "name": "agent",
+                    "options": {
+                        "tools": [TOOL_NAME],
+                        "tool_parser": "hermes",
+                        "max_turns": 3,
+                        "max_response_tokens": 160,
+                    },
+                },
+            },
+            "reward": {"components": {"exact_match": 1.0}},
+            "algorithm": {"advantage_estimator": "grpo"},
+            # RL steps far smaller than the warm start's: after it the policy is sharp, and at
+            # SFT's rate one RL step moved whole episodes' log-probs by tens of nats.
+            "sft_optimizer": {"lr": 3e-3, "grad_clip": 1.0},
+            "optimizer": {"lr": 5e-4, "grad_clip": 1.0},
+            "micro_batch_size": 64,
+            "sft_warmup": {"steps": sft_steps, "batch_groups": 32, "dataset": "warm_start"},
+            "eval": {"interval": 5, "limit": 48, "sampling": {**sampling, "temperature": 0.0}},
+            "seed": 0,
+        }
+    )

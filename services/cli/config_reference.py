@@ -31,9 +31,18 @@ schema. A field that breaks a bound below is refused with a 422 naming it. Each 
 settings are not here: they are in `services/<service>/config.py` (`rlmesh serve SERVICE --help`).
 """
 
-BOUNDS = (("minimum", ">= {}"), ("exclusiveMinimum", "> {}"), ("maximum", "<= {}"), ("exclusiveMaximum", "< {}"),
-          ("minLength", "length >= {}"), ("maxLength", "length <= {}"), ("minItems", "items >= {}"),
-          ("maxItems", "items <= {}"), ("maxProperties", "entries <= {}"), ("pattern", "pattern `{}`"))
+BOUNDS = (
+    ("minimum", ">= {}"),
+    ("exclusiveMinimum", "> {}"),
+    ("maximum", "<= {}"),
+    ("exclusiveMaximum", "< {}"),
+    ("minLength", "length >= {}"),
+    ("maxLength", "length <= {}"),
+    ("minItems", "items >= {}"),
+    ("maxItems", "items <= {}"),
+    ("maxProperties", "entries <= {}"),
+    ("pattern", "pattern `{}`"),
+)
 
 
 class _FactoryDefaults(GenerateJsonSchema):
@@ -96,8 +105,9 @@ def _default(schema: dict, required: bool, defs: dict) -> str:
     if name and isinstance(default, dict):  # a nested model: name only what differs from its own defaults
         own = {k: v.get("default") for k, v in defs[name]["properties"].items()}
         changed = {k: v for k, v in default.items() if own.get(k) != v}
-        return "its defaults" + (", but " + ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in changed.items())
-                                 if changed else "")
+        return "its defaults" + (
+            ", but " + ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in changed.items()) if changed else ""
+        )
     return f"`{json.dumps(default)}`"
 
 
@@ -112,8 +122,13 @@ def _table(model: dict, defs: dict) -> list[str]:
     required = set(model.get("required", []))
     lines = ["| field | type | default | bounds | description |", "| --- | --- | --- | --- | --- |"]
     for field, schema in model["properties"].items():
-        cells = (f"`{field}`", _type(schema), _default(schema, field in required, defs), ", ".join(_bounds(schema)),
-                 schema.get("description", ""))
+        cells = (
+            f"`{field}`",
+            _type(schema),
+            _default(schema, field in required, defs),
+            ", ".join(_bounds(schema)),
+            schema.get("description", ""),
+        )
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return lines
 
@@ -141,8 +156,13 @@ def render(schema: dict[str, Any] | None = None) -> str:
                     walk(defs[name], prefix + field + suffix + ".", (*seen, name))
 
     walk(schema, "", (schema["title"],))
-    out = [HEADER, "Sections: " + ", ".join(f"[{n}](#{n.lower()}) (`{'`, `'.join(p)}`)" for n, p in paths.items()) + ".",
-           "", f"## {schema['title']}", ""]
+    out = [
+        HEADER,
+        "Sections: " + ", ".join(f"[{n}](#{n.lower()}) (`{'`, `'.join(p)}`)" for n, p in paths.items()) + ".",
+        "",
+        f"## {schema['title']}",
+        "",
+    ]
     if description := schema.get("description"):
         out += [" ".join(description.split()), ""]
     out += _table(schema, defs)

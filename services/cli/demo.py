@@ -38,25 +38,30 @@ def write_task(out_dir: Path) -> tuple[Path, Path]:
 
 
 def demo_config(model_path: str, train: Path, held_out: Path, sft_steps: int = 35, rollouts: int = 80) -> RunConfig:
-    return RunConfig.model_validate({
-        "name": "demo: reverse three letters",
-        "model_path": model_path,
-        "datasets": [
-            {"name": "train", "path": str(train), "shuffle": True, "seed": 0},
-            {"name": "held_out", "path": str(held_out), "eval": True},
-        ],
-        "num_rollouts": rollouts,
-        "rollout": {"rollout_batch_size": 16, "n_samples_per_prompt": 8,
-                    "sampling": {"max_new_tokens": 8, "temperature": 1.0}},
-        "reward": {"components": {"exact_match": 1.0}},
-        "algorithm": {"advantage_estimator": "grpo"},
-        # A 137k-parameter model wants a far larger step than a real LLM.
-        "optimizer": {"lr": 3e-3, "grad_clip": 1.0},
-        "micro_batch_size": 128,
-        "sft_warmup": {"steps": sft_steps, "batch_groups": 32},
-        "eval": {"interval": 10, "sampling": {"max_new_tokens": 8, "temperature": 0.0}},
-        "seed": 0,
-    })
+    return RunConfig.model_validate(
+        {
+            "name": "demo: reverse three letters",
+            "model_path": model_path,
+            "datasets": [
+                {"name": "train", "path": str(train), "shuffle": True, "seed": 0},
+                {"name": "held_out", "path": str(held_out), "eval": True},
+            ],
+            "num_rollouts": rollouts,
+            "rollout": {
+                "rollout_batch_size": 16,
+                "n_samples_per_prompt": 8,
+                "sampling": {"max_new_tokens": 8, "temperature": 1.0},
+            },
+            "reward": {"components": {"exact_match": 1.0}},
+            "algorithm": {"advantage_estimator": "grpo"},
+            # A 137k-parameter model wants a far larger step than a real LLM.
+            "optimizer": {"lr": 3e-3, "grad_clip": 1.0},
+            "micro_batch_size": 128,
+            "sft_warmup": {"steps": sft_steps, "batch_groups": 32},
+            "eval": {"interval": 10, "sampling": {"max_new_tokens": 8, "temperature": 0.0}},
+            "seed": 0,
+        }
+    )
 
 
 def _eval_reward(metrics: dict) -> float | None:
@@ -70,8 +75,10 @@ def _progress(run: dict, start: float) -> str:
     if phase == "sft":
         return f"{elapsed}  warm start (SFT) step {m.get('sft_step', 0)}  loss {m.get('sft/loss', float('nan')):.3f}"
     if phase == "rl" and "rollout/reward_mean" in m:
-        line = (f"{elapsed}  RL rollout {run['rollout_id']:>3}/{run['num_rollouts']}  "
-                f"train reward {m['rollout/reward_mean']:.2f}  weights v{run['weight_version']}")
+        line = (
+            f"{elapsed}  RL rollout {run['rollout_id']:>3}/{run['num_rollouts']}  "
+            f"train reward {m['rollout/reward_mean']:.2f}  weights v{run['weight_version']}"
+        )
         ev = _eval_reward(m)
         return line + (f"  held-out eval {ev:.2f}" if ev is not None else "")
     return f"{elapsed}  {phase}"
@@ -85,18 +92,23 @@ def write_plot(history: list[dict], path: Path) -> None:
         "held-out eval": [(m["rollout_id"], _eval_reward(m)) for m in history if _eval_reward(m) is not None],
     }
     xmax = max([x for pts in series.values() for x, _ in pts] + [1])
+
     def sx(x):
         return pad + (w - 2 * pad) * x / xmax
+
     def sy(y):
         return h - pad - (h - 2 * pad) * y
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
-             f'<rect width="{w}" height="{h}" fill="white"/>',
-             f'<line x1="{pad}" y1="{sy(0)}" x2="{w - pad}" y2="{sy(0)}" stroke="black"/>',
-             f'<line x1="{pad}" y1="{sy(0)}" x2="{pad}" y2="{sy(1)}" stroke="black"/>',
-             f'<text x="{w / 2}" y="{h - 8}" text-anchor="middle">rollout</text>',
-             f'<text x="8" y="{sy(1) + 4}">1.0</text><text x="8" y="{sy(0) + 4}">0.0</text>',
-             f'<text x="{sx(0)}" y="{sy(0) + 16}" text-anchor="middle">0</text>',
-             f'<text x="{sx(xmax)}" y="{sy(0) + 16}" text-anchor="middle">{xmax}</text>']
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<line x1="{pad}" y1="{sy(0)}" x2="{w - pad}" y2="{sy(0)}" stroke="black"/>',
+        f'<line x1="{pad}" y1="{sy(0)}" x2="{pad}" y2="{sy(1)}" stroke="black"/>',
+        f'<text x="{w / 2}" y="{h - 8}" text-anchor="middle">rollout</text>',
+        f'<text x="8" y="{sy(1) + 4}">1.0</text><text x="8" y="{sy(0) + 4}">0.0</text>',
+        f'<text x="{sx(0)}" y="{sy(0) + 16}" text-anchor="middle">0</text>',
+        f'<text x="{sx(xmax)}" y="{sy(0) + 16}" text-anchor="middle">{xmax}</text>',
+    ]
     for (name, pts), color, y in zip(series.items(), ("#1f77b4", "#d62728"), (20, 36)):
         if pts:
             d = " ".join(f"{sx(x):.1f},{sy(v):.1f}" for x, v in pts)
@@ -121,8 +133,9 @@ def run_demo(args) -> int:
 
         # where the stack's buffer may read
         warm_start, train, held_out = agent_demo.write_task(datasets_dir(data_dir) / "demo")
-        config = agent_demo.agent_demo_config(str(model_path), warm_start, train, held_out, args.sft_steps or 200,
-                                              args.rollouts or 80)
+        config = agent_demo.agent_demo_config(
+            str(model_path), warm_start, train, held_out, args.sft_steps or 200, args.rollouts or 80
+        )
     else:
         train, held_out = write_task(datasets_dir(data_dir) / "demo")
         config = demo_config(str(model_path), train, held_out, args.sft_steps or 35, args.rollouts or 80)

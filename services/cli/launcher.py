@@ -61,20 +61,48 @@ class Stack:
         common = ["--host", "127.0.0.1", "--port", str(self.ports[name])]
         if name in METRICS_SERVICES:  # Prometheus /metrics of each gRPC service, on loopback
             common += ["--metrics-port", str(self.ports[f"{name}_metrics"])]
-        return common + {
-            "engine": ["--model-path", self.model_path, "--enable-metrics"],
-            # A local stack's judges run on this machine: let the reward service call loopback.
-            "reward": ["--remote-allowed-networks", json.dumps(["127.0.0.0/8", "::1"])],
-            "buffer": ["--data-roots", json.dumps([str(Path("data").resolve()), str(datasets_dir(self.data_dir))]),
-                       "--export-dir", str(self.data_dir / "buffer" / "exports")],
-            "rollout": ["--buffer-address", a("buffer"), "--reward-address", a("reward"),
-                        "--engine-urls", json.dumps([f"http://{a('engine')}"])],
-            "trainer": ["--buffer-address", a("buffer"), "--rollout-address", a("rollout"),
-                        "--work-dir", str(self.data_dir / "trainer")],
-            "coordinator": ["--buffer-address", a("buffer"),
-                            "--rollout-address", a("rollout"), "--reward-address", a("reward"),
-                            "--trainer-address", a("trainer"), "--log-dir", str(self.data_dir / "run-logs")],
-        }[name]
+        return (
+            common
+            + {
+                "engine": ["--model-path", self.model_path, "--enable-metrics"],
+                # A local stack's judges run on this machine: let the reward service call loopback.
+                "reward": ["--remote-allowed-networks", json.dumps(["127.0.0.0/8", "::1"])],
+                "buffer": [
+                    "--data-roots",
+                    json.dumps([str(Path("data").resolve()), str(datasets_dir(self.data_dir))]),
+                    "--export-dir",
+                    str(self.data_dir / "buffer" / "exports"),
+                ],
+                "rollout": [
+                    "--buffer-address",
+                    a("buffer"),
+                    "--reward-address",
+                    a("reward"),
+                    "--engine-urls",
+                    json.dumps([f"http://{a('engine')}"]),
+                ],
+                "trainer": [
+                    "--buffer-address",
+                    a("buffer"),
+                    "--rollout-address",
+                    a("rollout"),
+                    "--work-dir",
+                    str(self.data_dir / "trainer"),
+                ],
+                "coordinator": [
+                    "--buffer-address",
+                    a("buffer"),
+                    "--rollout-address",
+                    a("rollout"),
+                    "--reward-address",
+                    a("reward"),
+                    "--trainer-address",
+                    a("trainer"),
+                    "--log-dir",
+                    str(self.data_dir / "run-logs"),
+                ],
+            }[name]
+        )
 
     def env(self) -> dict[str, str]:
         """Secrets reach the services by environment (flags show in `ps`): the Redis URL, which
@@ -83,15 +111,25 @@ class Stack:
         redis = {f"RLMESH_{name.upper()}_REDIS_URL": self.redis_url for name in ("buffer", "reward", "coordinator")}
         # The agent demo's tool, unless the operator registers tools of their own.
         tools = {"RLMESH_ROLLOUT_TOOLS": json.dumps({agent_demo.TOOL_NAME: agent_demo.TOOL_IMPORT_PATH})}
-        return {**tools, **os.environ, **redis, "RLMESH_ENGINE_API_KEY": token, "RLMESH_ROLLOUT_ENGINE_API_KEY": token,
-                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        return {
+            **tools,
+            **os.environ,
+            **redis,
+            "RLMESH_ENGINE_API_KEY": token,
+            "RLMESH_ROLLOUT_ENGINE_API_KEY": token,
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
 
     def spawn(self, name: str) -> subprocess.Popen:
         """Start (or start again) one service on its port with its flags and environment."""
         with open(self.log_file(name), "ab") as log:  # the child keeps its own descriptor
             self.processes[name] = subprocess.Popen(
                 [sys.executable, "-m", "rlmesh.cli", "serve", name, *self.flags(name)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env())
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(),
+            )
         return self.processes[name]
 
     def restart_redis(self) -> subprocess.Popen:
@@ -111,9 +149,17 @@ class Stack:
         return supervisor
 
     def write_state(self) -> None:
-        _write_private(self.data_dir / "up.json", json.dumps({
-            "pid": os.getpid(), "redis_url": self.redis_url, "ports": self.ports,
-            "coordinator_url": self.coordinator_url}))
+        _write_private(
+            self.data_dir / "up.json",
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "redis_url": self.redis_url,
+                    "ports": self.ports,
+                    "coordinator_url": self.coordinator_url,
+                }
+            ),
+        )
 
     @property
     def token_file(self) -> Path:
@@ -176,8 +222,9 @@ def _ready(name: str, address: str) -> bool:
     return grpc_health(address) == "SERVING"
 
 
-def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", timeout: float = 180.0,
-                echo=print) -> Stack:
+def start_stack(
+    data_dir: str | Path, model_path: str, redis_url: str = "", timeout: float = 180.0, echo=print
+) -> Stack:
     data_dir = Path(data_dir).resolve()
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
     redis = None
@@ -200,7 +247,9 @@ def start_stack(data_dir: str | Path, model_path: str, redis_url: str = "", time
             echo(f"  {name:<12} {stack.address(name)}")
         for name in METRICS_SERVICES:
             echo(f"  {'metrics':<12} http://127.0.0.1:{stack.ports[name + '_metrics']}/metrics ({name}, Prometheus)")
-        echo(f"  {'metrics':<12} http://{stack.address('coordinator')}/metrics, http://{stack.address('engine')}/metrics")
+        echo(
+            f"  {'metrics':<12} http://{stack.address('coordinator')}/metrics, http://{stack.address('engine')}/metrics"
+        )
     except BaseException:
         stack.stop()
         raise
@@ -242,8 +291,14 @@ class Supervisor:
     Each exit and restart is said on `echo` and appended to the process's log file. The
     clock is injectable so that the decisions are tested without real time."""
 
-    def __init__(self, initial: float = 1.0, maximum: float = 30.0, stable_after: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, echo=print) -> None:
+    def __init__(
+        self,
+        initial: float = 1.0,
+        maximum: float = 30.0,
+        stable_after: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        echo=print,
+    ) -> None:
         self.initial, self.maximum, self.stable_after = initial, maximum, stable_after
         self.clock, self.echo = clock, echo
         self.watched: dict[str, _Watched] = {}
@@ -272,7 +327,7 @@ class Supervisor:
     def _schedule(self, w: _Watched, now: float, what: str) -> None:
         if now - w.started_at >= self.stable_after:
             w.failures = 0
-        delay = min(self.initial * 2 ** w.failures, self.maximum)
+        delay = min(self.initial * 2**w.failures, self.maximum)
         w.failures += 1
         w.restart_at = now + delay
         self._say(w, f"{w.name} {what}; restart attempt {w.failures} in {delay:g} s")

@@ -50,14 +50,18 @@ ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = {}
 POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
 
 
-def declare_advantage_estimator(name: str, *, kl_reward_shaping: bool = False, needs_critic: bool = False,
-                                defaults: Mapping[str, Any] | None = None) -> EstimatorSpec:
-    return _declare(ADVANTAGE_ESTIMATORS, EstimatorSpec(name, kl_reward_shaping, needs_critic,
-                                                        MappingProxyType(dict(defaults or {}))))
+def declare_advantage_estimator(
+    name: str, *, kl_reward_shaping: bool = False, needs_critic: bool = False, defaults: Mapping[str, Any] | None = None
+) -> EstimatorSpec:
+    return _declare(
+        ADVANTAGE_ESTIMATORS,
+        EstimatorSpec(name, kl_reward_shaping, needs_critic, MappingProxyType(dict(defaults or {}))),
+    )
 
 
-def declare_policy_loss(name: str, *, sequence_level: bool = False,
-                        defaults: Mapping[str, Any] | None = None) -> PolicyLossSpec:
+def declare_policy_loss(
+    name: str, *, sequence_level: bool = False, defaults: Mapping[str, Any] | None = None
+) -> PolicyLossSpec:
     return _declare(POLICY_LOSSES, PolicyLossSpec(name, sequence_level, MappingProxyType(dict(defaults or {}))))
 
 
@@ -105,17 +109,22 @@ class AlgorithmConfig(BaseModel):
     )
     normalize_advantage_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
     eps_clip: float = Field(
-        0.2, gt=0, description="Lower clip range of the ratio (1 - eps_clip); for cispo, of its importance weight "
-        "(default 1: no lower bound)."
+        0.2,
+        gt=0,
+        description="Lower clip range of the ratio (1 - eps_clip); for cispo, of its importance weight "
+        "(default 1: no lower bound).",
     )
     eps_clip_high: float | None = Field(
-        None, gt=0, description="Upper clip range (DAPO clip-higher; for cispo, of its importance weight, "
-        "default 3); default eps_clip."
+        None,
+        gt=0,
+        description="Upper clip range (DAPO clip-higher; for cispo, of its importance weight, "
+        "default 3); default eps_clip.",
     )
     dual_clip_c: float | None = Field(None, gt=1, description="Dual clip for negative advantages (c > 1).")
     loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"] = Field(
-        "seq_mean_token_mean", description="How per-token losses are averaged: per sequence then over the batch, "
-        "over all tokens of the batch, or summed per sequence (Dr. GRPO)."
+        "seq_mean_token_mean",
+        description="How per-token losses are averaged: per sequence then over the batch, "
+        "over all tokens of the batch, or summed per sequence (Dr. GRPO).",
     )
     kl_loss_coef: float = Field(0.0, ge=0, description="KL-to-reference loss term (needs a reference model).")
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
@@ -125,26 +134,36 @@ class AlgorithmConfig(BaseModel):
         0.0, ge=0, description="KL to the reference as a reward penalty (see kl_reward_level); not with kl_loss_coef."
     )
     kl_reward_level: Literal["token", "sequence"] = Field(
-        "token", description="How kl_coef penalizes rewards: 'token' shapes each token's reward with its KL "
+        "token",
+        description="How kl_coef penalizes rewards: 'token' shapes each token's reward with its KL "
         "(REINFORCE++ only); 'sequence' subtracts kl_coef * the sample's KL summed over its trained tokens from "
-        "its reward before the advantage estimator runs (any estimator)."
+        "its reward before the advantage estimator runs (any estimator).",
     )
     entropy_coef: float = Field(0.0, description="Weight of an entropy bonus in the loss (0 = off).")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount of REINFORCE++ returns and of GAE (advantage_estimator 'gae').")
+    gamma: float = Field(
+        1.0, ge=0, le=1, description="Discount of REINFORCE++ returns and of GAE (advantage_estimator 'gae')."
+    )
     gae_lambda: float = Field(
-        1.0, ge=0, le=1, description="GAE's lambda (advantage_estimator 'gae'): 1 = Monte Carlo returns minus the "
-        "value, 0 = one-step TD errors."
+        1.0,
+        ge=0,
+        le=1,
+        description="GAE's lambda (advantage_estimator 'gae'): 1 = Monte Carlo returns minus the "
+        "value, 0 = one-step TD errors.",
     )
     value_loss_coef: float = Field(
         0.5, ge=0, description="Weight of the critic's value loss in the loss (advantage_estimator 'gae')."
     )
     value_clip: float | None = Field(
-        0.2, gt=0, description="PPO's value clipping: the new value is kept within this distance of the old one in "
-        "the loss (None = plain squared error; advantage_estimator 'gae')."
+        0.2,
+        gt=0,
+        description="PPO's value clipping: the new value is kept within this distance of the old one in "
+        "the loss (None = plain squared error; advantage_estimator 'gae').",
     )
     rollout_is_upper: float | None = Field(
-        None, ge=1, description="Importance sampling against the engine's log-probs (trainer / engine ratio), "
-        "on when set: the upper bound of the ratio (formerly tis_cap)."
+        None,
+        ge=1,
+        description="Importance sampling against the engine's log-probs (trainer / engine ratio), "
+        "on when set: the upper bound of the ratio (formerly tis_cap).",
     )
     rollout_is_lower: float = Field(
         0.0, ge=0, le=1, description="Lower bound of the rollout importance ratio (0 = none)."
@@ -153,8 +172,9 @@ class AlgorithmConfig(BaseModel):
         "token", description="One ratio per token, or per sequence (the product over its trained tokens)."
     )
     rollout_is_mode: Literal["truncate", "mask"] = Field(
-        "truncate", description="'truncate' clamps the ratio into [lower, upper] (TIS); 'mask' drops tokens or "
-        "sequences whose ratio falls outside it from the loss (MIS)."
+        "truncate",
+        description="'truncate' clamps the ratio into [lower, upper] (TIS); 'mask' drops tokens or "
+        "sequences whose ratio falls outside it from the loss (MIS).",
     )
 
     @model_validator(mode="before")
@@ -205,8 +225,11 @@ class AlgorithmConfig(BaseModel):
     def _one_kl(self):
         if self.kl_loss_coef > 0 and self.kl_coef > 0:
             raise ValueError("use KL either as a loss term (kl_loss_coef) or as a reward penalty (kl_coef), not both")
-        if (self.kl_coef > 0 and self.kl_reward_level == "token"
-                and not ADVANTAGE_ESTIMATORS[self.advantage_estimator].kl_reward_shaping):
+        if (
+            self.kl_coef > 0
+            and self.kl_reward_level == "token"
+            and not ADVANTAGE_ESTIMATORS[self.advantage_estimator].kl_reward_shaping
+        ):
             users = ", ".join(name for name, spec in ADVANTAGE_ESTIMATORS.items() if spec.kl_reward_shaping)
             raise ValueError(
                 f"kl_coef at kl_reward_level 'token' (each token's reward shaped by its KL) is only used by {users}, "
@@ -218,8 +241,10 @@ class AlgorithmConfig(BaseModel):
     @model_validator(mode="after")
     def _dual_clip_needs_the_clipped_surrogate(self):
         if self.dual_clip_c is not None and self.policy_loss == "cispo":
-            raise ValueError("dual_clip_c caps PPO's clipped surrogate; cispo has none (its weight is clipped): "
-                             "leave dual_clip_c unset")
+            raise ValueError(
+                "dual_clip_c caps PPO's clipped surrogate; cispo has none (its weight is clipped): "
+                "leave dual_clip_c unset"
+            )
         return self
 
     @property
@@ -232,26 +257,42 @@ class AlgorithmConfig(BaseModel):
         if self.needs_critic:
             return self
         # Only values that differ from the defaults: a dumped config lists every field.
-        inert = [name for name, default in (("gae_lambda", 1.0), ("value_loss_coef", 0.5), ("value_clip", 0.2))
-                 if getattr(self, name) != default]
+        inert = [
+            name
+            for name, default in (("gae_lambda", 1.0), ("value_loss_coef", 0.5), ("value_clip", 0.2))
+            if getattr(self, name) != default
+        ]
         if inert:
             critics = ", ".join(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.needs_critic)
-            raise ValueError(f"{', '.join(inert)} set, but only an estimator with a critic uses them ({critics}), "
-                             f"not {self.advantage_estimator!r}")
+            raise ValueError(
+                f"{', '.join(inert)} set, but only an estimator with a critic uses them ({critics}), "
+                f"not {self.advantage_estimator!r}"
+            )
         return self
 
     @model_validator(mode="after")
     def _rollout_is_bounds(self):
         if self.rollout_is_upper is None:
             # Only values that differ from the defaults: a dumped config lists every field.
-            inert = [name for name, default in (("rollout_is_lower", 0.0), ("rollout_is_level", "token"),
-                                                ("rollout_is_mode", "truncate")) if getattr(self, name) != default]
+            inert = [
+                name
+                for name, default in (
+                    ("rollout_is_lower", 0.0),
+                    ("rollout_is_level", "token"),
+                    ("rollout_is_mode", "truncate"),
+                )
+                if getattr(self, name) != default
+            ]
             if inert:
-                raise ValueError(f"{', '.join(inert)} set, but the rollout importance-sampling correction is off "
-                                 "until rollout_is_upper is set")
+                raise ValueError(
+                    f"{', '.join(inert)} set, but the rollout importance-sampling correction is off "
+                    "until rollout_is_upper is set"
+                )
         elif self.rollout_is_lower >= self.rollout_is_upper:
-            raise ValueError(f"rollout_is_lower ({self.rollout_is_lower:g}) must be below rollout_is_upper "
-                             f"({self.rollout_is_upper:g})")
+            raise ValueError(
+                f"rollout_is_lower ({self.rollout_is_lower:g}) must be below rollout_is_upper "
+                f"({self.rollout_is_upper:g})"
+            )
         return self
 
 

@@ -64,7 +64,7 @@ def token_matches(expected: str, header_value: str | None) -> bool:
     """Constant-time check of an `authorization` header against the expected token."""
     if not header_value or not header_value.startswith("Bearer "):
         return False
-    return hmac.compare_digest(header_value[len("Bearer "):].encode(), expected.encode())
+    return hmac.compare_digest(header_value[len("Bearer ") :].encode(), expected.encode())
 
 
 def ensure_stack_token() -> str:
@@ -87,8 +87,7 @@ def client_headers() -> dict[str, str]:
     return credential_headers(stack_token())
 
 
-def add_http_token_check(app: Any, token: str, is_open: Callable[[str], bool],
-                         refusal: Callable[[str], dict]) -> None:
+def add_http_token_check(app: Any, token: str, is_open: Callable[[str], bool], refusal: Callable[[str], dict]) -> None:
     """Make a FastAPI app answer 401 (with `refusal(why)` as the JSON body) to every request
     without `Authorization: Bearer <token>`, except paths for which `is_open(path)` holds."""
     from fastapi.responses import JSONResponse

@@ -39,5 +39,8 @@ def dataset_from_proto(spec: buffer_pb2.DatasetSpec, run: buffer_pb2.CreateRunRe
 
 def dataset_defaults() -> dict:
     """The config's default for every option that has one (fills specs stored before an option existed)."""
-    return {name: f.get_default(call_default_factory=True)
-            for name, f in DatasetConfig.model_fields.items() if not f.is_required()}
+    return {
+        name: f.get_default(call_default_factory=True)
+        for name, f in DatasetConfig.model_fields.items()
+        if not f.is_required()
+    }

@@ -52,10 +52,18 @@ class Unimplemented(RlmeshError):
     http_status = 501
 
 
-
 ERROR_BY_GRPC_CODE = {
     cls.code: cls
-    for cls in (InvalidArgument, NotFound, FailedPrecondition, AlreadyExists, ResourceExhausted, Unavailable, DeadlineExceeded, Unimplemented)
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        FailedPrecondition,
+        AlreadyExists,
+        ResourceExhausted,
+        Unavailable,
+        DeadlineExceeded,
+        Unimplemented,
+    )
 }
 # For HTTP front ends (the coordinator) relaying a failed gRPC call to another service.
 HTTP_STATUS_BY_GRPC_CODE = {code: cls.http_status for code, cls in ERROR_BY_GRPC_CODE.items()}

@@ -51,14 +51,19 @@ def _with_token(metadata, value: str) -> list[tuple[str, str]]:
     return [*(metadata or ()), (auth.HEADER, value)]
 
 
-class _AioTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                           grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+class _AioTokenInterceptor(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
     def __init__(self, value: str) -> None:
         self.value = value
 
     def _details(self, d):
-        return grpc.aio.ClientCallDetails(d.method, d.timeout, _with_token(d.metadata, self.value),
-                                          d.credentials, d.wait_for_ready)
+        return grpc.aio.ClientCallDetails(
+            d.method, d.timeout, _with_token(d.metadata, self.value), d.credentials, d.wait_for_ready
+        )
 
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
@@ -73,14 +78,24 @@ class _AioTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryS
         return await continuation(self._details(details), request_iterator)
 
 
-class _SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                            grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _SyncTokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, value: str) -> None:
         self.value = value
 
     def _details(self, d):
-        return _SyncCallDetails(d.method, d.timeout, _with_token(d.metadata, self.value), d.credentials,
-                                d.wait_for_ready, getattr(d, "compression", None))
+        return _SyncCallDetails(
+            d.method,
+            d.timeout,
+            _with_token(d.metadata, self.value),
+            d.credentials,
+            d.wait_for_ready,
+            getattr(d, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)
@@ -102,14 +117,19 @@ def aio_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     interceptors = [_AioTokenInterceptor(value)] if value else None
     options, files = channel_options(max_message_bytes), tls.tls_files()
     if files is not None:
-        return grpc.aio.secure_channel(address, tls.channel_credentials(files), options=options, interceptors=interceptors)
+        return grpc.aio.secure_channel(
+            address, tls.channel_credentials(files), options=options, interceptors=interceptors
+        )
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 def sync_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
     options, files = channel_options(max_message_bytes), tls.tls_files()
-    channel = (grpc.secure_channel(address, tls.channel_credentials(files), options=options) if files is not None
-               else grpc.insecure_channel(address, options=options))
+    channel = (
+        grpc.secure_channel(address, tls.channel_credentials(files), options=options)
+        if files is not None
+        else grpc.insecure_channel(address, options=options)
+    )
     value = auth.bearer(auth.stack_token())
     return grpc.intercept_channel(channel, _SyncTokenInterceptor(value)) if value else channel
 
@@ -132,18 +152,26 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         why = "no bearer token" if not header else "a wrong bearer token"
-        message = (f"{method} needs the stack's token and the call carried {why}: send 'authorization: Bearer "
-                   f"<token>' metadata (rlmesh clients read {auth.TOKEN_ENV} or {auth.TOKEN_FILE_ENV})")
+        message = (
+            f"{method} needs the stack's token and the call carried {why}: send 'authorization: Bearer "
+            f"<token>' metadata (rlmesh clients read {auth.TOKEN_ENV} or {auth.TOKEN_FILE_ENV})"
+        )
 
         async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(
+                refuse, handler.request_deserializer, handler.response_serializer
+            )
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                refuse, handler.request_deserializer, handler.response_serializer
+            )
         if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(
+                refuse, handler.request_deserializer, handler.response_serializer
+            )
         return grpc.stream_stream_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
 
 
@@ -159,8 +187,10 @@ class _StatusInterceptor(grpc.aio.ServerInterceptor):
 
         async def guarded(request, context: grpc.aio.ServicerContext):
             if isinstance(request, _Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"the request is not a valid {method.rsplit('/', 1)[-1]} message: {request.reason}")
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the request is not a valid {method.rsplit('/', 1)[-1]} message: {request.reason}",
+                )
             try:
                 return await inner(request, context)
             except RlmeshError as e:
@@ -244,7 +274,9 @@ async def start_server(
         interceptors.append(GrpcMetricsInterceptor(metrics, _method_names([b.full_name for b in bindings])))
     if token:
         interceptors.append(_AuthInterceptor(token))
-    server = grpc.aio.server(interceptors=[*interceptors, _StatusInterceptor()], options=channel_options(max_message_bytes))
+    server = grpc.aio.server(
+        interceptors=[*interceptors, _StatusInterceptor()], options=channel_options(max_message_bytes)
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for b in bindings:
@@ -252,8 +284,11 @@ async def start_server(
     names = [b.full_name for b in bindings]
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     files = tls.tls_files()
-    port = (server.add_secure_port(address, tls.server_credentials(files)) if files is not None
-            else server.add_insecure_port(address))
+    port = (
+        server.add_secure_port(address, tls.server_credentials(files))
+        if files is not None
+        else server.add_insecure_port(address)
+    )
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     await server.start()

@@ -50,11 +50,23 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send) -> None:
-        body = json.dumps({"detail": f"the request body is larger than the limit of {self.max_bytes} bytes "
-                                     "(max_request_bytes of this service)"}).encode()
-        await send({"type": "http.response.start", "status": TOO_LARGE_STATUS,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        body = json.dumps(
+            {
+                "detail": f"the request body is larger than the limit of {self.max_bytes} bytes "
+                "(max_request_bytes of this service)"
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": TOO_LARGE_STATUS,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -67,8 +79,14 @@ def _text(value: Any, limit: int = 200) -> str | int:
 
 def validation_errors(errors: list[dict]) -> list[dict]:
     """Pydantic/FastAPI validation errors without the offending input: location, message, type."""
-    return [{"loc": [_text(part) for part in e.get("loc", ())], "msg": _text(e.get("msg", ""), 1000),
-             "type": _text(e.get("type", ""))} for e in errors[:50]]
+    return [
+        {
+            "loc": [_text(part) for part in e.get("loc", ())],
+            "msg": _text(e.get("msg", ""), 1000),
+            "type": _text(e.get("type", "")),
+        }
+        for e in errors[:50]
+    ]
 
 
 def guard(app: Any, max_request_bytes: int) -> None:

@@ -30,19 +30,29 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_groups_per_call: int = Field(
-        4096, ge=1, le=INT32_MAX, description="Groups (prompts) one call may ask for or carry: a rollout "
+        4096,
+        ge=1,
+        le=INT32_MAX,
+        description="Groups (prompts) one call may ask for or carry: a rollout "
         "(rollout_batch_size + over_sampling_groups), an SFT step, GetPrompts, PutGroups, LeaseBatch, TrainStep, "
-        "ScoreGroups, DropGroups.")
+        "ScoreGroups, DropGroups.",
+    )
     max_samples_per_prompt: int = Field(
-        1024, ge=1, le=INT32_MAX, description="Samples per prompt (the group size), in training and in evaluation.")
+        1024, ge=1, le=INT32_MAX, description="Samples per prompt (the group size), in training and in evaluation."
+    )
     max_samples_per_call: int = Field(
-        65536, ge=1, le=INT32_MAX, description="Samples one call may produce or carry: groups x samples per prompt "
+        65536,
+        ge=1,
+        le=INT32_MAX,
+        description="Samples one call may produce or carry: groups x samples per prompt "
         "of a rollout, a lease or a scoring call; prompts x samples per prompt of an evaluation (an evaluation of "
-        "a whole dataset, eval.limit 0, takes its first max_samples_per_call / n_samples_per_prompt prompts).")
+        "a whole dataset, eval.limit 0, takes its first max_samples_per_call / n_samples_per_prompt prompts).",
+    )
     max_new_tokens: int = Field(131072, ge=1, le=INT32_MAX, description="Tokens generated per response.")
     max_num_rollouts: int = Field(10_000_000, ge=1, le=INT32_MAX, description="Rollouts (RL iterations) of one run.")
-    max_steps: int = Field(1_000_000, ge=1, le=INT32_MAX,
-                           description="sft_warmup.steps and num_steps_per_rollout of one run.")
+    max_steps: int = Field(
+        1_000_000, ge=1, le=INT32_MAX, description="sft_warmup.steps and num_steps_per_rollout of one run."
+    )
     max_micro_batch_size: int = Field(65536, ge=1, le=INT32_MAX, description="Samples per forward/backward pass.")
     max_concurrency: int = Field(65536, ge=1, le=INT32_MAX, description="In-flight engine requests of a rollout.")
 

@@ -39,8 +39,27 @@ from rlmesh.common import auth
 log = logging.getLogger(__name__)
 
 # Seconds, from a cache hit to a long generation or train step (calls here take up to minutes).
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                   120.0, 300.0, 600.0, 1800.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+)
 UNKNOWN = "unknown"
 # Largest request head the /metrics endpoint reads (a scraper sends a few hundred bytes).
 MAX_REQUEST_HEAD_BYTES = 16 * 1024
@@ -82,10 +101,19 @@ class _GrpcMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         labels = ["grpc_type", "grpc_service", "grpc_method"]
         self.started = Counter("grpc_server_started", "RPCs started on the server.", labels, registry=registry)
-        self.handled = Counter("grpc_server_handled", "RPCs completed on the server, by status code.",
-                               [*labels, "grpc_code"], registry=registry)
-        self.seconds = Histogram("grpc_server_handling_seconds", "Time from an RPC's start to its answer, in seconds.",
-                                 labels, buckets=LATENCY_BUCKETS, registry=registry)
+        self.handled = Counter(
+            "grpc_server_handled",
+            "RPCs completed on the server, by status code.",
+            [*labels, "grpc_code"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "grpc_server_handling_seconds",
+            "Time from an RPC's start to its answer, in seconds.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
 
 
 def _rpc_type(handler: grpc.RpcMethodHandler) -> str:
@@ -143,8 +171,9 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             async def timed_su(request_iterator, context):
                 return await self._observe(labels, context, inner_su(request_iterator, context))
 
-            return grpc.stream_unary_rpc_method_handler(timed_su, handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(
+                timed_su, handler.request_deserializer, handler.response_serializer
+            )
         # Streaming answers (the health service's Watch): counted when started, not timed.
         self.m.started.labels(*labels).inc()
         return handler
@@ -177,8 +206,10 @@ def scrape_allowed(authorization: str | None) -> bool:
 
 def refusal_text(authorization: str | None) -> str:
     why = "no bearer token" if not authorization else "a wrong bearer token"
-    return (f"/metrics needs the stack's token and the request carried {why}: send 'Authorization: Bearer <token>' "
-            f"(Prometheus: authorization.credentials_file in the scrape config)\n")
+    return (
+        f"/metrics needs the stack's token and the request carried {why}: send 'Authorization: Bearer <token>' "
+        f"(Prometheus: authorization.credentials_file in the scrape config)\n"
+    )
 
 
 async def start_metrics_server(metrics: ServiceMetrics, host: str, port: int) -> asyncio.Server:
@@ -204,8 +235,10 @@ async def start_metrics_server(metrics: ServiceMetrics, host: str, port: int) ->
         except Exception as e:
             log.exception("metrics scrape failed")
             status, body = "500 Internal Server Error", f"metrics failed: {type(e).__name__}\n".encode()
-        out = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-               f"Connection: close\r\n\r\n").encode()
+        out = (
+            f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n"
+        ).encode()
         try:
             writer.write(out + body)
             await writer.drain()
@@ -229,10 +262,19 @@ class HttpMetrics:
     status, and their latency."""
 
     def __init__(self, metrics: ServiceMetrics, prefix: str) -> None:
-        self.requests = Counter(f"{prefix}_http_requests", "HTTP requests answered, by method, route and status.",
-                                ["method", "route", "status"], registry=metrics.registry)
-        self.seconds = Histogram(f"{prefix}_http_request_seconds", "HTTP request latency in seconds, by route.",
-                                 ["method", "route"], buckets=LATENCY_BUCKETS, registry=metrics.registry)
+        self.requests = Counter(
+            f"{prefix}_http_requests",
+            "HTTP requests answered, by method, route and status.",
+            ["method", "route", "status"],
+            registry=metrics.registry,
+        )
+        self.seconds = Histogram(
+            f"{prefix}_http_request_seconds",
+            "HTTP request latency in seconds, by route.",
+            ["method", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=metrics.registry,
+        )
 
     def install(self, app) -> None:
         @app.middleware("http")

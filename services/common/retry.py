@@ -20,8 +20,7 @@ T = TypeVar("T")
 # What a restarted, frozen or unreachable peer answers. CANCELLED reaches a client as an
 # AioRpcError only when the server side cancelled (a peer shutting down); our own
 # cancellation is asyncio.CancelledError and is never retried.
-TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                             grpc.StatusCode.CANCELLED})
+TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 
 
 class OutageTooLong(Unavailable):
@@ -50,13 +49,18 @@ def transient_grpc_error(e: BaseException) -> str | None:
     return None
 
 
-async def retry(call: Callable[[], Awaitable[T]], *, service: str, budget_seconds: float,
-                transient: Callable[[BaseException], str | None] = transient_grpc_error,
-                on_wait: Callable[[str], Awaitable[None]] | None = None,
-                backoff: Backoff = Backoff(),
-                clock: Callable[[], float] = time.monotonic,
-                sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                uniform: Callable[[float, float], float] = random.uniform) -> T:
+async def retry(
+    call: Callable[[], Awaitable[T]],
+    *,
+    service: str,
+    budget_seconds: float,
+    transient: Callable[[BaseException], str | None] = transient_grpc_error,
+    on_wait: Callable[[str], Awaitable[None]] | None = None,
+    backoff: Backoff = Backoff(),
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    uniform: Callable[[float, float], float] = random.uniform,
+) -> T:
     """`call()`, again after each transient failure (`transient(e)` says why, or None for
     an error to raise at once) until `budget_seconds` have passed since the first failure;
     then OutageTooLong naming `service`. `on_wait(reason)` runs before each backoff sleep
@@ -78,7 +82,8 @@ async def retry(call: Callable[[], Awaitable[T]], *, service: str, budget_second
             if waited + delay > budget_seconds:
                 raise OutageTooLong(
                     f"{service} did not recover within the outage budget of {budget_seconds:g} s "
-                    f"({retries} tries over {waited:.0f} s); last error: {reason}") from None
+                    f"({retries} tries over {waited:.0f} s); last error: {reason}"
+                ) from None
             if on_wait is not None:
                 await on_wait(f"waiting for {service}: {reason} (retry {retries}, {waited:.0f} s so far)")
             await sleep(delay)

@@ -32,16 +32,23 @@ class RemoteServiceSpec(StrictModel):
     name: str = Field(max_length=63, description="Component name runs use in reward.components.")
     url: str = Field(max_length=2048, description="http://, https:// or grpc:// address of the service.")
     protocol: Literal["", "http-json", "grpc"] = Field("", description="Empty = from the URL's scheme.")
-    timeout_seconds: float = Field(0.0, ge=0, le=MAX_REMOTE_TIMEOUT_SECONDS,
-                                   description="Per call; 0 = the reward service's default.")
-    max_concurrency: int = Field(0, ge=0, le=MAX_REMOTE_CONCURRENCY,
-                                 description="Calls in flight at once; 0 = the default.")
+    timeout_seconds: float = Field(
+        0.0, ge=0, le=MAX_REMOTE_TIMEOUT_SECONDS, description="Per call; 0 = the reward service's default."
+    )
+    max_concurrency: int = Field(
+        0, ge=0, le=MAX_REMOTE_CONCURRENCY, description="Calls in flight at once; 0 = the default."
+    )
     weight: float = Field(0.0, ge=-1e6, le=1e6, description="Weight when a run names no components.")
-    max_batch_size: int = Field(0, ge=0, le=MAX_REMOTE_BATCH_SIZE,
-                                description="Samples per call (groups are kept whole); 0 = the default.")
-    bearer_token: str = Field("", max_length=MAX_TOKEN_CHARS, repr=False,
-                              description="The service's own credential, sent as 'Authorization: Bearer <token>'; "
-                              "write-only (never listed back).")
+    max_batch_size: int = Field(
+        0, ge=0, le=MAX_REMOTE_BATCH_SIZE, description="Samples per call (groups are kept whole); 0 = the default."
+    )
+    bearer_token: str = Field(
+        "",
+        max_length=MAX_TOKEN_CHARS,
+        repr=False,
+        description="The service's own credential, sent as 'Authorization: Bearer <token>'; "
+        "write-only (never listed back).",
+    )
 
 
 def remote_service(fields: dict) -> RemoteServiceSpec:
@@ -55,8 +62,9 @@ def remote_service(fields: dict) -> RemoteServiceSpec:
 
 def remote_service_to_proto(spec: RemoteServiceSpec, with_token: bool = False) -> reward_pb2.RemoteService:
     """The message; the credential only on the way in (with_token), never when listed back."""
-    return reward_pb2.RemoteService(**spec.model_dump(include=set(RemoteServiceSpec.model_fields)
-                                                      - (set() if with_token else {"bearer_token"})))
+    return reward_pb2.RemoteService(
+        **spec.model_dump(include=set(RemoteServiceSpec.model_fields) - (set() if with_token else {"bearer_token"}))
+    )
 
 
 def remote_service_from_proto(msg: reward_pb2.RemoteService) -> RemoteServiceSpec:

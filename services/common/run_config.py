@@ -46,23 +46,32 @@ def _refuse_surrogates(value: Any, where: tuple) -> None:
 
 
 class DatasetConfig(StrictModel):
-    name: str = Field(
-        pattern=r"^[A-Za-z0-9_.-]{1,128}$", description="Name used in metrics and to pick eval datasets."
-    )
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,128}$", description="Name used in metrics and to pick eval datasets.")
     path: str = Field(
-        min_length=1, description="Local file or directory on the buffer's machine, under the buffer's data_roots (relative "
+        min_length=1,
+        description="Local file or directory on the buffer's machine, under the buffer's data_roots (relative "
         "to the first): JSONL, Parquet (file or directory), or a Hugging Face datasets directory written by "
-        "save_to_disk."
+        "save_to_disk.",
     )
     prompt_key: Key = Field("prompt", description="Key of the prompt: text, or a list of chat messages.")
     label_key: Key = Field("label", description="Key of the label the verifiers compare against.")
-    metadata_key: str = Field("", max_length=128, description="Key of a per-record dict (or JSON text) kept as sample metadata.")
-    tools_key: str = Field("tools", max_length=128, description="Key of a record's tool definitions (OpenAI "
-                           "function schemas, or their JSON text): in sample metadata['tools'], shown to the model "
-                           "through the chat template; '' = none.")
-    tokenizer_path: str = Field("", description="Tokenizer for chat templates and token lengths; default the run's model.")
+    metadata_key: str = Field(
+        "", max_length=128, description="Key of a per-record dict (or JSON text) kept as sample metadata."
+    )
+    tools_key: str = Field(
+        "tools",
+        max_length=128,
+        description="Key of a record's tool definitions (OpenAI "
+        "function schemas, or their JSON text): in sample metadata['tools'], shown to the model "
+        "through the chat template; '' = none.",
+    )
+    tokenizer_path: str = Field(
+        "", description="Tokenizer for chat templates and token lengths; default the run's model."
+    )
     apply_chat_template: bool = Field(False, description="Template prompts with the tokenizer's chat template.")
-    max_prompt_length: int = Field(0, ge=0, le=INT32_MAX, description="Skip (and count) longer prompts; tokens, 0 = no limit.")
+    max_prompt_length: int = Field(
+        0, ge=0, le=INT32_MAX, description="Skip (and count) longer prompts; tokens, 0 = no limit."
+    )
     split: str = Field("", max_length=128, description="Split of a saved DatasetDict directory (default 'train').")
     weight: float = Field(1.0, gt=0, description="Mixing weight among training datasets.")
     shuffle: bool = Field(True, description="Shuffle each epoch (the order depends only on seed and epoch).")
@@ -73,7 +82,9 @@ class DatasetConfig(StrictModel):
 class SamplingConfig(StrictModel):
     """SGLang sampling parameters (same names and meaning)."""
 
-    max_new_tokens: int = Field(128, ge=1, description="Most tokens generated per response (at most limits.max_new_tokens).")
+    max_new_tokens: int = Field(
+        128, ge=1, description="Most tokens generated per response (at most limits.max_new_tokens)."
+    )
     temperature: float = Field(1.0, ge=0, description="Softmax temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: smallest token set with this probability.")
     top_k: int = Field(-1, ge=-1, le=INT32_MAX, description="Sample among the k most likely tokens (-1 = all).")
@@ -98,13 +109,15 @@ class GenerateConfig(StrictModel):
     """Which of the rollout service's registered generate functions makes the samples."""
 
     name: str = Field(
-        "", pattern=r"^$|^[A-Za-z_][A-Za-z0-9_.-]{0,63}$",
+        "",
+        pattern=r"^$|^[A-Za-z_][A-Za-z0-9_.-]{0,63}$",
         description="'' = the rollout service's default; 'agent' = the built-in tool-calling agent loop; "
         "'openai_agent' = an agent of the operator's that talks to an OpenAI-compatible endpoint; or a name the "
         "operator registered (rollout settings generate_functions). Never an import path.",
     )
     options: dict[str, Any] = Field(
-        default_factory=dict, description="The function's options, checked by its own options model when the run "
+        default_factory=dict,
+        description="The function's options, checked by its own options model when the run "
         "is created (the agent loop's: tools, tool_parser, max_turns, token limits; see docs/agents.md).",
     )
 
@@ -141,7 +154,8 @@ class RolloutConfig(StrictModel):
 
 class RewardConfig(StrictModel):
     components: dict[Key, float] = Field(
-        default_factory=lambda: {"exact_match": 1.0}, max_length=64,
+        default_factory=lambda: {"exact_match": 1.0},
+        max_length=64,
         description="Reward component name -> weight; the sample's reward is the weighted sum.",
     )
     reward_key: str = Field("", max_length=128, description="Entry to use when a reward function returns a dict.")
@@ -151,13 +165,18 @@ class OptimizerConfig(StrictModel):
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
-        (0.9, 0.999), description="AdamW betas.")
+        (0.9, 0.999), description="AdamW betas."
+    )
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
-    warmup_steps: int = Field(0, ge=0, le=INT32_MAX, description="Linear learning-rate warm-up over this many optimizer steps.")
+    warmup_steps: int = Field(
+        0, ge=0, le=INT32_MAX, description="Linear learning-rate warm-up over this many optimizer steps."
+    )
 
 
 class WeightSyncConfig(StrictModel):
-    bucket_bytes: int = Field(64 * 1024 * 1024, ge=1, le=2**40, description="Parameters per broadcast bucket, in bytes.")
+    bucket_bytes: int = Field(
+        64 * 1024 * 1024, ge=1, le=2**40, description="Parameters per broadcast bucket, in bytes."
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on GPU, gloo on CPU.")
     load_format: Literal["", "flattened_bucket"] = Field(
         "", description="'flattened_bucket' sends each bucket as one flat tensor (fewer collectives)."
@@ -166,14 +185,18 @@ class WeightSyncConfig(StrictModel):
         "distributed", description="Broadcast over a process group, or write a checkpoint the engines load."
     )
     delta: bool = Field(
-        False, description="Distributed pushes send only the elements whose bits changed since the last push "
+        False,
+        description="Distributed pushes send only the elements whose bits changed since the last push "
         "(indices and values per bucket) to engines that accept rlmesh delta updates (the reference engine; "
         "SGLang gets full pushes). The trainer keeps a copy of what it last pushed, as sent (set the trainer's "
-        "weight_sync_dtype to the engines' dtype, e.g. bfloat16, for small deltas)."
+        "weight_sync_dtype to the engines' dtype, e.g. bfloat16, for small deltas).",
     )
     delta_max_changed_fraction: float = Field(
-        0.25, ge=0, le=1, description="A bucket in which more than this fraction of elements changed is sent "
-        "whole (a delta element costs its index too: 4 bytes more)."
+        0.25,
+        ge=0,
+        le=1,
+        description="A bucket in which more than this fraction of elements changed is sent "
+        "whole (a delta element costs its index too: 4 bytes more).",
     )
 
 
@@ -187,7 +210,9 @@ class LoraConfig(StrictModel):
     alpha: float = Field(16.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B A.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input, in training passes only.")
     target_modules: Literal["all-linear"] | list[ModuleName] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, max_length=64,
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        max_length=64,
         description="Names (or name suffixes) of the linear layers to adapt, or 'all-linear' (all but the "
         "output head); checked against the model when the run starts.",
     )
@@ -197,47 +222,63 @@ class TrainingConfig(StrictModel):
     """The trainer's part of a run, declared once: `POST /runs` has these fields at its top
     level and the trainer receives them unchanged (in TrainerRunConfig)."""
 
-    model_path: str = Field(min_length=1, description="Local Hugging Face checkpoint directory of the policy (and its tokenizer).")
+    model_path: str = Field(
+        min_length=1, description="Local Hugging Face checkpoint directory of the policy (and its tokenizer)."
+    )
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages, loss and KL.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer of RL steps.")
     sft_optimizer: OptimizerConfig | None = Field(None, description="Optimizer for SFT steps; default `optimizer`.")
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward (gradient accumulation).")
     num_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout batch.")
     lora: LoraConfig | None = Field(
-        None, description="Train LoRA adapters instead of the whole model (torch backend); the KL reference is then "
-        "the base model with the adapters disabled, and checkpoints hold the adapters. Not with backend 'megatron'."
+        None,
+        description="Train LoRA adapters instead of the whole model (torch backend); the KL reference is then "
+        "the base model with the adapters disabled, and checkpoints hold the adapters. Not with backend 'megatron'.",
     )
     data_parallel: Literal["none", "fsdp2"] = Field(
-        "none", description="'fsdp2': shard the model with FSDP2 across the processes of a torchrun job, each "
-        "training its share of every mini-batch (torch backend only; not with lora; see docs/trainer.md)."
+        "none",
+        description="'fsdp2': shard the model with FSDP2 across the processes of a torchrun job, each "
+        "training its share of every mini-batch (torch backend only; not with lora; see docs/trainer.md).",
     )
     weight_sync: WeightSyncConfig = Field(
         default_factory=WeightSyncConfig, description="How new weights reach the engines."
     )
     checkpoint_dir: str = Field(
-        "", description="Where the trainer saves checkpoints, under the trainer's work_dir (relative to it; "
-        "default <work_dir>/<run>/checkpoints)."
+        "",
+        description="Where the trainer saves checkpoints, under the trainer's work_dir (relative to it; "
+        "default <work_dir>/<run>/checkpoints).",
     )
     checkpoint_interval: int = Field(
-        0, ge=0, le=INT32_MAX, description="Save a checkpoint (model, optimizer, scheduler, RNG, step) to "
+        0,
+        ge=0,
+        le=INT32_MAX,
+        description="Save a checkpoint (model, optimizer, scheduler, RNG, step) to "
         "checkpoint_dir/step-NNNNNN every this many optimizer steps, written in the background; a trainer "
         "restarted with the same run resumes from the newest one. 0 = off (each checkpoint is the model plus "
-        "twice its size in optimizer state)."
+        "twice its size in optimizer state).",
     )
     keep_last: int = Field(
-        2, ge=1, le=INT32_MAX, description="How many of the newest automatic checkpoints to keep; older ones "
-        "rlmesh wrote are deleted (SaveCheckpoint's are never deleted)."
+        2,
+        ge=1,
+        le=INT32_MAX,
+        description="How many of the newest automatic checkpoints to keep; older ones "
+        "rlmesh wrote are deleted (SaveCheckpoint's are never deleted).",
     )
     seed: int = Field(0, ge=0, le=INT64_MAX, description="Seed of the trainer's random state.")
     backend: Literal["torch", "megatron"] = Field(
-        "torch", description="How the trainer holds the model: 'torch' (a transformers model on one device, or "
+        "torch",
+        description="How the trainer holds the model: 'torch' (a transformers model on one device, or "
         "sharded over torchrun's ranks with data_parallel 'fsdp2') or "
         "'megatron' (a megatron-core GPTModel with tensor/pipeline parallelism; Llama and Qwen2 families; needs the "
         "`megatron` extra, and a trainer started under torchrun with TP x PP processes, see docs/trainer.md). Megatron trains "
-        "the whole model: no lora, no data_parallel, no estimator with a critic ('gae')."
+        "the whole model: no lora, no data_parallel, no estimator with a critic ('gae').",
     )
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="TP: ranks each layer is split over (backend 'megatron').")
-    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="PP: pipeline stages the layers are cut into (backend 'megatron').")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="TP: ranks each layer is split over (backend 'megatron')."
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, le=64, description="PP: pipeline stages the layers are cut into (backend 'megatron')."
+    )
 
     @model_validator(mode="after")
     def _parallel_sizes_need_megatron(self):
@@ -251,21 +292,29 @@ class TrainingConfig(StrictModel):
         # no FSDP2 and no value head: refused here rather than silently ignored.
         if self.backend != "megatron":
             return self
-        unsupported = [name for name, used in (
-            ("lora", self.lora is not None),
-            (f"data_parallel {self.data_parallel!r}", self.data_parallel != "none"),
-            (f"advantage_estimator {self.algorithm.advantage_estimator!r} (a critic)", self.algorithm.needs_critic),
-        ) if used]
+        unsupported = [
+            name
+            for name, used in (
+                ("lora", self.lora is not None),
+                (f"data_parallel {self.data_parallel!r}", self.data_parallel != "none"),
+                (f"advantage_estimator {self.algorithm.advantage_estimator!r} (a critic)", self.algorithm.needs_critic),
+            )
+            if used
+        ]
         if unsupported:
-            raise ValueError(f"backend 'megatron' does not support {', '.join(unsupported)}; use backend 'torch' "
-                             "for these (FSDP2 with data_parallel 'fsdp2')")
+            raise ValueError(
+                f"backend 'megatron' does not support {', '.join(unsupported)}; use backend 'torch' "
+                "for these (FSDP2 with data_parallel 'fsdp2')"
+            )
         return self
 
     @model_validator(mode="after")
     def _lora_not_sharded(self):
         if self.lora is not None and self.data_parallel != "none":
-            raise ValueError("lora with data_parallel 'fsdp2' is not supported: LoRA's adapters are small enough to "
-                             "train unsharded; use one or the other")
+            raise ValueError(
+                "lora with data_parallel 'fsdp2' is not supported: LoRA's adapters are small enough to "
+                "train unsharded; use one or the other"
+            )
         return self
 
 
@@ -290,42 +339,58 @@ class TrainerRunConfig(TrainingConfig):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = the trainer service's setting.")
     staleness_bound: int | None = Field(
-        None, ge=0, le=INT32_MAX, description="Lease only groups generated with weights at most this many versions "
-        "older than the trainer's (None = no bound): the run's max_staleness, or its mode's default."
+        None,
+        ge=0,
+        le=INT32_MAX,
+        description="Lease only groups generated with weights at most this many versions "
+        "older than the trainer's (None = no bound): the run's max_staleness, or its mode's default.",
     )
     stale_policy: StalePolicy = Field("drop", description="The run's stale_policy.")
 
 
 class EvalConfig(StrictModel):
-    interval: int = Field(0, ge=0, le=INT32_MAX, description="Evaluate every this many rollouts (0 = only before and after).")
+    interval: int = Field(
+        0, ge=0, le=INT32_MAX, description="Evaluate every this many rollouts (0 = only before and after)."
+    )
     n_samples_per_prompt: int = Field(1, ge=1, description="Responses per eval prompt (pass@k style metrics).")
     sampling: SamplingConfig = Field(
         default_factory=lambda: SamplingConfig(temperature=0.0), description="Sampling of eval responses (greedy)."
     )
-    limit: int = Field(0, ge=0, le=INT32_MAX, description="Prompts per eval dataset (0 = all, up to "
-                       "limits.max_samples_per_call / n_samples_per_prompt).")
+    limit: int = Field(
+        0,
+        ge=0,
+        le=INT32_MAX,
+        description="Prompts per eval dataset (0 = all, up to limits.max_samples_per_call / n_samples_per_prompt).",
+    )
 
 
 class SftWarmupConfig(StrictModel):
     steps: int = Field(0, ge=0, description="SFT steps through the same pipeline before RL (0 = none).")
     batch_groups: int = Field(16, ge=1, description="Prompts per SFT step.")
-    dataset: str = Field("", max_length=128, description="A dataset of the run that only the warm start reads (its "
-                         "rows in order, cycling), kept out of the RL training stream and out of evaluation, so RL "
-                         "learns from prompts the warm start never showed; '' = the warm start reads the training "
-                         "stream.")
-
-
+    dataset: str = Field(
+        "",
+        max_length=128,
+        description="A dataset of the run that only the warm start reads (its "
+        "rows in order, cycling), kept out of the RL training stream and out of evaluation, so RL "
+        "learns from prompts the warm start never showed; '' = the warm start reads the training "
+        "stream.",
+    )
 
 
 class WandbConfig(StrictModel):
     """Weights & Biases logging of the run's metric records (the names the coordinator's API shows)."""
 
     project: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,128}$", description="The W&B project.")
-    entity: str = Field("", pattern=r"^[A-Za-z0-9_.-]{0,128}$", description="The W&B team or user (empty = the "
-                        "default of the coordinator's credentials).")
+    entity: str = Field(
+        "",
+        pattern=r"^[A-Za-z0-9_.-]{0,128}$",
+        description="The W&B team or user (empty = the default of the coordinator's credentials).",
+    )
     mode: Literal["offline", "online"] = Field(
-        "offline", description="'offline' writes the run under the coordinator's log_dir (upload it later with "
-        "`wandb sync`); 'online' sends it to W&B and needs WANDB_API_KEY in the coordinator's environment.")
+        "offline",
+        description="'offline' writes the run under the coordinator's log_dir (upload it later with "
+        "`wandb sync`); 'online' sends it to W&B and needs WANDB_API_KEY in the coordinator's environment.",
+    )
 
 
 class LoggingConfig(StrictModel):
@@ -342,37 +407,56 @@ class RunConfig(TrainingConfig):
     trainer's fields (TrainingConfig) at the top level."""
 
     name: str = Field("", max_length=256, description="A name for people; the run id is generated.")
-    datasets: list[DatasetConfig] = Field(min_length=1, max_length=MAX_DATASETS, description="Training and evaluation datasets.")
+    datasets: list[DatasetConfig] = Field(
+        min_length=1, max_length=MAX_DATASETS, description="Training and evaluation datasets."
+    )
     num_rollouts: int = Field(10, ge=1, description="RL iterations: generate -> train -> push weights.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation of training samples.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="How samples are scored.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on the eval datasets.")
     sft_warmup: SftWarmupConfig = Field(default_factory=SftWarmupConfig, description="Supervised steps before RL.")
     mode: TrainingMode = Field(
-        "sync", description="'sync': generate, then train, then push weights. 'one_step_off': the next batch is "
+        "sync",
+        description="'sync': generate, then train, then push weights. 'one_step_off': the next batch is "
         "generated (with the current weights) while this one trains. 'fully_async': the rollout service keeps "
         "rollout_batch_size groups in flight at all times and writes finished ones continuously; the engines "
-        "are paused (pause_mode) only while weights are pushed."
+        "are paused (pause_mode) only while weights are pushed.",
     )
     max_staleness: int | None = Field(
-        None, ge=1, le=INT32_MAX, description="Train only on groups generated with weights at most this many "
-        "versions older than the trainer's (default: one_step_off 1, fully_async 2; sync is always 0)."
+        None,
+        ge=1,
+        le=INT32_MAX,
+        description="Train only on groups generated with weights at most this many "
+        "versions older than the trainer's (default: one_step_off 1, fully_async 2; sync is always 0).",
     )
     stale_policy: StalePolicy = Field(
         "drop", description="Older groups are dropped (counted, never trained) or trained anyway (counted)."
     )
     pause_mode: Literal["abort", "in_place", "retract"] = Field(
-        "abort", description="fully_async: how generation pauses for a weight push. 'abort' ends in-flight "
+        "abort",
+        description="fully_async: how generation pauses for a weight push. 'abort' ends in-flight "
         "requests (with partial_rollout they resume from their partial response under the new weights); "
-        "'in_place' and 'retract' keep them, and their later tokens come from the new weights."
+        "'in_place' and 'retract' keep them, and their later tokens come from the new weights.",
     )
-    max_queued_groups: int = Field(0, ge=0, le=2**40, description="Buffer backpressure cap (0 = unlimited; "
-                                   "fully_async: rollout_batch_size x max_staleness, at least an SFT batch).")
-    max_outage_seconds: float = Field(600.0, gt=0, le=7 * 24 * 3600, description="How long the run rides out a "
-                                      "service that is down, restarting or not answering (its calls retried with "
-                                      "backoff) before it fails naming that service.")
-    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="TensorBoard and W&B logging "
-                                   "of the run's metrics (optional: pip install 'rlmesh[logging]').")
+    max_queued_groups: int = Field(
+        0,
+        ge=0,
+        le=2**40,
+        description="Buffer backpressure cap (0 = unlimited; "
+        "fully_async: rollout_batch_size x max_staleness, at least an SFT batch).",
+    )
+    max_outage_seconds: float = Field(
+        600.0,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="How long the run rides out a "
+        "service that is down, restarting or not answering (its calls retried with "
+        "backoff) before it fails naming that service.",
+    )
+    logging: LoggingConfig = Field(
+        default_factory=LoggingConfig,
+        description="TensorBoard and W&B logging of the run's metrics (optional: pip install 'rlmesh[logging]').",
+    )
 
     @model_validator(mode="after")
     def _has_training_data(self):
@@ -387,8 +471,10 @@ class RunConfig(TrainingConfig):
         # The loop writes a whole batch before training it: a smaller cap would wait forever.
         batch = max(self.rollout.rollout_batch_size, self.sft_warmup.batch_groups if self.sft_warmup.steps else 0)
         if self.max_queued_groups and self.max_queued_groups < batch:
-            raise ValueError(f"max_queued_groups ({self.max_queued_groups}) must be 0 (no cap) or at least a "
-                             f"batch ({batch} groups: rollout_batch_size, sft_warmup.batch_groups)")
+            raise ValueError(
+                f"max_queued_groups ({self.max_queued_groups}) must be 0 (no cap) or at least a "
+                f"batch ({batch} groups: rollout_batch_size, sft_warmup.batch_groups)"
+            )
         return self
 
     def buffer_datasets(self) -> list[DatasetConfig]:
@@ -427,21 +513,63 @@ def limit_violations(config: RunConfig, limits: Limits) -> list[tuple[tuple[str,
     ro, ev, sft = config.rollout, config.eval, config.sft_warmup
     groups = ro.rollout_batch_size + ro.over_sampling_groups
     checks = [
-        (("rollout", "rollout_batch_size"), groups, limits.max_groups_per_call, "max_groups_per_call",
-         "rollout_batch_size + over_sampling_groups"),
+        (
+            ("rollout", "rollout_batch_size"),
+            groups,
+            limits.max_groups_per_call,
+            "max_groups_per_call",
+            "rollout_batch_size + over_sampling_groups",
+        ),
         (("sft_warmup", "batch_groups"), sft.batch_groups, limits.max_groups_per_call, "max_groups_per_call", ""),
-        (("rollout", "n_samples_per_prompt"), ro.n_samples_per_prompt, limits.max_samples_per_prompt,
-         "max_samples_per_prompt", ""),
-        (("eval", "n_samples_per_prompt"), ev.n_samples_per_prompt, limits.max_samples_per_prompt,
-         "max_samples_per_prompt", ""),
-        (("rollout", "rollout_batch_size"), groups * ro.n_samples_per_prompt, limits.max_samples_per_call,
-         "max_samples_per_call", "samples per rollout ((rollout_batch_size + over_sampling_groups) x n_samples_per_prompt)"),
-        (("sft_warmup", "batch_groups"), sft.batch_groups * ro.n_samples_per_prompt, limits.max_samples_per_call,
-         "max_samples_per_call", "samples per SFT step (batch_groups x n_samples_per_prompt)"),
-        (("eval", "limit"), ev.limit * ev.n_samples_per_prompt, limits.max_samples_per_call,
-         "max_samples_per_call", "samples per evaluation (limit x n_samples_per_prompt)"),
-        (("rollout", "sampling", "max_new_tokens"), ro.sampling.max_new_tokens, limits.max_new_tokens, "max_new_tokens", ""),
-        (("eval", "sampling", "max_new_tokens"), ev.sampling.max_new_tokens, limits.max_new_tokens, "max_new_tokens", ""),
+        (
+            ("rollout", "n_samples_per_prompt"),
+            ro.n_samples_per_prompt,
+            limits.max_samples_per_prompt,
+            "max_samples_per_prompt",
+            "",
+        ),
+        (
+            ("eval", "n_samples_per_prompt"),
+            ev.n_samples_per_prompt,
+            limits.max_samples_per_prompt,
+            "max_samples_per_prompt",
+            "",
+        ),
+        (
+            ("rollout", "rollout_batch_size"),
+            groups * ro.n_samples_per_prompt,
+            limits.max_samples_per_call,
+            "max_samples_per_call",
+            "samples per rollout ((rollout_batch_size + over_sampling_groups) x n_samples_per_prompt)",
+        ),
+        (
+            ("sft_warmup", "batch_groups"),
+            sft.batch_groups * ro.n_samples_per_prompt,
+            limits.max_samples_per_call,
+            "max_samples_per_call",
+            "samples per SFT step (batch_groups x n_samples_per_prompt)",
+        ),
+        (
+            ("eval", "limit"),
+            ev.limit * ev.n_samples_per_prompt,
+            limits.max_samples_per_call,
+            "max_samples_per_call",
+            "samples per evaluation (limit x n_samples_per_prompt)",
+        ),
+        (
+            ("rollout", "sampling", "max_new_tokens"),
+            ro.sampling.max_new_tokens,
+            limits.max_new_tokens,
+            "max_new_tokens",
+            "",
+        ),
+        (
+            ("eval", "sampling", "max_new_tokens"),
+            ev.sampling.max_new_tokens,
+            limits.max_new_tokens,
+            "max_new_tokens",
+            "",
+        ),
         (("num_rollouts",), config.num_rollouts, limits.max_num_rollouts, "max_num_rollouts", ""),
         (("sft_warmup", "steps"), sft.steps, limits.max_steps, "max_steps", ""),
         (("num_steps_per_rollout",), config.num_steps_per_rollout, limits.max_steps, "max_steps", ""),
@@ -449,7 +577,11 @@ def limit_violations(config: RunConfig, limits: Limits) -> list[tuple[tuple[str,
         (("rollout", "max_concurrency"), ro.max_concurrency, limits.max_concurrency, "max_concurrency", ""),
     ]
     return [
-        (loc, f"{what or loc[-1]} is {value}, more than the limit of {limit} (the coordinator's limits.{setting}; "
-              "an operator can raise it)")
-        for loc, value, limit, setting, what in checks if value > limit
+        (
+            loc,
+            f"{what or loc[-1]} is {value}, more than the limit of {limit} (the coordinator's limits.{setting}; "
+            "an operator can raise it)",
+        )
+        for loc, value, limit, setting, what in checks
+        if value > limit
     ]

@@ -97,11 +97,20 @@ def message_to_proto(message: dict[str, Any]) -> sample_pb2.ChatMessage:
     for call in message.get("tool_calls") or []:
         function = call.get("function", call)
         arguments = function.get("arguments", {})
-        calls.append(sample_pb2.ToolCall(
-            id=call.get("id", ""), name=function.get("name", ""),
-            arguments_json=arguments if isinstance(arguments, str) else json.dumps(arguments)))
-    return sample_pb2.ChatMessage(role=message["role"], content=message.get("content") or "", tool_calls=calls,
-                                  tool_call_id=message.get("tool_call_id", ""), name=message.get("name", ""))
+        calls.append(
+            sample_pb2.ToolCall(
+                id=call.get("id", ""),
+                name=function.get("name", ""),
+                arguments_json=arguments if isinstance(arguments, str) else json.dumps(arguments),
+            )
+        )
+    return sample_pb2.ChatMessage(
+        role=message["role"],
+        content=message.get("content") or "",
+        tool_calls=calls,
+        tool_call_id=message.get("tool_call_id", ""),
+        name=message.get("name", ""),
+    )
 
 
 def message_from_proto(msg: sample_pb2.ChatMessage) -> dict[str, Any]:
@@ -109,7 +118,8 @@ def message_from_proto(msg: sample_pb2.ChatMessage) -> dict[str, Any]:
     if msg.tool_calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
-            for c in msg.tool_calls]
+            for c in msg.tool_calls
+        ]
     if msg.tool_call_id:
         message["tool_call_id"] = msg.tool_call_id
     if msg.name:
@@ -162,8 +172,7 @@ def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
         rollout_log_probs=log_probs,
         weight_versions=list(msg.weight_versions),
         multimodal_inputs=[
-            {"kind": m.kind, "uri": m.uri, "data": m.data, "mime_type": m.mime_type}
-            for m in msg.multimodal_inputs
+            {"kind": m.kind, "uri": m.uri, "data": m.data, "mime_type": m.mime_type} for m in msg.multimodal_inputs
         ],
     )
 
@@ -241,8 +250,11 @@ def sample_from_json(d: dict[str, Any]) -> Sample:
     sample = Sample(**{k: v for k, v in d.items() if k in Sample.__dataclass_fields__})
     sample.status = Status[status.upper()] if isinstance(status, str) else Status(status)
     validate_arrays(
-        sample.index, len(sample.tokens), sample.response_length,
-        len(sample.loss_mask), len(sample.rollout_log_probs),
+        sample.index,
+        len(sample.tokens),
+        sample.response_length,
+        len(sample.loss_mask),
+        len(sample.rollout_log_probs),
     )
     return sample
 
@@ -278,8 +290,9 @@ def _validate_sample_proto(s: sample_pb2.Sample, vocab_size: int) -> None:
         raise ConversionError(f"sample {s.index}: tokens holds id {tokens[where]} at position {where}, outside {bound}")
     if not np.isfinite(log_probs).all():
         where = int(np.argmin(np.isfinite(log_probs)))
-        raise ConversionError(f"sample {s.index}: rollout_log_probs holds {log_probs[where]} at position {where}, "
-                              "not a finite number")
+        raise ConversionError(
+            f"sample {s.index}: rollout_log_probs holds {log_probs[where]} at position {where}, not a finite number"
+        )
     rewards = [("reward", s.reward), *((f"reward_components[{k!r}]", v) for k, v in s.reward_components.items())]
     for name, value in rewards:
         if not math.isfinite(value):

@@ -26,8 +26,11 @@ class ServiceSettings(BaseSettings):
     port: int = 0
     max_message_bytes: int = 256 * 1024 * 1024
     log_level: str = "INFO"
-    limits: Limits = Field(default_factory=Limits, description="Upper bounds on every count a caller can ask "
-                           "for (see rlmesh.common.limits), e.g. {\"max_groups_per_call\": 8192}.")
+    limits: Limits = Field(
+        default_factory=Limits,
+        description="Upper bounds on every count a caller can ask "
+        'for (see rlmesh.common.limits), e.g. {"max_groups_per_call": 8192}.',
+    )
 
 
 class GrpcServiceSettings(ServiceSettings):
@@ -35,10 +38,18 @@ class GrpcServiceSettings(ServiceSettings):
     its Prometheus endpoint. (The coordinator and the reference engine serve /metrics on
     their own HTTP port.)"""
 
-    metrics_port: int = Field(0, ge=0, le=65535, description="Port of the Prometheus GET /metrics HTTP endpoint "
-                              "(0 = off). It needs the stack's bearer token, like every port.")
-    metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds to (0.0.0.0 where "
-                              "Prometheus scrapes from another host, e.g. in Kubernetes).")
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the Prometheus GET /metrics HTTP endpoint "
+        "(0 = off). It needs the stack's bearer token, like every port.",
+    )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="Address the /metrics endpoint binds to (0.0.0.0 where "
+        "Prometheus scrapes from another host, e.g. in Kubernetes).",
+    )
 
 
 def _is_scalar(annotation: Any) -> bool:

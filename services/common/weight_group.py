@@ -43,12 +43,22 @@ def init_weight_group(
     engines' /init_weights_update_group."""
     timeout = timedelta(seconds=timeout_seconds)
     store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=True,
-        multi_tenant=True, master_listen_fd=listen_fd,
+        master_address,
+        master_port,
+        world_size,
+        is_master=(rank == 0),
+        timeout=timeout,
+        wait_for_workers=True,
+        multi_tenant=True,
+        master_listen_fd=listen_fd,
     )
     prefixed = PrefixStore(group_name, store)
     # torch renamed pg_options -> backend_options; accept either.
-    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters else "pg_options"
+    options = (
+        "backend_options"
+        if "backend_options" in inspect.signature(_new_process_group_helper).parameters
+        else "pg_options"
+    )
     group, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), prefixed, group_name=group_name, timeout=timeout, **{options: None}
     )
@@ -70,8 +80,10 @@ def rendezvous_socket(bind_address: str) -> tuple[int, int]:
             sock.close()
             raise
     except OSError as e:
-        raise OSError(f"cannot listen for the weight group's rendezvous on {bind_address!r}: {e}; set the trainer's "
-                      "weight_sync_bind_address to an address of this machine") from None
+        raise OSError(
+            f"cannot listen for the weight group's rendezvous on {bind_address!r}: {e}; set the trainer's "
+            "weight_sync_bind_address to an address of this machine"
+        ) from None
     return sock.getsockname()[1], sock.detach()
 
 

@@ -45,20 +45,31 @@ def patient_redis_client(url: str, outage_seconds: float) -> aioredis.Redis:
     """A client whose commands are retried (backoff with jitter, up to 2 s apart) while Redis
     is down or restarting, for about outage_seconds."""
     return aioredis.Redis.from_url(
-        url, retry=Retry(ExponentialWithJitterBackoff(cap=REDIS_RETRY_CAP_SECONDS, base=0.1),
-                         retries=max(int(outage_seconds / REDIS_RETRY_CAP_SECONDS), 1)),
-        retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError])
+        url,
+        retry=Retry(
+            ExponentialWithJitterBackoff(cap=REDIS_RETRY_CAP_SECONDS, base=0.1),
+            retries=max(int(outage_seconds / REDIS_RETRY_CAP_SECONDS), 1),
+        ),
+        retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError],
+    )
 
 
 def create_app(settings: Settings) -> FastAPI:
     metrics = CoordinatorMetrics(lambda: app.state.store.list())
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         redis = aioredis.Redis.from_url(settings.redis_url)  # the API's: a Redis outage answers 503 at once
         patient_redis = patient_redis_client(settings.redis_url, settings.redis_outage_seconds)
-        channels = {name: aio_channel(address, settings.max_message_bytes) for name, address in (
-            ("buffer", settings.buffer_address), ("rollout", settings.rollout_address),
-            ("trainer", settings.trainer_address), ("reward", settings.reward_address))}
+        channels = {
+            name: aio_channel(address, settings.max_message_bytes)
+            for name, address in (
+                ("buffer", settings.buffer_address),
+                ("rollout", settings.rollout_address),
+                ("trainer", settings.trainer_address),
+                ("reward", settings.reward_address),
+            )
+        }
         clients = Clients(
             buffer=buffer_pb2_grpc.BufferStub(channels["buffer"]),
             rollout=rollout_pb2_grpc.RolloutStub(channels["rollout"]),
@@ -66,8 +77,14 @@ def create_app(settings: Settings) -> FastAPI:
         )
         app.state.store = RunStore(redis, settings.key_prefix)
         # The loop's own client rides out a Redis restart instead of losing track of the run.
-        app.state.driver = RunDriver(RunStore(patient_redis, settings.key_prefix), clients, settings.train_wait_seconds,
-                                     settings.max_finished_runs, settings=settings, metrics=metrics)
+        app.state.driver = RunDriver(
+            RunStore(patient_redis, settings.key_prefix),
+            clients,
+            settings.train_wait_seconds,
+            settings.max_finished_runs,
+            settings=settings,
+            metrics=metrics,
+        )
         app.state.reward = reward_pb2_grpc.RewardStub(channels["reward"])
         await app.state.driver.resume_active()
         yield
@@ -77,17 +94,26 @@ def create_app(settings: Settings) -> FastAPI:
         await redis.aclose()
         await patient_redis.aclose()
 
-    app = FastAPI(title="rlmesh coordinator", version="0.1.0", lifespan=lifespan,
-                  description="Start, stop and watch RL post-training runs. Every route except /health and "
-                  "the API docs needs `Authorization: Bearer <token>` (the stack's token).",
-                  responses={401: {"model": Problem, "description": "Missing or wrong bearer token."}})
+    app = FastAPI(
+        title="rlmesh coordinator",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Start, stop and watch RL post-training runs. Every route except /health and "
+        "the API docs needs `Authorization: Bearer <token>` (the stack's token).",
+        responses={401: {"model": Problem, "description": "Missing or wrong bearer token."}},
+    )
     guard(app, settings.max_request_bytes)
     token = auth.required_token()
     if token:
         auth.add_http_token_check(
-            app, token, lambda path: path in OPEN_PATHS or is_page_path(path),
-            lambda why: {"detail": f"this API needs the stack's token and the request carried {why}: send "
-                                   f"'Authorization: Bearer <token>' ({auth.TOKEN_ENV} of the stack)"})
+            app,
+            token,
+            lambda path: path in OPEN_PATHS or is_page_path(path),
+            lambda why: {
+                "detail": f"this API needs the stack's token and the request carried {why}: send "
+                f"'Authorization: Bearer <token>' ({auth.TOKEN_ENV} of the stack)"
+            },
+        )
     metrics.http.install(app)  # (after the token check: counts the requests it refuses too)
 
     @app.get("/metrics", include_in_schema=False)
@@ -102,8 +128,10 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(redis_errors.ConnectionError)
     @app.exception_handler(redis_errors.TimeoutError)
     async def redis_down(request: Request, exc: Exception):
-        return JSONResponse(status_code=503, content={
-            "detail": f"the coordinator's Redis is unavailable ({type(exc).__name__}); retry shortly"})
+        return JSONResponse(
+            status_code=503,
+            content={"detail": f"the coordinator's Redis is unavailable ({type(exc).__name__}); retry shortly"},
+        )
 
     @app.exception_handler(grpc.aio.AioRpcError)
     async def upstream_error(request: Request, exc: grpc.aio.AioRpcError):
@@ -127,8 +155,13 @@ API_TASK = "rlmesh-coordinator-api"  # the task serving the API that start() run
 
 async def start(settings: Settings) -> tuple[uvicorn.Server, int]:
     """Start the API in the running loop; returns the server and its bound port."""
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_level=settings.log_level.lower(), lifespan="on")
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        lifespan="on",
+    )
     server = uvicorn.Server(config)
     asyncio.get_running_loop().create_task(server.serve(), name=API_TASK)
     while not server.started:
@@ -138,6 +171,7 @@ async def start(settings: Settings) -> tuple[uvicorn.Server, int]:
 
 
 async def serve(settings: Settings) -> None:
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_level=settings.log_level.lower())
+    config = uvicorn.Config(
+        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower()
+    )
     await uvicorn.Server(config).serve()

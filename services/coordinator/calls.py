@@ -53,8 +53,16 @@ def _transient(e: BaseException) -> str | None:
 class RunCalls:
     """The calls of run `run_id` (config `cfg`), each retried through its service's outage."""
 
-    def __init__(self, run_id: str, cfg: RunConfig, store: RunStore, clients: Clients, settings: Settings,
-                 backoff: Backoff, train_wait_seconds: float) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        cfg: RunConfig,
+        store: RunStore,
+        clients: Clients,
+        settings: Settings,
+        backoff: Backoff,
+        train_wait_seconds: float,
+    ) -> None:
         self.run_id = run_id
         self.cfg = cfg
         self.store = store
@@ -90,8 +98,14 @@ class RunCalls:
             await self.check_stop()  # a stop request ends the wait
 
         try:
-            return await retry(call, service=service, budget_seconds=self.cfg.max_outage_seconds,
-                               transient=_transient, on_wait=on_wait, backoff=self.backoff)
+            return await retry(
+                call,
+                service=service,
+                budget_seconds=self.cfg.max_outage_seconds,
+                transient=_transient,
+                on_wait=on_wait,
+                backoff=self.backoff,
+            )
         finally:
             if waited:
                 await self.store.update(self.run_id, waiting_for="")
@@ -110,21 +124,25 @@ class RunCalls:
             self.trainer_reset = True
             await self.init_trainer()
             await self._publish_once()
-            raise _TrainerLostRun(f"{self.service('trainer')} had lost the run (restarted?) and was set up "
-                                  f"again: {e.details()}") from None
+            raise _TrainerLostRun(
+                f"{self.service('trainer')} had lost the run (restarted?) and was set up again: {e.details()}"
+            ) from None
 
     async def _patient_trainer(self, call: Callable[[], Awaitable]):
         return await self.patiently(self.service("trainer"), lambda: self.on_trainer(call))
 
     async def init_trainer(self) -> trainer_pb2.TrainerStatus:
-        return await self.clients.trainer.InitRun(requests.init_run_request(self.run_id, self.cfg),
-                                                  timeout=self.settings.setup_deadline_seconds)
+        return await self.clients.trainer.InitRun(
+            requests.init_run_request(self.run_id, self.cfg), timeout=self.settings.setup_deadline_seconds
+        )
 
     async def setup(self) -> int:
         """The run in the buffer and on the trainer; returns the trainer's step."""
         request = requests.create_run_request(self.run_id, self.cfg)
-        await self.patiently(self.service("buffer"), lambda: self.clients.buffer.CreateRun(
-            request, timeout=self.settings.call_deadline_seconds))
+        await self.patiently(
+            self.service("buffer"),
+            lambda: self.clients.buffer.CreateRun(request, timeout=self.settings.call_deadline_seconds),
+        )
         status = await self.set_up_trainer()
         if (await self.store.get(self.run_id))["weight_version"] == 0:
             # The engines may hold another run's weights: start from the run's own.
@@ -135,13 +153,19 @@ class RunCalls:
         return await self.patiently(self.service("trainer"), self.init_trainer)
 
     async def trainer_status(self) -> trainer_pb2.TrainerStatus:
-        return await self._patient_trainer(lambda: self.clients.trainer.GetStatus(
-            trainer_pb2.GetStatusRequest(run_id=self.run_id), timeout=self.settings.call_deadline_seconds))
+        return await self._patient_trainer(
+            lambda: self.clients.trainer.GetStatus(
+                trainer_pb2.GetStatusRequest(run_id=self.run_id), timeout=self.settings.call_deadline_seconds
+            )
+        )
 
     async def end_run(self) -> trainer_pb2.TrainerStatus:
         """EndRun: the trainer's last steps written to a checkpoint and their acknowledgments made final."""
-        status = await self._patient_trainer(lambda: self.clients.trainer.EndRun(
-            trainer_pb2.EndRunRequest(run_id=self.run_id), timeout=self.settings.setup_deadline_seconds))
+        status = await self._patient_trainer(
+            lambda: self.clients.trainer.EndRun(
+                trainer_pb2.EndRunRequest(run_id=self.run_id), timeout=self.settings.setup_deadline_seconds
+            )
+        )
         self.trainer_reset = False  # (its answer is where the trainer stands)
         return status
 
@@ -149,7 +173,8 @@ class RunCalls:
         version = (await self.store.get(self.run_id))["weight_version"] + 1
         r = await self.clients.trainer.PublishWeights(
             trainer_pb2.PublishWeightsRequest(run_id=self.run_id, version=version),
-            timeout=self.settings.setup_deadline_seconds)
+            timeout=self.settings.setup_deadline_seconds,
+        )
         await self.store.update(self.run_id, weight_version=version)
         return {"weights/version": version, "weights/seconds": r.seconds, "weights/bytes": r.bytes}
 
@@ -175,36 +200,51 @@ class RunCalls:
                 if stats.leased_groups and stats.queued_groups < request.num_groups:
                     # A trainer that restarted has lost the run: set up again, it releases
                     # the dead trainer's lease (RollbackToCheckpoint) instead of waiting it out.
-                    await self.on_trainer(lambda: self.clients.trainer.GetStatus(
-                        trainer_pb2.GetStatusRequest(run_id=self.run_id), timeout=self.settings.call_deadline_seconds))
-                    raise _StepInFlight(f"{stats.leased_groups} groups are leased by an interrupted train step: "
-                                        "waiting for its acknowledgment or for the lease to expire")
+                    await self.on_trainer(
+                        lambda: self.clients.trainer.GetStatus(
+                            trainer_pb2.GetStatusRequest(run_id=self.run_id),
+                            timeout=self.settings.call_deadline_seconds,
+                        )
+                    )
+                    raise _StepInFlight(
+                        f"{stats.leased_groups} groups are leased by an interrupted train step: "
+                        "waiting for its acknowledgment or for the lease to expire"
+                    )
             tried = True
-            return await self.on_trainer(lambda: self.clients.trainer.TrainStep(
-                request, timeout=request.wait_seconds + self.deadline(request.num_groups)))
+            return await self.on_trainer(
+                lambda: self.clients.trainer.TrainStep(
+                    request, timeout=request.wait_seconds + self.deadline(request.num_groups)
+                )
+            )
 
         return await self.patiently(self.service("trainer"), attempt)
 
     async def train_batch(self) -> tuple[trainer_pb2.TrainStepResponse, float]:
         """An RL train step on the next batch; its answer and how long it took."""
         t0 = time.monotonic()
-        t = await self.train_step(trainer_pb2.TrainStepRequest(
-            run_id=self.run_id, num_groups=self.cfg.rollout.rollout_batch_size, wait_seconds=self.train_wait_seconds))
+        t = await self.train_step(
+            trainer_pb2.TrainStepRequest(
+                run_id=self.run_id, num_groups=self.cfg.rollout.rollout_batch_size, wait_seconds=self.train_wait_seconds
+            )
+        )
         return t, time.monotonic() - t0
 
     # ---- the rollout service -----------------------------------------------------------------
 
-    async def generate(self, batch: int, request: Callable[[int], rollout_pb2.GenerateRolloutRequest]
-                       ) -> rollout_pb2.GenerateRolloutResponse:
+    async def generate(
+        self, batch: int, request: Callable[[int], rollout_pb2.GenerateRolloutRequest]
+    ) -> rollout_pb2.GenerateRolloutResponse:
         """Generate what the batch still misses. Safe to retry: groups an interrupted call wrote
         stay queued and are counted; prompts it held are handed back (or their lease expires)."""
+
         async def attempt():
             missing = await self.missing_groups(batch)
             if not missing:
                 return rollout_pb2.GenerateRolloutResponse()
             req = request(missing)
             return await self.clients.rollout.GenerateRollout(
-                req, timeout=self.deadline(missing + req.over_sampling_groups))
+                req, timeout=self.deadline(missing + req.over_sampling_groups)
+            )
 
         return await self.patiently(self.service("rollout"), attempt)
 
@@ -214,10 +254,14 @@ class RunCalls:
         cfg = self.cfg
         # The trainer leases this batch with the same bound; one_step_off trains it one version
         # later than the weights it is generated with.
-        oldest = oldest_weight_version((await self.store.get(self.run_id))["weight_version"], cfg.staleness_bound,
-                                       ahead=int(cfg.mode == "one_step_off"))
-        g = await self.generate(cfg.rollout.rollout_batch_size,
-                                lambda missing: requests.rollout_request(self.run_id, cfg, missing, oldest))
+        oldest = oldest_weight_version(
+            (await self.store.get(self.run_id))["weight_version"],
+            cfg.staleness_bound,
+            ahead=int(cfg.mode == "one_step_off"),
+        )
+        g = await self.generate(
+            cfg.rollout.rollout_batch_size, lambda missing: requests.rollout_request(self.run_id, cfg, missing, oldest)
+        )
         return dict(g.metrics), time.monotonic() - t0
 
     async def rollout_call(self, call: Callable[[], Awaitable]):
@@ -228,23 +272,41 @@ class RunCalls:
         out: dict = {}
         for d in self.cfg.eval_datasets():
             request = requests.evaluate_request(self.run_id, self.cfg, d.name)
-            r = await self.patiently(self.service("rollout"), lambda request=request: self.clients.rollout.Evaluate(
-                request, timeout=self.deadline(self.cfg.eval.limit)))
+            r = await self.patiently(
+                self.service("rollout"),
+                lambda request=request: self.clients.rollout.Evaluate(
+                    request, timeout=self.deadline(self.cfg.eval.limit)
+                ),
+            )
             out.update(r.metrics)
         return out
 
     # ---- the buffer ----------------------------------------------------------------------
 
     async def stats(self) -> buffer_pb2.BufferStats:
-        return await self.patiently(self.service("buffer"), lambda: self.clients.buffer.GetStats(
-            buffer_pb2.GetStatsRequest(run_id=self.run_id), timeout=self.settings.call_deadline_seconds))
+        return await self.patiently(
+            self.service("buffer"),
+            lambda: self.clients.buffer.GetStats(
+                buffer_pb2.GetStatsRequest(run_id=self.run_id), timeout=self.settings.call_deadline_seconds
+            ),
+        )
 
     async def buffer_metrics(self) -> dict[str, float]:
         """The buffer's depth and what became of groups, for the iteration's record."""
         s = await self.stats()
-        out = {f"buffer/{name}": float(getattr(s, name)) for name in (
-            "queued_groups", "leased_groups", "partial_groups", "dead_letter_groups", "stale_groups_dropped",
-            "stale_groups_kept", "redelivered_groups", "groups_written_per_second")}
+        out = {
+            f"buffer/{name}": float(getattr(s, name))
+            for name in (
+                "queued_groups",
+                "leased_groups",
+                "partial_groups",
+                "dead_letter_groups",
+                "stale_groups_dropped",
+                "stale_groups_kept",
+                "redelivered_groups",
+                "groups_written_per_second",
+            )
+        }
         out.update({f"buffer/dropped/{reason}": float(n) for reason, n in s.dropped_by_reason.items()})
         return out
 

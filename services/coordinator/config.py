@@ -19,28 +19,57 @@ class Settings(ServiceSettings):
     reward_address: str = Field("127.0.0.1:50053", description="host:port of the reward service.")
     trainer_address: str = Field("127.0.0.1:50054", description="host:port of the trainer service.")
     train_wait_seconds: float = Field(600.0, gt=0, description="How long a train step waits for its batch.")
-    max_request_bytes: int = Field(1024 * 1024, ge=1024, description="Largest request body the REST API reads "
-                                   "(larger ones get 413).")
-    max_finished_runs: int = Field(100, ge=1, description="Finished runs kept (records, metrics and buffer data); "
-                                   "the oldest beyond this are deleted when a run ends. Checkpoints stay on disk.")
+    max_request_bytes: int = Field(
+        1024 * 1024, ge=1024, description="Largest request body the REST API reads (larger ones get 413)."
+    )
+    max_finished_runs: int = Field(
+        100,
+        ge=1,
+        description="Finished runs kept (records, metrics and buffer data); "
+        "the oldest beyond this are deleted when a run ends. Checkpoints stay on disk.",
+    )
     # Deadlines of the coordinator's calls. A call past its deadline counts as an outage of
     # that service and is retried within the run's max_outage_seconds, so they are generous.
-    call_deadline_seconds: float = Field(60.0, gt=0, description="Deadline of a quick call (buffer stats, "
-                                         "CreateRun, EndRun, DeleteRun).")
-    setup_deadline_seconds: float = Field(900.0, gt=0, description="Deadline of InitRun (loads the model) and "
-                                          "PublishWeights (pushes it to every engine).")
-    work_deadline_seconds: float = Field(600.0, gt=0, description="Base deadline of GenerateRollout, Evaluate and "
-                                         "TrainStep (TrainStep adds train_wait_seconds); per_group_deadline_seconds "
-                                         "is added for each group the call handles.")
-    per_group_deadline_seconds: float = Field(30.0, ge=0, description="Deadline added per group (or eval prompt) "
-                                              "a generation, evaluation or train call handles.")
-    retry_backoff_base_seconds: float = Field(0.5, gt=0, description="First delay before retrying a call to a "
-                                              "service that is unavailable; doubles per retry, with jitter.")
-    redis_outage_seconds: float = Field(600.0, gt=0, description="How long the run loop's Redis commands are "
-                                        "retried while Redis is down or restarting (the API answers 503 meanwhile).")
-    async_heartbeat_seconds: float = Field(5.0, gt=0, description="fully_async runs: how often the coordinator "
-                                           "checks that the rollout service's generation loop runs (and restarts it).")
+    call_deadline_seconds: float = Field(
+        60.0, gt=0, description="Deadline of a quick call (buffer stats, CreateRun, EndRun, DeleteRun)."
+    )
+    setup_deadline_seconds: float = Field(
+        900.0, gt=0, description="Deadline of InitRun (loads the model) and PublishWeights (pushes it to every engine)."
+    )
+    work_deadline_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="Base deadline of GenerateRollout, Evaluate and "
+        "TrainStep (TrainStep adds train_wait_seconds); per_group_deadline_seconds "
+        "is added for each group the call handles.",
+    )
+    per_group_deadline_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="Deadline added per group (or eval prompt) a generation, evaluation or train call handles.",
+    )
+    retry_backoff_base_seconds: float = Field(
+        0.5,
+        gt=0,
+        description="First delay before retrying a call to a "
+        "service that is unavailable; doubles per retry, with jitter.",
+    )
+    redis_outage_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="How long the run loop's Redis commands are "
+        "retried while Redis is down or restarting (the API answers 503 meanwhile).",
+    )
+    async_heartbeat_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="fully_async runs: how often the coordinator "
+        "checks that the rollout service's generation loop runs (and restarts it).",
+    )
     retry_backoff_max_seconds: float = Field(10.0, gt=0, description="Longest delay between retries.")
-    log_dir: Path = Field(Path(".rlmesh/run-logs"), description="Where runs that ask for TensorBoard or W&B "
-                          "logging (their config's `logging`) write them: <log_dir>/<run id>/tensorboard and "
-                          ".../wandb. Relative to the working directory.")
+    log_dir: Path = Field(
+        Path(".rlmesh/run-logs"),
+        description="Where runs that ask for TensorBoard or W&B "
+        "logging (their config's `logging`) write them: <log_dir>/<run id>/tensorboard and "
+        ".../wandb. Relative to the working directory.",
+    )

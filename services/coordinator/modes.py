@@ -31,12 +31,24 @@ log = logging.getLogger(__name__)
 LEASE_POLL_SECONDS = 0.05
 
 
-def iteration_record(rollout_id: int, generation: dict, train: trainer_pb2.TrainStepResponse, weights: dict,
-                     phases: dict[str, float], started: float) -> dict:
-    return {"rollout_id": rollout_id + 1, "time": time.time(), "step": train.step, **generation,
-            **{f"train/{k}": v for k, v in train.metrics.items()}, **weights,
-            **{f"phase/{k}_seconds": v for k, v in phases.items()},
-            "iteration/seconds": time.monotonic() - started}
+def iteration_record(
+    rollout_id: int,
+    generation: dict,
+    train: trainer_pb2.TrainStepResponse,
+    weights: dict,
+    phases: dict[str, float],
+    started: float,
+) -> dict:
+    return {
+        "rollout_id": rollout_id + 1,
+        "time": time.time(),
+        "step": train.step,
+        **generation,
+        **{f"train/{k}": v for k, v in train.metrics.items()},
+        **weights,
+        **{f"phase/{k}_seconds": v for k, v in phases.items()},
+        "iteration/seconds": time.monotonic() - started,
+    }
 
 
 class TrainingMode:
@@ -51,8 +63,9 @@ class TrainingMode:
         generation, generate_seconds = await self.calls.generate_batch()
         t, train_seconds = await self.calls.train_batch()
         w = await self.calls.publish()
-        return iteration_record(rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds},
-                                t0)
+        return iteration_record(
+            rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds}, t0
+        )
 
     async def settle(self, keep_metrics: bool = False) -> None:
         """Between steps (a pause, the warm start's steps, the end of training): nothing of the
@@ -94,8 +107,9 @@ class OneStepOffMode(TrainingMode):
             raise
         self.upcoming = upcoming
         w = await self.calls.publish()
-        return iteration_record(rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds},
-                                t0)
+        return iteration_record(
+            rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds}, t0
+        )
 
     async def _leased_or_done(self, training: asyncio.Task) -> None:
         """Until the train step holds its batch (or has finished)."""
@@ -131,24 +145,34 @@ class FullyAsyncMode(TrainingMode):
         await self._start_generation()
         t, train_seconds = await calls.train_batch()
         t1 = time.monotonic()
-        await calls.rollout_call(lambda: calls.clients.rollout.PauseGeneration(
-            rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode), timeout=settings.call_deadline_seconds))
+        await calls.rollout_call(
+            lambda: calls.clients.rollout.PauseGeneration(
+                rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode), timeout=settings.call_deadline_seconds
+            )
+        )
         try:
             w = await calls.publish()
         finally:
-            await calls.rollout_call(lambda: calls.clients.rollout.ContinueGeneration(
-                rollout_pb2.ContinueGenerationRequest(), timeout=settings.call_deadline_seconds))
+            await calls.rollout_call(
+                lambda: calls.clients.rollout.ContinueGeneration(
+                    rollout_pb2.ContinueGenerationRequest(), timeout=settings.call_deadline_seconds
+                )
+            )
         generation, self.generation_metrics = self.generation_metrics, {}
-        return iteration_record(rollout_id, generation, t, w, {"train": train_seconds, "pause": time.monotonic() - t1},
-                                t0)
+        return iteration_record(
+            rollout_id, generation, t, w, {"train": train_seconds, "pause": time.monotonic() - t1}, t0
+        )
 
     async def _start_generation(self) -> None:
         """StartAsyncRollout: starts the run's generation loop, or (already running) is a
         heartbeat; either way it returns the loop's metrics since the previous call."""
         calls = self.calls
-        r = await calls.rollout_call(lambda: calls.clients.rollout.StartAsyncRollout(
-            requests.rollout_request(calls.run_id, calls.cfg, calls.cfg.rollout.rollout_batch_size),
-            timeout=calls.settings.call_deadline_seconds))
+        r = await calls.rollout_call(
+            lambda: calls.clients.rollout.StartAsyncRollout(
+                requests.rollout_request(calls.run_id, calls.cfg, calls.cfg.rollout.rollout_batch_size),
+                timeout=calls.settings.call_deadline_seconds,
+            )
+        )
         self._collect(r)
 
     def _collect(self, reply: rollout_pb2.AsyncRolloutResponse) -> None:
@@ -189,8 +213,10 @@ class FullyAsyncMode(TrainingMode):
         calls = self.calls
 
         def call():
-            return calls.clients.rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id=calls.run_id),
-                                                           timeout=calls.settings.call_deadline_seconds)
+            return calls.clients.rollout.StopAsyncRollout(
+                rollout_pb2.StopAsyncRolloutRequest(run_id=calls.run_id), timeout=calls.settings.call_deadline_seconds
+            )
+
         try:
             self._collect(await (calls.rollout_call(call) if patiently else call()))
         except grpc.aio.AioRpcError as e:
@@ -200,4 +226,7 @@ class FullyAsyncMode(TrainingMode):
 
 
 TRAINING_MODES: dict[str, type[TrainingMode]] = {
-    "sync": TrainingMode, "one_step_off": OneStepOffMode, "fully_async": FullyAsyncMode}
+    "sync": TrainingMode,
+    "one_step_off": OneStepOffMode,
+    "fully_async": FullyAsyncMode,
+}

@@ -40,12 +40,25 @@ class CoordinatorMetrics:
         self.service = ServiceMetrics()
         r = self.service.registry
         self.http = HttpMetrics(self.service, "rlmesh_coordinator")
-        self.iterations = Counter("rlmesh_coordinator_iterations", "RL iterations finished (generate, train, push "
-                                  "weights), by mode.", ["mode"], registry=r)
-        self.iteration_seconds = Histogram("rlmesh_coordinator_iteration_seconds", "Duration of an RL iteration, "
-                                           "in seconds.", ["mode"], buckets=LATENCY_BUCKETS, registry=r)
-        self.log_failures = Counter("rlmesh_coordinator_run_log_failures", "Run metric records a logger "
-                                    "(tensorboard, wandb) failed to start for or to write.", ["sink"], registry=r)
+        self.iterations = Counter(
+            "rlmesh_coordinator_iterations",
+            "RL iterations finished (generate, train, push weights), by mode.",
+            ["mode"],
+            registry=r,
+        )
+        self.iteration_seconds = Histogram(
+            "rlmesh_coordinator_iteration_seconds",
+            "Duration of an RL iteration, in seconds.",
+            ["mode"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.log_failures = Counter(
+            "rlmesh_coordinator_run_log_failures",
+            "Run metric records a logger (tensorboard, wandb) failed to start for or to write.",
+            ["sink"],
+            registry=r,
+        )
         runs = _RunsCollector(list_runs)
         r.register(runs)
         self.service.on_scrape(runs.refresh)
@@ -73,8 +86,9 @@ class _RunsCollector(Collector):
         return []
 
     def collect(self):
-        family = GaugeMetricFamily("rlmesh_coordinator_runs", "Runs the coordinator keeps, by status.",
-                                   labels=["status"])
+        family = GaugeMetricFamily(
+            "rlmesh_coordinator_runs", "Runs the coordinator keeps, by status.", labels=["status"]
+        )
         for status, n in self.counts.items():
             family.add_metric([status], float(n))
         yield family
@@ -93,8 +107,11 @@ class Sink(Protocol):
 
 def loggable(record: dict[str, Any]) -> dict[str, float]:
     """The record's finite numbers, by their names (booleans, texts and the timestamp left out)."""
-    return {k: float(v) for k, v in record.items()
-            if k not in NOT_LOGGED and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k not in NOT_LOGGED and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 def step_of(record: dict[str, Any]) -> int:
@@ -133,11 +150,23 @@ class WandbSink:
         directory.mkdir(parents=True, exist_ok=True)
         # id = the run's id, resume "allow": a restarted coordinator carries on with the same W&B run.
         self.run = wandb.init(
-            project=spec.project, entity=spec.entity or None, mode=spec.mode, dir=str(directory), id=run_id,
-            name=cfg.name or run_id, resume="allow", reinit="create_new",
+            project=spec.project,
+            entity=spec.entity or None,
+            mode=spec.mode,
+            dir=str(directory),
+            id=run_id,
+            name=cfg.name or run_id,
+            resume="allow",
+            reinit="create_new",
             config=cfg.model_dump(mode="json", exclude={"logging"}),
-            settings=wandb.Settings(silent=True, console="off", disable_git=True, save_code=False,
-                                    x_disable_stats=True, x_disable_machine_info=True),
+            settings=wandb.Settings(
+                silent=True,
+                console="off",
+                disable_git=True,
+                save_code=False,
+                x_disable_stats=True,
+                x_disable_machine_info=True,
+            ),
         )
         # SFT records count SFT steps; every other record counts RL iterations.
         self.run.define_metric("sft_step")

@@ -25,7 +25,7 @@ _ARRAYS = ("tokens", "loss_mask", "rollout_log_probs", "multimodal_inputs")
 # own origin, whatever that text holds.
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
 }
@@ -63,5 +63,4 @@ def group_for_people(msg: sample_pb2.SampleGroup) -> dict[str, Any]:
             d.pop(k, None)
         d["multimodal_inputs"] = len(s.multimodal_inputs)
         samples.append(d)
-    return {"group_id": group.group_id, "group_index": group.group_index, "dataset": group.dataset,
-            "samples": samples}
+    return {"group_id": group.group_id, "group_index": group.group_index, "dataset": group.dataset, "samples": samples}

@@ -22,7 +22,8 @@ def reward_spec(cfg: RunConfig) -> reward_pb2.RewardSpec:
 def create_run_request(run_id: str, cfg: RunConfig) -> buffer_pb2.CreateRunRequest:
     """The run's queue and prompt sources in the buffer."""
     return buffer_pb2.CreateRunRequest(
-        run_id=run_id, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+        run_id=run_id,
+        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
         max_queued_groups=cfg.queue_cap,
         datasets=[dataset_to_proto(d) for d in cfg.buffer_datasets()],
         tokenizer_path=cfg.model_path,
@@ -34,16 +35,25 @@ def init_run_request(run_id: str, cfg: RunConfig) -> trainer_pb2.InitRunRequest:
     return trainer_pb2.InitRunRequest(run_id=run_id, config_json=cfg.trainer_config().model_dump_json())
 
 
-def rollout_request(run_id: str, cfg: RunConfig, num_groups: int,
-                    min_weight_version: int = 0) -> rollout_pb2.GenerateRolloutRequest:
+def rollout_request(
+    run_id: str, cfg: RunConfig, num_groups: int, min_weight_version: int = 0
+) -> rollout_pb2.GenerateRolloutRequest:
     """An RL batch (GenerateRollout), or the continuous generation's settings (StartAsyncRollout)."""
     ro = cfg.rollout
     return rollout_pb2.GenerateRolloutRequest(
-        run_id=run_id, num_groups=num_groups, sampling=sampling_to_proto(ro.sampling),
-        reward=reward_spec(cfg), group_filter=ro.group_filter, over_sampling_groups=ro.over_sampling_groups,
-        partial_rollout=ro.partial_rollout, mode="rl", max_concurrency=ro.max_concurrency,
-        apply_chat_template=ro.apply_chat_template, generate=generate_function_spec(cfg),
-        min_weight_version=min_weight_version)
+        run_id=run_id,
+        num_groups=num_groups,
+        sampling=sampling_to_proto(ro.sampling),
+        reward=reward_spec(cfg),
+        group_filter=ro.group_filter,
+        over_sampling_groups=ro.over_sampling_groups,
+        partial_rollout=ro.partial_rollout,
+        mode="rl",
+        max_concurrency=ro.max_concurrency,
+        apply_chat_template=ro.apply_chat_template,
+        generate=generate_function_spec(cfg),
+        min_weight_version=min_weight_version,
+    )
 
 
 def sft_rollout_request(run_id: str, cfg: RunConfig, step: int, missing: int) -> rollout_pb2.GenerateRolloutRequest:
@@ -51,12 +61,23 @@ def sft_rollout_request(run_id: str, cfg: RunConfig, step: int, missing: int) ->
     call may have written the first ones."""
     batch = cfg.sft_warmup.batch_groups
     return rollout_pb2.GenerateRolloutRequest(
-        run_id=run_id, num_groups=missing, mode="sft", apply_chat_template=cfg.rollout.apply_chat_template,
-        dataset=cfg.sft_warmup.dataset, dataset_offset=step * batch + batch - missing)
+        run_id=run_id,
+        num_groups=missing,
+        mode="sft",
+        apply_chat_template=cfg.rollout.apply_chat_template,
+        dataset=cfg.sft_warmup.dataset,
+        dataset_offset=step * batch + batch - missing,
+    )
 
 
 def evaluate_request(run_id: str, cfg: RunConfig, dataset: str) -> rollout_pb2.EvaluateRequest:
     return rollout_pb2.EvaluateRequest(
-        run_id=run_id, dataset=dataset, n_samples_per_prompt=cfg.eval.n_samples_per_prompt,
-        sampling=sampling_to_proto(cfg.eval.sampling), reward=reward_spec(cfg), limit=cfg.eval.limit,
-        apply_chat_template=cfg.rollout.apply_chat_template, generate=generate_function_spec(cfg))
+        run_id=run_id,
+        dataset=dataset,
+        n_samples_per_prompt=cfg.eval.n_samples_per_prompt,
+        sampling=sampling_to_proto(cfg.eval.sampling),
+        reward=reward_spec(cfg),
+        limit=cfg.eval.limit,
+        apply_chat_template=cfg.rollout.apply_chat_template,
+        generate=generate_function_spec(cfg),
+    )

@@ -14,8 +14,9 @@ from rlmesh.coordinator.schemas import RELAYED, RewardServiceRegistration, error
 from rlmesh.v1 import reward_pb2
 
 
-def check_reward_service_change(run_id: str, config: RunConfig, name: str, registered: dict[str, float],
-                                removes: bool, new_weight: float = 0.0) -> None:
+def check_reward_service_change(
+    run_id: str, config: RunConfig, name: str, registered: dict[str, float], removes: bool, new_weight: float = 0.0
+) -> None:
     """FailedPrecondition (409) when a change to the registered reward services would change
     the rewards of the active run `run_id`: deleting or replacing (`removes`) a registered
     service that its reward spec names ("judge" or "judge/<score>"); for a spec without
@@ -30,7 +31,8 @@ def check_reward_service_change(run_id: str, config: RunConfig, name: str, regis
     if uses:
         raise FailedPrecondition(
             f"run {run_id} is active and its reward uses the reward service '{name}' (or would take it in); "
-            f"stop the run first (POST /runs/{run_id}/stop), or register the new service under another name")
+            f"stop the run first (POST /runs/{run_id}/stop), or register the new service under another name"
+        )
 
 
 def _service_dict(msg) -> dict:
@@ -55,8 +57,11 @@ def reward_services_router() -> APIRouter:
         reward service's address policy, 409 when it does not answer the probe, when the name is taken
         and replace is not set, or when the active run uses the name."""
         await _refuse_if_the_active_run_uses(request, spec.name, removes=spec.replace, new_weight=spec.weight)
-        msg = await request.app.state.reward.RegisterService(reward_pb2.RegisterServiceRequest(
-            service=remote_service_to_proto(spec, with_token=True), replace=spec.replace))
+        msg = await request.app.state.reward.RegisterService(
+            reward_pb2.RegisterServiceRequest(
+                service=remote_service_to_proto(spec, with_token=True), replace=spec.replace
+            )
+        )
         return _service_dict(msg)
 
     @router.get("/reward-services", responses=error_responses(*RELAYED))

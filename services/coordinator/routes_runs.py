@@ -50,14 +50,19 @@ async def _check_generate_function(driver: RunDriver, config: RunConfig) -> None
     request's fault (422 naming them); a rollout service that does not answer now is not:
     the run starts and its first rollout checks again."""
     try:
-        await driver.clients.rollout.CheckGenerateFunction(generate_function_spec(config),
-                                                           timeout=driver.settings.call_deadline_seconds)
+        await driver.clients.rollout.CheckGenerateFunction(
+            generate_function_spec(config), timeout=driver.settings.call_deadline_seconds
+        )
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            raise RequestValidationError([{"loc": ("body", "rollout", "generate"), "msg": e.details(),
-                                           "type": "generate_function"}]) from None
-        log.warning("could not check the generate function with the rollout service (%s); the run starts "
-                    "and its first rollout checks it", e.code().name)
+            raise RequestValidationError(
+                [{"loc": ("body", "rollout", "generate"), "msg": e.details(), "type": "generate_function"}]
+            ) from None
+        log.warning(
+            "could not check the generate function with the rollout service (%s); the run starts "
+            "and its first rollout checks it",
+            e.code().name,
+        )
 
 
 def runs_router(settings: Settings) -> APIRouter:
@@ -76,9 +81,13 @@ def runs_router(settings: Settings) -> APIRouter:
         return [run_summary(r) for r in await request.app.state.store.list()]
 
     @router.get("/runs/{run_id}", response_model=RunDetail, responses=error_responses(404))
-    async def get_run(request: Request, run_id: str = RUN_ID,
-                      metrics_last: int = Query(1000, ge=0, le=100_000,
-                                                description="How many of the newest metric records to return.")):
+    async def get_run(
+        request: Request,
+        run_id: str = RUN_ID,
+        metrics_last: int = Query(
+            1000, ge=0, le=100_000, description="How many of the newest metric records to return."
+        ),
+    ):
         """A run: status, phase, progress, eval before/after, and its newest metric records."""
         store: RunStore = request.app.state.store
         rec = await store.get(run_id)
@@ -107,15 +116,27 @@ def runs_router(settings: Settings) -> APIRouter:
         return RunCreated(id=run_id, status=await request.app.state.driver.resume(run_id))
 
     @router.get("/runs/{run_id}/metrics", response_model=MetricRecords, responses=error_responses(404))
-    async def run_metrics(request: Request, run_id: str = RUN_ID,
-                          since: int = Query(0, ge=0, le=10**12, description="Position of the first record to "
-                                             "return: 0, or the `next` of the previous call (to poll for new ones)."),
-                          limit: int = Query(1000, ge=1, le=10_000, description="Records to return at most."),
-                          fields: list[MetricField] = Query([], max_length=100, description="Only these fields "
-                                                            "(repeat the parameter; 'train/*' = every field with "
-                                                            "that prefix); rollout_id, sft_step, step and time "
-                                                            "always come along. Records with none are left out. "
-                                                            "Empty = every field.")):
+    async def run_metrics(
+        request: Request,
+        run_id: str = RUN_ID,
+        since: int = Query(
+            0,
+            ge=0,
+            le=10**12,
+            description="Position of the first record to "
+            "return: 0, or the `next` of the previous call (to poll for new ones).",
+        ),
+        limit: int = Query(1000, ge=1, le=10_000, description="Records to return at most."),
+        fields: list[MetricField] = Query(
+            [],
+            max_length=100,
+            description="Only these fields "
+            "(repeat the parameter; 'train/*' = every field with "
+            "that prefix); rollout_id, sft_step, step and time "
+            "always come along. Records with none are left out. "
+            "Empty = every field.",
+        ),
+    ):
         """A run's metric records from a cursor, optionally only some fields: what a curve polls."""
         store: RunStore = request.app.state.store
         await store.get(run_id)  # 404 for an unknown run
@@ -126,33 +147,45 @@ def runs_router(settings: Settings) -> APIRouter:
         return MetricRecords(records=records, next=next_since, total=total)
 
     @router.get("/runs/{run_id}/samples", response_model=RecentGroups, responses=error_responses(*RELAYED))
-    async def run_samples(request: Request, run_id: str = RUN_ID,
-                          offset: int = Query(0, ge=0, le=4096, description="Groups to skip, newest first."),
-                          limit: int = Query(20, ge=1, le=100, description="Groups to return at most.")):
+    async def run_samples(
+        request: Request,
+        run_id: str = RUN_ID,
+        offset: int = Query(0, ge=0, le=4096, description="Groups to skip, newest first."),
+        limit: int = Query(20, ge=1, le=100, description="Groups to return at most."),
+    ):
         """The run's newest generated groups (kept by the buffer whatever became of them since),
         paged newest first. Empty before the run's first group, and after the buffer lost its data."""
         await request.app.state.store.get(run_id)  # 404 for an unknown run
         try:
             reply = await request.app.state.driver.clients.buffer.GetRecentGroups(
                 buffer_pb2.GetRecentGroupsRequest(run_id=run_id, offset=offset, limit=limit),
-                timeout=settings.call_deadline_seconds)
+                timeout=settings.call_deadline_seconds,
+            )
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.NOT_FOUND:  # the buffer has not set the run up (yet)
                 raise
             return RecentGroups(groups=[], offset=offset, total=0)
         return RecentGroups(groups=[group_for_people(g) for g in reply.groups], offset=offset, total=reply.total)
 
-    @router.get("/runs/{run_id}/checkpoints", response_model=list[CheckpointInfo],
-                responses=error_responses(*RELAYED))
+    @router.get("/runs/{run_id}/checkpoints", response_model=list[CheckpointInfo], responses=error_responses(*RELAYED))
     async def run_checkpoints(request: Request, run_id: str = RUN_ID):
         """The run's complete checkpoints in its checkpoint_dir on the trainer, oldest first (they stay
         on disk after the run ends and after DELETE)."""
         rec = await request.app.state.store.get(run_id)
         reply = await request.app.state.driver.clients.trainer.ListCheckpoints(
             trainer_pb2.ListCheckpointsRequest(run_id=run_id, checkpoint_dir=rec["config"].get("checkpoint_dir", "")),
-            timeout=settings.call_deadline_seconds)
-        return [CheckpointInfo(step=c.step, path=c.path, automatic=c.automatic, weight_version=c.weight_version,
-                               written_at=c.written_at) for c in reply.checkpoints]
+            timeout=settings.call_deadline_seconds,
+        )
+        return [
+            CheckpointInfo(
+                step=c.step,
+                path=c.path,
+                automatic=c.automatic,
+                weight_version=c.weight_version,
+                written_at=c.written_at,
+            )
+            for c in reply.checkpoints
+        ]
 
     @router.delete("/runs/{run_id}", response_model=RunDeleted, responses=error_responses(*RELAYED))
     async def delete_run(request: Request, run_id: str = RUN_ID):

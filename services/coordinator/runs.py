@@ -32,9 +32,15 @@ PAUSE_POLL_SECONDS = 0.2
 class RunDriver:
     """Drives runs; one run trains at a time (the trainer holds one policy)."""
 
-    def __init__(self, store: RunStore, clients: Clients, train_wait_seconds: float,
-                 max_finished_runs: int = 100, settings: Settings | None = None,
-                 metrics: CoordinatorMetrics | None = None) -> None:
+    def __init__(
+        self,
+        store: RunStore,
+        clients: Clients,
+        train_wait_seconds: float,
+        max_finished_runs: int = 100,
+        settings: Settings | None = None,
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:
         self.store = store
         self.clients = clients
         self.train_wait_seconds = train_wait_seconds
@@ -54,10 +60,13 @@ class RunDriver:
         """Forget a finished run: its record, metrics and buffer data (checkpoints stay on disk)."""
         status = await self.store.status(run_id)
         if status not in FINAL:
-            raise FailedPrecondition(f"run {run_id} is {status}; stop it first (POST /runs/{run_id}/stop), then delete it")
+            raise FailedPrecondition(
+                f"run {run_id} is {status}; stop it first (POST /runs/{run_id}/stop), then delete it"
+            )
         try:
-            await self.clients.buffer.DeleteRun(buffer_pb2.DeleteRunRequest(run_id=run_id),
-                                                timeout=self.settings.call_deadline_seconds)
+            await self.clients.buffer.DeleteRun(
+                buffer_pb2.DeleteRunRequest(run_id=run_id), timeout=self.settings.call_deadline_seconds
+            )
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.NOT_FOUND:
                 raise
@@ -66,7 +75,7 @@ class RunDriver:
     async def _prune(self) -> None:
         """Keep the newest max_finished_runs finished runs."""
         finished = [r["id"] for r in await self.store.list() if r["status"] in FINAL]
-        for run_id in finished[:max(len(finished) - self.max_finished_runs, 0)]:
+        for run_id in finished[: max(len(finished) - self.max_finished_runs, 0)]:
             try:
                 await self.delete(run_id)
             except (grpc.aio.AioRpcError, FailedPrecondition, NotFound) as e:
@@ -126,8 +135,9 @@ class RunDriver:
             if rec["status"] == "stopping":  # stopped while the coordinator was down
                 raise StopRequested
             await self.store.transition(run_id, ("pending",), "running")  # (a paused run stays paused)
-            calls = RunCalls(run_id, cfg, self.store, self.clients, self.settings, self.backoff,
-                             self.train_wait_seconds)
+            calls = RunCalls(
+                run_id, cfg, self.store, self.clients, self.settings, self.backoff, self.train_wait_seconds
+            )
             mode = TRAINING_MODES[cfg.mode](calls, self.settings.async_heartbeat_seconds)
             await self._train(calls, mode, rec["phase"])
             after = await calls.evaluate()
@@ -223,10 +233,21 @@ class RunDriver:
         await self._step_boundary(calls, mode)
         batch = cfg.sft_warmup.batch_groups
         await calls.generate(batch, lambda missing: requests.sft_rollout_request(run_id, cfg, step, missing))
-        r = await calls.train_step(trainer_pb2.TrainStepRequest(
-            run_id=run_id, num_groups=batch, wait_seconds=self.train_wait_seconds, loss="sft"))
-        await self._append(run_id, cfg, {"sft_step": step + 1, "time": time.time(), "step": r.step,
-                                         **{f"sft/{k}": v for k, v in r.metrics.items()}})
+        r = await calls.train_step(
+            trainer_pb2.TrainStepRequest(
+                run_id=run_id, num_groups=batch, wait_seconds=self.train_wait_seconds, loss="sft"
+            )
+        )
+        await self._append(
+            run_id,
+            cfg,
+            {
+                "sft_step": step + 1,
+                "time": time.time(),
+                "step": r.step,
+                **{f"sft/{k}": v for k, v in r.metrics.items()},
+            },
+        )
         return r.step
 
     async def _start_rl(self, calls: RunCalls) -> str:
@@ -268,8 +289,13 @@ class RunDriver:
         before = (await self.store.get(run_id))["train_steps"]
         steps = steps_after_train_step(before, step) if answered else steps_held(before, step)
         if len(steps) < len(before):
-            log.warning("run %s: the trainer stands at step %d: the run's train steps from number %d on are taken "
-                        "again (the groups they trained are handed out again)", run_id, step, len(steps) + 1)
+            log.warning(
+                "run %s: the trainer stands at step %d: the run's train steps from number %d on are taken "
+                "again (the groups they trained are handed out again)",
+                run_id,
+                step,
+                len(steps) + 1,
+            )
         await self.store.update(run_id, train_steps=steps)
         return len(steps)
 
@@ -278,8 +304,9 @@ class RunDriver:
             await mode.close()
         if not trainer_ended:
             try:
-                await self.clients.trainer.EndRun(trainer_pb2.EndRunRequest(run_id=run_id),
-                                                  timeout=self.settings.setup_deadline_seconds)
+                await self.clients.trainer.EndRun(
+                    trainer_pb2.EndRunRequest(run_id=run_id), timeout=self.settings.setup_deadline_seconds
+                )
             except grpc.aio.AioRpcError as e:
                 log.warning("EndRun for %s: %s", run_id, e.details())
         await self.store.release(run_id)
@@ -290,6 +317,7 @@ class RunDriver:
 # The run record's train_steps: the trainer's step after each of the run's train steps
 # (SFT steps, then RL iterations), oldest first. Checkpoints are taken only between train
 # steps, so a trainer that resumed from one stands where one of them ended.
+
 
 def steps_after_train_step(train_steps: list[int], step: int) -> list[int]:
     """A train step answered that it left the trainer at `step` (the same step as the one

@@ -26,7 +26,7 @@ def error_responses(*statuses: int) -> dict:
         400: "The body is not JSON, or a service refused the request's values.",
         404: "No such run or reward service.",
         409: "Conflicts with the current state (e.g. another run is active, the run is not finished, or it "
-             "has finished and cannot be paused or resumed).",
+        "has finished and cannot be paused or resumed).",
         413: "The request body is larger than max_request_bytes.",
         429: "A service is out of capacity; retry later.",
         501: "A service does not implement this.",
@@ -62,10 +62,16 @@ class RunSummary(BaseModel):
     created_at: float
     updated_at: float
     error: str
-    waiting_for: str = Field("", description="While the run rides out a service outage: the service it waits "
-                             "for and its last error (its calls are retried until max_outage_seconds); else empty.")
-    held: bool = Field(False, description="A paused run has come to rest at a step boundary (nothing of it is "
-                       "in flight); false while it finishes the step it was in when paused.")
+    waiting_for: str = Field(
+        "",
+        description="While the run rides out a service outage: the service it waits "
+        "for and its last error (its calls are retried until max_outage_seconds); else empty.",
+    )
+    held: bool = Field(
+        False,
+        description="A paused run has come to rest at a step boundary (nothing of it is "
+        "in flight); false while it finishes the step it was in when paused.",
+    )
 
 
 def run_summary(rec: dict) -> dict:
@@ -82,8 +88,10 @@ class RunDetail(RunSummary):
 
 
 class MetricRecords(BaseModel):
-    records: list[dict] = Field(description="Metric records from position `since`, oldest first (one per "
-                                "iteration, evaluation or SFT step), each with only the asked-for fields.")
+    records: list[dict] = Field(
+        description="Metric records from position `since`, oldest first (one per "
+        "iteration, evaluation or SFT step), each with only the asked-for fields."
+    )
     next: int = Field(description="The `since` of the next call: it returns only records written after these.")
     total: int = Field(description="Records the run has.")
 
@@ -95,15 +103,18 @@ METRIC_KEYS = ("rollout_id", "sft_step", "step", "time")
 
 def pick_fields(record: dict, fields: list[str]) -> dict | None:
     """The record's asked-for fields ('name', or 'prefix*'), plus METRIC_KEYS; None without any."""
-    picked = {k: v for k, v in record.items() if any(k == f or (f.endswith("*") and k.startswith(f[:-1]))
-                                                     for f in fields)}
+    picked = {
+        k: v for k, v in record.items() if any(k == f or (f.endswith("*") and k.startswith(f[:-1])) for f in fields)
+    }
     return {**{k: record[k] for k in METRIC_KEYS if k in record}, **picked} if picked else None
 
 
 class RecentGroups(BaseModel):
-    groups: list[dict] = Field(description="The newest stored groups, newest first: prompt, responses, rewards "
-                               "and components, status, weight versions, metadata (an agent sample's tool turns "
-                               "are in metadata.agent_turns); no per-token arrays.")
+    groups: list[dict] = Field(
+        description="The newest stored groups, newest first: prompt, responses, rewards "
+        "and components, status, weight versions, metadata (an agent sample's tool turns "
+        "are in metadata.agent_turns); no per-token arrays."
+    )
     offset: int
     total: int = Field(description="Groups kept (the buffer keeps the newest recent_groups of a run).")
 
@@ -111,8 +122,9 @@ class RecentGroups(BaseModel):
 class CheckpointInfo(BaseModel):
     step: int
     path: str = Field(description="On the trainer's machine, under its work_dir.")
-    automatic: bool = Field(description="Written every checkpoint_interval steps (pruned to keep_last); else saved "
-                            "on request.")
+    automatic: bool = Field(
+        description="Written every checkpoint_interval steps (pruned to keep_last); else saved on request."
+    )
     weight_version: int
     written_at: float = Field(description="Unix seconds.")
 
@@ -120,5 +132,8 @@ class CheckpointInfo(BaseModel):
 class RewardServiceRegistration(RemoteServiceSpec):
     """The body of POST /reward-services: the registration, and whether it replaces one."""
 
-    replace: bool = Field(False, description="Replace a service registered under this name (409 otherwise); "
-                          "refused (409) while the active run uses it.")
+    replace: bool = Field(
+        False,
+        description="Replace a service registered under this name (409 otherwise); "
+        "refused (409) while the active run uses it.",
+    )

@@ -63,12 +63,25 @@ class RunStore:
         run_id = uuid.uuid4().hex[:12]
         now = time.time()
         # The record exists before its claim, so a claim whose record is gone is surely stale.
-        await self.redis.hset(self._key(run_id), mapping={
-            "id": run_id, "name": config.name, "config": config.model_dump_json(), "status": "pending",
-            "phase": "setup", "weight_version": 0, "created_at": now, "updated_at": now,
-            "error": "", "waiting_for": "", "eval_before": "{}", "eval_after": "{}", "held": 0,
-            "train_steps": "[]",
-        })
+        await self.redis.hset(
+            self._key(run_id),
+            mapping={
+                "id": run_id,
+                "name": config.name,
+                "config": config.model_dump_json(),
+                "status": "pending",
+                "phase": "setup",
+                "weight_version": 0,
+                "created_at": now,
+                "updated_at": now,
+                "error": "",
+                "waiting_for": "",
+                "eval_before": "{}",
+                "eval_after": "{}",
+                "held": 0,
+                "train_steps": "[]",
+            },
+        )
         try:
             await self._claim(run_id)
         except BaseException:

@@ -48,6 +48,5 @@ class FinishChecker:
                 self._stop_len[stop] = len(self.tokenizer.encode(stop, add_special_tokens=False))
             longest = max(longest, self._stop_len[stop])
         # A regex may match anything: look at the whole output.
-        ids = req.output_ids if p.stop_regex else req.output_ids[-(longest + 2):]
+        ids = req.output_ids if p.stop_regex else req.output_ids[-(longest + 2) :]
         return self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
-

@@ -27,16 +27,18 @@ class EngineCollector(Collector):
         for name, help_text, value in [
             ("sglang:num_running_reqs", "The number of running requests.", running),
             ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", queued),
-            ("sglang:gen_throughput", "The generation throughput (token/s) since the previous scrape.",
-             self._throughput()),
+            (
+                "sglang:gen_throughput",
+                "The generation throughput (token/s) since the previous scrape.",
+                self._throughput(),
+            ),
         ]:
             family = GaugeMetricFamily(name, help_text, labels=labels)
             family.add_metric(values, float(value))
             yield family
         for name, help_text, value in [
             ("sglang:prompt_tokens", "Number of prefill tokens processed.", self.engine.prompt_tokens_total),
-            ("sglang:generation_tokens", "Number of generation tokens processed.",
-             self.engine.generation_tokens_total),
+            ("sglang:generation_tokens", "Number of generation tokens processed.", self.engine.generation_tokens_total),
         ]:
             family = CounterMetricFamily(name, help_text, labels=labels)
             family.add_metric(values, float(value))

@@ -51,7 +51,6 @@ class GenerationRequest:
         return self.finish_reason is not None or self.error is not None
 
 
-
 def _per_prompt(name: str, value: Any, count: int) -> list[Any]:
     if isinstance(value, list):
         if len(value) != count:
@@ -64,9 +63,21 @@ def _per_prompt(name: str, value: Any, count: int) -> list[Any]:
 # sets one expects its effect (an image seen, an adapter applied, hidden states returned),
 # so it gets a 400 naming the field rather than an answer that silently ignored it.
 UNSUPPORTED_FIELDS = (
-    "input_embeds", "positional_embed_overrides", "image_data", "video_data", "audio_data",
-    "lora_path", "lora_id", "session_params", "return_hidden_states", "return_routed_experts",
-    "custom_logit_processor", "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "input_embeds",
+    "positional_embed_overrides",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "lora_path",
+    "lora_id",
+    "session_params",
+    "return_hidden_states",
+    "return_routed_experts",
+    "custom_logit_processor",
+    "token_ids_logprob",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
     "data_parallel_rank",
 )
 
@@ -156,12 +167,14 @@ def _request_ids(rid: Any, count: int, is_batch: bool) -> list[str]:
     raise RequestError("rid must be a string or a list of strings")
 
 
-
 def _top_level_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (isinstance(value, float) and not value.is_integer())
+    ):
         raise RequestError(f"{name} must be an integer, got {value!r}")
     return int(value)
-
 
 
 def decode_output(req: GenerationRequest, tokenizer: Any) -> str:
@@ -196,9 +209,7 @@ def build_response(req: GenerationRequest, tokenizer: Any) -> dict[str, Any]:
     }
     if req.return_logprob:
         meta["input_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in req.input_logprobs]
-        meta["output_token_logprobs"] = [
-            [lp, t, token_text(t)] for lp, t in zip(req.output_logprobs, req.output_ids)
-        ]
+        meta["output_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(req.output_logprobs, req.output_ids)]
         if req.top_logprobs_num > 0:
             meta["input_top_logprobs"] = [
                 None if top is None else [[lp, t, token_text(t)] for lp, t in top] for top in req.input_top_logprobs

@@ -69,9 +69,7 @@ def _stream(engine: Engine, tokenizer: Any, reqs: list[GenerationRequest], is_ba
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, dict[str, Any], bool]] = asyncio.Queue()
     for index, req in enumerate(reqs):
-        req.listener = request_listener(
-            loop, tokenizer, lambda r, f, i=index: queue.put_nowait((i, r, f)), stream=True
-        )
+        req.listener = request_listener(loop, tokenizer, lambda r, f, i=index: queue.put_nowait((i, r, f)), stream=True)
     engine.submit(reqs)
 
     async def events() -> AsyncIterator[str]:

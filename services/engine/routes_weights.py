@@ -132,9 +132,15 @@ def _requested_delta(state: EngineState, body: dict, specs: list[TensorSpec]) ->
     return parse_delta(body["rlmesh_delta"], specs)
 
 
-async def _receive_and_queue(state: EngineState, body: dict, specs: list[TensorSpec], delta: WeightDelta | None,
-                             group: torch.distributed.ProcessGroup, buffers: ReceiveBuffers,
-                             pool: TensorPool) -> Future:
+async def _receive_and_queue(
+    state: EngineState,
+    body: dict,
+    specs: list[TensorSpec],
+    delta: WeightDelta | None,
+    group: torch.distributed.ProcessGroup,
+    buffers: ReceiveBuffers,
+    pool: TensorPool,
+) -> Future:
     """Receive an update (full, or `delta`) and queue it to apply between engine steps; the
     caller holds the weight lock. A flattened bucket's buffer goes back to `buffers` once
     the model has it (or at once, on an error)."""
@@ -161,8 +167,14 @@ async def _receive_and_queue(state: EngineState, body: dict, specs: list[TensorS
     return applied
 
 
-async def _receive_full(state: EngineState, body: dict, specs: list[TensorSpec], group: torch.distributed.ProcessGroup,
-                        buffer: torch.Tensor | None, pool: TensorPool) -> Callable[[], None]:
+async def _receive_full(
+    state: EngineState,
+    body: dict,
+    specs: list[TensorSpec],
+    group: torch.distributed.ProcessGroup,
+    buffer: torch.Tensor | None,
+    pool: TensorPool,
+) -> Callable[[], None]:
     """Receive a full update (into `buffer` when it comes as a flattened bucket) and check it
     against the model; what installs it, to run between engine steps."""
     engine, model = state.engine, state.model
@@ -182,8 +194,9 @@ async def _receive_full(state: EngineState, body: dict, specs: list[TensorSpec],
     return apply
 
 
-async def _receive_delta(state: EngineState, body: dict, specs: list[TensorSpec], delta: WeightDelta,
-                         group: torch.distributed.ProcessGroup) -> Callable[[], None]:
+async def _receive_delta(
+    state: EngineState, body: dict, specs: list[TensorSpec], delta: WeightDelta, group: torch.distributed.ProcessGroup
+) -> Callable[[], None]:
     """Receive a delta update and check its targets; what applies it, to run between engine steps."""
     engine, model = state.engine, state.model
     received = await asyncio.to_thread(receive_delta, specs, delta, group, engine.device)

@@ -314,7 +314,7 @@ class Engine:
         if want_inputs:
             for i, req in enumerate(reqs):
                 if req.return_logprob and not req.output_ids:
-                    record_input_logprobs(req, logits[i, width - len(req.prompt_ids):])
+                    record_input_logprobs(req, logits[i, width - len(req.prompt_ids) :])
         choices = sample_next(logits[:, -1], reqs, self.eos_ids, self._generator)
         batch = RunningBatch(
             rows=list(reqs),

@@ -101,8 +101,8 @@ def prefill_forward(
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, seq in enumerate(sequences):
-        ids[i, width - len(seq):] = torch.tensor(seq)
-        mask[i, width - len(seq):] = 1
+        ids[i, width - len(seq) :] = torch.tensor(seq)
+        mask[i, width - len(seq) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
         input_ids=ids.to(device),

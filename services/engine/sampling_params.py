@@ -68,7 +68,6 @@ def _number(name: str, value: Any, kind: type) -> Any:
     return float(value)
 
 
-
 def _str_list(name: str, value: Any) -> list[str]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
@@ -178,10 +177,11 @@ def _verify(p: SamplingParams, vocab_size: int) -> None:
     if p.max_new_tokens < 0:
         raise RequestError(f"max_new_tokens must be at least 0, got {p.max_new_tokens}")
     if not 0 <= p.min_new_tokens <= p.max_new_tokens:
-        raise RequestError(f"min_new_tokens must be in [0, max_new_tokens ({p.max_new_tokens})], got {p.min_new_tokens}")
+        raise RequestError(
+            f"min_new_tokens must be in [0, max_new_tokens ({p.max_new_tokens})], got {p.min_new_tokens}"
+        )
     if p.n < 1:
         raise RequestError(f"n must be at least 1, got {p.n}")
     for t in [*p.stop_token_ids, *p.logit_bias]:
         if not 0 <= t < vocab_size:
             raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab_size - 1}]")
-

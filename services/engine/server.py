@@ -80,8 +80,12 @@ def create_app(settings: Settings) -> FastAPI:
     # the key. Without one of its own, the engine demands the stack's token like every service.
     api_key = settings.api_key or auth.required_token()
     if api_key:
-        auth.add_http_token_check(app, api_key, lambda path: path.startswith(("/health", "/metrics")),
-                                  lambda why: {"error": {"message": f"Unauthorized: {why}"}})
+        auth.add_http_token_check(
+            app,
+            api_key,
+            lambda path: path.startswith(("/health", "/metrics")),
+            lambda why: {"error": {"message": f"Unauthorized: {why}"}},
+        )
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, e: RequestError) -> JSONResponse:
@@ -108,6 +112,7 @@ def create_app(settings: Settings) -> FastAPI:
         @app.get("/metrics", include_in_schema=False)
         async def prometheus_metrics():
             return metrics_response(await metrics.render())
+
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     return app
 
@@ -185,7 +190,12 @@ async def serve(settings: Settings) -> None:
     import signal
 
     server, port = await start(settings)
-    log.info("reference engine serving SGLang's HTTP API on http://%s:%d (model %s)", settings.host, port, settings.model_path)
+    log.info(
+        "reference engine serving SGLang's HTTP API on http://%s:%d (model %s)",
+        settings.host,
+        port,
+        settings.model_path,
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))

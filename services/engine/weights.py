@@ -67,7 +67,9 @@ def parse_specs(names: Any, dtypes: Any, shapes: Any) -> list[TensorSpec]:
         )
     specs = []
     for name, dtype, shape in zip(names, dtypes, shapes):
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise WeightUpdateError(f"shape of {name!r} must be a list of non-negative integers, got {shape!r}")
         specs.append(TensorSpec(name, parse_dtype(dtype), tuple(shape)))
     return specs
@@ -92,15 +94,25 @@ class WeightGroups:
         if group_name in self._groups:
             raise WeightUpdateError(f"weight-update group {group_name!r} already exists; destroy it first")
         if not 1 <= rank_offset < world_size:
-            raise WeightUpdateError(f"rank_offset must be in [1, world_size) (rank 0 is the trainer); got {rank_offset}")
+            raise WeightUpdateError(
+                f"rank_offset must be in [1, world_size) (rank 0 is the trainer); got {rank_offset}"
+            )
         if backend == "nccl" and self.device.type != "cuda":
             raise WeightUpdateError("backend 'nccl' needs a GPU; the reference engine on cpu joins with backend 'gloo'")
         try:
             group = init_weight_group(
-                backend, master_address, master_port, world_size, rank_offset, group_name, timeout_seconds=self.timeout_s
+                backend,
+                master_address,
+                master_port,
+                world_size,
+                rank_offset,
+                group_name,
+                timeout_seconds=self.timeout_s,
             )
         except Exception as e:
-            raise WeightUpdateError(f"failed to join weight-update group {group_name!r}: {type(e).__name__}: {e}") from e
+            raise WeightUpdateError(
+                f"failed to join weight-update group {group_name!r}: {type(e).__name__}: {e}"
+            ) from e
         self._groups[group_name] = group
 
     def get(self, group_name: str) -> dist.ProcessGroup:
@@ -174,12 +186,18 @@ class TensorPool:
     def give(self, tensor: torch.Tensor) -> None:
         """Recycle a tensor's memory, if it is a whole storage nobody else uses."""
         nbytes = tensor.numel() * tensor.element_size()
-        if (not tensor.is_contiguous() or tensor.storage_offset() or tensor.untyped_storage().nbytes() != nbytes
-                or not nbytes):
+        if (
+            not tensor.is_contiguous()
+            or tensor.storage_offset()
+            or tensor.untyped_storage().nbytes() != nbytes
+            or not nbytes
+        ):
             return
         with self._lock:
             if self._bytes + nbytes <= self.limit_bytes:
-                self._free.setdefault((nbytes, str(tensor.device)), []).append(tensor.detach().reshape(-1).view(torch.uint8))
+                self._free.setdefault((nbytes, str(tensor.device)), []).append(
+                    tensor.detach().reshape(-1).view(torch.uint8)
+                )
                 self._bytes += nbytes
 
     def clear(self) -> None:
@@ -261,9 +279,13 @@ def parse_delta(raw: Any, specs: Sequence[TensorSpec]) -> WeightDelta:
     count, index_dtype, base = raw.get("count"), raw.get("index_dtype"), raw.get("base_version")
     total = sum(math.prod(s.shape) for s in specs)
     if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= total:
-        raise WeightUpdateError(f"rlmesh_delta.count must be an integer in [0, {total}] (the bucket's elements), got {count!r}")
+        raise WeightUpdateError(
+            f"rlmesh_delta.count must be an integer in [0, {total}] (the bucket's elements), got {count!r}"
+        )
     if index_dtype not in DELTA_INDEX_DTYPES:
-        raise WeightUpdateError(f"rlmesh_delta.index_dtype must be one of {sorted(DELTA_INDEX_DTYPES)}, got {index_dtype!r}")
+        raise WeightUpdateError(
+            f"rlmesh_delta.index_dtype must be one of {sorted(DELTA_INDEX_DTYPES)}, got {index_dtype!r}"
+        )
     if not isinstance(base, str) or not base:
         raise WeightUpdateError("rlmesh_delta.base_version must name the weight version the delta applies to")
     if len({s.dtype for s in specs}) != 1:
@@ -291,7 +313,9 @@ def receive_delta(
     if indices.numel() and (
         int(indices[0]) < 0 or int(indices[-1]) >= total or not bool((indices[1:] > indices[:-1]).all())
     ):
-        raise WeightUpdateError(f"delta indices must be strictly increasing and in [0, {total}). No weights were changed.")
+        raise WeightUpdateError(
+            f"delta indices must be strictly increasing and in [0, {total}). No weights were changed."
+        )
     return ReceivedDelta(list(specs), indices, values, delta.base_version)
 
 
@@ -376,8 +400,13 @@ def install_into_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.
     with torch.no_grad():
         for name, tensor in named:
             target = targets[name]
-            if (target.dtype == tensor.dtype and target.device == tensor.device and target.shape == tensor.shape
-                    and target.is_contiguous() and tensor.is_contiguous()):
+            if (
+                target.dtype == tensor.dtype
+                and target.device == tensor.device
+                and target.shape == tensor.shape
+                and target.is_contiguous()
+                and tensor.is_contiguous()
+            ):
                 old, target.data = target.data, tensor
                 pool.give(old)
             else:

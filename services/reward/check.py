@@ -59,9 +59,18 @@ class CheckFailed(Exception):
 
 def _sample(index: int, response: str, label: str, group_index: int | None = None, **kw) -> Sample:
     return Sample(
-        index=index, group_index=index if group_index is None else group_index, prompt=kw.pop("prompt", "What is 6 * 7?"),
-        tokens=[1, 2, 3, 4, 5], response=response, response_length=2, label=label, loss_mask=[1, 1],
-        rollout_log_probs=[-0.5, -0.25], status=Status.COMPLETED, weight_versions=[1], **kw,
+        index=index,
+        group_index=index if group_index is None else group_index,
+        prompt=kw.pop("prompt", "What is 6 * 7?"),
+        tokens=[1, 2, 3, 4, 5],
+        response=response,
+        response_length=2,
+        label=label,
+        loss_mask=[1, 1],
+        rollout_log_probs=[-0.5, -0.25],
+        status=Status.COMPLETED,
+        weight_versions=[1],
+        **kw,
     )
 
 
@@ -73,8 +82,12 @@ def varied_samples() -> list[Sample]:
         _sample(2, "", "42"),
         _sample(3, "Let me think. " * 200 + "The answer is 42.", "42"),
         _sample(4, "Die Antwort ist zweiundvierzig — 四十二 🙂", "42", metadata={"language": "de"}),
-        _sample(5, "42", "42", messages=[{"role": "system", "content": "Be brief."},
-                                        {"role": "user", "content": "What is 6 * 7?"}]),
+        _sample(
+            5,
+            "42",
+            "42",
+            messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 6 * 7?"}],
+        ),
         _sample(6, "forty-two", "42", metadata={"dataset": "arith", "difficulty": 1}),
         _sample(7, "The answer is 24.", "42"),
     ]
@@ -86,16 +99,22 @@ def _describe(result: SampleResult) -> str:
     if result.total is not None and not result.named:
         return f"{result.total:g}"
     return ", ".join(f"{k}={v:g}" for k, v in result.named.items()) + (
-        f" (total {result.total:g})" if result.total is not None else "")
+        f" (total {result.total:g})" if result.total is not None else ""
+    )
 
 
 def _same(a: SampleResult, b: SampleResult) -> bool:
     if isinstance(a, str) or isinstance(b, str):
         return isinstance(a, str) and isinstance(b, str)
+
     def close(x, y):
         return (x is None and y is None) or (x is not None and y is not None and math.isclose(x, y, abs_tol=1e-6))
-    return close(a.total, b.total) and a.named.keys() == b.named.keys() and all(
-        close(v, b.named[k]) for k, v in a.named.items())
+
+    return (
+        close(a.total, b.total)
+        and a.named.keys() == b.named.keys()
+        and all(close(v, b.named[k]) for k, v in a.named.items())
+    )
 
 
 class Suite:
@@ -108,7 +127,9 @@ class Suite:
     async def call(self, units: list[Unit]) -> list[SampleResult]:
         assert self.transport is not None
         try:
-            return await asyncio.wait_for(self.transport.call(units, self.config.timeout_seconds), self.config.timeout_seconds)
+            return await asyncio.wait_for(
+                self.transport.call(units, self.config.timeout_seconds), self.config.timeout_seconds
+            )
         except CallFailed as e:
             raise CheckFailed(e.reason) from None
         except asyncio.TimeoutError:
@@ -137,12 +158,17 @@ class Suite:
             raise CheckFailed("every sample came back null: nothing was scored")
         names = {tuple(sorted(r.named)) for r in scored}
         if len(names) > 1:
-            raise CheckFailed(f"the named scores differ between samples ({' / '.join(', '.join(n) for n in sorted(names))}); "
-                              "a run names them as '<service>/<name>', so every sample needs the same names")
+            raise CheckFailed(
+                f"the named scores differ between samples ({' / '.join(', '.join(n) for n in sorted(names))}); "
+                "a run names them as '<service>/<name>', so every sample needs the same names"
+            )
         kinds = {"a number" if r.total is not None and not r.named else "named scores" for r in scored}
         nulls = len(results) - len(scored)
-        return (f"{len(samples)} samples -> {len(results)} results ({', '.join(sorted(kinds))}"
-                + (f"; {nulls} null" if nulls else "") + ")")
+        return (
+            f"{len(samples)} samples -> {len(results)} results ({', '.join(sorted(kinds))}"
+            + (f"; {nulls} null" if nulls else "")
+            + ")"
+        )
 
     async def ordering(self) -> str:
         samples = varied_samples()
@@ -186,8 +212,10 @@ class Suite:
 
     async def _http_malformed(self) -> str:
         async with httpx.AsyncClient(timeout=self.config.timeout_seconds) as client:
-            for body, what in ((b"this is not json", "a body that is not JSON"),
-                               (b'{"samples": "nope"}', "a body without a samples list")):
+            for body, what in (
+                (b"this is not json", "a body that is not JSON"),
+                (b'{"samples": "nope"}', "a body without a samples list"),
+            ):
                 try:
                     reply = await client.post(self.config.url, content=body, headers=self._headers())
                 except httpx.HTTPError as e:
@@ -203,8 +231,11 @@ class Suite:
         async with grpc.aio.insecure_channel(grpc_target(self.config.url)) as channel:
             stub = reward_pb2_grpc.RewardStub(channel)
             try:
-                await stub.ScoreGroups(reward_pb2.ScoreGroupsRequest(), timeout=self.config.timeout_seconds,
-                                       metadata=list(credential_headers(self.config.bearer_token).items()))
+                await stub.ScoreGroups(
+                    reward_pb2.ScoreGroupsRequest(),
+                    timeout=self.config.timeout_seconds,
+                    metadata=list(credential_headers(self.config.bearer_token).items()),
+                )
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise CheckFailed(f"an empty ScoreGroups request got {e.code().name}: {e.details()}") from None
@@ -225,8 +256,10 @@ class Suite:
         if bad:
             raise CheckFailed(f"a batch of {self.batch_size}: {bad[0]}")
         quantiles = statistics.quantiles(durations, n=20) if len(durations) > 1 else durations * 19
-        return (f"single sample p50 {1000 * statistics.median(durations):.0f} ms, p95 {1000 * quantiles[18]:.0f} ms; "
-                f"a batch of {self.batch_size}: {1000 * batch_seconds:.0f} ms ({self.batch_size / batch_seconds:.0f} samples/s)")
+        return (
+            f"single sample p50 {1000 * statistics.median(durations):.0f} ms, p95 {1000 * quantiles[18]:.0f} ms; "
+            f"a batch of {self.batch_size}: {1000 * batch_seconds:.0f} ms ({self.batch_size / batch_seconds:.0f} samples/s)"
+        )
 
     async def run(self, skip: set[str]) -> list[CheckResult]:
         results = []
@@ -260,21 +293,35 @@ def print_table(url: str, protocol: str, results: list[CheckResult]) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="rlmesh reward check", description="Check that a remote reward service follows rlmesh's contract.")
+        prog="rlmesh reward check", description="Check that a remote reward service follows rlmesh's contract."
+    )
     parser.add_argument("url", help="the URL you would register: http(s)://host:port/path or grpc://host:port")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds allowed per call [default: 30]")
     parser.add_argument("--batch-size", type=int, default=32, help="samples in the latency check's batch [default: 32]")
     parser.add_argument("--latency-calls", type=int, default=10, help="sequential single-sample calls [default: 10]")
     parser.add_argument("--skip", action="append", default=[], choices=CHECKS, help="leave out a check (repeatable)")
-    parser.add_argument("--token-file", type=Path, help="a file holding the service's bearer token, sent as "
-                        "'Authorization: Bearer <token>' (a file, so the token stays out of `ps`)")
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        help="a file holding the service's bearer token, sent as "
+        "'Authorization: Bearer <token>' (a file, so the token stays out of `ps`)",
+    )
     args = parser.parse_args(argv)
     try:
         token = args.token_file.read_text().strip() if args.token_file else ""
         config = resolve_registration(
-            remote_service(dict(name="check", url=args.url, timeout_seconds=args.timeout,
-                                max_batch_size=args.batch_size, bearer_token=token)),
-            RemoteDefaults(), reserved=set())
+            remote_service(
+                dict(
+                    name="check",
+                    url=args.url,
+                    timeout_seconds=args.timeout,
+                    max_batch_size=args.batch_size,
+                    bearer_token=token,
+                )
+            ),
+            RemoteDefaults(),
+            reserved=set(),
+        )
     except OSError as e:
         print(f"rlmesh reward check: cannot read --token-file {args.token_file}: {e.strerror}")
         return 2

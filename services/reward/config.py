@@ -51,7 +51,9 @@ class Settings(GrpcServiceSettings):
     # Remote reward services: defaults for what a registration leaves at 0 ...
     remote_timeout_seconds: float = Field(30.0, gt=0, description="Timeout of one call to a remote reward service.")
     remote_max_concurrency: int = Field(8, ge=1, description="Calls in flight at once per remote service.")
-    remote_max_batch_size: int = Field(32, ge=1, description="Samples per call to a remote service (groups kept whole).")
+    remote_max_batch_size: int = Field(
+        32, ge=1, description="Samples per call to a remote service (groups kept whole)."
+    )
     # ... and how every remote is called.
     remote_max_retries: int = Field(2, ge=0, description="Retries of a call that timed out or met an outage.")
     remote_backoff_seconds: float = Field(
@@ -102,7 +104,7 @@ class Settings(GrpcServiceSettings):
         default_factory=list,
         description=(
             "Where remote reward services may live besides public addresses: CIDRs or addresses (e.g. "
-            "\"10.0.0.0/8\", \"127.0.0.1\", \"::1\") and host names (e.g. \"judge.internal\": any loopback or "
+            '"10.0.0.0/8", "127.0.0.1", "::1") and host names (e.g. "judge.internal": any loopback or '
             "private address it resolves to). Empty = public addresses only. Link-local and cloud metadata "
             "addresses are never called, whatever this says. `rlmesh up` allows loopback."
         ),
@@ -116,7 +118,10 @@ class Settings(GrpcServiceSettings):
 
     @model_validator(mode="after")
     def _check_components(self) -> Settings:
-        for field_name, functions in (("custom_functions", self.custom_functions), ("group_functions", self.group_functions)):
+        for field_name, functions in (
+            ("custom_functions", self.custom_functions),
+            ("group_functions", self.group_functions),
+        ):
             for name in functions:
                 if name in VERIFIERS:
                     raise ValueError(f"{field_name}: '{name}' is a built-in verifier; give the function another name")

@@ -28,26 +28,35 @@ class RewardCollector(Collector):
         scored = CounterMetricFamily("rlmesh_reward_samples_scored", "Samples given a reward.")
         scored.add_metric([], float(stats.samples_scored))
         yield scored
-        failed = CounterMetricFamily("rlmesh_reward_sample_failures",
-                                     "Samples that got no reward (status FAILED, not trained on), by the kind of "
-                                     "failure: raised, invalid_value, timeout, worker_died, stopping, remote_failed, "
-                                     "missing_score. A sample failing in two ways counts in both.", labels=["reason"])
+        failed = CounterMetricFamily(
+            "rlmesh_reward_sample_failures",
+            "Samples that got no reward (status FAILED, not trained on), by the kind of "
+            "failure: raised, invalid_value, timeout, worker_died, stopping, remote_failed, "
+            "missing_score. A sample failing in two ways counts in both.",
+            labels=["reason"],
+        )
         for cause, n in sorted(stats.failures_by_cause.items()):
             failed.add_metric([cause], float(n))
         yield failed
         callers = self.registry.known_callers()
         families = {
-            "calls": CounterMetricFamily("rlmesh_reward_remote_calls", "Calls to a remote reward service.",
-                                         labels=["service"]),
-            "failures": CounterMetricFamily("rlmesh_reward_remote_call_failures",
-                                            "Calls to a remote reward service that failed (each try counts).",
-                                            labels=["service"]),
-            "retries": CounterMetricFamily("rlmesh_reward_remote_retries", "Retried calls to a remote reward service.",
-                                           labels=["service"]),
+            "calls": CounterMetricFamily(
+                "rlmesh_reward_remote_calls", "Calls to a remote reward service.", labels=["service"]
+            ),
+            "failures": CounterMetricFamily(
+                "rlmesh_reward_remote_call_failures",
+                "Calls to a remote reward service that failed (each try counts).",
+                labels=["service"],
+            ),
+            "retries": CounterMetricFamily(
+                "rlmesh_reward_remote_retries", "Retried calls to a remote reward service.", labels=["service"]
+            ),
         }
-        breaker_open = GaugeMetricFamily("rlmesh_reward_remote_breaker_open",
-                                         "1 while a remote reward service's circuit breaker is open.",
-                                         labels=["service"])
+        breaker_open = GaugeMetricFamily(
+            "rlmesh_reward_remote_breaker_open",
+            "1 while a remote reward service's circuit breaker is open.",
+            labels=["service"],
+        )
         for name, caller in sorted(callers.items()):
             for field, family in families.items():
                 family.add_metric([name], float(getattr(caller.stats, field)))

@@ -53,14 +53,21 @@ def resolve_registration(spec: RemoteServiceSpec, defaults: RemoteDefaults, rese
     if not _TOKEN_CHARS.match(spec.bearer_token):
         raise errors.InvalidArgument("bearer_token must be characters of A-Z a-z 0-9 - . _ ~ + / = (RFC 6750)")
     if spec.bearer_token and urlsplit(url).scheme.lower() != "https" and not _is_loopback(urlsplit(url).hostname):
-        raise errors.InvalidArgument("a bearer_token is sent only over https:// (or to this machine): it would cross "
-                                     "the network in clear text")
+        raise errors.InvalidArgument(
+            "a bearer_token is sent only over https:// (or to this machine): it would cross the network in clear text"
+        )
     # (the defaults are this service's settings: checked against the model's bounds too)
-    return remote_service({
-        **spec.model_dump(), "name": name, "url": url, "protocol": protocol,
-        "timeout_seconds": float(spec.timeout_seconds or defaults.timeout_seconds),
-        "max_concurrency": spec.max_concurrency or defaults.max_concurrency,
-        "max_batch_size": spec.max_batch_size or defaults.max_batch_size})
+    return remote_service(
+        {
+            **spec.model_dump(),
+            "name": name,
+            "url": url,
+            "protocol": protocol,
+            "timeout_seconds": float(spec.timeout_seconds or defaults.timeout_seconds),
+            "max_concurrency": spec.max_concurrency or defaults.max_concurrency,
+            "max_batch_size": spec.max_batch_size or defaults.max_batch_size,
+        }
+    )
 
 
 def check_url(url: str) -> str:
@@ -79,8 +86,10 @@ def check_url(url: str) -> str:
     if not parts.hostname:
         raise errors.InvalidArgument(f"URL {url!r} has no host")
     if parts.username is not None or parts.password is not None:
-        raise errors.InvalidArgument("a URL with a user name or password is refused (it would be listed and "
-                                     "logged): give the service's credential as bearer_token")
+        raise errors.InvalidArgument(
+            "a URL with a user name or password is refused (it would be listed and "
+            "logged): give the service's credential as bearer_token"
+        )
     try:
         httpx.URL(url)
     except (httpx.InvalidURL, ValueError) as e:

@@ -33,16 +33,18 @@ REDIS_KEY = "rlmesh:reward:remote_services"
 
 
 class RemoteRegistry:
-    def __init__(self, redis_url: str, defaults: RemoteDefaults, policy: CallPolicy, reserved: set[str],
-                 url_policy: UrlPolicy) -> None:
+    def __init__(
+        self, redis_url: str, defaults: RemoteDefaults, policy: CallPolicy, reserved: set[str], url_policy: UrlPolicy
+    ) -> None:
         self.redis_url = redis_url
         self.defaults = defaults
         self.policy = policy
         self.url_policy = url_policy
         self.reserved = set(reserved)
         # Bounded waits: an unreachable Redis must not stall scoring (the last known set is used).
-        self._redis = (aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
-                       if redis_url else None)
+        self._redis = (
+            aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5) if redis_url else None
+        )
         self._configs: dict[str, RemoteServiceSpec] = {}  # last known (the store when there is no Redis)
         self._callers: dict[str, RemoteCaller] = {}
         self._retired: list[tuple[asyncio.TimerHandle, RemoteCaller]] = []
@@ -65,7 +67,9 @@ class RemoteRegistry:
                 elif not await self._redis.hsetnx(REDIS_KEY, config.name, record_to_json(config)):
                     raise _taken(config.name)  # registered meanwhile, maybe through another replica
             except RedisError as e:
-                raise errors.Unavailable(f"cannot save the registration: Redis at {redacted(self.redis_url)} failed: {e}") from None
+                raise errors.Unavailable(
+                    f"cannot save the registration: Redis at {redacted(self.redis_url)} failed: {e}"
+                ) from None
         elif not replace and config.name in self._configs:
             raise _taken(config.name)
         self._configs[config.name] = config
@@ -78,7 +82,9 @@ class RemoteRegistry:
             try:
                 removed = bool(await self._redis.hdel(REDIS_KEY, name))
             except RedisError as e:
-                raise errors.Unavailable(f"cannot remove the registration: Redis at {redacted(self.redis_url)} failed: {e}") from None
+                raise errors.Unavailable(
+                    f"cannot remove the registration: Redis at {redacted(self.redis_url)} failed: {e}"
+                ) from None
         else:
             removed = name in self._configs
         self._configs.pop(name, None)
@@ -92,7 +98,9 @@ class RemoteRegistry:
         try:
             raw = await self._redis.hgetall(REDIS_KEY)
         except RedisError as e:
-            log.warning("Redis at %s unreachable (%s): using the last known remote reward services", redacted(self.redis_url), e)
+            log.warning(
+                "Redis at %s unreachable (%s): using the last known remote reward services", redacted(self.redis_url), e
+            )
             return dict(self._configs)
         configs = {}
         for name, record in raw.items():
@@ -140,7 +148,8 @@ class RemoteRegistry:
 def _taken(name: str) -> errors.AlreadyExists:
     return errors.AlreadyExists(
         f"a reward service named '{name}' is already registered; register with replace=true to replace it "
-        "(or choose another name)")
+        "(or choose another name)"
+    )
 
 
 _closing: set[asyncio.Future] = set()  # strong references until the close finishes
@@ -158,8 +167,9 @@ async def probe(config: RemoteServiceSpec, max_reply_bytes: int, url_policy: Url
     answers null for the probe does answer.) The reason never quotes the reply."""
     transport = make_transport(config, max_reply_bytes, url_policy)
     try:
-        results = await asyncio.wait_for(transport.call([Unit([probe_sample()])], config.timeout_seconds),
-                                         config.timeout_seconds)
+        results = await asyncio.wait_for(
+            transport.call([Unit([probe_sample()])], config.timeout_seconds), config.timeout_seconds
+        )
     except CallFailed as e:
         raise errors.FailedPrecondition(
             f"registration of '{config.name}' refused: the {config.protocol} service at {config.url} did not "

@@ -196,9 +196,10 @@ def parse_scores_reply(body: bytes, expected: int) -> list[SampleResult]:
         raise CallFailed("the reply is JSON nested too deeply to read", retryable=False) from None
     if not isinstance(data, dict) or not isinstance(data.get("scores"), list):
         log.debug("reply without a scores list: %r", _excerpt(body))
-        got = "an object without a \"scores\" list" if isinstance(data, dict) else f"a JSON {_json_type(data)}"
+        got = 'an object without a "scores" list' if isinstance(data, dict) else f"a JSON {_json_type(data)}"
         raise CallFailed(
-            f'the reply must be an object {{"scores": [...]}} with one score per sample, got {got}', retryable=False)
+            f'the reply must be an object {{"scores": [...]}} with one score per sample, got {got}', retryable=False
+        )
     scores = data["scores"]
     if len(scores) != expected:
         raise CallFailed(f"the reply has {len(scores)} scores for {expected} samples", retryable=False)
@@ -227,13 +228,17 @@ class HttpJsonTransport:
     checked for this very call: the URL's host becomes that address, while the Host header
     and the TLS server name (SNI and the certificate check) stay the registered name."""
 
-    def __init__(self, url: str, max_concurrency: int, max_reply_bytes: int, policy: UrlPolicy,
-                 bearer_token: str = "") -> None:
+    def __init__(
+        self, url: str, max_concurrency: int, max_reply_bytes: int, policy: UrlPolicy, bearer_token: str = ""
+    ) -> None:
         self.url = url
         self.policy = policy
         self._parsed = httpx.URL(url)
-        self.headers = {"content-type": "application/json", "host": self._parsed.netloc.decode("ascii"),
-                        **credential_headers(bearer_token)}
+        self.headers = {
+            "content-type": "application/json",
+            "host": self._parsed.netloc.decode("ascii"),
+            **credential_headers(bearer_token),
+        }
         self._extensions = {"sni_hostname": self._parsed.host}
         self.max_reply_bytes = max_reply_bytes
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
@@ -247,8 +252,12 @@ class HttpJsonTransport:
         for i, address in enumerate(addresses):
             try:
                 async with self.client.stream(
-                    "POST", self._parsed.copy_with(host=address), content=content, headers=self.headers,
-                    extensions=self._extensions, timeout=httpx.Timeout(timeout),
+                    "POST",
+                    self._parsed.copy_with(host=address),
+                    content=content,
+                    headers=self.headers,
+                    extensions=self._extensions,
+                    timeout=httpx.Timeout(timeout),
                 ) as reply:
                     body = await self._read_capped(reply)
             except httpx.ConnectError as e:
@@ -272,7 +281,8 @@ class HttpJsonTransport:
         declared = reply.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_reply_bytes:
             raise CallFailed(
-                f"the reply is {int(declared)} bytes, larger than max_reply_bytes ({self.max_reply_bytes})", retryable=False
+                f"the reply is {int(declared)} bytes, larger than max_reply_bytes ({self.max_reply_bytes})",
+                retryable=False,
             )
         chunks, size = [], 0
         async for chunk in reply.aiter_bytes():
@@ -289,8 +299,12 @@ class HttpJsonTransport:
 # ---------------------------------------------------------------- gRPC (rlmesh's reward contract)
 
 _RETRYABLE_CODES = {
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
 }
 
 
@@ -335,12 +349,15 @@ class GrpcTransport:
                 closing = asyncio.ensure_future(self._channel.close(grace))
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
-            self._channel = grpc.aio.insecure_channel(target, options=[
-                ("grpc.max_receive_message_length", self.max_reply_bytes),
-                ("grpc.max_send_message_length", 256 * 1024 * 1024),
-                ("grpc.default_authority", grpc_target(self.url)),  # the registered name, not the address
-                ("grpc.enable_http_proxy", 0),  # connect only to the address just checked
-            ])
+            self._channel = grpc.aio.insecure_channel(
+                target,
+                options=[
+                    ("grpc.max_receive_message_length", self.max_reply_bytes),
+                    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+                    ("grpc.default_authority", grpc_target(self.url)),  # the registered name, not the address
+                    ("grpc.enable_http_proxy", 0),  # connect only to the address just checked
+                ],
+            )
             self._stub = reward_pb2_grpc.RewardStub(self._channel)
             self._target = target
         return self._stub
@@ -348,7 +365,8 @@ class GrpcTransport:
     async def call(self, units: Sequence[Unit], timeout: float) -> list[SampleResult]:
         stub = self._stub_for(await _checked_addresses(self.policy, self.url, timeout), timeout)
         groups = [
-            SampleGroup(u.group.group_id, u.group.group_index, u.samples, u.group.dataset) if u.group is not None
+            SampleGroup(u.group.group_id, u.group.group_index, u.samples, u.group.dataset)
+            if u.group is not None
             else SampleGroup(f"sample-{u.samples[0].index}", u.samples[0].group_index, u.samples)
             for u in units
         ]
@@ -401,8 +419,11 @@ class GrpcTransport:
 
 def _grpc_sample_result(sample: Sample) -> SampleResult:
     if sample.status == Status.FAILED:
-        log.debug("the remote could not score sample %d: %r", sample.index,
-                  _excerpt(str(sample.metadata.get("reward_error", ""))))
+        log.debug(
+            "the remote could not score sample %d: %r",
+            sample.index,
+            _excerpt(str(sample.metadata.get("reward_error", ""))),
+        )
         return "the remote marked it FAILED (its reason is in the remote's own logs and stats)"
     total = _finite(sample.reward)
     if isinstance(total, str):
@@ -425,7 +446,14 @@ def make_transport(config: RemoteServiceSpec, max_reply_bytes: int, policy: UrlP
 def probe_sample() -> Sample:
     """What registration and the conformance kit send first: a small, valid, scoreable sample."""
     return Sample(
-        index=0, group_index=0, prompt="What is 1 + 1?", tokens=[1, 2, 3, 4], response="1 + 1 = \\boxed{2}",
-        response_length=2, label="2", loss_mask=[1, 1], status=Status.COMPLETED,
+        index=0,
+        group_index=0,
+        prompt="What is 1 + 1?",
+        tokens=[1, 2, 3, 4],
+        response="1 + 1 = \\boxed{2}",
+        response_length=2,
+        label="2",
+        loss_mask=[1, 1],
+        status=Status.COMPLETED,
         metadata={"rlmesh_probe": True},
     )

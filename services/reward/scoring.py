@@ -66,8 +66,15 @@ class Component:
 # Why a component gave no score, in a word (the metrics count failed samples by these):
 RAISED = "raised"  # the function raised
 INVALID_VALUE = "invalid_value"  # it returned something that is not a finite reward (or the wrong count)
-FAILURE_CAUSES = (RAISED, INVALID_VALUE, "timeout", "worker_died", "stopping",  # (built-in verifiers' too)
-                  "remote_failed", "missing_score")  # a remote service's call failed; or lacked the named score
+FAILURE_CAUSES = (
+    RAISED,
+    INVALID_VALUE,
+    "timeout",
+    "worker_died",
+    "stopping",  # (built-in verifiers' too)
+    "remote_failed",
+    "missing_score",
+)  # a remote service's call failed; or lacked the named score
 
 
 class _ComponentFailed(Exception):
@@ -205,7 +212,8 @@ class Scorer:
         if not weights:  # scoring with nothing would be a silent 0
             raise errors.InvalidArgument(
                 "no reward components: the request names none, and the reward service has no default_components "
-                "and no registered service with a weight")
+                "and no registered service with a weight"
+            )
         self._check_weights(weights, "spec", callers, allow_group)
         return weights
 
@@ -308,8 +316,10 @@ class Scorer:
         keep groups whole, with the component names each sample asks for."""
         needed: list[tuple[Unit, list[list[str]]]] = []
         for group, plans in batches:
-            asking = [(s, [n for n in w if n not in self.components and self._remote_of(n, callers) == service])
-                      for s, w in plans]
+            asking = [
+                (s, [n for n in w if n not in self.components and self._remote_of(n, callers) == service])
+                for s, w in plans
+            ]
             asking = [(s, names) for s, names in asking if names]
             if not asking:
                 continue
@@ -342,16 +352,23 @@ class Scorer:
                 _, _, key = name.partition("/")
                 if key:
                     if key not in result.named:
-                        outcome.fail(name, f"{service} returned no score named '{key}' "
-                                           f"(it returned: {', '.join(result.named) or 'a single score'})",
-                                     "missing_score")
+                        outcome.fail(
+                            name,
+                            f"{service} returned no score named '{key}' "
+                            f"(it returned: {', '.join(result.named) or 'a single score'})",
+                            "missing_score",
+                        )
                 elif result.total is not None:
                     outcome.values[name] = result.total
                 elif reward_key and reward_key in result.named:
                     outcome.values[name] = result.named[reward_key]
                 else:
-                    outcome.fail(name, f"{service} returned named scores ({', '.join(result.named)}); name one in the "
-                                       f"spec as '{service}/<name>' or set reward_key", "missing_score")
+                    outcome.fail(
+                        name,
+                        f"{service} returned named scores ({', '.join(result.named)}); name one in the "
+                        f"spec as '{service}/<name>' or set reward_key",
+                        "missing_score",
+                    )
 
     def _verifier_texts(self, sample: Sample) -> tuple[str, str]:
         """What a built-in verifier reads: the tails of the response and the label."""
@@ -372,11 +389,14 @@ class Scorer:
             except _ComponentFailed as e:
                 outcome.fail(name, str(e), INVALID_VALUE)
 
-    def _sample_job(self, component: Component, sample: Sample, outcome: _Outcome, reward_key: str) -> Callable[[], Any]:
+    def _sample_job(
+        self, component: Component, sample: Sample, outcome: _Outcome, reward_key: str
+    ) -> Callable[[], Any]:
         def record(result: Any) -> None:
             outcome.values[component.name] = _as_reward(result, reward_key, component.name)
 
         if component.is_async:
+
             async def run_async() -> None:
                 try:
                     record(await component.fn(sample))
@@ -385,6 +405,7 @@ class Scorer:
                 except Exception as e:
                     log.warning("reward component %s failed on sample %d", component.name, sample.index, exc_info=True)
                     outcome.fail(component.name, _describe(component.name, e), RAISED)
+
             return run_async
 
         def run_sync() -> None:
@@ -399,6 +420,7 @@ class Scorer:
                 if component.kind != "builtin":
                     log.warning("reward component %s failed on sample %d", component.name, sample.index, exc_info=True)
                 outcome.fail(component.name, _describe(component.name, e), RAISED)
+
         return run_sync
 
     @staticmethod
@@ -421,6 +443,7 @@ class Scorer:
                 outcome.fail(component.name, reason, cause)
 
         if component.is_async:
+
             async def run_async() -> None:
                 try:
                     record(await component.fn(members))
@@ -429,6 +452,7 @@ class Scorer:
                 except Exception as e:
                     log.warning("group reward component %s failed", component.name, exc_info=True)
                     fail(_describe(component.name, e), RAISED)
+
             return run_async
 
         def run_sync() -> None:
@@ -439,6 +463,7 @@ class Scorer:
             except Exception as e:
                 log.warning("group reward component %s failed", component.name, exc_info=True)
                 fail(_describe(component.name, e), RAISED)
+
         return run_sync
 
     def _write_back(self, sample: Sample, weights: dict[str, float], outcome: _Outcome) -> None:

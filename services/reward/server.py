@@ -50,9 +50,17 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
     async def ScoreGroups(self, request, context):
         if not request.groups:
             raise InvalidArgument("ScoreGroupsRequest has no groups: send at least one group to score")
-        within([(len(request.groups), self.limits.max_groups_per_call, "groups in one call", "max_groups_per_call"),
-                (sum(len(g.samples) for g in request.groups), self.limits.max_samples_per_call,
-                 "samples in one call", "max_samples_per_call")])
+        within(
+            [
+                (len(request.groups), self.limits.max_groups_per_call, "groups in one call", "max_groups_per_call"),
+                (
+                    sum(len(g.samples) for g in request.groups),
+                    self.limits.max_samples_per_call,
+                    "samples in one call",
+                    "max_samples_per_call",
+                ),
+            ]
+        )
         for g in request.groups:
             if not g.samples:
                 raise InvalidArgument(f"group {g.group_id!r} (index {g.group_index}) has no samples")
@@ -81,15 +89,27 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         services = []
         for name, caller in sorted(self.registry.known_callers().items()):
             s, breaker = caller.stats, caller.breaker
-            services.append(reward_pb2.RemoteServiceStats(
-                name=name, url=caller.config.url, breaker_state=breaker.state, calls=s.calls, failures=s.failures,
-                retries=s.retries, consecutive_failures=breaker.consecutive_failures, samples_scored=s.samples_scored,
-                samples_failed=s.samples_failed, last_error=s.last_error, mean_latency_seconds=s.mean_latency,
-                breaker_opened=breaker.times_opened,
-            ))
+            services.append(
+                reward_pb2.RemoteServiceStats(
+                    name=name,
+                    url=caller.config.url,
+                    breaker_state=breaker.state,
+                    calls=s.calls,
+                    failures=s.failures,
+                    retries=s.retries,
+                    consecutive_failures=breaker.consecutive_failures,
+                    samples_scored=s.samples_scored,
+                    samples_failed=s.samples_failed,
+                    last_error=s.last_error,
+                    mean_latency_seconds=s.mean_latency,
+                    breaker_opened=breaker.times_opened,
+                )
+            )
         return reward_pb2.RewardStats(
-            samples_scored=stats.samples_scored, samples_failed=stats.samples_failed,
-            failures_by_component=stats.failures_by_component, services=services,
+            samples_scored=stats.samples_scored,
+            samples_failed=stats.samples_failed,
+            failures_by_component=stats.failures_by_component,
+            services=services,
         )
 
 
@@ -99,12 +119,16 @@ def build_scorer(settings: Settings, verifiers: dict[str, str] | None = None) ->
     reserved = {*VERIFIERS, *settings.custom_functions, *settings.group_functions}
     registry = RemoteRegistry(
         settings.redis_url,
-        RemoteDefaults(settings.remote_timeout_seconds, settings.remote_max_concurrency, settings.remote_max_batch_size),
+        RemoteDefaults(
+            settings.remote_timeout_seconds, settings.remote_max_concurrency, settings.remote_max_batch_size
+        ),
         CallPolicy(
-            max_retries=settings.remote_max_retries, backoff_base_seconds=settings.remote_backoff_seconds,
+            max_retries=settings.remote_max_retries,
+            backoff_base_seconds=settings.remote_backoff_seconds,
             backoff_max_seconds=settings.remote_backoff_max_seconds,
             breaker_failure_threshold=settings.breaker_failure_threshold,
-            breaker_cooldown_seconds=settings.breaker_cooldown_seconds, max_reply_bytes=settings.max_reply_bytes,
+            breaker_cooldown_seconds=settings.breaker_cooldown_seconds,
+            max_reply_bytes=settings.max_reply_bytes,
         ),
         reserved,
         UrlPolicy(settings.remote_allowed_networks),
@@ -113,7 +137,11 @@ def build_scorer(settings: Settings, verifiers: dict[str, str] | None = None) ->
         settings.verifier_workers, settings.verifier_timeout_seconds, settings.verifier_overload_seconds, verifiers
     )
     scorer = Scorer.from_config(
-        settings.default_components, settings.custom_functions, settings.group_functions, registry, pool,
+        settings.default_components,
+        settings.custom_functions,
+        settings.group_functions,
+        registry,
+        pool,
         settings.max_answer_chars,
     )
     return scorer, registry
@@ -139,11 +167,15 @@ async def build(settings: Settings, verifiers: dict[str, str] | None = None) -> 
         # SERVING again once none has. Load balancers then send work to another replica.
         async def report(overloaded: bool) -> None:
             if overloaded:
-                log.warning("verifier workers overloaded: a call waited over %g s for one; health is NOT_SERVING",
-                            pool.overload_seconds)
+                log.warning(
+                    "verifier workers overloaded: a call waited over %g s for one; health is NOT_SERVING",
+                    pool.overload_seconds,
+                )
             else:
                 log.info("verifier workers caught up; health is SERVING")
-            status = health_pb2.HealthCheckResponse.NOT_SERVING if overloaded else health_pb2.HealthCheckResponse.SERVING
+            status = (
+                health_pb2.HealthCheckResponse.NOT_SERVING if overloaded else health_pb2.HealthCheckResponse.SERVING
+            )
             for name in ("", REWARD_SERVICE):
                 await health_servicer.set(name, status)
 

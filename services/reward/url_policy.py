@@ -37,10 +37,12 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # Cloud metadata endpoints outside link-local space (AWS IPv6, Alibaba, Azure's wire
 # server, Oracle's legacy one); 169.254.169.254 and its kin are link-local anyway.
-METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
-    "fd00:ec2::254", "100.100.100.200", "168.63.129.16", "192.0.0.192"))
-METADATA_HOSTS = frozenset({
-    "metadata", "metadata.google.internal", "metadata.goog", "instance-data", "instance-data.ec2.internal"})
+METADATA_ADDRESSES = frozenset(
+    ipaddress.ip_address(a) for a in ("fd00:ec2::254", "100.100.100.200", "168.63.129.16", "192.0.0.192")
+)
+METADATA_HOSTS = frozenset(
+    {"metadata", "metadata.google.internal", "metadata.goog", "instance-data", "instance-data.ec2.internal"}
+)
 
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
@@ -109,7 +111,9 @@ class UrlPolicy:
                 pass
             name = _host_name(entry.strip())
             if not _HOSTNAME.match(name):
-                raise ValueError(f"{entry!r} is neither a network (CIDR such as 10.0.0.0/8, or an address) nor a host name")
+                raise ValueError(
+                    f"{entry!r} is neither a network (CIDR such as 10.0.0.0/8, or an address) nor a host name"
+                )
             self.hosts.add(name)
 
     def allows(self, ip: IPAddress, host: str = "") -> tuple[bool, str]:
@@ -135,7 +139,8 @@ class UrlPolicy:
         try:
             # getaddrinfo runs in a thread (the loop's executor); wait_for bounds the wait.
             infos = await asyncio.wait_for(
-                asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout)
+                asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout
+            )
         except (asyncio.TimeoutError, TimeoutError):
             raise Unresolvable(f"URL {url!r}: cannot resolve {host} within {timeout:g} s") from None
         except (socket.gaierror, UnicodeError) as e:
@@ -149,7 +154,8 @@ class UrlPolicy:
                     raise Refused(f"URL {url!r}: {host} resolves to {what}, which the reward service never calls")
                 raise Refused(
                     f"URL {url!r}: {host} resolves to {what}, which this reward service does not call; an operator "
-                    "can allow it with the reward setting remote_allowed_networks (CIDRs or host names)")
+                    "can allow it with the reward setting remote_allowed_networks (CIDRs or host names)"
+                )
         if not addresses:
             raise Unresolvable(f"URL {url!r}: {host} resolves to no address")
         return addresses

@@ -259,10 +259,13 @@ class VerifierPool:
         except asyncio.TimeoutError:
             error = VerifierError(
                 f"{batch[done].name}: verifier timeout: no result within {self.timeout_seconds:g} s "
-                "(verifier_timeout_seconds); the sample is too costly to check, its worker was stopped", "timeout"
+                "(verifier_timeout_seconds); the sample is too costly to check, its worker was stopped",
+                "timeout",
             )
         except (EOFError, OSError):
-            error = VerifierError(f"{batch[done].name}: the verifier's worker process died on this sample", "worker_died")
+            error = VerifierError(
+                f"{batch[done].name}: the verifier's worker process died on this sample", "worker_died"
+            )
         except BaseException:  # cancelled: the pool closes
             for call in batch[done:]:
                 _resolve(call.future, error=VerifierError(f"{call.name}: the reward service is stopping", "stopping"))

@@ -92,8 +92,10 @@ class AsyncLoop:
             got = 0
             if free > 0:
                 try:
-                    resp = await self.manager.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
-                        run_id=self.req.run_id, num_groups=free), timeout=self.manager.settings.buffer_timeout_seconds)
+                    resp = await self.manager.buffer.GetPrompts(
+                        buffer_pb2.GetPromptsRequest(run_id=self.req.run_id, num_groups=free),
+                        timeout=self.manager.settings.buffer_timeout_seconds,
+                    )
                     for prompt in resp.groups:
                         self.groups[asyncio.create_task(self._one_group(prompt))] = prompt
                     got = len(resp.groups)
@@ -106,8 +108,11 @@ class AsyncLoop:
                 await asyncio.sleep(NO_PROMPTS_WAIT_SECONDS)
                 continue
             # Refill as soon as a group finishes; an empty buffer is asked again after a while.
-            done, _ = await asyncio.wait(self.groups, return_when=asyncio.FIRST_COMPLETED,
-                                         timeout=None if got == free else NO_PROMPTS_WAIT_SECONDS)
+            done, _ = await asyncio.wait(
+                self.groups,
+                return_when=asyncio.FIRST_COMPLETED,
+                timeout=None if got == free else NO_PROMPTS_WAIT_SECONDS,
+            )
             for task in done:
                 # Kept in self.groups until written or handed back: a stop meanwhile (this
                 # loop cancelled) hands it back; the buffer ignores one already written.
@@ -128,8 +133,9 @@ class AsyncLoop:
         """Generate a group until none of its samples is aborted, then score it."""
         group = group_from_proto(prompt)
         for _ in range(MAX_ABORTS_PER_GROUP + 1):
-            group = await self.manager._generate_group(group, self.req.sampling, self.sem,
-                                                       self.req.apply_chat_template, self.generator, self.inflight)
+            group = await self.manager._generate_group(
+                group, self.req.sampling, self.sem, self.req.apply_chat_template, self.generator, self.inflight
+            )
             aborted = [s for s in group.samples if s.status == Status.ABORTED]
             if not aborted:
                 return (await self.manager._score([group], self.req.reward))[0]
@@ -140,8 +146,10 @@ class AsyncLoop:
                 s.metadata.pop("rid", None)
                 if not self.req.partial_rollout:
                     reset_sample(s)
-        raise FailedPrecondition(f"its samples were aborted {MAX_ABORTS_PER_GROUP + 1} times (every weight push "
-                                 "aborts them); handed back to the buffer")
+        raise FailedPrecondition(
+            f"its samples were aborted {MAX_ABORTS_PER_GROUP + 1} times (every weight push "
+            "aborts them); handed back to the buffer"
+        )
 
     async def _finish(self, group: SampleGroup) -> None:
         if keep_group(group, self.req.group_filter):
@@ -149,16 +157,20 @@ class AsyncLoop:
             self._count("groups_written")
             merge_sample_metrics(self.metrics, rollout_metrics([group], "rollout/"), "rollout/samples")
         else:
-            await self.manager.buffer.DropGroups(buffer_pb2.DropGroupsRequest(
-                run_id=self.req.run_id, group_ids=[group.group_id], reason=self.req.group_filter),
-                timeout=self.manager.settings.buffer_timeout_seconds)
+            await self.manager.buffer.DropGroups(
+                buffer_pb2.DropGroupsRequest(
+                    run_id=self.req.run_id, group_ids=[group.group_id], reason=self.req.group_filter
+                ),
+                timeout=self.manager.settings.buffer_timeout_seconds,
+            )
             self._count("groups_filtered")
 
     async def _hand_back(self, groups: list[sample_pb2.SampleGroup]) -> None:
         """Prompts go back to the buffer as they were handed out (else their lease expires)."""
         try:
-            await self.manager.buffer.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(
-                run_id=self.req.run_id, groups=groups), timeout=HAND_BACK_TIMEOUT_SECONDS)
+            await self.manager.buffer.ReturnPartialGroups(
+                buffer_pb2.PutGroupsRequest(run_id=self.req.run_id, groups=groups), timeout=HAND_BACK_TIMEOUT_SECONDS
+            )
             self._count("groups_handed_back", len(groups))
         except grpc.aio.AioRpcError as e:
             self._failed(f"handing {len(groups)} prompts back (their leases will expire)", e)
@@ -212,8 +224,9 @@ class AsyncRollouts:
         self.manager.generator(req.generate)  # a bad choice is refused here, not in the loop
         others = [run for run, loop in self.loops.items() if run != req.run_id and loop.running]
         if others:
-            raise FailedPrecondition(f"asynchronous generation is running for run {others[0]}; stop it first "
-                                     "(StopAsyncRollout)")
+            raise FailedPrecondition(
+                f"asynchronous generation is running for run {others[0]}; stop it first (StopAsyncRollout)"
+            )
         loop = self.loops.get(req.run_id)
         if loop is None or not loop.running:
             loop = self.loops[req.run_id] = AsyncLoop(self.manager, req)
@@ -231,4 +244,3 @@ class AsyncRollouts:
     async def close(self) -> None:
         for run_id in list(self.loops):
             await self.stop(run_id)
-

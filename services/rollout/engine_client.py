@@ -74,9 +74,16 @@ GENERATE_CONNECTION_POOLS = 16
 class SGLangClient:
     """Talks to one engine (or to a router, for /generate)."""
 
-    def __init__(self, url: str, http: httpx.AsyncClient, timeout: float, weight_timeout: float,
-                 generate_timeout: float | None = None, seconds_per_token: float = 0.0,
-                 generate_http: list[httpx.AsyncClient] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        http: httpx.AsyncClient,
+        timeout: float,
+        weight_timeout: float,
+        generate_timeout: float | None = None,
+        seconds_per_token: float = 0.0,
+        generate_http: list[httpx.AsyncClient] | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.http = http
         self.generate_http = generate_http or [http]  # /generate's pools, taken in turn
@@ -106,9 +113,16 @@ class SGLangClient:
             raise EngineError(f"engine {self.url}: GET {path} answered {r.status_code}: {r.text[:300]}")
         return r.json()
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, rid: str, return_logprob: bool = True) -> dict:
-        body = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
-                "return_logprob": return_logprob, "logprob_start_len": -1}
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict, rid: str, return_logprob: bool = True
+    ) -> dict:
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params,
+            "rid": rid,
+            "return_logprob": return_logprob,
+            "logprob_start_len": -1,
+        }
         # Finite and sized from the work asked for: a frozen engine is noticed within it.
         timeout = self.generate_timeout + self.seconds_per_token * int(sampling_params.get("max_new_tokens") or 128)
         started = self.metrics.started() if self.metrics is not None else 0.0
@@ -135,9 +149,11 @@ class SGLangClient:
                     # restarting); timeouts are not retried. Abort the broken request so it
                     # cannot linger, then send it again.
                     if attempt + 1 == GENERATE_ATTEMPTS:
-                        raise EngineError(f"engine {self.url}: POST /generate failed {GENERATE_ATTEMPTS} times: "
-                                          f"{type(e).__name__}: {e}") from None
-                    await asyncio.sleep(0.1 * 2 ** attempt)
+                        raise EngineError(
+                            f"engine {self.url}: POST /generate failed {GENERATE_ATTEMPTS} times: "
+                            f"{type(e).__name__}: {e}"
+                        ) from None
+                    await asyncio.sleep(0.1 * 2**attempt)
                     try:
                         await self.abort(rid)
                     except EngineError:
@@ -234,14 +250,26 @@ class EnginePool:
     (its weight group counts only the engines that answer). With no engine in the
     rotation, generation tries them all (the rollout waits and retries as for one engine)."""
 
-    def __init__(self, engine_urls: list[str], router_url: str, timeout: float, weight_timeout: float,
-                 api_key: str = "", generate_timeout: float | None = None, seconds_per_token: float = 0.0,
-                 metrics: RolloutMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine_urls: list[str],
+        router_url: str,
+        timeout: float,
+        weight_timeout: float,
+        api_key: str = "",
+        generate_timeout: float | None = None,
+        seconds_per_token: float = 0.0,
+        metrics: RolloutMetrics | None = None,
+    ) -> None:
         def http_client(connections: int) -> httpx.AsyncClient:
             return httpx.AsyncClient(
-                limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections // 4,
-                                    keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS),
-                headers=credential_headers(api_key) or None)
+                limits=httpx.Limits(
+                    max_connections=connections,
+                    max_keepalive_connections=connections // 4,
+                    keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS,
+                ),
+                headers=credential_headers(api_key) or None,
+            )
 
         self.http = http_client(1024)
         self.generate_http = [http_client(1024 // GENERATE_CONNECTION_POOLS) for _ in range(GENERATE_CONNECTION_POOLS)]
@@ -287,8 +315,14 @@ class EnginePool:
             self.engines = [known.get(u.rstrip("/")) or self._client(u) for u in urls]
 
     def _client(self, url: str) -> SGLangClient:
-        client = SGLangClient(url, self.http, self.timeout, self.weight_timeout, *self._generate_timeouts,
-                              generate_http=self.generate_http)
+        client = SGLangClient(
+            url,
+            self.http,
+            self.timeout,
+            self.weight_timeout,
+            *self._generate_timeouts,
+            generate_http=self.generate_http,
+        )
         client.metrics = self.metrics
         return client
 
@@ -347,8 +381,9 @@ class EnginePool:
     async def resume(self) -> None:
         await self._each_answering(lambda e: e.resume())
 
-    async def init_weight_group(self, master_address: str, master_port: int, world_size: int,
-                                group_name: str, backend: str) -> int:
+    async def init_weight_group(
+        self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str
+    ) -> int:
         """Every engine that answers joins the trainer's weight-update group (the trainer is
         rank 0; an engine's TP ranks follow the ranks of the engines before it); one that is
         down is left out and joins the next group once it answers. Returns how many joined."""
@@ -368,13 +403,22 @@ class EnginePool:
             raise Unavailable(message)
         self._groups[group_name] = [e for e, _ in members]
         offsets = itertools.accumulate((s.tp_size for s in states[:-1]), initial=1)
-        await asyncio.gather(*(
-            e.weight_call("/init_weights_update_group", {
-                "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-                "world_size": world_size, "group_name": group_name, "backend": backend,
-            })
-            for e, rank_offset in zip(self._groups[group_name], offsets)
-        ))
+        await asyncio.gather(
+            *(
+                e.weight_call(
+                    "/init_weights_update_group",
+                    {
+                        "master_address": master_address,
+                        "master_port": master_port,
+                        "rank_offset": rank_offset,
+                        "world_size": world_size,
+                        "group_name": group_name,
+                        "backend": backend,
+                    },
+                )
+                for e, rank_offset in zip(self._groups[group_name], offsets)
+            )
+        )
         return len(states)
 
     def _members(self, group_name: str) -> list[SGLangClient]:
@@ -382,8 +426,15 @@ class EnginePool:
         # every engine, as before; a failure makes the trainer open a new group.
         return self._groups.get(group_name, self.engines)
 
-    async def update_weights(self, tensors: list[TensorMeta], group_name: str, weight_version: str,
-                             flush_cache: bool, load_format: str, delta: WeightDelta | None = None) -> None:
+    async def update_weights(
+        self,
+        tensors: list[TensorMeta],
+        group_name: str,
+        weight_version: str,
+        flush_cache: bool,
+        load_format: str,
+        delta: WeightDelta | None = None,
+    ) -> None:
         """Every engine receives one bucket of the trainer's broadcast (in `tensors` order),
         whole or, with `delta`, only its changed elements."""
         if not tensors:
@@ -403,8 +454,11 @@ class EnginePool:
             "load_format": load_format or None,
         }
         if delta is not None:
-            body["rlmesh_delta"] = {"count": delta.count, "index_dtype": delta.index_dtype,
-                                    "base_version": delta.base_version}
+            body["rlmesh_delta"] = {
+                "count": delta.count,
+                "index_dtype": delta.index_dtype,
+                "base_version": delta.base_version,
+            }
 
         last = flush_cache or bool(weight_version)  # the push's last bucket (it carries the version)
 
@@ -436,8 +490,9 @@ class EnginePool:
         members = self._groups.pop(group_name, self.engines)
         # A member that died since has no group left to destroy.
         alive = [e for e in members if e.url not in self._down] or members
-        await asyncio.gather(*(e.weight_call("/destroy_weights_update_group", {"group_name": group_name})
-                               for e in alive))
+        await asyncio.gather(
+            *(e.weight_call("/destroy_weights_update_group", {"group_name": group_name}) for e in alive)
+        )
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         if not model_path:
@@ -445,9 +500,15 @@ class EnginePool:
         members = [e for e, s in zip(self.engines, await self.states()) if s.healthy]
         if not members:
             raise Unavailable("engines not answering: weights not loaded")
-        await asyncio.gather(*(e.weight_call("/update_weights_from_disk", {
-            "model_path": model_path, "weight_version": weight_version, "flush_cache": True})
-            for e in members))
+        await asyncio.gather(
+            *(
+                e.weight_call(
+                    "/update_weights_from_disk",
+                    {"model_path": model_path, "weight_version": weight_version, "flush_cache": True},
+                )
+                for e in members
+            )
+        )
         self._updated(members, weight_version)
 
     async def close(self) -> None:

@@ -37,8 +37,15 @@ def prompt_ids(tokenizer: Any, sample: Sample, apply_chat_template: bool) -> lis
     if sample.messages or apply_chat_template:
         messages = sample.messages or [{"role": "user", "content": sample.prompt}]
         # The dataset's tool definitions (its `tools` key) are shown to the model as its template shows tools.
-        return list(tokenizer.apply_chat_template(messages, tools=sample.metadata.get("tools") or None, tokenize=True,
-                                                  add_generation_prompt=True, return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(
+                messages,
+                tools=sample.metadata.get("tools") or None,
+                tokenize=True,
+                add_generation_prompt=True,
+                return_dict=False,
+            )
+        )
     return tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
 
 

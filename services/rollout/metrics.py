@@ -15,15 +15,27 @@ from rlmesh.common.prometheus import LATENCY_BUCKETS, ServiceMetrics
 class RolloutMetrics:
     def __init__(self, metrics: ServiceMetrics) -> None:
         r = metrics.registry
-        self.generated_tokens = Counter("rlmesh_rollout_generated_tokens", "Tokens the engines generated for "
-                                        "this service's requests.", registry=r)
+        self.generated_tokens = Counter(
+            "rlmesh_rollout_generated_tokens", "Tokens the engines generated for this service's requests.", registry=r
+        )
         self.prompt_tokens = Counter("rlmesh_rollout_prompt_tokens", "Prompt tokens sent to the engines.", registry=r)
-        self.in_flight = Gauge("rlmesh_rollout_engine_requests_in_flight", "/generate requests sent to an engine "
-                               "and not answered yet.", registry=r)
-        self.requests = Counter("rlmesh_rollout_engine_requests", "/generate requests to the engines, by outcome "
-                                "(ok, or error: no answer or a refusal).", ["outcome"], registry=r)
-        self.seconds = Histogram("rlmesh_rollout_engine_request_seconds", "Time of a /generate request, in seconds.",
-                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge(
+            "rlmesh_rollout_engine_requests_in_flight",
+            "/generate requests sent to an engine and not answered yet.",
+            registry=r,
+        )
+        self.requests = Counter(
+            "rlmesh_rollout_engine_requests",
+            "/generate requests to the engines, by outcome (ok, or error: no answer or a refusal).",
+            ["outcome"],
+            registry=r,
+        )
+        self.seconds = Histogram(
+            "rlmesh_rollout_engine_request_seconds",
+            "Time of a /generate request, in seconds.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def started(self) -> float:
         self.in_flight.inc()

@@ -138,8 +138,13 @@ def _failure_kind(sample: Sample) -> str:
 
 
 class RolloutManager:
-    def __init__(self, settings: Settings, pool: EnginePool, buffer: buffer_pb2_grpc.BufferStub,
-                 reward: reward_pb2_grpc.RewardStub) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: EnginePool,
+        buffer: buffer_pb2_grpc.BufferStub,
+        reward: reward_pb2_grpc.RewardStub,
+    ) -> None:
         self.settings = settings
         self.pool = pool
         self.buffer = buffer
@@ -172,8 +177,10 @@ class RolloutManager:
             return Generator(load_plugin(self.settings.generate_function))
         path = self.generate_functions.get(choice.name)
         if path is None:
-            raise InvalidArgument(f"unknown generate function {choice.name!r}; this rollout service has: "
-                                  f"{', '.join(sorted(self.generate_functions))} (settings.generate_functions)")
+            raise InvalidArgument(
+                f"unknown generate function {choice.name!r}; this rollout service has: "
+                f"{', '.join(sorted(self.generate_functions))} (settings.generate_functions)"
+            )
         fn = load_plugin(path)
         model = getattr(fn, "options_model", None)
         if model is None:
@@ -188,8 +195,16 @@ class RolloutManager:
 
     # ---- one sample / one group ---------------------------------------------------------
 
-    async def _generate_group(self, group: SampleGroup, params: dict, sem: asyncio.Semaphore, chat: bool,
-                              generator: Generator, inflight: dict, stop: asyncio.Event | None = None) -> SampleGroup:
+    async def _generate_group(
+        self,
+        group: SampleGroup,
+        params: dict,
+        sem: asyncio.Semaphore,
+        chat: bool,
+        generator: Generator,
+        inflight: dict,
+        stop: asyncio.Event | None = None,
+    ) -> SampleGroup:
         tokenizer = await self.tokenizer()
 
         async def one(sample: Sample) -> list[Sample]:
@@ -206,8 +221,14 @@ class RolloutManager:
                 if stop is not None and stop.is_set():
                     return current  # aborted before it started: hand back untouched
                 # The next engine in turn: a retry goes to another engine when there are several.
-                ctx = GenerateContext(tokenizer=tokenizer, engine=self.pool.for_generation(), apply_chat_template=chat,
-                                      options=generator.options, settings=self.settings, tools=self.tools)
+                ctx = GenerateContext(
+                    tokenizer=tokenizer,
+                    engine=self.pool.for_generation(),
+                    apply_chat_template=chat,
+                    options=generator.options,
+                    settings=self.settings,
+                    tools=self.tools,
+                )
                 inflight[id(sample)] = (ctx.engine, current)
                 try:
                     return await generator.fn(ctx, current, params)
@@ -220,9 +241,15 @@ class RolloutManager:
             async with sem:
                 try:
                     out = await asyncio.wait_for(
-                        retry(attempt, service="the inference engines", budget_seconds=self.settings.peer_outage_seconds,
-                              transient=_engine_down, on_wait=_log_wait),
-                        self.settings.sample_timeout_seconds)
+                        retry(
+                            attempt,
+                            service="the inference engines",
+                            budget_seconds=self.settings.peer_outage_seconds,
+                            transient=_engine_down,
+                            on_wait=_log_wait,
+                        ),
+                        self.settings.sample_timeout_seconds,
+                    )
                 except (Unavailable, asyncio.CancelledError):
                     raise  # the engines are down (the whole rollout is retried), or we are cancelled
                 except Exception as e:  # this sample's own failure: it fails, the rollout goes on
@@ -238,9 +265,12 @@ class RolloutManager:
         request = reward_pb2.ScoreGroupsRequest(groups=[group_to_proto(g) for g in groups], spec=spec)
         try:
             # Scoring changes nothing: retried while the reward service restarts or hangs.
-            resp = await retry(lambda: self.reward.ScoreGroups(request, timeout=self.settings.reward_timeout_seconds),
-                               service=f"reward service at {self.settings.reward_address}",
-                               budget_seconds=self.settings.peer_outage_seconds, on_wait=_log_wait)
+            resp = await retry(
+                lambda: self.reward.ScoreGroups(request, timeout=self.settings.reward_timeout_seconds),
+                service=f"reward service at {self.settings.reward_address}",
+                budget_seconds=self.settings.peer_outage_seconds,
+                on_wait=_log_wait,
+            )
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(f"reward service: {e.details()}") from None
@@ -250,12 +280,18 @@ class RolloutManager:
     def check_limits(self, req: RolloutRequest) -> None:
         """The operator's limits on one rollout (or on the groups an async loop keeps in flight)."""
         limits = self.settings.limits
-        within([
-            (req.num_groups + req.over_sampling_groups, limits.max_groups_per_call,
-             "groups of a rollout (num_groups + over_sampling_groups)", "max_groups_per_call"),
-            (req.sampling.get("max_new_tokens") or 0, limits.max_new_tokens, "max_new_tokens", "max_new_tokens"),
-            (req.max_concurrency, limits.max_concurrency, "max_concurrency", "max_concurrency"),
-        ])
+        within(
+            [
+                (
+                    req.num_groups + req.over_sampling_groups,
+                    limits.max_groups_per_call,
+                    "groups of a rollout (num_groups + over_sampling_groups)",
+                    "max_groups_per_call",
+                ),
+                (req.sampling.get("max_new_tokens") or 0, limits.max_new_tokens, "max_new_tokens", "max_new_tokens"),
+                (req.max_concurrency, limits.max_concurrency, "max_concurrency", "max_concurrency"),
+            ]
+        )
 
     async def _put(self, run_id: str, groups: list[SampleGroup]) -> None:
         """Write groups in one call; wait while the buffer is full (backpressure) or briefly
@@ -269,7 +305,8 @@ class RolloutManager:
             except grpc.aio.AioRpcError as e:
                 retry = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or (
                     e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                    and waited < BUFFER_UNAVAILABLE_PATIENCE_SECONDS)
+                    and waited < BUFFER_UNAVAILABLE_PATIENCE_SECONDS
+                )
                 if not retry:
                     raise
                 await asyncio.sleep(delay)
@@ -304,17 +341,30 @@ class RolloutManager:
                 raise FailedPrecondition(
                     f"the {req.group_filter!r} filter dropped {filtered} groups and kept {len(written)} of "
                     f"{req.num_groups}: every group's rewards are equal (is the task too hard or too easy "
-                    f"for the policy, or the reward broken?)")
+                    f"for the policy, or the reward broken?)"
+                )
             need = req.num_groups - len(written)
-            resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
-                run_id=req.run_id, num_groups=need + req.over_sampling_groups), timeout=self.settings.buffer_timeout_seconds)
+            resp = await self.buffer.GetPrompts(
+                buffer_pb2.GetPromptsRequest(run_id=req.run_id, num_groups=need + req.over_sampling_groups),
+                timeout=self.settings.buffer_timeout_seconds,
+            )
             inflight: dict = {}
             handled: set[str] = set()  # dropped by the filter (written ones are in `written`)
             stop = asyncio.Event()
-            tasks = [asyncio.create_task(self._generate_group(
-                         restart_stale(group_from_proto(g), req.min_weight_version), params, sem,
-                         req.apply_chat_template, generator, inflight, stop))
-                     for g in resp.groups]
+            tasks = [
+                asyncio.create_task(
+                    self._generate_group(
+                        restart_stale(group_from_proto(g), req.min_weight_version),
+                        params,
+                        sem,
+                        req.apply_chat_template,
+                        generator,
+                        inflight,
+                        stop,
+                    )
+                )
+                for g in resp.groups
+            ]
             pending = set(tasks)
             try:
                 while pending and len(written) < req.num_groups:
@@ -331,9 +381,10 @@ class RolloutManager:
                     handled.update(dropped)
                     if dropped:
                         filtered += len(dropped)
-                        await self.buffer.DropGroups(buffer_pb2.DropGroupsRequest(
-                            run_id=req.run_id, group_ids=dropped, reason=req.group_filter),
-                            timeout=self.settings.buffer_timeout_seconds)
+                        await self.buffer.DropGroups(
+                            buffer_pb2.DropGroupsRequest(run_id=req.run_id, group_ids=dropped, reason=req.group_filter),
+                            timeout=self.settings.buffer_timeout_seconds,
+                        )
                     if keep:
                         await self._put(req.run_id, keep)
                         written.extend(keep)
@@ -346,8 +397,13 @@ class RolloutManager:
                 await self._hand_back(req.run_id, resp.groups, {g.group_id for g in written} | handled)
                 raise
         metrics = rollout_metrics(written, "rollout/")
-        metrics.update({"rollout/seconds": time.monotonic() - start, "rollout/groups_filtered": float(filtered),
-                        "rollout/groups_aborted": float(aborted)})
+        metrics.update(
+            {
+                "rollout/seconds": time.monotonic() - start,
+                "rollout/groups_filtered": float(filtered),
+                "rollout/groups_aborted": float(aborted),
+            }
+        )
         return RolloutResult(groups_written=len(written), groups_filtered=filtered, metrics=metrics)
 
     async def _hand_back(self, run_id: str, prompts, done: set[str]) -> None:
@@ -357,8 +413,11 @@ class RolloutManager:
         if not unfinished:
             return
         try:
-            await asyncio.shield(self.buffer.ReturnPartialGroups(
-                buffer_pb2.PutGroupsRequest(run_id=run_id, groups=unfinished), timeout=10))
+            await asyncio.shield(
+                self.buffer.ReturnPartialGroups(
+                    buffer_pb2.PutGroupsRequest(run_id=run_id, groups=unfinished), timeout=10
+                )
+            )
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             log.warning("could not hand %d prompts back to the buffer; their leases will expire", len(unfinished))
 
@@ -376,16 +435,21 @@ class RolloutManager:
                     reset_sample(s)
                 s.metadata.pop("rid", None)
         if groups:
-            await self.buffer.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(
-                run_id=req.run_id, groups=[group_to_proto(g) for g in groups]), timeout=self.settings.buffer_timeout_seconds)
+            await self.buffer.ReturnPartialGroups(
+                buffer_pb2.PutGroupsRequest(run_id=req.run_id, groups=[group_to_proto(g) for g in groups]),
+                timeout=self.settings.buffer_timeout_seconds,
+            )
         return len(groups)
 
     async def _sft_rollout(self, req: RolloutRequest, start: float) -> RolloutResult:
         tokenizer = await self.tokenizer()
         if req.dataset:
-            resp = await self.buffer.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
-                run_id=req.run_id, dataset=req.dataset, offset=req.dataset_offset, limit=req.num_groups, wrap=True),
-                timeout=self.settings.buffer_timeout_seconds)
+            resp = await self.buffer.GetEvalPrompts(
+                buffer_pb2.GetEvalPromptsRequest(
+                    run_id=req.run_id, dataset=req.dataset, offset=req.dataset_offset, limit=req.num_groups, wrap=True
+                ),
+                timeout=self.settings.buffer_timeout_seconds,
+            )
             groups = [group_from_proto(g) for g in resp.groups]
             # Ids of their own per call: a step the coordinator redoes (after a restart) is new
             # data to the buffer, not a duplicate of groups already trained.
@@ -393,36 +457,56 @@ class RolloutManager:
             for g in groups:
                 g.group_id = f"sft:{req.dataset}:{g.group_id.rsplit(':', 1)[-1]}:{call}"
         else:
-            resp = await self.buffer.GetPrompts(buffer_pb2.GetPromptsRequest(
-                run_id=req.run_id, num_groups=req.num_groups), timeout=self.settings.buffer_timeout_seconds)
+            resp = await self.buffer.GetPrompts(
+                buffer_pb2.GetPromptsRequest(run_id=req.run_id, num_groups=req.num_groups),
+                timeout=self.settings.buffer_timeout_seconds,
+            )
             groups = [group_from_proto(g) for g in resp.groups]
         for g in groups:
             # One supervised sample per prompt: the group's copies would all be identical.
             g.samples = [sft_sample(tokenizer, g.samples[0], req.apply_chat_template)]
         await self._put(req.run_id, groups)
-        return RolloutResult(groups_written=len(groups), groups_filtered=0,
-                             metrics={"rollout/seconds": time.monotonic() - start})
+        return RolloutResult(
+            groups_written=len(groups), groups_filtered=0, metrics={"rollout/seconds": time.monotonic() - start}
+        )
 
     async def evaluate(self, req: EvalRequest) -> dict[str, float]:
         """Generate and score responses to an eval dataset's prompts (nothing is written). A
         whole dataset (limit 0) means its first limits.max_samples_per_call / n prompts."""
         limits = self.settings.limits
-        within([
-            (req.n_samples_per_prompt, limits.max_samples_per_prompt, "n_samples_per_prompt", "max_samples_per_prompt"),
-            (req.limit * req.n_samples_per_prompt, limits.max_samples_per_call,
-             "samples of an evaluation (limit x n_samples_per_prompt)", "max_samples_per_call"),
-            (req.sampling.get("max_new_tokens") or 0, limits.max_new_tokens, "max_new_tokens", "max_new_tokens"),
-        ])
+        within(
+            [
+                (
+                    req.n_samples_per_prompt,
+                    limits.max_samples_per_prompt,
+                    "n_samples_per_prompt",
+                    "max_samples_per_prompt",
+                ),
+                (
+                    req.limit * req.n_samples_per_prompt,
+                    limits.max_samples_per_call,
+                    "samples of an evaluation (limit x n_samples_per_prompt)",
+                    "max_samples_per_call",
+                ),
+                (req.sampling.get("max_new_tokens") or 0, limits.max_new_tokens, "max_new_tokens", "max_new_tokens"),
+            ]
+        )
         limit = req.limit or max(limits.max_samples_per_call // max(req.n_samples_per_prompt, 1), 1)
         generator = self.generator(req.generate)
         start = time.monotonic()
-        resp = await self.buffer.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
-            run_id=req.run_id, dataset=req.dataset, n_samples_per_prompt=req.n_samples_per_prompt, limit=limit),
-            timeout=self.settings.buffer_timeout_seconds)
+        resp = await self.buffer.GetEvalPrompts(
+            buffer_pb2.GetEvalPromptsRequest(
+                run_id=req.run_id, dataset=req.dataset, n_samples_per_prompt=req.n_samples_per_prompt, limit=limit
+            ),
+            timeout=self.settings.buffer_timeout_seconds,
+        )
         sem = asyncio.Semaphore(self.settings.max_concurrency)
-        groups = await asyncio.gather(*(self._generate_group(group_from_proto(g), req.sampling, sem,
-                                                             req.apply_chat_template, generator, {})
-                                        for g in resp.groups))
+        groups = await asyncio.gather(
+            *(
+                self._generate_group(group_from_proto(g), req.sampling, sem, req.apply_chat_template, generator, {})
+                for g in resp.groups
+            )
+        )
         scored = await self._score(list(groups), req.reward) if groups else []
         metrics = rollout_metrics(scored, f"eval/{req.dataset}/")
         metrics[f"eval/{req.dataset}/seconds"] = time.monotonic() - start
@@ -455,8 +539,11 @@ MAX_FAILURE_CHARS = 1000
 def failed_sample(sample: Sample, e: BaseException, timeout: float) -> Sample:
     """The sample as it was before generation, FAILED with the reason (trained on by nobody,
     counted in failed_ratio)."""
-    reason = (f"generation took longer than sample_timeout_seconds ({timeout:g} s)" if isinstance(e, TimeoutError)
-              else f"{type(e).__name__}: {e}")
+    reason = (
+        f"generation took longer than sample_timeout_seconds ({timeout:g} s)"
+        if isinstance(e, TimeoutError)
+        else f"{type(e).__name__}: {e}"
+    )
     log.warning("a sample failed: %s", reason)
     sample.status = Status.FAILED
     sample.metadata["failure"] = reason[:MAX_FAILURE_CHARS]

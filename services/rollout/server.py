@@ -31,8 +31,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def GenerateRollout(self, request, context):
         result = await self.manager.generate_rollout(rollout_request_from_proto(request))
-        return rollout_pb2.GenerateRolloutResponse(groups_written=result.groups_written,
-                                                   groups_filtered=result.groups_filtered, metrics=result.metrics)
+        return rollout_pb2.GenerateRolloutResponse(
+            groups_written=result.groups_written, groups_filtered=result.groups_filtered, metrics=result.metrics
+        )
 
     async def Evaluate(self, request, context):
         return rollout_pb2.EvaluateResponse(metrics=await self.manager.evaluate(eval_request_from_proto(request)))
@@ -50,9 +51,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def ListEngines(self, request, context):
         states = await self.pool.states()
         return rollout_pb2.ListEnginesResponse(
-            engines=[rollout_pb2.EngineInfo(url=s.url, tp_size=s.tp_size, weight_version=s.weight_version,
-                                            healthy=s.healthy, model_path=s.model_path,
-                                            weight_delta_format=s.weight_delta_format) for s in states],
+            engines=[
+                rollout_pb2.EngineInfo(
+                    url=s.url,
+                    tp_size=s.tp_size,
+                    weight_version=s.weight_version,
+                    healthy=s.healthy,
+                    model_path=s.model_path,
+                    weight_delta_format=s.weight_delta_format,
+                )
+                for s in states
+            ],
             # The weight group holds the engines that answer (one that is down joins a later one).
             weight_group_world_size=weight_group_world_size([s for s in states if s.healthy]),
         )
@@ -67,16 +76,25 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def InitWeightUpdateGroup(self, request, context):
         joined = await self.pool.init_weight_group(
-            request.master_address, request.master_port, request.world_size,
-            request.group_name or DEFAULT_GROUP, request.backend or "nccl")
+            request.master_address,
+            request.master_port,
+            request.world_size,
+            request.group_name or DEFAULT_GROUP,
+            request.backend or "nccl",
+        )
         return self._done(f"{joined} engines joined group {request.group_name!r}")
 
     async def UpdateWeights(self, request, context):
         await self.pool.update_weights(
             [TensorMeta(t.name, t.dtype, tuple(t.shape)) for t in request.tensors],
-            request.group_name or DEFAULT_GROUP, request.weight_version, request.flush_cache, request.load_format,
+            request.group_name or DEFAULT_GROUP,
+            request.weight_version,
+            request.flush_cache,
+            request.load_format,
             WeightDelta(request.delta.count, request.delta.index_dtype, request.delta.base_version)
-            if request.HasField("delta") else None)
+            if request.HasField("delta")
+            else None,
+        )
         return self._done(f"{len(request.tensors)} tensors at version {request.weight_version}")
 
     async def DestroyWeightUpdateGroup(self, request, context):
@@ -97,20 +115,33 @@ def _async_response(status: AsyncStatus) -> rollout_pb2.AsyncRolloutResponse:
 
 def rollout_request_from_proto(r: rollout_pb2.GenerateRolloutRequest) -> RolloutRequest:
     return RolloutRequest(
-        run_id=validate_run_id(r.run_id), num_groups=r.num_groups, sampling=sampling_to_sglang(r.sampling),
-        reward=reward_spec_from_proto(r.reward), group_filter=r.group_filter,
-        over_sampling_groups=r.over_sampling_groups, partial_rollout=r.partial_rollout, mode=r.mode or "rl",
-        max_concurrency=r.max_concurrency, apply_chat_template=r.apply_chat_template,
-        generate=generate_choice_from_proto(r.generate), min_weight_version=max(r.min_weight_version, 0),
-        dataset=r.dataset, dataset_offset=max(r.dataset_offset, 0),
+        run_id=validate_run_id(r.run_id),
+        num_groups=r.num_groups,
+        sampling=sampling_to_sglang(r.sampling),
+        reward=reward_spec_from_proto(r.reward),
+        group_filter=r.group_filter,
+        over_sampling_groups=r.over_sampling_groups,
+        partial_rollout=r.partial_rollout,
+        mode=r.mode or "rl",
+        max_concurrency=r.max_concurrency,
+        apply_chat_template=r.apply_chat_template,
+        generate=generate_choice_from_proto(r.generate),
+        min_weight_version=max(r.min_weight_version, 0),
+        dataset=r.dataset,
+        dataset_offset=max(r.dataset_offset, 0),
     )
 
 
 def eval_request_from_proto(r: rollout_pb2.EvaluateRequest) -> EvalRequest:
     return EvalRequest(
-        run_id=validate_run_id(r.run_id), dataset=r.dataset, n_samples_per_prompt=r.n_samples_per_prompt or 1,
-        sampling=sampling_to_sglang(r.sampling), reward=reward_spec_from_proto(r.reward), limit=r.limit,
-        apply_chat_template=r.apply_chat_template, generate=generate_choice_from_proto(r.generate),
+        run_id=validate_run_id(r.run_id),
+        dataset=r.dataset,
+        n_samples_per_prompt=r.n_samples_per_prompt or 1,
+        sampling=sampling_to_sglang(r.sampling),
+        reward=reward_spec_from_proto(r.reward),
+        limit=r.limit,
+        apply_chat_template=r.apply_chat_template,
+        generate=generate_choice_from_proto(r.generate),
     )
 
 
@@ -120,7 +151,9 @@ MAX_GENERATE_OPTIONS_BYTES = 64 * 1024
 
 def generate_choice_from_proto(g: rollout_pb2.GenerateFunction) -> GenerateChoice:
     if len(g.options_json) > MAX_GENERATE_OPTIONS_BYTES:
-        raise InvalidArgument(f"generate options are {len(g.options_json)} bytes, more than {MAX_GENERATE_OPTIONS_BYTES}")
+        raise InvalidArgument(
+            f"generate options are {len(g.options_json)} bytes, more than {MAX_GENERATE_OPTIONS_BYTES}"
+        )
     try:
         options = json.loads(g.options_json) if g.options_json else {}
     except ValueError as e:
@@ -137,13 +170,21 @@ def reward_spec_from_proto(spec: reward_pb2.RewardSpec) -> RewardChoice:
 async def build(settings: Settings) -> Service:
     """The servicer over an engine pool and clients of the buffer and reward services."""
     metrics = ServiceMetrics()
-    pool = EnginePool(settings.engine_urls, settings.router_url, settings.request_timeout_seconds,
-                      settings.weight_update_timeout_seconds, settings.engine_api_key or auth.stack_token() or "",
-                      settings.generate_timeout_seconds, settings.generate_seconds_per_token, RolloutMetrics(metrics))
+    pool = EnginePool(
+        settings.engine_urls,
+        settings.router_url,
+        settings.request_timeout_seconds,
+        settings.weight_update_timeout_seconds,
+        settings.engine_api_key or auth.stack_token() or "",
+        settings.generate_timeout_seconds,
+        settings.generate_seconds_per_token,
+        RolloutMetrics(metrics),
+    )
     buffer_channel = aio_channel(settings.buffer_address, settings.max_message_bytes)
     reward_channel = aio_channel(settings.reward_address, settings.max_message_bytes)
-    manager = RolloutManager(settings, pool, buffer_pb2_grpc.BufferStub(buffer_channel),
-                             reward_pb2_grpc.RewardStub(reward_channel))
+    manager = RolloutManager(
+        settings, pool, buffer_pb2_grpc.BufferStub(buffer_channel), reward_pb2_grpc.RewardStub(reward_channel)
+    )
 
     async_rollouts = AsyncRollouts(manager)
 
@@ -155,8 +196,11 @@ async def build(settings: Settings) -> Service:
         await buffer_channel.close()
         await reward_channel.close()
 
-    binding = ServiceBinding(RolloutServicer(manager, pool, async_rollouts), rollout_pb2_grpc.add_RolloutServicer_to_server,
-                             rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name)
+    binding = ServiceBinding(
+        RolloutServicer(manager, pool, async_rollouts),
+        rollout_pb2_grpc.add_RolloutServicer_to_server,
+        rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name,
+    )
     return Service([binding], on_shutdown=close, metrics=metrics)
 
 

@@ -118,8 +118,10 @@ def register_policy_loss(name: str) -> Callable[[_Fn], _Fn]:
 def _declared(table: dict, declare: str, name: str):
     # Caught at import rather than in the middle of a run.
     if name not in table:
-        raise ValueError(f"{name!r} is not declared: add {declare}({name!r}, ...) to rlmesh.common.algorithm "
-                         "(what it needs and its defaults), then register its function here")
+        raise ValueError(
+            f"{name!r} is not declared: add {declare}({name!r}, ...) to rlmesh.common.algorithm "
+            "(what it needs and its defaults), then register its function here"
+        )
     return table[name]
 
 
@@ -463,5 +465,3 @@ def _cispo(
     """cispo_loss with eps_low = eps_clip and eps_high = eps_clip_high (default eps_clip)."""
     eps_high = config.eps_clip if config.eps_clip_high is None else config.eps_clip_high
     return cispo_loss(log_probs, old_log_probs, advantages, config.eps_clip, eps_high)
-
-

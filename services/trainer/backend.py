@@ -142,7 +142,9 @@ class TorchBackend:
         # A LoRA checkpoint holds adapters only: the model comes from the base it names.
         lora_base = saved_state.get(lora.BASE_MODEL_STATE_KEY)
         if lora_base and config.lora is None:
-            raise errors.InvalidArgument(f"{source} holds LoRA adapters; resuming it needs the run config's lora section")
+            raise errors.InvalidArgument(
+                f"{source} holds LoRA adapters; resuming it needs the run config's lora section"
+            )
         if lora_base:
             self.policy = self._load_model(lora_base, f"the base model of LoRA checkpoint {source}")
         else:
@@ -212,12 +214,15 @@ class TorchBackend:
         divided by the sampling temperature."""
         return self._response_outputs(model, mb)[0]
 
-    def _response_outputs(self, model: PreTrainedModel, mb: MicroBatch, values: bool = False) -> tuple[Tensor, Tensor | None]:
+    def _response_outputs(
+        self, model: PreTrainedModel, mb: MicroBatch, values: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """_response_logits, and with `values` the critic's values [b, R] of the same
         positions (the state before each response token)."""
         with self._autocast():
-            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
-                        output_hidden_states=values)
+            out = model(
+                input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, output_hidden_states=values
+            )
         index = mb.logit_index.unsqueeze(-1)
         logits = out.logits.gather(1, index.expand(-1, -1, out.logits.shape[-1])).float() / self.temperature
         if not values:
@@ -228,7 +233,9 @@ class TorchBackend:
     def _response_log_probs(self, model: PreTrainedModel, mb: MicroBatch) -> Tensor:
         return token_log_probs(self._response_logits(model, mb), mb.targets)
 
-    def _micro_batches(self, indices: Sequence[int], samples: Sequence[TrainSample]) -> Iterator[tuple[list[int], MicroBatch]]:
+    def _micro_batches(
+        self, indices: Sequence[int], samples: Sequence[TrainSample]
+    ) -> Iterator[tuple[list[int], MicroBatch]]:
         """Micro-batches of at most micro_batch_size samples of `indices`: all of them in
         one process; with data parallelism this rank's share, as many micro-batches on every
         rank (a rank with none left runs a stand-in whose mask is all 0: a sharded model's
@@ -248,8 +255,9 @@ class TorchBackend:
                 yield [indices[0]], mb
 
     @torch.no_grad()
-    def _old_pass(self, model: PreTrainedModel, samples: Sequence[TrainSample], width: int,
-                  values: bool = False) -> tuple[Tensor, Tensor | None]:
+    def _old_pass(
+        self, model: PreTrainedModel, samples: Sequence[TrainSample], width: int, values: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """Log-probs [B, width] of every response token under `model` (and with `values`
         the critic's values), right-padded with 0; with data parallelism each rank scores
         its share and the rows are summed across ranks."""
@@ -276,8 +284,9 @@ class TorchBackend:
         with self.policy.disable_adapter():  # LoRA: the base model is the reference
             return self._old_pass(self.policy, samples, width)[0]
 
-    def _backward(self, model: PreTrainedModel, mb: MicroBatch, loss_of: Callable[..., Tensor],
-                  values: bool = False) -> None:
+    def _backward(
+        self, model: PreTrainedModel, mb: MicroBatch, loss_of: Callable[..., Tensor], values: bool = False
+    ) -> None:
         """Forward `mb`, take the loss of its response logits (_response_outputs), backward.
         With `values`, loss_of also gets the critic's values of the same positions
         (`values=`). A parallel backend may compute the loss on some of its ranks only."""
@@ -337,8 +346,13 @@ class TorchBackend:
         is_weights = None
         if a.rollout_is_upper is not None:
             weights = terms.rollout_is_weights(
-                old, rollout, masks * has_rollout, level=a.rollout_is_level, mode=a.rollout_is_mode,
-                lower=a.rollout_is_lower, upper=a.rollout_is_upper,
+                old,
+                rollout,
+                masks * has_rollout,
+                level=a.rollout_is_level,
+                mode=a.rollout_is_mode,
+                lower=a.rollout_is_lower,
+                upper=a.rollout_is_upper,
             )
             is_weights = torch.where(has_rollout > 0, weights, 1.0)
 
@@ -368,8 +382,11 @@ class TorchBackend:
                 for chunk, mb in self._micro_batches(mini, samples):
                     rows = fixed.rows(chunk, mb.response_width)
                     self._backward(
-                        self.policy, mb, functools.partial(self._rl_loss, mb=mb, fixed=rows, num_seqs=num_seqs,
-                                                           num_tokens=num_tokens, totals=totals),
+                        self.policy,
+                        mb,
+                        functools.partial(
+                            self._rl_loss, mb=mb, fixed=rows, num_seqs=num_seqs, num_tokens=num_tokens, totals=totals
+                        ),
                         values=self.critic is not None,
                     )
             self._optimizer_step(opt, totals)
@@ -387,7 +404,13 @@ class TorchBackend:
         return values, present
 
     def _rl_loss(
-        self, logits: Tensor, mb: MicroBatch, fixed: FixedTokens, num_seqs: Tensor, num_tokens: Tensor, totals: Totals,
+        self,
+        logits: Tensor,
+        mb: MicroBatch,
+        fixed: FixedTokens,
+        num_seqs: Tensor,
+        num_tokens: Tensor,
+        totals: Totals,
         values: Tensor | None = None,
     ) -> Tensor:
         """The loss of one micro-batch from its response logits (and the critic's `values`
@@ -490,8 +513,10 @@ class TorchBackend:
         with self._lock:
             # Sharded (FSDP2): every rank takes part in gathering, rank 0 gets the full state.
             optimizers = {
-                name: {"optimizer": self.dp.optimizer_state(self._trained_modules(), o.optimizer),
-                       "scheduler": o.scheduler.state_dict()}
+                name: {
+                    "optimizer": self.dp.optimizer_state(self._trained_modules(), o.optimizer),
+                    "scheduler": o.scheduler.state_dict(),
+                }
                 for name, o in self._distinct_optimizers().items()
             }
             state = {"step": self.step, "reference_model_path": self.reference_path}

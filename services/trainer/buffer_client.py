@@ -41,7 +41,12 @@ class BufferClient:
         return BufferStub(self._channel)
 
     async def lease(
-        self, run_id: str, num_groups: int, wait_seconds: float, min_weight_version: int, stale_policy: StalePolicy,
+        self,
+        run_id: str,
+        num_groups: int,
+        wait_seconds: float,
+        min_weight_version: int,
+        stale_policy: StalePolicy,
     ) -> buffer_pb2.LeaseBatchResponse:
         """A batch of exactly num_groups groups, none generated with weights older than
         min_weight_version (older ones dropped, or kept with stale_policy 'keep', counted)."""
@@ -51,7 +56,8 @@ class BufferClient:
             lease_seconds=self.settings.lease_seconds,
             wait_seconds=wait_seconds,
             min_weight_version=min_weight_version,
-            stale_policy=buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP if stale_policy == "keep"
+            stale_policy=buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP
+            if stale_policy == "keep"
             else buffer_pb2.LeaseBatchRequest.STALE_POLICY_DROP,
         )
         try:
@@ -93,9 +99,14 @@ class BufferClient:
                 raise errors.upstream_error("buffer (RollbackToCheckpoint)", self.settings.buffer_address, e) from None
             reply = buffer_pb2.RollbackToCheckpointResponse()  # no such run in the buffer: nothing it holds
         if reply.requeued or reply.leases_released:
-            log.warning("run %s: resumed at step %d; the buffer hands out again %d groups trained after it and "
-                        "released %d leases of the previous trainer", run_id, step, reply.requeued,
-                        reply.leases_released)
+            log.warning(
+                "run %s: resumed at step %d; the buffer hands out again %d groups trained after it and "
+                "released %d leases of the previous trainer",
+                run_id,
+                step,
+                reply.requeued,
+                reply.leases_released,
+            )
 
     async def commit_acks(self, run_id: str, step: int, patiently: bool = False) -> None:
         """Make acknowledgments up to `step` final (a checkpoint holding it is written). A
@@ -111,15 +122,20 @@ class BufferClient:
         try:
             await self._stub().CommitAcks(request, timeout=self.settings.buffer_timeout_seconds)
         except grpc.aio.AioRpcError as e:
-            log.warning("run %s: acknowledgments through step %d stay provisional for now: %s", run_id, step,
-                        e.details())
+            log.warning(
+                "run %s: acknowledgments through step %d stay provisional for now: %s", run_id, step, e.details()
+            )
 
     async def reject(self, run_id: str, lease_id: str, reasons: dict[str, str]) -> None:
         """Before the step: if this fails, so does the step, and the whole lease is
         redelivered (acknowledging it would drop the rejected groups unrecorded)."""
-        request = buffer_pb2.RejectGroupsRequest(run_id=run_id, lease_id=lease_id, groups=[
-            buffer_pb2.RejectGroupsRequest.Rejection(group_id=gid, reason=reason) for gid, reason in reasons.items()
-        ])
+        request = buffer_pb2.RejectGroupsRequest(
+            run_id=run_id,
+            lease_id=lease_id,
+            groups=[
+                buffer_pb2.RejectGroupsRequest.Rejection(group_id=gid, reason=reason) for gid, reason in reasons.items()
+            ],
+        )
         await self._call("RejectGroups", request)
 
     async def _call(self, method: str, request, missing_run_ok: bool = False) -> None:
@@ -127,6 +143,7 @@ class BufferClient:
         retried while the buffer or its Redis is down or restarting, for up to
         buffer_outage_seconds: giving up would leave the batch leased until its lease
         expires. `missing_run_ok`: a run the buffer does not know has nothing to change."""
+
         async def call():
             try:
                 await getattr(self._stub(), method)(request, timeout=self.settings.buffer_timeout_seconds)
@@ -138,8 +155,12 @@ class BufferClient:
             log.warning("%s", reason)
 
         try:
-            await retry(call, service=f"the buffer at {self.settings.buffer_address} ({method})",
-                        budget_seconds=self.settings.buffer_outage_seconds, on_wait=waiting)
+            await retry(
+                call,
+                service=f"the buffer at {self.settings.buffer_address} ({method})",
+                budget_seconds=self.settings.buffer_outage_seconds,
+                on_wait=waiting,
+            )
         except grpc.aio.AioRpcError as e:
             raise errors.upstream_error(f"buffer ({method})", self.settings.buffer_address, e) from None
 

@@ -45,8 +45,15 @@ FQN_OPTIMIZER_FORMAT = "full_by_name"
 # Files of a model directory that save_pretrained writes itself (or a checkpoint's own);
 # everything else at the top level (tokenizer, chat template) is copied over so a
 # checkpoint is a complete model.
-_WRITTEN_BY_SAVE = {"config.json", "generation_config.json", OPTIMIZER_FILE, STATE_FILE, RNG_FILE, COMPLETE_FILE,
-                    lora.ADAPTER_CONFIG}
+_WRITTEN_BY_SAVE = {
+    "config.json",
+    "generation_config.json",
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    RNG_FILE,
+    COMPLETE_FILE,
+    lora.ADAPTER_CONFIG,
+}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 # In trainer_state.json of every checkpoint this trainer writes: only such a directory is
@@ -160,12 +167,14 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
-    np.random.set_state({
-        "bit_generator": "MT19937",
-        "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
-        "has_gauss": n["has_gauss"],
-        "gauss": n["gauss"],
-    })
+    np.random.set_state(
+        {
+            "bit_generator": "MT19937",
+            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+            "has_gauss": n["has_gauss"],
+            "gauss": n["gauss"],
+        }
+    )
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
@@ -225,9 +234,15 @@ def list_checkpoints(directory: Path, run_id: str) -> list[CheckpointInfo]:
     found = []
     for entry in directory.iterdir():
         if CHECKPOINT.fullmatch(entry.name) and (state := _checkpoint_state(entry, run_id)) is not None:
-            found.append(CheckpointInfo(
-                step=int(state.get("step", 0)), path=entry, automatic=bool(AUTO_CHECKPOINT.fullmatch(entry.name)),
-                weight_version=int(state.get("weight_version", 0)), written_at=(entry / COMPLETE_FILE).stat().st_mtime))
+            found.append(
+                CheckpointInfo(
+                    step=int(state.get("step", 0)),
+                    path=entry,
+                    automatic=bool(AUTO_CHECKPOINT.fullmatch(entry.name)),
+                    weight_version=int(state.get("weight_version", 0)),
+                    written_at=(entry / COMPLETE_FILE).stat().st_mtime,
+                )
+            )
     return sorted(found, key=lambda c: (c.step, c.path.name))
 
 
@@ -251,7 +266,8 @@ def prune_checkpoints(directory: Path, run_id: str, keep: int) -> None:
     """Delete all but the `keep` newest complete automatic checkpoints of `run_id`: only
     those rlmesh wrote, never SaveCheckpoint's."""
     auto = sorted(
-        (int(m[1]), entry) for entry in directory.iterdir()
+        (int(m[1]), entry)
+        for entry in directory.iterdir()
         if (m := AUTO_CHECKPOINT.fullmatch(entry.name)) and _checkpoint_state(entry, run_id) is not None
     )
     for _, entry in auto[:-keep]:
@@ -262,13 +278,21 @@ def checkpoint_extra(run_id: str, weight_version: int, trained: dict[int, list[s
     """What the trainer adds to a checkpoint's trainer_state.json: who wrote it (WRITTEN_BY)
     for which run, the weight version, and which groups each step trained."""
     return {
-        "run_id": run_id, "weight_version": weight_version, "written_by": WRITTEN_BY,
+        "run_id": run_id,
+        "weight_version": weight_version,
+        "written_by": WRITTEN_BY,
         "trained_groups": {str(step): ids for step, ids in trained.items()},
     }
 
 
-async def write_in_background(run_id: str, snapshot: CheckpointSnapshot, target: Path, extra: dict, keep: int,
-                              on_written: Callable[[], Awaitable[None]]) -> None:
+async def write_in_background(
+    run_id: str,
+    snapshot: CheckpointSnapshot,
+    target: Path,
+    extra: dict,
+    keep: int,
+    on_written: Callable[[], Awaitable[None]],
+) -> None:
     """An automatic checkpoint written, then on_written() (it commits the acknowledgments
     the checkpoint holds) and the older checkpoints pruned, on a worker thread; the task
     never raises: nobody awaits it for a result, so a failure is logged here."""

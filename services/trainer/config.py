@@ -32,22 +32,28 @@ class Settings(GrpcServiceSettings):
         True, description="On CUDA, run forward passes under bfloat16 autocast (weights stay float32)."
     )
     lease_seconds: float = Field(
-        0.0, ge=0, description="How long a leased batch stays ours before the buffer redelivers it (0 = buffer default)."
+        0.0,
+        ge=0,
+        description="How long a leased batch stays ours before the buffer redelivers it (0 = buffer default).",
     )
     buffer_timeout_seconds: float = Field(
         60.0, gt=0, description="Deadline of a buffer call, added to TrainStep's wait_seconds."
     )
     buffer_outage_seconds: float = Field(
-        300.0, gt=0, description="How long an acknowledgment (or rejection) is retried while the buffer is down "
-        "or restarting, with backoff, before the step fails (its batch then waits for its lease to expire)."
+        300.0,
+        gt=0,
+        description="How long an acknowledgment (or rejection) is retried while the buffer is down "
+        "or restarting, with backoff, before the step fails (its batch then waits for its lease to expire).",
     )
     weight_sync_master_address: str = Field(
         "127.0.0.1",
         description="Address the engines use to reach this trainer's rendezvous store when joining the weight group.",
     )
     weight_sync_bind_address: str = Field(
-        "", description="Interface the weight group's rendezvous store listens on ('' = weight_sync_master_address); "
-        "never all interfaces.")
+        "",
+        description="Interface the weight group's rendezvous store listens on ('' = weight_sync_master_address); "
+        "never all interfaces.",
+    )
     weight_sync_dtype: str = Field(
         "", description="Dtype weights are sent in: float32, bfloat16, float16 ('' = the parameters' own)."
     )

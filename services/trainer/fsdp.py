@@ -109,9 +109,11 @@ class DataParallel:
         if self.world == 1:
             return totals
         step_keys, token_keys = sorted(totals.per_step), sorted(totals.per_token)
-        packed = torch.tensor([totals.tokens] + [totals.per_step[k] for k in step_keys]
-                              + [totals.per_token[k] for k in token_keys], dtype=torch.float64,
-                              device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        packed = torch.tensor(
+            [totals.tokens] + [totals.per_step[k] for k in step_keys] + [totals.per_token[k] for k in token_keys],
+            dtype=torch.float64,
+            device="cuda" if dist.get_backend() == "nccl" else "cpu",
+        )
         dist.all_reduce(packed)
         values = packed.tolist()
         totals.tokens = values[0]
@@ -143,11 +145,13 @@ class DataParallel:
             return optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(modules, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            modules, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
-    def load_optimizer_state(self, modules: nn.Module, optimizer: torch.optim.Optimizer, state: dict,
-                             by_name: bool) -> None:
+    def load_optimizer_state(
+        self, modules: nn.Module, optimizer: torch.optim.Optimizer, state: dict, by_name: bool
+    ) -> None:
         """Load what optimizer_state saved, sharded or not, into this (sharded or not) model's optimizer."""
         if not by_name:
             if self.mode != "none":

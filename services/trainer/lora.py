@@ -40,8 +40,12 @@ def wrap(model: nn.Module, settings: LoraConfig, adapters_from: Path | None = No
 
     targets = settings.target_modules if isinstance(settings.target_modules, str) else list(settings.target_modules)
     peft_config = PeftLoraConfig(
-        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout, target_modules=targets,
-        bias="none", task_type="CAUSAL_LM",
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
     )
     try:
         wrapped = get_peft_model(model, peft_config)

@@ -33,9 +33,9 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 def masked_whiten(values: Tensor, mask: Tensor, eps: float = WHITEN_EPS) -> Tensor:
     """Batch whitening over the masked tokens:
 
-        mu  = sum(v * m) / sum(m)
-        var = sum((v - mu)^2 * m) / sum(m)          (population variance, no n-1)
-        w   = (v - mu) / sqrt(var + eps)            masked-out positions are 0
+    mu  = sum(v * m) / sum(m)
+    var = sum((v - mu)^2 * m) / sum(m)          (population variance, no n-1)
+    w   = (v - mu) / sqrt(var + eps)            masked-out positions are 0
     """
     mean = masked_mean(values, mask)
     var = masked_mean((values - mean) ** 2, mask)
@@ -90,10 +90,10 @@ def aggregate_loss(
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: str) -> Tensor:
     """Per-token KL estimate against the frozen reference, with x = logp - ref_logp:
 
-        k1 = x
-        k2 = x^2 / 2
-        k3 = exp(-x) - 1 + x
-        low_var_kl = clamp(k3, -10, 10)
+    k1 = x
+    k2 = x^2 / 2
+    k3 = exp(-x) - 1 + x
+    low_var_kl = clamp(k3, -10, 10)
     """
     x = log_probs - ref_log_probs
     if estimator == "k1":

@@ -90,7 +90,9 @@ class Commands:
     def _broadcast_bytes(self, data: bytes | None) -> bytes:
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.long)
         dist.broadcast(size, src=0, group=self.group)
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+        buffer = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+        )
         if int(size):
             dist.broadcast(buffer, src=0, group=self.group)
         return data if data is not None else bytes(buffer.numpy().tobytes())
@@ -116,7 +118,9 @@ class Commands:
         padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else padded[:0]
         parts = [torch.zeros(width, dtype=torch.uint8) for _ in sizes]
         dist.all_gather(parts, padded, group=self.group)
-        return "; ".join(bytes(p[: int(n)].numpy().tobytes()).decode() for p, n in zip(parts, sizes, strict=True) if int(n))
+        return "; ".join(
+            bytes(p[: int(n)].numpy().tobytes()).decode() for p, n in zip(parts, sizes, strict=True) if int(n)
+        )
 
 
 def encode_groups(groups: Sequence[SampleGroup]) -> tuple[dict, bytes]:
@@ -184,8 +188,12 @@ class Leader:
     @classmethod
     def start(cls, config: TrainerRunConfig, device: torch.device, mixed_precision: bool, resume_from: Path | None):
         commands = init_ranks(device.type)
-        args = {"config": config.model_dump(mode="json"), "device": str(device), "mixed_precision": mixed_precision,
-                "resume_from": str(resume_from) if resume_from else None}
+        args = {
+            "config": config.model_dump(mode="json"),
+            "device": str(device),
+            "mixed_precision": mixed_precision,
+            "resume_from": str(resume_from) if resume_from else None,
+        }
         commands.send("init", args)
         backend = _run(commands, lambda: backend_class(config)(config, device, mixed_precision, resume_from))
         return cls(backend, commands)

@@ -22,7 +22,10 @@ SERVICE_NAME = "rlmesh.v1.Trainer"
 
 def _status(status: RunStatus) -> trainer_pb2.TrainerStatus:
     return trainer_pb2.TrainerStatus(
-        run_id=status.run_id, step=status.step, weight_version=status.weight_version, model_path=status.model_path,
+        run_id=status.run_id,
+        step=status.step,
+        weight_version=status.weight_version,
+        model_path=status.model_path,
         resumed_step=status.resumed_step,
     )
 
@@ -67,14 +70,24 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def ListCheckpoints(self, request, context):
         found = await self.trainer.list_checkpoints(request.run_id, request.checkpoint_dir)
-        return trainer_pb2.ListCheckpointsResponse(checkpoints=[trainer_pb2.Checkpoint(
-            step=c.step, path=str(c.path), automatic=c.automatic, weight_version=c.weight_version,
-            written_at=c.written_at) for c in found])
+        return trainer_pb2.ListCheckpointsResponse(
+            checkpoints=[
+                trainer_pb2.Checkpoint(
+                    step=c.step,
+                    path=str(c.path),
+                    automatic=c.automatic,
+                    weight_version=c.weight_version,
+                    written_at=c.written_at,
+                )
+                for c in found
+            ]
+        )
 
 
 def binding(trainer: Trainer, metrics: TrainerMetrics | None = None) -> ServiceBinding:
-    return ServiceBinding(TrainerServicer(trainer, metrics), trainer_pb2_grpc.add_TrainerServicer_to_server,
-                          SERVICE_NAME)
+    return ServiceBinding(
+        TrainerServicer(trainer, metrics), trainer_pb2_grpc.add_TrainerServicer_to_server, SERVICE_NAME
+    )
 
 
 async def build(settings: Settings, trainer: Trainer | None = None) -> Service:
@@ -95,7 +108,9 @@ async def serve(settings: Settings) -> None:
     if ranks.world_size() == 1:
         await serve_service(build, settings)
         return
-    device_type = "cuda" if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()) else "cpu"
+    device_type = (
+        "cuda" if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
     if ranks.rank() != 0:
         # A follower leaves when rank 0 says so (after rank 0's graceful shutdown, which
         # still needs it: closing the run is a command too) or when rank 0 is gone;

@@ -53,9 +53,7 @@ def parse_run_config(config_json: str) -> TrainerRunConfig:
     try:
         config = TrainerRunConfig.model_validate_json(config_json)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in e.errors())
         raise errors.InvalidArgument(f"invalid trainer config: {problems}") from None
     return config
 
@@ -103,9 +101,7 @@ class _Run:
         return self.config.checkpoint_interval > 0
 
     def status(self) -> RunStatus:
-        return RunStatus(
-            self.run_id, self.backend.step, self.weight_version, self.config.model_path, self.resumed_step
-        )
+        return RunStatus(self.run_id, self.backend.step, self.weight_version, self.config.model_path, self.resumed_step)
 
     async def saved(self) -> None:
         """Wait for the checkpoint being written, if any (it logs its own failure). Shielded:
@@ -152,7 +148,9 @@ class Trainer:
             resume = await asyncio.to_thread(newest_checkpoint, checkpoints, run_id)
             backend = await asyncio.to_thread(open_backend, config, device, self.settings.mixed_precision, resume)
             run = _Run(
-                run_id, config, backend,
+                run_id,
+                config,
+                backend,
                 weight_version=int(backend.resumed_state.get("weight_version", 0)),
                 resumed_step=backend.step if backend.resumed_state else 0,
                 last_checkpoint_step=backend.step,
@@ -196,7 +194,8 @@ class Trainer:
                     if run.backend.step > run.written_step:
                         raise errors.FailedPrecondition(
                             f"run {run_id!r}: the checkpoint of its last step ({run.backend.step}) could not be "
-                            "written (the trainer's log says why); the run stays set up: EndRun again to retry")
+                            "written (the trainer's log says why); the run stays set up: EndRun again to retry"
+                        )
                 await self._buffer.commit_acks(run.run_id, run.written_step, patiently=not shutting_down)
             status = run.status()
             if run.pusher is not None:
@@ -230,8 +229,11 @@ class Trainer:
             await self._rewind_buffer(run)
             # (the bound counts back from the weights this trainer last published)
             lease = await self._buffer.lease(
-                run.run_id, num_groups, wait_seconds,
-                oldest_weight_version(run.weight_version, run.config.staleness_bound), run.config.stale_policy,
+                run.run_id,
+                num_groups,
+                wait_seconds,
+                oldest_weight_version(run.weight_version, run.config.staleness_bound),
+                run.config.stale_policy,
             )
             lease_id = lease.lease_id
             groups, rejected = _trainable(list(lease.groups), run.backend.vocab_size)
@@ -239,17 +241,25 @@ class Trainer:
                 # Failing the step would only have these redelivered, again and again: the
                 # buffer keeps them (and why) in its dead-letter list; the rest trains.
                 await self._buffer.reject(run.run_id, lease_id, rejected)
-                log.warning("run %s: %d of %d leased groups cannot be trained and went to the buffer's dead-letter "
-                            "list%s; first reason: %s", run.run_id, len(rejected), len(lease.groups),
-                            " (this step trains nothing)" if not groups else "", next(iter(rejected.values())))
+                log.warning(
+                    "run %s: %d of %d leased groups cannot be trained and went to the buffer's dead-letter "
+                    "list%s; first reason: %s",
+                    run.run_id,
+                    len(rejected),
+                    len(lease.groups),
+                    " (this step trains nothing)" if not groups else "",
+                    next(iter(rejected.values())),
+                )
             result = await self._train(run, groups, loss)
             # (extended: a step that trained nothing leaves the step where the previous one did)
             run.trained.setdefault(result.step, []).extend(g.group_id for g in groups)
             await fault_point("trainer.before_ack")
             await self._buffer.ack(run.run_id, lease_id, result.step, provisional=run.acks_wait_for_checkpoints)
             result.metrics.update(
-                rejected_groups=float(len(rejected)), stale_groups_dropped=float(lease.stale_groups_dropped),
-                stale_groups_kept=float(lease.stale_groups), **_staleness(groups, run.weight_version),
+                rejected_groups=float(len(rejected)),
+                stale_groups_dropped=float(lease.stale_groups_dropped),
+                stale_groups_kept=float(lease.stale_groups),
+                **_staleness(groups, run.weight_version),
             )
             await self._checkpoint_if_due(run)
             return result
@@ -291,7 +301,9 @@ class Trainer:
         run = self._get(run_id)
         method = method or run.config.weight_sync.method
         if method not in PUBLISH_METHODS:
-            raise errors.InvalidArgument(f"method must be one of {', '.join(PUBLISH_METHODS)} (or empty), got {method!r}")
+            raise errors.InvalidArgument(
+                f"method must be one of {', '.join(PUBLISH_METHODS)} (or empty), got {method!r}"
+            )
         if version < 0:
             raise errors.InvalidArgument(f"version must not be negative, got {version}")
         await fault_point("trainer.before_push")
@@ -305,7 +317,9 @@ class Trainer:
                     self.settings.weight_sync_bind_address,
                 )
             if method == "distributed":
-                wire_dtype = getattr(torch, self.settings.weight_sync_dtype) if self.settings.weight_sync_dtype else None
+                wire_dtype = (
+                    getattr(torch, self.settings.weight_sync_dtype) if self.settings.weight_sync_dtype else None
+                )
                 result = await run.pusher.push_distributed(
                     list(run.backend.state_dict_for_sync()), version, run.config.weight_sync, wire_dtype
                 )
@@ -315,7 +329,13 @@ class Trainer:
             run.weight_version = version
             log.info(
                 "run %s: weights v%d pushed (%s, %d bytes, %d buckets, %d as deltas, %.2f s)",
-                run.run_id, version, method, result.bytes, result.buckets, result.delta_buckets, result.seconds,
+                run.run_id,
+                version,
+                method,
+                result.bytes,
+                result.buckets,
+                result.delta_buckets,
+                result.seconds,
             )
             return result
 
@@ -369,10 +389,16 @@ class Trainer:
             run.written_step = max(run.written_step, step)
             await self._buffer.commit_acks(run.run_id, step)
 
-        run.saving = asyncio.create_task(write_in_background(
-            run.run_id, snapshot, self._checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}",
-            checkpoint_extra(run.run_id, run.weight_version, run.trained), run.config.keep_last, on_written=written,
-        ))
+        run.saving = asyncio.create_task(
+            write_in_background(
+                run.run_id,
+                snapshot,
+                self._checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}",
+                checkpoint_extra(run.run_id, run.weight_version, run.trained),
+                run.config.keep_last,
+                on_written=written,
+            )
+        )
 
     def _under_work_dir(self, path: str | Path, what: str) -> Path:
         return resolve_under(path, self._roots, what, "the trainer's work_dir")

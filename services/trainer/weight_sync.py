@@ -58,6 +58,7 @@ from rlmesh.v1.rollout_pb2_grpc import RolloutStub
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class PushResult:
     seconds: float
@@ -102,7 +103,10 @@ def resolve_backend(backend: str) -> str:
 
 
 def flatten_bucket(
-    bucket: Sequence[tuple[str, Tensor]], device: torch.device, wire_dtype: torch.dtype | None, out: list[Tensor] | None = None
+    bucket: Sequence[tuple[str, Tensor]],
+    device: torch.device,
+    wire_dtype: torch.dtype | None,
+    out: list[Tensor] | None = None,
 ) -> Tensor:
     """The bucket's tensors end to end in one 1-D tensor of the wire dtype: one pass,
     converting as it copies. With `out` (a one-element list), that tensor's memory is
@@ -132,8 +136,10 @@ def broadcast_bucket(
 ) -> int:
     """Send one bucket whole from rank 0 (from `flat`, its flatten_bucket, when given);
     returns the bytes sent."""
-    if flat is None and not flattened and all(
-        t.device == device and t.dtype == (wire_dtype or t.dtype) and t.is_contiguous() for _, t in bucket
+    if (
+        flat is None
+        and not flattened
+        and all(t.device == device and t.dtype == (wire_dtype or t.dtype) and t.is_contiguous() for _, t in bucket)
     ):
         for _, t in bucket:  # already as sent: no copy
             dist.broadcast(t.detach(), src=0, group=group)
@@ -287,7 +293,9 @@ class WeightPusher:
     # ---------------------------------------------------------------- group
 
     async def _ensure_group(self, backend: str) -> _Group:
-        engines = await self._call("ListEngines", self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout))
+        engines = await self._call(
+            "ListEngines", self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout)
+        )
         # world size: 1 + the TP ranks of the engines that answer. One that is down is
         # left out of the pool (and this group) and joins a later group once it answers.
         world_size = engines.weight_group_world_size
@@ -397,7 +405,9 @@ class WeightPusher:
                     t.device == device and t.dtype == (wire_dtype or t.dtype) and t.is_contiguous() for _, t in bucket
                 ):
                     flat = flatten_bucket(bucket, device, wire_dtype, staging[k % 2])  # here, beside the last broadcast
-                return _Bucket(request, lambda: broadcast_bucket(bucket, group.group, flattened, device, flat=flat), False)
+                return _Bucket(
+                    request, lambda: broadcast_bucket(bucket, group.group, flattened, device, flat=flat), False
+                )
             key = tuple(name for name, _ in bucket)
             flat = flatten_bucket(bucket, device, wire_dtype)
             base = group.sent.pop(key, None)  # popped: if this push fails, the base is unsure
@@ -410,8 +420,11 @@ class WeightPusher:
                         return None
                     payload, index_dtype = delta_payload(flat, indices)
                     request.load_format = ""
-                    request.delta.CopyFrom(rollout_pb2.WeightDelta(
-                        count=indices.numel(), index_dtype=index_dtype, base_version=group.version))
+                    request.delta.CopyFrom(
+                        rollout_pb2.WeightDelta(
+                            count=indices.numel(), index_dtype=index_dtype, base_version=group.version
+                        )
+                    )
                     return _Bucket(request, lambda: _broadcast_payload(payload, group.group), True)
             group.sent[key] = flat
             return _Bucket(request, lambda: broadcast_bucket(bucket, group.group, flattened, device, flat=flat), False)
@@ -429,8 +442,11 @@ class WeightPusher:
                 if item is None:
                     continue
                 what = f"UpdateWeights bucket {k + 1}/{len(buckets)}"
-                pending.append(asyncio.ensure_future(
-                    self._call(what, self._stub.UpdateWeights(item.request, timeout=self.timeout))))
+                pending.append(
+                    asyncio.ensure_future(
+                        self._call(what, self._stub.UpdateWeights(item.request, timeout=self.timeout))
+                    )
+                )
                 sent += await self._broadcast_beside(what, item.send, pending)
                 if backend != "gloo":
                     # gloo's root finishes a broadcast only once every rank has posted its
@@ -442,7 +458,9 @@ class WeightPusher:
             _forget_sent(group, pending, ready)
             raise
         group.version = str(version)
-        return PushResult(seconds=time.monotonic() - start, bytes=sent, buckets=len(buckets), delta_buckets=delta_buckets)
+        return PushResult(
+            seconds=time.monotonic() - start, bytes=sent, buckets=len(buckets), delta_buckets=delta_buckets
+        )
 
     async def _broadcast_beside(self, what: str, send: Callable[[], int], pending: list[asyncio.Future]) -> int:
         """Broadcast one bucket while its UpdateWeights call (the last of `pending`) runs;

@@ -73,6 +73,7 @@ class Chaos:
 
     def wait_rollout(self, run_id: str, done: int = 1) -> None:
         """Until the run has done this many rollouts (the next generation is starting)."""
+
         def past() -> bool:
             try:
                 run = self.api.get(f"/runs/{run_id}").json()
@@ -82,6 +83,7 @@ class Chaos:
                 return False
             assert run["status"] in ("pending", "running"), run["error"]
             return run["rollout_id"] >= done
+
         eventually(past, f"rollout {done}")
 
     def start_run(self, config: dict) -> str:
@@ -105,6 +107,7 @@ class Chaos:
                 return wait_for_run(self.api, run_id, timeout=RECOVERY_TIMEOUT * 2)
             except (httpx.HTTPError, KeyError, ValueError):
                 return None
+
         for _ in range(int(RECOVERY_TIMEOUT)):
             if (run := answer()) is not None:
                 return run
@@ -131,7 +134,9 @@ def chaos(tmp_path_factory, tiny_model_dir):
     patch.setenv("OMP_NUM_THREADS", "1")
     stack = start_stack(root / "stack", str(tiny_model_dir), echo=lambda _: None)
     stop = threading.Event()
-    supervisor = threading.Thread(target=supervise, args=(stack, stop), kwargs={"interval": 0.1, "echo": lambda _: None})
+    supervisor = threading.Thread(
+        target=supervise, args=(stack, stop), kwargs={"interval": 0.1, "echo": lambda _: None}
+    )
     supervisor.start()
     try:
         yield Chaos(stack, faults)
@@ -202,8 +207,10 @@ def test_a_run_survives_a_killed_process(chaos, tmp_path, tiny_model_dir, victim
         assert run["waiting_for"] == ""
         s = check_accounting(chaos, run_id)
         # (the chaos table of the docs: -s shows it)
-        print(f"\n| {victim} | {moment} | completed | {after:.1f} | {s.groups_written} | {s.acknowledged_groups} | "
-              f"{s.rolled_back_groups} |")
+        print(
+            f"\n| {victim} | {moment} | completed | {after:.1f} | {s.groups_written} | {s.acknowledged_groups} | "
+            f"{s.rolled_back_groups} |"
+        )
     finally:
         chaos.ensure_finished(run_id)
 

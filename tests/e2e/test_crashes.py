@@ -60,7 +60,9 @@ def test_buffer_killed_between_a_trainers_lease_and_its_ack(redis_url, dataset, 
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         proc = start_buffer_process(redis_url, port, log)
         # As a real client would: wait for the channel to reconnect (it is in backoff).
-        ack = stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=a.lease_id), wait_for_ready=True, timeout=60)
+        ack = stub.AckBatch(
+            buffer_pb2.AckBatchRequest(run_id="r1", lease_id=a.lease_id), wait_for_ready=True, timeout=60
+        )
         assert ack.acknowledged == 2
 
         # trainer B leases, the buffer dies, B never acks (it died too): after the lease
@@ -68,8 +70,9 @@ def test_buffer_killed_between_a_trainers_lease_and_its_ack(redis_url, dataset, 
         b = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2, lease_seconds=0.3))
         kill(proc)
         proc = start_buffer_process(redis_url, port, log)
-        again = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2, wait_seconds=30),
-                                wait_for_ready=True, timeout=60)
+        again = stub.LeaseBatch(
+            buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2, wait_seconds=30), wait_for_ready=True, timeout=60
+        )
         assert list(again.groups) == list(b.groups) == written[2:]
         assert stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=again.lease_id)).acknowledged == 2
         with pytest.raises(grpc.RpcError) as e:
@@ -98,8 +101,9 @@ def test_prompts_of_a_killed_rollout_worker_are_handed_out_again(redis_url, data
     _srv, port = start_in_loop(lambda: start(Settings(redis_url=redis_url, port=0)))
     stub = stub_at(port)
     create(stub, dataset)
-    worker = subprocess.Popen([sys.executable, "-c", WORKER, f"127.0.0.1:{port}"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER, f"127.0.0.1:{port}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         held = worker.stdout.readline().split()
         assert held == ["g0", "g1"]
@@ -139,7 +143,10 @@ def test_redis_killed_and_restarted_on_its_data_dir_loses_nothing_acknowledged(t
         server = start_redis(tmp_path / "redis", port=server.port)
         after = stats(stub)
         assert (after.groups_written, after.acknowledged_groups, after.queued_groups) == (12, 4, 8)
-        assert (after.prompts_handed_out, after.next_sample_index) == (before.prompts_handed_out, before.next_sample_index)
+        assert (after.prompts_handed_out, after.next_sample_index) == (
+            before.prompts_handed_out,
+            before.next_sample_index,
+        )
         rest = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=8))
         assert list(rest.groups) == written[4:]  # every byte as written
         assert put(stub, written[:4]).duplicates == 4  # acknowledged ones stay acknowledged
@@ -151,8 +158,9 @@ def test_redis_killed_and_restarted_on_its_data_dir_loses_nothing_acknowledged(t
 REPLICA_GROUPS = 60
 
 
-@pytest.mark.parametrize("buffer_filter", ["rlmesh.buffer.filters:fifo",
-                                           "rlmesh.buffer.filters:highest_reward_variance_first"])
+@pytest.mark.parametrize(
+    "buffer_filter", ["rlmesh.buffer.filters:fifo", "rlmesh.buffer.filters:highest_reward_variance_first"]
+)
 @pytest.mark.slow
 def test_two_replicas_deliver_every_group_exactly_once(redis_url, start_in_loop, dataset, tmp_path, buffer_filter):
     flags = ["--buffer-filter", buffer_filter]
@@ -200,12 +208,18 @@ def test_two_replicas_deliver_every_group_exactly_once(redis_url, start_in_loop,
         assert not errors, errors
         assert sorted(delivered) == sorted(f"g{i}" for i in range(REPLICA_GROUPS))  # each exactly once
         s = stats(stubs[1])
-        assert (s.groups_written, s.acknowledged_groups, s.queued_groups, s.leased_groups) == (REPLICA_GROUPS, REPLICA_GROUPS, 0, 0)
+        assert (s.groups_written, s.acknowledged_groups, s.queued_groups, s.leased_groups) == (
+            REPLICA_GROUPS,
+            REPLICA_GROUPS,
+            0,
+            0,
+        )
     finally:
         kill(replica_a)
 
 
 # ---------------------------------------------------------------- a peer killed under a run
+
 
 def grpc_ready(address: str) -> bool:
     channel = grpc.insecure_channel(address)
@@ -227,8 +241,14 @@ class Peers:
         self.flags = {
             "engine": ["--model-path", str(model_dir), "--num-threads", "1"],
             "reward": ["--redis-url", redis_url],
-            "rollout": ["--buffer-address", buffer_address, "--reward-address", self.address("reward"),
-                        "--engine-urls", f'["http://{self.address("engine")}"]'],
+            "rollout": [
+                "--buffer-address",
+                buffer_address,
+                "--reward-address",
+                self.address("reward"),
+                "--engine-urls",
+                f'["http://{self.address("engine")}"]',
+            ],
         }
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
@@ -240,7 +260,9 @@ class Peers:
         log = (self.log_dir / f"{name}.log").open("ab")
         self.procs[name] = proc = subprocess.Popen(
             [sys.executable, "-m", "rlmesh.cli", "serve", name, "--port", str(self.ports[name]), *self.flags[name]],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         address = self.address(name)
         ready = (lambda: http_ready(f"http://{address}")) if name == "engine" else (lambda: grpc_ready(address))
         wait_until_ready(ready, proc, name, timeout=120)
@@ -264,13 +286,29 @@ def peer_stack(redis_url, start_in_loop, tiny_model_dir, tmp_path):
     try:
         for name in ("engine", "reward", "rollout"):
             peers.start(name)
-        _, trainer_port = start_in_loop(lambda: start_trainer(TrainerSettings(
-            port=0, buffer_address=buffer_address, rollout_address=peers.address("rollout"),
-            work_dir=tmp_path / "trainer")))
-        _, api_port = start_in_loop(lambda: start_coordinator(CoordinatorSettings(
-            port=0, redis_url=redis_url, buffer_address=buffer_address, rollout_address=peers.address("rollout"),
-            reward_address=peers.address("reward"), trainer_address=f"127.0.0.1:{trainer_port}",
-            retry_backoff_max_seconds=1.0)))
+        _, trainer_port = start_in_loop(
+            lambda: start_trainer(
+                TrainerSettings(
+                    port=0,
+                    buffer_address=buffer_address,
+                    rollout_address=peers.address("rollout"),
+                    work_dir=tmp_path / "trainer",
+                )
+            )
+        )
+        _, api_port = start_in_loop(
+            lambda: start_coordinator(
+                CoordinatorSettings(
+                    port=0,
+                    redis_url=redis_url,
+                    buffer_address=buffer_address,
+                    rollout_address=peers.address("rollout"),
+                    reward_address=peers.address("reward"),
+                    trainer_address=f"127.0.0.1:{trainer_port}",
+                    retry_backoff_max_seconds=1.0,
+                )
+            )
+        )
         api = httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=30, headers=client_headers())
         yield api, stub_at(buffer_port), peers
     finally:

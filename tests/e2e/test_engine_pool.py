@@ -32,10 +32,16 @@ def kill(engine: EngineProcess) -> None:
 
 @pytest.mark.slow
 def test_a_run_goes_on_while_an_engine_is_dead_and_takes_it_back_when_it_returns(
-        two_engines, redis_url, start_in_loop, tmp_path, tiny_model_dir):
+    two_engines, redis_url, start_in_loop, tmp_path, tiny_model_dir
+):
     a, b = two_engines
-    stack = start_local_stack(start_in_loop, redis_url, a.url, tmp_path, rollout_settings={
-        "engine_urls": [a.url, b.url], "generate_timeout_seconds": 30, "request_timeout_seconds": 10})
+    stack = start_local_stack(
+        start_in_loop,
+        redis_url,
+        a.url,
+        tmp_path,
+        rollout_settings={"engine_urls": [a.url, b.url], "generate_timeout_seconds": 30, "request_timeout_seconds": 10},
+    )
     api, buffer = stack.api, buffer_pb2_grpc.BufferStub(sync_channel(stack.addresses["buffer"]))
     config = run_config(tmp_path, tiny_model_dir, num_rollouts=ROLLOUTS)
     config["max_outage_seconds"] = 120
@@ -53,8 +59,7 @@ def test_a_run_goes_on_while_an_engine_is_dead_and_takes_it_back_when_it_returns
     assert b.weight_version() == "default"
     resume(api, run_id)
     # It rejoins at the next weight push: the same weights as a.
-    run = wait_for_run(api, run_id, lambda run: (run["status"] != "running"
-                                                 or b.weight_version() == a.weight_version()))
+    run = wait_for_run(api, run_id, lambda run: run["status"] != "running" or b.weight_version() == a.weight_version())
     assert run["status"] == "running", (run["rollout_id"], run["error"])
 
     # Back in the rotation: with a gone for good, b alone finishes the run.

@@ -49,12 +49,21 @@ def test_async_modes_need_a_staleness_bound_of_at_least_one(services, tmp_path, 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
 def test_over_sampling_the_dynamic_filter_and_partial_rollout_work_in_each_mode(
-        redis_url, start_in_loop, engine_url, tmp_path, tiny_model_dir, mode):
-    stack = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path,
-                              custom_functions={"parity": "tests.helpers.reward:first_char_parity"})
+    redis_url, start_in_loop, engine_url, tmp_path, tiny_model_dir, mode
+):
+    stack = start_local_stack(
+        start_in_loop,
+        redis_url,
+        engine_url,
+        tmp_path,
+        custom_functions={"parity": "tests.helpers.reward:first_char_parity"},
+    )
     buffer = buffer_pb2_grpc.BufferStub(sync_channel(stack.addresses["buffer"]))
-    config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=3), "mode": mode,
-              "reward": {"components": {"parity": 1.0}}}
+    config = {
+        **run_config(tmp_path, tiny_model_dir, num_rollouts=3),
+        "mode": mode,
+        "reward": {"components": {"parity": 1.0}},
+    }
     config["rollout"].update(group_filter="nonzero_std", over_sampling_groups=1, partial_rollout=True)
     r = stack.api.post("/runs", json=config)
     assert r.status_code == 201, r.text
@@ -77,8 +86,7 @@ def test_over_sampling_the_dynamic_filter_and_partial_rollout_work_in_each_mode(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pause_mode", ["in_place", "retract"])
-def test_fully_async_keeps_requests_in_flight_across_weight_pushes(services, tmp_path, tiny_model_dir,
-                                                                   pause_mode):
+def test_fully_async_keeps_requests_in_flight_across_weight_pushes(services, tmp_path, tiny_model_dir, pause_mode):
     api, buffer = services
     config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=3), "mode": "fully_async", "pause_mode": pause_mode}
     config["rollout"]["sampling"] = {"max_new_tokens": 24, "ignore_eos": True}  # long enough to span a push

@@ -13,11 +13,13 @@ from tests.helpers.stack import start_local_stack, wait_for_run
 
 
 @pytest.mark.slow
-def test_a_run_shows_in_prometheus_tensorboard_and_wandb(redis_url, start_in_loop, engine_url, tmp_path,
-                                                          tiny_model_dir):
+def test_a_run_shows_in_prometheus_tensorboard_and_wandb(
+    redis_url, start_in_loop, engine_url, tmp_path, tiny_model_dir
+):
     log_dir = tmp_path / "run-logs"
-    stack = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path, metrics=True,
-                              coordinator_settings={"log_dir": log_dir})
+    stack = start_local_stack(
+        start_in_loop, redis_url, engine_url, tmp_path, metrics=True, coordinator_settings={"log_dir": log_dir}
+    )
     config = run_config(tmp_path, tiny_model_dir, num_rollouts=2)
     config["logging"] = {"tensorboard": True, "wandb": {"project": "rlmesh-test", "mode": "offline"}}
     r = stack.api.post("/runs", json=config)
@@ -32,8 +34,13 @@ def test_a_run_shows_in_prometheus_tensorboard_and_wandb(redis_url, start_in_loo
     scalars = tensorboard_scalars(log_dir / run_id / "tensorboard")
     assert [step for step, _ in scalars["train/loss"]] == [1, 2]
     assert [v for _, v in scalars["train/loss"]] == pytest.approx([m["train/loss"] for m in rl])
-    for name in ("rollout/reward_mean", "weights/version", "iteration/seconds", "eval/held_out/reward_mean",
-                 "sft/loss"):
+    for name in (
+        "rollout/reward_mean",
+        "weights/version",
+        "iteration/seconds",
+        "eval/held_out/reward_mean",
+        "sft/loss",
+    ):
         assert name in scalars, sorted(scalars)
     assert "time" not in scalars
 
@@ -51,8 +58,7 @@ def test_a_run_shows_in_prometheus_tensorboard_and_wandb(redis_url, start_in_loo
     assert value(coordinator, "rlmesh_coordinator_iteration_seconds_count", mode="sync") == 2
     assert value(coordinator, "rlmesh_coordinator_runs", status="completed") == 1
     assert value(coordinator, "rlmesh_coordinator_runs", status="running") == 0
-    assert value(coordinator, "rlmesh_coordinator_http_requests_total", method="POST", route="/runs",
-                 status="201") == 1
+    assert value(coordinator, "rlmesh_coordinator_http_requests_total", method="POST", route="/runs", status="201") == 1
     assert value(coordinator, "rlmesh_coordinator_http_requests_total", route="/runs/{run_id}") >= 1
     assert value(coordinator, "rlmesh_coordinator_run_log_failures_total") == 0
 
@@ -73,8 +79,9 @@ def test_a_run_shows_in_prometheus_tensorboard_and_wandb(redis_url, start_in_loo
     assert value(buffer, "rlmesh_buffer_queued_groups", run=run_id) == 0
 
     reward = scrape(stack.metrics_urls["reward"])
-    assert value(reward, "rlmesh_reward_samples_scored_total") + value(
-        reward, "rlmesh_reward_sample_failures_total") > 0
+    assert (
+        value(reward, "rlmesh_reward_samples_scored_total") + value(reward, "rlmesh_reward_sample_failures_total") > 0
+    )
     assert value(reward, "grpc_server_handled_total", grpc_service="rlmesh.v1.Reward", grpc_code="OK") > 0
 
     engine = scrape(f"{engine_url}/metrics", headers={})  # open, like SGLang's

@@ -13,11 +13,21 @@ from tests.helpers.stack import FINAL, start_local_stack, wait_for_run
 
 
 @pytest.mark.slow
-def test_a_run_waits_for_engines_that_stay_down_then_fails_naming_them(redis_url, start_in_loop, tmp_path,
-                                                                       tiny_model_dir):
+def test_a_run_waits_for_engines_that_stay_down_then_fails_naming_them(
+    redis_url, start_in_loop, tmp_path, tiny_model_dir
+):
     dead_engine = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    stack = start_local_stack(start_in_loop, redis_url, dead_engine, tmp_path, rollout_settings={
-        "tokenizer_path": str(tiny_model_dir), "peer_outage_seconds": 1, "request_timeout_seconds": 2})
+    stack = start_local_stack(
+        start_in_loop,
+        redis_url,
+        dead_engine,
+        tmp_path,
+        rollout_settings={
+            "tokenizer_path": str(tiny_model_dir),
+            "peer_outage_seconds": 1,
+            "request_timeout_seconds": 2,
+        },
+    )
     config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=2), "max_outage_seconds": 6}
     r = stack.api.post("/runs", json=config)
     assert r.status_code == 201, r.text

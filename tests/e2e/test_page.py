@@ -50,8 +50,9 @@ def wait_until(predicate, timeout: float = 120, what: str = "") -> None:
 
 
 @pytest.mark.slow
-def test_a_person_starts_watches_pauses_resumes_and_stops_a_run(browser, redis_url, start_in_loop, engine_url,
-                                                                 tmp_path, tiny_model_dir):
+def test_a_person_starts_watches_pauses_resumes_and_stops_a_run(
+    browser, redis_url, start_in_loop, engine_url, tmp_path, tiny_model_dir
+):
     stack = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path)
     api = stack.api
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -76,9 +77,13 @@ def test_a_person_starts_watches_pauses_resumes_and_stops_a_run(browser, redis_u
     page.locator("#app").wait_for(state="visible")
 
     # Start a run from a config (checkpoints on, so the checkpoints tab has something to list).
-    config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=100_000), "name": "page-demo",
-              "checkpoint_interval": 20, "keep_last": 2, "eval": {"limit": 4, "interval": 10,
-                                                                  "sampling": {"max_new_tokens": 4, "temperature": 0}}}
+    config = {
+        **run_config(tmp_path, tiny_model_dir, num_rollouts=100_000),
+        "name": "page-demo",
+        "checkpoint_interval": 20,
+        "keep_last": 2,
+        "eval": {"limit": 4, "interval": 10, "sampling": {"max_new_tokens": 4, "temperature": 0}},
+    }
     page.locator("#new-run summary").click()
     page.locator("#config-input").fill(json.dumps(config))
     page.locator("#start-run").click()

@@ -36,8 +36,13 @@ def test_a_paused_run_rests_and_resumed_loses_nothing(services, tmp_path, tiny_m
 
     def progress():
         s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id))
-        return api.get(f"/runs/{run_id}").json()["rollout_id"], s.prompts_handed_out, s.groups_written, \
-            s.acknowledged_groups, s.leased_groups
+        return (
+            api.get(f"/runs/{run_id}").json()["rollout_id"],
+            s.prompts_handed_out,
+            s.groups_written,
+            s.acknowledged_groups,
+            s.leased_groups,
+        )
 
     at_rest = progress()
     assert at_rest[4] == 0  # no batch leased: training rests
@@ -65,8 +70,9 @@ async def _stop_coordinator(server) -> None:
 
 
 @pytest.mark.slow
-def test_a_paused_run_stays_paused_across_a_coordinator_restart(redis_url, start_in_loop, loop_thread, engine_url,
-                                                                tmp_path, tiny_model_dir):
+def test_a_paused_run_stays_paused_across_a_coordinator_restart(
+    redis_url, start_in_loop, loop_thread, engine_url, tmp_path, tiny_model_dir
+):
     stack = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path)
     api = stack.api
     run_id = api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=ROLLOUTS)).json()["id"]
@@ -76,9 +82,18 @@ def test_a_paused_run_stays_paused_across_a_coordinator_restart(redis_url, start
 
     loop_thread.run(_stop_coordinator(stack.servers["coordinator"]), timeout=60)
     a = stack.addresses
-    _, port = start_in_loop(lambda: start_coordinator(CoordinatorSettings(
-        port=0, redis_url=redis_url, buffer_address=a["buffer"], rollout_address=a["rollout"],
-        reward_address=a["reward"], trainer_address=a["trainer"])))
+    _, port = start_in_loop(
+        lambda: start_coordinator(
+            CoordinatorSettings(
+                port=0,
+                redis_url=redis_url,
+                buffer_address=a["buffer"],
+                rollout_address=a["rollout"],
+                reward_address=a["reward"],
+                trainer_address=a["trainer"],
+            )
+        )
+    )
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=client_headers())
     run = wait_for_run(api, run_id, lambda run: run["held"])  # the new coordinator's loop rests too
     time.sleep(2)

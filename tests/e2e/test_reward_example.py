@@ -31,12 +31,24 @@ def load_example():
 
 @pytest.fixture
 def stack(redis_url, start_in_loop, engine_url, tmp_path):
-    local = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path, remote_timeout_seconds=5,
-                              remote_backoff_seconds=0.01, breaker_failure_threshold=2, breaker_cooldown_seconds=60)
+    local = start_local_stack(
+        start_in_loop,
+        redis_url,
+        engine_url,
+        tmp_path,
+        remote_timeout_seconds=5,
+        remote_backoff_seconds=0.01,
+        breaker_failure_threshold=2,
+        breaker_cooldown_seconds=60,
+    )
     example = load_example()
     judge_server, judge_port = start_in_loop(lambda: example.start())
-    return (local.api, reward_pb2_grpc.RewardStub(sync_channel(local.addresses["reward"])),
-            f"http://127.0.0.1:{judge_port}", judge_server)
+    return (
+        local.api,
+        reward_pb2_grpc.RewardStub(sync_channel(local.addresses["reward"])),
+        f"http://127.0.0.1:{judge_port}",
+        judge_server,
+    )
 
 
 def run_config(tmp_path: Path, model_dir: Path, num_rollouts: int, components: dict[str, float]) -> dict:
@@ -57,14 +69,18 @@ def finished(run: dict) -> bool:
 
 
 def judge_stats(reward) -> reward_pb2.RemoteServiceStats:
-    return next(s for s in reward.GetStats(reward_pb2.GetRewardStatsRequest(), timeout=10).services if s.name == "judge")
+    return next(
+        s for s in reward.GetStats(reward_pb2.GetRewardStatsRequest(), timeout=10).services if s.name == "judge"
+    )
 
 
 @pytest.mark.slow
 def test_a_run_rewarded_by_a_service_registered_by_url(stack, tmp_path, tiny_model_dir):
     api, reward, judge_url, _ = stack
-    reward.RegisterService(reward_pb2.RegisterServiceRequest(
-        service=reward_pb2.RemoteService(name="judge", url=f"{judge_url}/score")), timeout=30)
+    reward.RegisterService(
+        reward_pb2.RegisterServiceRequest(service=reward_pb2.RemoteService(name="judge", url=f"{judge_url}/score")),
+        timeout=30,
+    )
 
     components = {"judge/exact": 1.0, "judge/similarity": 0.5}
     r = api.post("/runs", json=run_config(tmp_path, tiny_model_dir, 2, components))
@@ -84,8 +100,10 @@ def test_a_run_rewarded_by_a_service_registered_by_url(stack, tmp_path, tiny_mod
 @pytest.mark.slow
 def test_the_run_goes_on_when_the_service_dies(stack, tmp_path, tiny_model_dir, loop_thread):
     api, reward, judge_url, judge_server = stack
-    reward.RegisterService(reward_pb2.RegisterServiceRequest(
-        service=reward_pb2.RemoteService(name="judge", url=f"{judge_url}/score")), timeout=30)
+    reward.RegisterService(
+        reward_pb2.RegisterServiceRequest(service=reward_pb2.RemoteService(name="judge", url=f"{judge_url}/score")),
+        timeout=30,
+    )
 
     config = run_config(tmp_path, tiny_model_dir, 8, {"judge/similarity": 1.0, "exact_match": 0.1})
     run_id = api.post("/runs", json=config).json()["id"]

@@ -32,8 +32,12 @@ def eventually(condition: Callable[[], bool], what: str, timeout: float = 60.0) 
 def rlmesh_health(address: str) -> int:
     """`rlmesh health` as the compose healthcheck runs it: no token in its environment."""
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
-    return subprocess.run([sys.executable, "-m", "rlmesh.cli", "health", address, "--timeout", "2"],
-                          env=env, capture_output=True, timeout=60).returncode
+    return subprocess.run(
+        [sys.executable, "-m", "rlmesh.cli", "health", address, "--timeout", "2"],
+        env=env,
+        capture_output=True,
+        timeout=60,
+    ).returncode
 
 
 def redis_answers(url: str) -> bool:
@@ -56,8 +60,10 @@ def test_a_killed_service_and_redis_come_back_on_their_ports(tiny_model_dir, tmp
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
 
-        eventually(lambda: stack.processes["reward"] is not killed and grpc_health(address) == "SERVING",
-                   "the reward service serving again")
+        eventually(
+            lambda: stack.processes["reward"] is not killed and grpc_health(address) == "SERVING",
+            "the reward service serving again",
+        )
         assert stack.address("reward") == address
         assert rlmesh_health(address) == 0
         assert all(stack.processes[name] is p and p.poll() is None for name, p in others.items())
@@ -81,6 +87,7 @@ def test_a_killed_service_and_redis_come_back_on_their_ports(tiny_model_dir, tmp
 @pytest.mark.slow
 def test_a_terminated_demo_stops_the_stack_it_started(tmp_path):
     """`kill` (or a CI job's timeout) on `rlmesh demo` must not leave its services running."""
+
     def alive(pid: int) -> bool:
         try:
             return (Path("/proc") / str(pid) / "stat").read_text().split(")")[-1].split()[0] != "Z"
@@ -97,8 +104,12 @@ def test_a_terminated_demo_stops_the_stack_it_started(tmp_path):
                 pass
         return found
 
-    demo = subprocess.Popen([sys.executable, "-m", "rlmesh.cli", "demo", "--data-dir", str(tmp_path), "--rollouts", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "rlmesh.cli", "demo", "--data-dir", str(tmp_path), "--rollouts", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         for line in demo.stdout:
             if " started: " in line:  # the stack is up and the run submitted

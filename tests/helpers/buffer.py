@@ -15,11 +15,18 @@ from rlmesh.v1 import buffer_pb2, sample_pb2
 
 
 def create(stub, dataset, run_id="r1", n=2, cap=0, shuffle=False, **spec):
-    return stub.CreateRun(buffer_pb2.CreateRunRequest(
-        run_id=run_id, n_samples_per_prompt=n, max_queued_groups=cap,
-        datasets=[buffer_pb2.DatasetSpec(name="train", path=str(dataset), prompt_key="q", label_key="a",
-                                         shuffle=shuffle, seed=7, **spec)],
-    ))
+    return stub.CreateRun(
+        buffer_pb2.CreateRunRequest(
+            run_id=run_id,
+            n_samples_per_prompt=n,
+            max_queued_groups=cap,
+            datasets=[
+                buffer_pb2.DatasetSpec(
+                    name="train", path=str(dataset), prompt_key="q", label_key="a", shuffle=shuffle, seed=7, **spec
+                )
+            ],
+        )
+    )
 
 
 def completed(prompt_group: sample_pb2.SampleGroup, rewards=None, version: int | None = None) -> sample_pb2.SampleGroup:
@@ -53,11 +60,13 @@ def code_of(call) -> tuple[grpc.StatusCode, str]:
 
 # ---------------------------------------------------------------- the buffer as its own process
 
+
 def start_buffer_process(redis_url: str, port: int, log: Path, *flags: str) -> subprocess.Popen:
     """`rlmesh serve buffer` in its own process, as deployed; returns once it serves."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlmesh.cli", "serve", "buffer", "--redis-url", redis_url, "--port", str(port), *flags],
-        stdout=log.open("ab"), stderr=subprocess.STDOUT,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
     )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     deadline = time.monotonic() + 60

@@ -15,8 +15,10 @@ def fake_dns(monkeypatch) -> dict[str, list[str]]:
 
     async def getaddrinfo(self, host, port, *args, **kwargs):
         if host in names:
-            return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port))
-                    for a in names[host]]
+            return [
+                (socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port))
+                for a in names[host]
+            ]
         return await real(self, host, port, *args, **kwargs)
 
     monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", getaddrinfo)

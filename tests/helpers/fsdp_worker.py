@@ -47,8 +47,10 @@ def main(model_dir: str, out_dir: str, cases_json: str) -> None:
             resumed.train_step(make_groups())
             after_resume = {n: t.clone() for n, t in resumed.state_dict_for_sync()}
             if dist.get_rank() == 0:
-                torch.save({"metrics": metrics, "weights": weights, "held": held, "after_resume": after_resume},
-                           Path(out_dir) / f"{name}.pt")
+                torch.save(
+                    {"metrics": metrics, "weights": weights, "held": held, "after_resume": after_resume},
+                    Path(out_dir) / f"{name}.pt",
+                )
             resumed.close()
     finally:
         dist.destroy_process_group()

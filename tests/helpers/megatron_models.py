@@ -12,10 +12,22 @@ def build_model(family: str, path: Path) -> Path:
 
     torch.manual_seed(0)
     # 4 query heads over 2 KV groups (GQA); vocabulary 37 is not a multiple of TP (padded).
-    dims = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    dims = dict(
+        vocab_size=37,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **dims))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **dims
+            )
+        )
     else:
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **dims))
         with torch.no_grad():  # random QKV biases, so that a mix-up shows

@@ -29,19 +29,29 @@ def groups() -> list[SampleGroup]:
     a loss-masked token, a failed sample (not trained)."""
 
     def s(i, prompt, response, reward, status=Status.COMPLETED, **kw):
-        return Sample(index=i, tokens=prompt + response, response_length=len(response), reward=reward, status=status, **kw)
+        return Sample(
+            index=i, tokens=prompt + response, response_length=len(response), reward=reward, status=status, **kw
+        )
 
     return [
-        SampleGroup("g0", 0, [
-            s(0, [5, 6, 7], [8, 9, 10, 1], 1.0),
-            s(1, [5, 6, 7], [11, 1], 0.0),
-            s(2, [5, 6, 7], [12, 13, 14, 15, 16], 0.5, Status.TRUNCATED, loss_mask=[1, 1, 0, 1, 1]),
-        ]),
-        SampleGroup("g1", 1, [
-            s(3, [20, 21, 22, 23, 24, 25], [8, 1], 1.0),
-            s(4, [20, 21, 22, 23, 24, 25], [30, 31, 1], 0.0),
-            s(5, [20, 21, 22, 23, 24, 25], [9, 9, 9], 0.0, Status.FAILED),
-        ]),
+        SampleGroup(
+            "g0",
+            0,
+            [
+                s(0, [5, 6, 7], [8, 9, 10, 1], 1.0),
+                s(1, [5, 6, 7], [11, 1], 0.0),
+                s(2, [5, 6, 7], [12, 13, 14, 15, 16], 0.5, Status.TRUNCATED, loss_mask=[1, 1, 0, 1, 1]),
+            ],
+        ),
+        SampleGroup(
+            "g1",
+            1,
+            [
+                s(3, [20, 21, 22, 23, 24, 25], [8, 1], 1.0),
+                s(4, [20, 21, 22, 23, 24, 25], [30, 31, 1], 0.0),
+                s(5, [20, 21, 22, 23, 24, 25], [9, 9, 9], 0.0, Status.FAILED),
+            ],
+        ),
     ]
 
 

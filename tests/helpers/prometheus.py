@@ -20,8 +20,11 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> Samples:
 
 
 def parse(text: str) -> Samples:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:

@@ -51,9 +51,15 @@ GROUP = {"shortest": f"{__name__}:rank_in_group", "wrong_length": f"{__name__}:w
 
 def make_sample(index: int, response: str, label: str, **kw) -> Sample:
     return Sample(
-        index=index, group_index=kw.pop("group_index", 0), prompt="What is it?", tokens=[5, 6, 7, 8, 9],
-        response=response, response_length=2, label=label, loss_mask=[1, 1],
-        rollout_log_probs=[-0.5, -0.25], status=Status.COMPLETED, **kw,
+        index=index,
+        group_index=kw.pop("group_index", 0),
+        prompt="What is it?",
+        tokens=[5, 6, 7, 8, 9],
+        response=response,
+        response_length=2,
+        label=label,
+        loss_mask=[1, 1],
+        rollout_log_probs=[-0.5, -0.25],
+        status=Status.COMPLETED,
+        **kw,
     )
-
-

@@ -36,17 +36,18 @@ def wandb_history(run_dir: Path) -> list[dict]:
         if left < _HEADER:  # the block's zero padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + _HEADER])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
         if kind == 0:
             pos += left
             continue
-        chunks += data[pos + _HEADER:pos + _HEADER + length]
+        chunks += data[pos + _HEADER : pos + _HEADER + length]
         pos += _HEADER + length
         if kind in (_FULL, _LAST):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(chunks)
             chunks = b""
             if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
     return rows

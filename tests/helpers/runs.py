@@ -12,8 +12,10 @@ def run_config(tmp_path, tiny_model_dir, num_rollouts: int) -> dict:
         dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {
         "model_path": str(tiny_model_dir),
-        "datasets": [{"name": "train", "path": str(tmp_path / "train.jsonl")},
-                     {"name": "held_out", "path": str(tmp_path / "train.jsonl"), "eval": True}],
+        "datasets": [
+            {"name": "train", "path": str(tmp_path / "train.jsonl")},
+            {"name": "held_out", "path": str(tmp_path / "train.jsonl"), "eval": True},
+        ],
         "num_rollouts": num_rollouts,
         "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 3, "sampling": {"max_new_tokens": 4}},
         "optimizer": {"lr": 1e-3},

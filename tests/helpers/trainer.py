@@ -39,16 +39,24 @@ def make_groups() -> list[SampleGroup]:
     """Two prompts of different lengths, responses of different lengths (padding is
     exercised), one truncated sample and one failed one."""
     return [
-        SampleGroup("g0", 0, [
-            sample(0, [5, 6, 7], [8, 9, 10, 1], 1.0),
-            sample(1, [5, 6, 7], [11, 1], 0.0),
-            sample(2, [5, 6, 7], [12, 13, 14, 15, 16], 0.5, Status.TRUNCATED),
-        ]),
-        SampleGroup("g1", 1, [
-            sample(3, [20, 21, 22, 23, 24, 25], [8, 1], 1.0),
-            sample(4, [20, 21, 22, 23, 24, 25], [30, 31, 1], 0.0),
-            sample(5, [20, 21, 22, 23, 24, 25], [9, 9, 9], 0.0, Status.FAILED),
-        ]),
+        SampleGroup(
+            "g0",
+            0,
+            [
+                sample(0, [5, 6, 7], [8, 9, 10, 1], 1.0),
+                sample(1, [5, 6, 7], [11, 1], 0.0),
+                sample(2, [5, 6, 7], [12, 13, 14, 15, 16], 0.5, Status.TRUNCATED),
+            ],
+        ),
+        SampleGroup(
+            "g1",
+            1,
+            [
+                sample(3, [20, 21, 22, 23, 24, 25], [8, 1], 1.0),
+                sample(4, [20, 21, 22, 23, 24, 25], [30, 31, 1], 0.0),
+                sample(5, [20, 21, 22, 23, 24, 25], [9, 9, 9], 0.0, Status.FAILED),
+            ],
+        ),
     ]
 
 
@@ -70,15 +78,22 @@ def fill_buffer(address: str, run_id: str, dataset: Path) -> BufferStub:
     """Two prompts through the buffer's own path: CreateRun, GetPrompts, PutGroups."""
     dataset.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(2)))
     stub = BufferStub(sync_channel(address))
-    stub.CreateRun(buffer_pb2.CreateRunRequest(
-        run_id=run_id, n_samples_per_prompt=2, datasets=[buffer_pb2.DatasetSpec(name="train", path=str(dataset))]
-    ))
+    stub.CreateRun(
+        buffer_pb2.CreateRunRequest(
+            run_id=run_id, n_samples_per_prompt=2, datasets=[buffer_pb2.DatasetSpec(name="train", path=str(dataset))]
+        )
+    )
     prompts = stub.GetPrompts(buffer_pb2.GetPromptsRequest(run_id=run_id, num_groups=2)).groups
     done = []
     for g, template in zip(prompts, make_groups()):
         group = group_from_proto(g)
         for s, filled in zip(group.samples, template.samples):
-            s.tokens, s.response_length, s.reward, s.status = filled.tokens, filled.response_length, filled.reward, filled.status
+            s.tokens, s.response_length, s.reward, s.status = (
+                filled.tokens,
+                filled.response_length,
+                filled.reward,
+                filled.status,
+            )
         done.append(group_to_proto(group))
     stub.PutGroups(buffer_pb2.PutGroupsRequest(run_id=run_id, groups=done))
     return stub
@@ -97,8 +112,22 @@ class EngineProcess:
         self.start()
 
     def start(self) -> None:
-        command = [sys.executable, "-m", "rlmesh.cli", "serve", "engine", "--model-path", str(self.model_dir),
-                   "--port", str(self.port), "--num-threads", "1", "--weight-group-timeout-s", "60", *self.extra_args]
+        command = [
+            sys.executable,
+            "-m",
+            "rlmesh.cli",
+            "serve",
+            "engine",
+            "--model-path",
+            str(self.model_dir),
+            "--port",
+            str(self.port),
+            "--num-threads",
+            "1",
+            "--weight-group-timeout-s",
+            "60",
+            *self.extra_args,
+        ]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -118,7 +147,9 @@ class EngineProcess:
         return httpx.get(f"{self.url}/get_model_info", headers=client_headers()).json()["weight_version"]
 
     def tensor(self, name: str) -> torch.Tensor:
-        values = httpx.post(f"{self.url}/get_weights_by_name", json={"name": name, "truncate_size": 10**6}, headers=client_headers()).json()
+        values = httpx.post(
+            f"{self.url}/get_weights_by_name", json={"name": name, "truncate_size": 10**6}, headers=client_headers()
+        ).json()
         return torch.tensor(values, dtype=torch.float32)
 
 

@@ -26,8 +26,14 @@ class WeightSender:
         self.client = client
         self.group_name = group_name
         port = free_port()
-        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-                "group_name": group_name, "backend": "gloo"}
+        body = {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": group_name,
+            "backend": "gloo",
+        }
         joined = in_background(client.post, "/init_weights_update_group", json=body)
         self.group = init_weight_group("gloo", "127.0.0.1", port, 2, 0, group_name, timeout_seconds=60)
         r = joined.result(60)

@@ -69,8 +69,12 @@ def stuck() -> str:
     return "too late"
 
 
-TOOLS = {"echo": "tests.service.test_agent:echo", "explode": "tests.service.test_agent:explode",
-         "sleepy": "tests.service.test_agent:sleepy", "stuck": "tests.service.test_agent:stuck"}
+TOOLS = {
+    "echo": "tests.service.test_agent:echo",
+    "explode": "tests.service.test_agent:explode",
+    "sleepy": "tests.service.test_agent:sleepy",
+    "stuck": "tests.service.test_agent:stuck",
+}
 
 
 # ---- tools --------------------------------------------------------------------------------
@@ -79,9 +83,14 @@ TOOLS = {"echo": "tests.service.test_agent:echo", "explode": "tests.service.test
 def test_python_tools_have_schemas_from_their_signatures():
     box = ToolBox(RolloutSettings(tools=TOOLS))
     (schema,) = box.schemas(["echo"])
-    assert schema == {"type": "function", "function": {
-        "name": "echo", "description": "Say the text back.",
-        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": []}}}
+    assert schema == {
+        "type": "function",
+        "function": {
+            "name": "echo",
+            "description": "Say the text back.",
+            "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": []},
+        },
+    }
 
 
 def test_tool_failures_come_back_as_text():
@@ -90,9 +99,13 @@ def test_tool_failures_come_back_as_text():
 
     async def calls():
         return await asyncio.gather(
-            box.call("echo", {"text": "abcdef"}, allowed, 5), box.call("nope", {}, allowed, 5),
-            box.call("explode", {}, allowed, 5), box.call("sleepy", {}, allowed, 0.2),
-            box.call("echo", {"wrong": 1}, allowed, 5), box.call("explode", {}, ["echo"], 5))
+            box.call("echo", {"text": "abcdef"}, allowed, 5),
+            box.call("nope", {}, allowed, 5),
+            box.call("explode", {}, allowed, 5),
+            box.call("sleepy", {}, allowed, 0.2),
+            box.call("echo", {"wrong": 1}, allowed, 5),
+            box.call("explode", {}, ["echo"], 5),
+        )
 
     ok, unknown, broke, slow, bad_args, not_offered = asyncio.run(calls())
     assert ok.ok and ok.text == "echo:abc"
@@ -181,8 +194,14 @@ def test_options_are_checked_against_the_service():
 def test_a_tool_turn_is_what_the_chat_template_puts_between_turns(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     history = [{"role": "user", "content": "hi"}]
-    text = tool_turn_text(tokenizer, history, [], "<tool_call>x</tool_call>", tokenizer.eos_token_id,
-                          [{"role": "tool", "content": "42", "tool_call_id": "call_0", "name": "echo"}])
+    text = tool_turn_text(
+        tokenizer,
+        history,
+        [],
+        "<tool_call>x</tool_call>",
+        tokenizer.eos_token_id,
+        [{"role": "tool", "content": "42", "tool_call_id": "call_0", "name": "echo"}],
+    )
     # The tiny template: "U: hi\nA: <turn>\nT: 42\nA: "; the model ended its turn with EOS.
     assert text == "\nT: 42\nA: "
 
@@ -192,19 +211,23 @@ def test_a_tool_turn_is_what_the_chat_template_puts_between_turns(tiny_model_dir
 ONE_TOKEN_TURNS = {"stop_token_ids": list(range(3, 99))}
 
 
-def run_episode(tiny_model_dir, engine_url, options: dict, sample: Sample, max_new_tokens: int = 6,
-                sampling: dict = ONE_TOKEN_TURNS) -> Sample:
+def run_episode(
+    tiny_model_dir, engine_url, options: dict, sample: Sample, max_new_tokens: int = 6, sampling: dict = ONE_TOKEN_TURNS
+) -> Sample:
     settings = RolloutSettings(tools=TOOLS, engine_urls=[engine_url])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
 
     async def go():
         pool = EnginePool([engine_url], "", 30, 30, stack_token() or "", 60)
         try:
-            ctx = GenerateContext(tokenizer=tokenizer, engine=pool.for_generation(), settings=settings,
-                                  options=AgentOptions.model_validate(options, context={"settings": settings}),
-                                  tools=ToolBox(settings))
-            return await agent_generate(ctx, sample, {"max_new_tokens": max_new_tokens, "temperature": 1.0,
-                                                      **sampling})
+            ctx = GenerateContext(
+                tokenizer=tokenizer,
+                engine=pool.for_generation(),
+                settings=settings,
+                options=AgentOptions.model_validate(options, context={"settings": settings}),
+                tools=ToolBox(settings),
+            )
+            return await agent_generate(ctx, sample, {"max_new_tokens": max_new_tokens, "temperature": 1.0, **sampling})
         finally:
             await pool.close()
 
@@ -212,9 +235,13 @@ def run_episode(tiny_model_dir, engine_url, options: dict, sample: Sample, max_n
 
 
 def test_multi_turn_episode_keeps_the_engines_tokens_and_masks_tool_turns(tiny_model_dir, engine_url):
-    sample = run_episode(tiny_model_dir, engine_url, {"tool_parser": "test_always_echo", "max_turns": 3,
-                                                         "max_response_tokens": 200},
-                         Sample(prompt="rev ab="), max_new_tokens=6)
+    sample = run_episode(
+        tiny_model_dir,
+        engine_url,
+        {"tool_parser": "test_always_echo", "max_turns": 3, "max_response_tokens": 200},
+        Sample(prompt="rev ab="),
+        max_new_tokens=6,
+    )
     turns = sample.metadata["agent_turns"]
     assert [t["role"] for t in turns] == ["assistant", "tool", "assistant", "tool", "assistant", "tool"]
     # Still calling tools after the last turn: the episode was cut, not finished.
@@ -225,9 +252,11 @@ def test_multi_turn_episode_keeps_the_engines_tokens_and_masks_tool_turns(tiny_m
     assert [m for m, _ in runs] == [1, 0, 1, 0, 1]  # model, tool, model, tool, model
     assert all(lp == 0.0 for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if m == 0)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    first_tool = sample.response_tokens[runs[0][1]: runs[0][1] + runs[1][1]]
-    assert tokenizer.decode(first_tool) == f"\nT: {turns[1]['content']}\nA: " or \
-        tokenizer.decode(first_tool) == f"T: {turns[1]['content']}\nA: "
+    first_tool = sample.response_tokens[runs[0][1] : runs[0][1] + runs[1][1]]
+    assert (
+        tokenizer.decode(first_tool) == f"\nT: {turns[1]['content']}\nA: "
+        or tokenizer.decode(first_tool) == f"T: {turns[1]['content']}\nA: "
+    )
 
     # The trainer's log-probs of the model's own tokens are the engine's.
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -242,9 +271,12 @@ def test_multi_turn_episode_keeps_the_engines_tokens_and_masks_tool_turns(tiny_m
     # masked-in tokens (padded, micro-batched) and compares them with the engine's.
     other = copy.deepcopy(sample)
     sample.reward, other.reward = 1.0, 0.0
-    backend = TorchBackend(TrainerRunConfig.model_validate({
-        "model_path": str(tiny_model_dir), "micro_batch_size": 2, "optimizer": {"lr": 1e-3}, "device": "cpu"}),
-        torch.device("cpu"))
+    backend = TorchBackend(
+        TrainerRunConfig.model_validate(
+            {"model_path": str(tiny_model_dir), "micro_batch_size": 2, "optimizer": {"lr": 1e-3}, "device": "cpu"}
+        ),
+        torch.device("cpu"),
+    )
     metrics = backend.train_step([SampleGroup("g0", 0, [sample, other])])
     assert metrics["train_rollout_logprob_abs_diff"] < 1e-4
     assert metrics["trained_tokens"] == 2 * sum(sample.loss_mask)  # the tool turns are not trained
@@ -260,17 +292,25 @@ def test_a_turn_without_calls_ends_the_episode(tiny_model_dir, engine_url):
 def test_the_turn_limit_cuts_a_turn_and_its_calls_are_not_run(tiny_model_dir, engine_url):
     # No stop tokens and no EOS (a sampled EOS would end the turn before its limit, and its
     # call would run): the turn runs to its own limit (2), not to the run's max_new_tokens (6).
-    sample = run_episode(tiny_model_dir, engine_url, {"tool_parser": "test_always_echo", "max_turns": 3,
-                                                         "max_tokens_per_turn": 2}, Sample(prompt="hi"),
-                         sampling={"ignore_eos": True})
+    sample = run_episode(
+        tiny_model_dir,
+        engine_url,
+        {"tool_parser": "test_always_echo", "max_turns": 3, "max_tokens_per_turn": 2},
+        Sample(prompt="hi"),
+        sampling={"ignore_eos": True},
+    )
     assert [t["role"] for t in sample.metadata["agent_turns"]] == ["assistant"]
     assert sample.response_length == 2 and sample.status == Status.TRUNCATED
 
 
 def test_the_response_budget_bounds_the_episode(tiny_model_dir, engine_url):
-    sample = run_episode(tiny_model_dir, engine_url,
-                         {"tool_parser": "test_always_echo", "max_turns": 10, "max_response_tokens": 12},
-                         Sample(prompt="hi"), max_new_tokens=5)
+    sample = run_episode(
+        tiny_model_dir,
+        engine_url,
+        {"tool_parser": "test_always_echo", "max_turns": 10, "max_response_tokens": 12},
+        Sample(prompt="hi"),
+        max_new_tokens=5,
+    )
     assert sample.response_length <= 12 and sample.status == Status.TRUNCATED
 
 
@@ -280,29 +320,50 @@ def test_the_response_budget_bounds_the_episode(tiny_model_dir, engine_url):
 def run_config(tmp_path, tiny_model_dir, generate: dict) -> dict:
     dataset = tmp_path / "train.jsonl"
     if not dataset.exists():
-        dataset.write_text("".join(json.dumps({"prompt": f"rev {a}{b}=", "label": f"{b}{a}"}) + "\n"
-                                   for a in "abcd" for b in "abcd"))
+        dataset.write_text(
+            "".join(json.dumps({"prompt": f"rev {a}{b}=", "label": f"{b}{a}"}) + "\n" for a in "abcd" for b in "abcd")
+        )
     return {
         "model_path": str(tiny_model_dir),
         "datasets": [{"name": "train", "path": str(dataset)}],
         "num_rollouts": 2,
-        "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 2, "sampling": {"max_new_tokens": 4},
-                    "generate": generate},
+        "rollout": {
+            "rollout_batch_size": 2,
+            "n_samples_per_prompt": 2,
+            "sampling": {"max_new_tokens": 4},
+            "generate": generate,
+        },
         "optimizer": {"lr": 1e-3},
     }
 
 
 @pytest.fixture
 def agent_stack(redis_url, start_in_loop, engine_url, tmp_path):
-    return start_local_stack(start_in_loop, redis_url, engine_url, tmp_path, rollout_settings={
-        "tools": TOOLS, "generate_functions": {"flaky": "tests.service.test_agent:flaky_generate"}})
+    return start_local_stack(
+        start_in_loop,
+        redis_url,
+        engine_url,
+        tmp_path,
+        rollout_settings={"tools": TOOLS, "generate_functions": {"flaky": "tests.service.test_agent:flaky_generate"}},
+    )
 
 
 @pytest.mark.slow
 def test_a_run_trains_on_multi_turn_episodes(agent_stack, tmp_path, tiny_model_dir):
     api = agent_stack.api
-    config = run_config(tmp_path, tiny_model_dir, {"name": "agent", "options": {
-        "tools": ["echo"], "tool_parser": "test_always_echo", "max_turns": 2, "max_response_tokens": 64}})
+    config = run_config(
+        tmp_path,
+        tiny_model_dir,
+        {
+            "name": "agent",
+            "options": {
+                "tools": ["echo"],
+                "tool_parser": "test_always_echo",
+                "max_turns": 2,
+                "max_response_tokens": 64,
+            },
+        },
+    )
     # A third of the characters end a turn (see ONE_TOKEN_TURNS): most first turns end within 8.
     config["rollout"]["sampling"] = {"max_new_tokens": 8, "stop_token_ids": list(range(3, 35))}
     r = api.post("/runs", json=config)
@@ -325,15 +386,19 @@ def test_a_failing_sample_does_not_fail_the_run(agent_stack, tmp_path, tiny_mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("generate", "message"), [
-    ({"name": "no_such_loop"}, "unknown generate function 'no_such_loop'"),
-    ({"name": "agent", "options": {"tools": ["grep"]}}, "unknown tools 'grep'"),
-    ({"name": "agent", "options": {"max_turns": 0}}, "max_turns"),
-    ({"name": "flaky", "options": {"x": 1}}, "takes no options"),
-    ({"name": "rlmesh.rollout.agents.loop:agent_generate"}, "String should match pattern"),
-])
-def test_a_bad_generate_choice_is_refused_when_the_run_is_created(agent_stack, tmp_path, tiny_model_dir, generate,
-                                                                  message):
+@pytest.mark.parametrize(
+    ("generate", "message"),
+    [
+        ({"name": "no_such_loop"}, "unknown generate function 'no_such_loop'"),
+        ({"name": "agent", "options": {"tools": ["grep"]}}, "unknown tools 'grep'"),
+        ({"name": "agent", "options": {"max_turns": 0}}, "max_turns"),
+        ({"name": "flaky", "options": {"x": 1}}, "takes no options"),
+        ({"name": "rlmesh.rollout.agents.loop:agent_generate"}, "String should match pattern"),
+    ],
+)
+def test_a_bad_generate_choice_is_refused_when_the_run_is_created(
+    agent_stack, tmp_path, tiny_model_dir, generate, message
+):
     r = agent_stack.api.post("/runs", json=run_config(tmp_path, tiny_model_dir, generate))
     assert r.status_code == 422 and message in r.text, r.text
     assert agent_stack.api.get("/runs").json() == []
@@ -344,9 +409,14 @@ def test_the_agent_demo_warm_start_teaches_what_the_loop_builds(tiny_model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     call = agent_demo.call_text("abc")
-    between = tool_turn_text(tokenizer, [{"role": "user", "content": "code abc="}], [], call,
-                             tokenizer.convert_tokens_to_ids(">"),
-                             [{"role": "tool", "content": agent_demo.code("abc"), "tool_call_id": "call_0"}])
+    between = tool_turn_text(
+        tokenizer,
+        [{"role": "user", "content": "code abc="}],
+        [],
+        call,
+        tokenizer.convert_tokens_to_ids(">"),
+        [{"role": "tool", "content": agent_demo.code("abc"), "tool_call_id": "call_0"}],
+    )
     assert agent_demo.episode_text("abc") == call + between + agent_demo.code("abc")
     config = agent_demo.agent_demo_config(str(tiny_model_dir), *(tiny_model_dir / n for n in "abc"), 1, 1)
     assert config.rollout.generate.name == "agent"

@@ -37,8 +37,9 @@ def test_a_grpc_service_refuses_calls_without_the_token(redis_url, start_in_loop
     with grpc.insecure_channel(address) as bare:
         code, details = _code(lambda: buffer_pb2_grpc.BufferStub(bare).GetStats(request))
         assert code == grpc.StatusCode.UNAUTHENTICATED and "no bearer token" in details
-        code, details = _code(lambda: buffer_pb2_grpc.BufferStub(bare).GetStats(
-            request, metadata=[("authorization", "Bearer wrong")]))
+        code, details = _code(
+            lambda: buffer_pb2_grpc.BufferStub(bare).GetStats(request, metadata=[("authorization", "Bearer wrong")])
+        )
         assert code == grpc.StatusCode.UNAUTHENTICATED and "wrong bearer token" in details
         assert auth.stack_token() not in details  # never echoed
         # Probes need no credentials.
@@ -101,13 +102,54 @@ def certificates(tmp_path):
     """A CA, and a certificate for 127.0.0.1 that it signed (serves and calls)."""
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make test certificates")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-             "-subj", "/CN=rlmesh test CA", cwd=tmp_path)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "svc.key", "-out", "svc.csr", "-subj", "/CN=svc",
-             cwd=tmp_path)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=rlmesh test CA",
+        cwd=tmp_path,
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "svc.key",
+        "-out",
+        "svc.csr",
+        "-subj",
+        "/CN=svc",
+        cwd=tmp_path,
+    )
     (tmp_path / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _openssl("x509", "-req", "-in", "svc.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-             "svc.pem", "-days", "1", "-extfile", "san.cnf", cwd=tmp_path)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "svc.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "svc.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.cnf",
+        cwd=tmp_path,
+    )
     return tmp_path
 
 
@@ -127,8 +169,9 @@ def test_mutual_tls_between_services(certificates, monkeypatch, redis_url, start
         assert code == grpc.StatusCode.UNAVAILABLE
     anonymous = grpc.ssl_channel_credentials(root_certificates=(certificates / "ca.pem").read_bytes())
     with grpc.secure_channel(address, anonymous) as no_client_certificate:
-        code, _ = _code(lambda: buffer_pb2_grpc.BufferStub(no_client_certificate).GetStats(
-            request, timeout=5, metadata=token))
+        code, _ = _code(
+            lambda: buffer_pb2_grpc.BufferStub(no_client_certificate).GetStats(request, timeout=5, metadata=token)
+        )
         assert code == grpc.StatusCode.UNAVAILABLE
     # Half a configuration is an error, not plaintext.
     monkeypatch.delenv(tls.CA_ENV)

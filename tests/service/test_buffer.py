@@ -28,6 +28,7 @@ def ack(stub, lease_id, run_id="r1") -> int:
 
 # ---------------------------------------------------------------- runs and prompts
 
+
 def test_prompts_come_in_order_with_consecutive_sample_indices(buffer, dataset):
     stub = buffer()
     assert create(stub, dataset).created
@@ -55,9 +56,13 @@ def test_shuffled_order_is_reproducible(buffer, dataset):
 
 def test_create_run_errors(buffer, dataset, tmp_path):
     stub = buffer()
-    spec = lambda **kw: buffer_pb2.DatasetSpec(**{"name": "t", "path": str(dataset), **kw})  # noqa: E731
-    run = lambda *ds, n=1, **kw: stub.CreateRun(buffer_pb2.CreateRunRequest(  # noqa: E731
-        run_id="r2", n_samples_per_prompt=n, datasets=list(ds), **kw))
+
+    def spec(**kw):
+        return buffer_pb2.DatasetSpec(**{"name": "t", "path": str(dataset), **kw})
+
+    def run(*ds, n=1, **kw):
+        return stub.CreateRun(buffer_pb2.CreateRunRequest(run_id="r2", n_samples_per_prompt=n, datasets=list(ds), **kw))
+
     for call, words in [
         (lambda: run(spec(path=str(tmp_path / "missing.jsonl"))), "file not found"),
         (lambda: run(spec(), n=0), "n_samples_per_prompt"),
@@ -90,26 +95,37 @@ def test_get_prompts_errors(buffer, dataset):
 
 def test_eval_prompts_and_delete_run(buffer, dataset):
     stub = buffer()
-    stub.CreateRun(buffer_pb2.CreateRunRequest(run_id="r1", n_samples_per_prompt=4, datasets=[
-        buffer_pb2.DatasetSpec(name="train", path=str(dataset), prompt_key="q", label_key="a"),
-        buffer_pb2.DatasetSpec(name="held_out", path=str(dataset), prompt_key="q", label_key="a", eval=True),
-    ]))
+    stub.CreateRun(
+        buffer_pb2.CreateRunRequest(
+            run_id="r1",
+            n_samples_per_prompt=4,
+            datasets=[
+                buffer_pb2.DatasetSpec(name="train", path=str(dataset), prompt_key="q", label_key="a"),
+                buffer_pb2.DatasetSpec(name="held_out", path=str(dataset), prompt_key="q", label_key="a", eval=True),
+            ],
+        )
+    )
     create(stub, dataset, run_id="other")
-    groups = stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
-        run_id="r1", dataset="held_out", n_samples_per_prompt=1, offset=1, limit=3)).groups
+    groups = stub.GetEvalPrompts(
+        buffer_pb2.GetEvalPromptsRequest(run_id="r1", dataset="held_out", n_samples_per_prompt=1, offset=1, limit=3)
+    ).groups
     assert [g.samples[0].label for g in groups] == ["1", "2", "3"]
     assert [g.group_id for g in groups] == ["eval:held_out:1", "eval:held_out:2", "eval:held_out:3"]
     # a warm start cycles its dataset (5 rows): rows 8, 9, 10.. are rows 3, 4, 0.., ids count on
-    groups = stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
-        run_id="r1", dataset="held_out", offset=8, limit=7, wrap=True)).groups
+    groups = stub.GetEvalPrompts(
+        buffer_pb2.GetEvalPromptsRequest(run_id="r1", dataset="held_out", offset=8, limit=7, wrap=True)
+    ).groups
     assert [g.samples[0].label for g in groups] == ["3", "4", "0", "1", "2", "3", "4"]
     assert len({g.group_id for g in groups}) == 7
-    code, details = code_of(lambda: stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(
-        run_id="r1", dataset="held_out", wrap=True)))
+    code, details = code_of(
+        lambda: stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(run_id="r1", dataset="held_out", wrap=True))
+    )
     assert code == INVALID and "limit" in details
     code, details = code_of(lambda: stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(run_id="r1", dataset="x")))
     assert code == NOT_FOUND and "held_out" in details
-    code, _ = code_of(lambda: stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(run_id="r1", dataset="held_out", offset=-1)))
+    code, _ = code_of(
+        lambda: stub.GetEvalPrompts(buffer_pb2.GetEvalPromptsRequest(run_id="r1", dataset="held_out", offset=-1))
+    )
     assert code == INVALID
     # runs share one Redis without seeing each other; deleting one leaves the other
     put(stub, [completed(g) for g in prompts(stub, 2, run_id="other")], run_id="other")
@@ -126,6 +142,7 @@ def test_eval_prompts_and_delete_run(buffer, dataset):
 
 
 # ---------------------------------------------------------------- completed groups and batches
+
 
 def test_write_lease_ack_delivers_each_group_once(buffer, dataset):
     stub = buffer()
@@ -187,8 +204,14 @@ def test_lease_and_ack_errors(buffer, dataset):
     code, _ = code_of(lambda: ack(stub, "x", run_id="nope"))
     assert code == NOT_FOUND
     create(stub, dataset)
-    for kw in ({}, {"num_groups": 1, "num_samples": 2}, {"num_groups": -1}, {"num_groups": 1, "min_weight_version": -1},
-               {"num_groups": 1, "lease_seconds": -1}, {"num_groups": 1, "stale_policy": 7}):
+    for kw in (
+        {},
+        {"num_groups": 1, "num_samples": 2},
+        {"num_groups": -1},
+        {"num_groups": 1, "min_weight_version": -1},
+        {"num_groups": 1, "lease_seconds": -1},
+        {"num_groups": 1, "stale_policy": 7},
+    ):
         code, details = code_of(lambda: lease(stub, **kw))  # noqa: B023
         assert code == INVALID, (kw, details)
     code, _ = code_of(lambda: ack(stub, ""))
@@ -201,8 +224,16 @@ def test_staleness_bound_drops_or_keeps_old_groups_and_counts_them(buffer, datas
     stub = buffer()
     create(stub, dataset, n=2)
     g = prompts(stub, 5)
-    put(stub, [completed(g[0], version=1), completed(g[1], version=3), completed(g[2], version=1),
-               completed(g[3]), completed(g[4], version=4)])
+    put(
+        stub,
+        [
+            completed(g[0], version=1),
+            completed(g[1], version=3),
+            completed(g[2], version=1),
+            completed(g[3]),
+            completed(g[4], version=4),
+        ],
+    )
     # KEEP: delivered, counted
     kept = lease(stub, num_groups=1, min_weight_version=2, stale_policy=buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP)
     assert [x.group_id for x in kept.groups] == ["g0"] and kept.stale_groups == 1
@@ -236,8 +267,11 @@ def test_backpressure_refuses_writes_beyond_the_cap(buffer, dataset):
 
 def test_put_groups_errors(buffer, dataset):
     stub = buffer(max_message_bytes=64 * 1024)
-    code, _ = code_of(lambda: put(stub, [completed(sample_pb2.SampleGroup(group_id="g0", samples=[sample_pb2.Sample()]))],
-                                  run_id="nope"))
+    code, _ = code_of(
+        lambda: put(
+            stub, [completed(sample_pb2.SampleGroup(group_id="g0", samples=[sample_pb2.Sample()]))], run_id="nope"
+        )
+    )
     assert code == NOT_FOUND
     create(stub, dataset)
     code, _ = code_of(lambda: put(stub, []))
@@ -248,7 +282,9 @@ def test_put_groups_errors(buffer, dataset):
     no_id = sample_pb2.SampleGroup(samples=[sample_pb2.Sample()])
     code, details = code_of(lambda: put(stub, [no_id]))
     assert code == INVALID and "group_id" in details
-    bad = sample_pb2.SampleGroup(group_id="g0", samples=[sample_pb2.Sample(tokens=b"\0" * 12, response_length=2, loss_mask=b"\1")])
+    bad = sample_pb2.SampleGroup(
+        group_id="g0", samples=[sample_pb2.Sample(tokens=b"\0" * 12, response_length=2, loss_mask=b"\1")]
+    )
     code, details = code_of(lambda: put(stub, [bad]))
     assert code == INVALID and "loss_mask" in details
     odd = sample_pb2.SampleGroup(group_id="g0", samples=[sample_pb2.Sample(tokens=b"\0" * 5)])
@@ -300,7 +336,12 @@ def test_dropped_groups_are_counted_by_reason_and_not_handed_out_again(buffer, d
     stub = buffer()
     create(stub, dataset)
     g = prompts(stub, 2, lease_seconds=0.01)
-    assert stub.DropGroups(buffer_pb2.DropGroupsRequest(run_id="r1", group_ids=[g[0].group_id], reason="nonzero_std")).dropped == 1
+    assert (
+        stub.DropGroups(
+            buffer_pb2.DropGroupsRequest(run_id="r1", group_ids=[g[0].group_id], reason="nonzero_std")
+        ).dropped
+        == 1
+    )
     import time
 
     time.sleep(0.05)
@@ -316,12 +357,20 @@ def test_dropped_groups_are_counted_by_reason_and_not_handed_out_again(buffer, d
 
 # ---------------------------------------------------------------- filters, export / import, stats
 
+
 def test_a_buffer_filter_from_the_settings_picks_high_variance_groups_first(buffer, dataset):
     stub = buffer(buffer_filter="rlmesh.buffer.filters:highest_reward_variance_first")
     create(stub, dataset, n=4)
     g = prompts(stub, 4)
-    put(stub, [completed(g[0], rewards=[1, 1, 1, 1]), completed(g[1], rewards=[0, 1, 0, 1]),
-               completed(g[2], rewards=[0, 0, 0, 1]), completed(g[3], rewards=[0, 1, 1, 0])])
+    put(
+        stub,
+        [
+            completed(g[0], rewards=[1, 1, 1, 1]),
+            completed(g[1], rewards=[0, 1, 0, 1]),
+            completed(g[2], rewards=[0, 0, 0, 1]),
+            completed(g[3], rewards=[0, 1, 1, 0]),
+        ],
+    )
     assert [x.group_id for x in lease(stub, num_groups=2).groups] == ["g1", "g3"]  # variance 0.25, ties oldest first
     assert [x.group_id for x in lease(stub, num_samples=5).groups] == ["g2", "g0"]
     assert stats(stub).queued_groups == 0
@@ -350,7 +399,9 @@ def test_export_and_import_jsonl(buffer, dataset, tmp_path):
     assert stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="r1", path=str(path))).groups == 3
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["group_id"] for line in lines] == ["g1", "g2", "g0"]  # queued, then leased
-    assert lines[0]["samples"][0]["rollout_log_probs"] == [-0.5, -0.25] and lines[0]["samples"][0]["status"] == "completed"
+    assert (
+        lines[0]["samples"][0]["rollout_log_probs"] == [-0.5, -0.25] and lines[0]["samples"][0]["status"] == "completed"
+    )
     assert stats(stub).queued_groups == 2  # exporting takes nothing away
     ack(stub, leased.lease_id)
 
@@ -366,20 +417,28 @@ def test_export_and_import_jsonl(buffer, dataset, tmp_path):
 
 def test_export_and_import_errors(buffer, dataset, tmp_path):
     stub = buffer()
-    code, _ = code_of(lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="nope", path=str(tmp_path / "x.jsonl"))))
+    code, _ = code_of(
+        lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="nope", path=str(tmp_path / "x.jsonl")))
+    )
     assert code == NOT_FOUND
     create(stub, dataset, cap=1)
     code, details = code_of(lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="r1")))
     assert code == INVALID and "path" in details
-    code, details = code_of(lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="r1", path=str(tmp_path / "no" / "x.jsonl"))))
+    code, details = code_of(
+        lambda: stub.ExportGroups(buffer_pb2.ExportGroupsRequest(run_id="r1", path=str(tmp_path / "no" / "x.jsonl")))
+    )
     assert code == INVALID and "does not exist" in details
-    code, details = code_of(lambda: stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="r1", path=str(tmp_path / "none.jsonl"))))
+    code, details = code_of(
+        lambda: stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="r1", path=str(tmp_path / "none.jsonl")))
+    )
     assert code == NOT_FOUND and "none.jsonl" in details
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"group_id": "a", "samples": []}\nnot json\n')
     code, details = code_of(lambda: stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="r1", path=str(bad))))
     assert code == INVALID and ":2" in details
-    bad.write_text(json.dumps({"group_id": "a", "samples": [{"tokens": [1, 2], "response_length": 1, "loss_mask": [1, 1]}]}) + "\n")
+    bad.write_text(
+        json.dumps({"group_id": "a", "samples": [{"tokens": [1, 2], "response_length": 1, "loss_mask": [1, 1]}]}) + "\n"
+    )
     code, details = code_of(lambda: stub.ImportGroups(buffer_pb2.ImportGroupsRequest(run_id="r1", path=str(bad))))
     assert code == INVALID and "loss_mask" in details
     two = tmp_path / "two.jsonl"
@@ -417,8 +476,15 @@ def test_run_ids_and_dataset_names_cannot_reach_other_keys(buffer, dataset):
     for bad in ("a:b", "a*", ""):
         code, details = code_of(lambda: stub.GetStats(buffer_pb2.GetStatsRequest(run_id=bad)))  # noqa: B023
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "run_id" in details
-    code, details = code_of(lambda: stub.CreateRun(buffer_pb2.CreateRunRequest(
-        run_id="r1", n_samples_per_prompt=1, datasets=[buffer_pb2.DatasetSpec(name="__groups__", path=str(dataset))])))
+    code, details = code_of(
+        lambda: stub.CreateRun(
+            buffer_pb2.CreateRunRequest(
+                run_id="r1",
+                n_samples_per_prompt=1,
+                datasets=[buffer_pb2.DatasetSpec(name="__groups__", path=str(dataset))],
+            )
+        )
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "dataset name" in details
 
 
@@ -441,13 +507,19 @@ def test_recent_groups_are_kept_capped_whatever_became_of_them(buffer, dataset):
     assert recent() == (newest_first, 3)
     assert recent(offset=1, limit=1) == (newest_first[1:2], 3)
     assert recent(offset=3) == ([], 3)
-    assert code_of(lambda: stub.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="r1", limit=-1)))[0] == \
-        grpc.StatusCode.INVALID_ARGUMENT
-    assert code_of(lambda: stub.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="nope")))[0] == \
-        grpc.StatusCode.NOT_FOUND
+    assert (
+        code_of(lambda: stub.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="r1", limit=-1)))[0]
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert (
+        code_of(lambda: stub.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="nope")))[0]
+        == grpc.StatusCode.NOT_FOUND
+    )
     stub.DeleteRun(buffer_pb2.DeleteRunRequest(run_id="r1"))
-    assert code_of(lambda: stub.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="r1")))[0] == \
-        grpc.StatusCode.NOT_FOUND
+    assert (
+        code_of(lambda: stub.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="r1")))[0]
+        == grpc.StatusCode.NOT_FOUND
+    )
 
     off = buffer(recent_groups=0)  # none kept
     create(off, dataset, run_id="r2")

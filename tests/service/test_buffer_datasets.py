@@ -21,24 +21,41 @@ from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
 from tests.helpers.buffer import code_of, create, prompts, stats
 
 ROWS = [
-    {"question": "What is 1+1?", "answer": 2, "info": json.dumps({"source": "a"}),
-     "tools": [{"type": "function", "function": {"name": "calc"}}]},
+    {
+        "question": "What is 1+1?",
+        "answer": 2,
+        "info": json.dumps({"source": "a"}),
+        "tools": [{"type": "function", "function": {"name": "calc"}}],
+    },
     {"question": "Name a color.", "answer": 7, "info": json.dumps({"source": "b"}), "tools": None},
 ]
 CHAT_ROWS = [
-    {"question": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}],
-     "answer": "red"},
+    {
+        "question": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}],
+        "answer": "red",
+    },
     {"question": [{"role": "user", "content": "Hi"}], "answer": "hello"},
 ]
 
 
 def run_with(stub, *datasets, run_id="r1", n=1, **run):
-    return stub.CreateRun(buffer_pb2.CreateRunRequest(run_id=run_id, n_samples_per_prompt=n, datasets=list(datasets), **run))
+    return stub.CreateRun(
+        buffer_pb2.CreateRunRequest(run_id=run_id, n_samples_per_prompt=n, datasets=list(datasets), **run)
+    )
 
 
 def spec(path, **kw) -> buffer_pb2.DatasetSpec:
-    return buffer_pb2.DatasetSpec(**{"name": "train", "path": str(path), "prompt_key": "question", "label_key": "answer",
-                                     "metadata_key": "info", "tools_key": "tools", **kw})
+    return buffer_pb2.DatasetSpec(
+        **{
+            "name": "train",
+            "path": str(path),
+            "prompt_key": "question",
+            "label_key": "answer",
+            "metadata_key": "info",
+            "tools_key": "tools",
+            **kw,
+        }
+    )
 
 
 def check_rows(groups) -> None:
@@ -62,8 +79,9 @@ def write_saved_dataset(directory, rows) -> None:
     with pa.OSFile(str(directory / "data-00000-of-00001.arrow"), "wb") as sink:
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
-    (directory / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}],
-                                                      "_fingerprint": "x", "_split": None}))
+    (directory / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_fingerprint": "x", "_split": None})
+    )
     (directory / "dataset_info.json").write_text("{}")
 
 
@@ -83,8 +101,9 @@ def test_jsonl_parquet_and_saved_datasets_read_the_same(buffer, tmp_path):
     pq.write_table(pa.Table.from_pylist(ROWS), hub / "train-00000-of-00001.parquet")
     pq.write_table(pa.Table.from_pylist(ROWS[:1]), hub / "test-00000-of-00001.parquet")
 
-    for i, (path, extra) in enumerate([(jsonl, {}), (parquet, {}), (tmp_path / "saved", {}), (splits, {}),
-                                       (tmp_path / "hub", {"split": "train"})]):
+    for i, (path, extra) in enumerate(
+        [(jsonl, {}), (parquet, {}), (tmp_path / "saved", {}), (splits, {}), (tmp_path / "hub", {"split": "train"})]
+    ):
         run_with(stub, spec(path, **extra), run_id=f"r{i}")
         check_rows(prompts(stub, 2, run_id=f"r{i}"))
     chat = tmp_path / "chat.parquet"
@@ -95,7 +114,10 @@ def test_jsonl_parquet_and_saved_datasets_read_the_same(buffer, tmp_path):
         run_with(stub, spec(path, metadata_key="", tools_key=""), run_id=path.name)
         check_chat_rows(prompts(stub, 2, run_id=path.name))
     run_with(stub, spec(splits, split="test"), run_id="test-split")
-    assert stats(stub, "test-split").offset == 0 and prompts(stub, 2, run_id="test-split")[1].samples[0].prompt == "What is 1+1?"
+    assert (
+        stats(stub, "test-split").offset == 0
+        and prompts(stub, 2, run_id="test-split")[1].samples[0].prompt == "What is 1+1?"
+    )
 
     code, details = code_of(lambda: run_with(stub, spec(splits, split="dev"), run_id="x"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "['train', 'test']" in details
@@ -125,8 +147,9 @@ def test_chat_template_through_the_models_tokenizer(buffer, tmp_path, tiny_model
 
     code, details = code_of(lambda: run_with(stub, spec(path, apply_chat_template=True), run_id="x"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "tokenizer_path" in details
-    code, details = code_of(lambda: run_with(stub, spec(path), run_id="y", tokenizer_path=str(tmp_path / "nope"),
-                                             max_prompt_length=5))
+    code, details = code_of(
+        lambda: run_with(stub, spec(path), run_id="y", tokenizer_path=str(tmp_path / "nope"), max_prompt_length=5)
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "tokenizer" in details
 
 
@@ -140,12 +163,18 @@ def test_prompts_longer_than_the_limit_are_skipped_and_counted(buffer, tmp_path,
     s = stats(stub)
     assert (s.prompts_skipped, dict(s.prompts_skipped_by_dataset)) == (1, {"train": 1})
     # tokens of the templated prompt with one ("U: " + prompt + "\nA: " is 7 characters more)
-    run_with(stub, buffer_pb2.DatasetSpec(name="train", path=str(path), apply_chat_template=True),
-             run_id="r2", tokenizer_path=str(tiny_model_dir), max_prompt_length=20)
+    run_with(
+        stub,
+        buffer_pb2.DatasetSpec(name="train", path=str(path), apply_chat_template=True),
+        run_id="r2",
+        tokenizer_path=str(tiny_model_dir),
+        max_prompt_length=20,
+    )
     assert [g.samples[0].prompt for g in prompts(stub, 2, run_id="r2")] == ["U: short\nA: ", "U: tiny\nA: "]
     assert stats(stub, "r2").prompts_skipped == 2
-    code, details = code_of(lambda: run_with(stub, buffer_pb2.DatasetSpec(name="train", path=str(path), max_prompt_length=2),
-                                             run_id="r3"))
+    code, details = code_of(
+        lambda: run_with(stub, buffer_pb2.DatasetSpec(name="train", path=str(path), max_prompt_length=2), run_id="r3")
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "longer than max_prompt_length" in details
 
 
@@ -153,9 +182,12 @@ def test_training_datasets_are_mixed_by_weight(buffer, tmp_path):
     stub = buffer()
     for name in "ab":
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": f"{name}{i}"}) + "\n" for i in range(10)))
-    run_with(stub, buffer_pb2.DatasetSpec(name="a", path=str(tmp_path / "a.jsonl"), weight=3),
-             buffer_pb2.DatasetSpec(name="b", path=str(tmp_path / "b.jsonl"), weight=1),
-             buffer_pb2.DatasetSpec(name="held_out", path=str(tmp_path / "b.jsonl"), weight=100, eval=True))
+    run_with(
+        stub,
+        buffer_pb2.DatasetSpec(name="a", path=str(tmp_path / "a.jsonl"), weight=3),
+        buffer_pb2.DatasetSpec(name="b", path=str(tmp_path / "b.jsonl"), weight=1),
+        buffer_pb2.DatasetSpec(name="held_out", path=str(tmp_path / "b.jsonl"), weight=100, eval=True),
+    )
     groups = prompts(stub, 8)
     assert [g.dataset for g in groups] == list("aaabaaab")
     assert [g.samples[0].prompt for g in groups] == ["a0", "a1", "a2", "b0", "a3", "a4", "a5", "b1"]
@@ -188,8 +220,10 @@ def test_a_prompt_drawn_by_a_replica_that_died_before_building_it_is_built_later
     k = RunKeys("rlmesh:run:r1:")
     draw = redis.Redis.from_url(redis_url).register_script(scripts.GET_PROMPTS)
     now = time.time()
-    out = draw(keys=[k.spec, k.cursor, k.prompt_leases, k.prompts, k.partial, k.partial_groups, k.stats],
-               args=[now, now + 0.05, 1])
+    out = draw(
+        keys=[k.spec, k.cursor, k.prompt_leases, k.prompts, k.partial, k.partial_groups, k.stats],
+        args=[now, now + 0.05, 1],
+    )
     assert out[1:] == [b"g0", b'ref:{"d":"train","p":0,"i":0}'] or out[2].startswith(b"ref:")
     time.sleep(0.1)
     reissued = prompts(stub, 2)

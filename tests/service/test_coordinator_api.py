@@ -28,10 +28,20 @@ from rlmesh.v1 import buffer_pb2_grpc
 
 @pytest.fixture
 def api(start_in_loop, redis_url, silent_address):
-    _, port = start_in_loop(lambda: start_coordinator(Settings(
-        port=0, redis_url=redis_url, buffer_address=silent_address, rollout_address=silent_address,
-        reward_address=silent_address, trainer_address=silent_address, max_request_bytes=64 * 1024,
-        limits={"max_groups_per_call": 100})))
+    _, port = start_in_loop(
+        lambda: start_coordinator(
+            Settings(
+                port=0,
+                redis_url=redis_url,
+                buffer_address=silent_address,
+                rollout_address=silent_address,
+                reward_address=silent_address,
+                trainer_address=silent_address,
+                max_request_bytes=64 * 1024,
+                limits={"max_groups_per_call": 100},
+            )
+        )
+    )
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=client_headers()) as client:
         yield client
 
@@ -45,19 +55,25 @@ def test_bodies_over_the_limit_get_413(api):
     r = api.post("/runs", json=big)
     assert r.status_code == 413 and "65536 bytes" in r.json()["detail"]
     # a chunked body (no Content-Length) is counted as it arrives
-    chunks = (json.dumps(big).encode()[i:i + 4096] for i in range(0, 110 * 1024, 4096))
+    chunks = (json.dumps(big).encode()[i : i + 4096] for i in range(0, 110 * 1024, 4096))
     r = api.post("/runs", content=chunks, headers={"content-type": "application/json"})
     assert r.status_code == 413
 
 
-@pytest.mark.parametrize("overrides, field", [
-    ({"rollout": {"rollout_batch_size": 2**31 - 1}}, ["body", "rollout", "rollout_batch_size"]),  # above the limit
-    ({"rollout": {"rollout_batch_size": 60, "over_sampling_groups": 60}}, ["body", "rollout", "rollout_batch_size"]),
-    ({"seed": 2**70}, ["body", "seed"]),  # wider than the wire's int64
-    ({"rollout": {"sampling": {"top_k": 2**40}}}, ["body", "rollout", "sampling", "top_k"]),
-    ({"reward": {"components": {f"c{i}": 1.0 for i in range(100)}}}, ["body", "reward", "components"]),
-    ({"datasets": [{"name": "d", "path": "p", "prompt_key": "k" * 500}]}, ["body", "datasets", 0, "prompt_key"]),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"rollout": {"rollout_batch_size": 2**31 - 1}}, ["body", "rollout", "rollout_batch_size"]),  # above the limit
+        (
+            {"rollout": {"rollout_batch_size": 60, "over_sampling_groups": 60}},
+            ["body", "rollout", "rollout_batch_size"],
+        ),
+        ({"seed": 2**70}, ["body", "seed"]),  # wider than the wire's int64
+        ({"rollout": {"sampling": {"top_k": 2**40}}}, ["body", "rollout", "sampling", "top_k"]),
+        ({"reward": {"components": {f"c{i}": 1.0 for i in range(100)}}}, ["body", "reward", "components"]),
+        ({"datasets": [{"name": "d", "path": "p", "prompt_key": "k" * 500}]}, ["body", "datasets", 0, "prompt_key"]),
+    ],
+)
 def test_counts_and_sizes_are_bounded(api, overrides, field):
     r = api.post("/runs", json=body(**overrides))
     assert r.status_code == 422, r.text
@@ -113,8 +129,12 @@ def test_only_the_newest_finished_runs_are_kept(loop_thread, start_in_loop, redi
         redis = aioredis.Redis.from_url(redis_url)
         channel = aio_channel(f"127.0.0.1:{port}")
         store = RunStore(redis, "test")
-        driver = RunDriver(store, Clients(buffer=buffer_pb2_grpc.BufferStub(channel), rollout=None, trainer=None),
-                           train_wait_seconds=1.0, max_finished_runs=2)
+        driver = RunDriver(
+            store,
+            Clients(buffer=buffer_pb2_grpc.BufferStub(channel), rollout=None, trainer=None),
+            train_wait_seconds=1.0,
+            max_finished_runs=2,
+        )
         created = []
         for _ in range(4):
             run_id = await store.create(RunConfig.model_validate(body()))

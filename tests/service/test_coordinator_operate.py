@@ -28,11 +28,22 @@ RECENT = 5  # groups the buffer keeps per run for browsing
 
 @pytest.fixture
 def stack(start_in_loop, redis_url, silent_address):
-    _, buffer_port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0,
-                                                                       recent_groups=RECENT)))
-    _, port = start_in_loop(lambda: start_coordinator(Settings(
-        port=0, redis_url=redis_url, buffer_address=f"127.0.0.1:{buffer_port}", rollout_address=silent_address,
-        reward_address=silent_address, trainer_address=silent_address, call_deadline_seconds=2.0)))
+    _, buffer_port = start_in_loop(
+        lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0, recent_groups=RECENT))
+    )
+    _, port = start_in_loop(
+        lambda: start_coordinator(
+            Settings(
+                port=0,
+                redis_url=redis_url,
+                buffer_address=f"127.0.0.1:{buffer_port}",
+                rollout_address=silent_address,
+                reward_address=silent_address,
+                trainer_address=silent_address,
+                call_deadline_seconds=2.0,
+            )
+        )
+    )
     buffer = buffer_pb2_grpc.BufferStub(sync_channel(f"127.0.0.1:{buffer_port}"))
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=client_headers()) as client:
         yield client, buffer
@@ -42,8 +53,11 @@ def stack(start_in_loop, redis_url, silent_address):
 def config(tmp_path) -> dict:
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"p{i}", "label": str(i)}) + "\n" for i in range(20)))
-    return {"model_path": "/models/m", "datasets": [{"name": "train", "path": str(data)}],
-            "rollout": {"n_samples_per_prompt": 2}}
+    return {
+        "model_path": "/models/m",
+        "datasets": [{"name": "train", "path": str(data)}],
+        "rollout": {"n_samples_per_prompt": 2},
+    }
 
 
 def set_status(redis_url: str, run_id: str, status: str) -> None:
@@ -83,8 +97,22 @@ def test_metrics_come_from_a_cursor_with_a_field_filter(stack, config, redis_url
     store = redis.Redis.from_url(redis_url)
     key = f"rlmesh:coord:run:{run_id}:metrics"
     store.rpush(key, json.dumps({"sft_step": 1, "time": 1.0, "sft/loss": 2.5}))
-    store.rpush(key, *(json.dumps({"rollout_id": i, "time": 1.0 + i, "step": i, "rollout/reward_mean": i / 10,
-                                   "train/entropy": 4.0, "train/grad_norm": 0.5}) for i in range(1, 6)))
+    store.rpush(
+        key,
+        *(
+            json.dumps(
+                {
+                    "rollout_id": i,
+                    "time": 1.0 + i,
+                    "step": i,
+                    "rollout/reward_mean": i / 10,
+                    "train/entropy": 4.0,
+                    "train/grad_norm": 0.5,
+                }
+            )
+            for i in range(1, 6)
+        ),
+    )
 
     page = api.get(f"/runs/{run_id}/metrics").json()
     assert page["total"] == page["next"] == 6 and len(page["records"]) == 6
@@ -101,8 +129,10 @@ def test_metrics_come_from_a_cursor_with_a_field_filter(stack, config, redis_url
     # only some fields (a trailing * is a prefix); where a point lies always comes along;
     # records with none of the fields are left out, and the cursor still moves past them
     page = api.get(f"/runs/{run_id}/metrics", params={"fields": ["train/*", "nothing"], "limit": 3}).json()
-    assert page["records"] == [{"rollout_id": 1, "step": 1, "time": 2.0, "train/entropy": 4.0, "train/grad_norm": 0.5},
-                               {"rollout_id": 2, "step": 2, "time": 3.0, "train/entropy": 4.0, "train/grad_norm": 0.5}]
+    assert page["records"] == [
+        {"rollout_id": 1, "step": 1, "time": 2.0, "train/entropy": 4.0, "train/grad_norm": 0.5},
+        {"rollout_id": 2, "step": 2, "time": 3.0, "train/entropy": 4.0, "train/grad_norm": 0.5},
+    ]
     assert page["next"] == 3
     page = api.get(f"/runs/{run_id}/metrics", params={"fields": "sft/loss"}).json()
     assert page["records"] == [{"sft_step": 1, "time": 1.0, "sft/loss": 2.5}]

@@ -25,8 +25,10 @@ from rlmesh.rollout.generation import GenerateContext, default_generate
 from rlmesh.v1 import buffer_pb2
 from tests.helpers.buffer import prompts
 
-TOOLS_TEMPLATE = "{% if tools %}Tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}" \
+TOOLS_TEMPLATE = (
+    "{% if tools %}Tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
     + CHAT_TEMPLATE
+)
 CALC = {"type": "function", "function": {"name": "calc", "description": "Adds.", "parameters": {"type": "object"}}}
 
 
@@ -49,10 +51,16 @@ def test_the_buffer_templates_a_prompt_with_its_rows_tools(buffer, tmp_path, too
     stub = buffer()
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "What is 1+1?", "tools": [CALC]}) + "\n")
-    stub.CreateRun(buffer_pb2.CreateRunRequest(run_id="r1", n_samples_per_prompt=1, tokenizer_path=str(tools_model_dir),
-                                               datasets=[buffer_pb2.DatasetSpec(name="train", path=str(path),
-                                                                                tools_key="tools",
-                                                                                apply_chat_template=True)]))
+    stub.CreateRun(
+        buffer_pb2.CreateRunRequest(
+            run_id="r1",
+            n_samples_per_prompt=1,
+            tokenizer_path=str(tools_model_dir),
+            datasets=[
+                buffer_pb2.DatasetSpec(name="train", path=str(path), tools_key="tools", apply_chat_template=True)
+            ],
+        )
+    )
     (group,) = prompts(stub, 1)
     assert group.samples[0].prompt == "Tools: calc\nU: What is 1+1?\nA: "
 
@@ -63,8 +71,14 @@ def generate(engine_url: str, tokenizer, sample: Sample, fn, options=None, chat:
     async def go():
         pool = EnginePool([engine_url], "", 30, 30, stack_token() or "", 60)
         try:
-            ctx = GenerateContext(tokenizer=tokenizer, engine=pool.for_generation(), apply_chat_template=chat,
-                                  options=options, settings=settings, tools=ToolBox(settings))
+            ctx = GenerateContext(
+                tokenizer=tokenizer,
+                engine=pool.for_generation(),
+                apply_chat_template=chat,
+                options=options,
+                settings=settings,
+                tools=ToolBox(settings),
+            )
             return await fn(ctx, sample, {"max_new_tokens": 2, "temperature": 1.0})
         finally:
             await pool.close()

@@ -77,14 +77,17 @@ def _greedy(client: httpx.Client, input_ids: list[int], n: int = 20, **extra) ->
 
 def _stream_chunks(base_url: str, body: dict, on_chunk) -> list[dict]:
     chunks = []
-    with httpx.Client(base_url=base_url, timeout=60, headers=client_headers()) as c, c.stream("POST", "/generate", json=body) as r:
+    with (
+        httpx.Client(base_url=base_url, timeout=60, headers=client_headers()) as c,
+        c.stream("POST", "/generate", json=body) as r,
+    ):
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
                 break
-            chunks.append(json.loads(line[len("data: "):]))
+            chunks.append(json.loads(line[len("data: ") :]))
             on_chunk(chunks)
     return chunks
 
@@ -118,7 +121,12 @@ def test_generate_shapes_and_logprobs(client, tokenizer):
 
     r = client.post(
         "/generate",
-        json={"text": "hi", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True, "return_text_in_logprobs": True},
+        json={
+            "text": "hi",
+            "sampling_params": {"max_new_tokens": 3},
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+        },
     )
     for _lp, token_id, text in r.json()["meta_info"]["output_token_logprobs"]:
         assert text == tokenizer.decode([token_id])
@@ -141,7 +149,11 @@ def test_temperature_scales_logprobs(client, tokenizer, hf_model):
     prompt = tokenizer("abc")["input_ids"]
     r = client.post(
         "/generate",
-        json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0.5}, "return_logprob": True},
+        json={
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0.5},
+            "return_logprob": True,
+        },
     )
     out = r.json()
     with torch.inference_mode():
@@ -165,8 +177,13 @@ def test_prompt_logprobs(client, tokenizer, hf_model):
     prompt = tokenizer("prompt tokens")["input_ids"]
     r = client.post(
         "/generate",
-        json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
-              "logprob_start_len": 0, "top_logprobs_num": 2},
+        json={
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 1},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+        },
     )
     meta = r.json()["meta_info"]
     with torch.inference_mode():
@@ -249,8 +266,12 @@ def test_requests_joining_a_running_batch_are_not_disturbed(client, engine_url, 
     short_prompt = tokenizer("short")["input_ids"]
     expected = _greedy(client, short_prompt, n=15)["output_ids"]
     chunks_seen = threading.Event()
-    body = {"input_ids": tokenizer("a long running one")["input_ids"], "sampling_params": {**LONG}, "stream": True,
-            "rid": "runner"}
+    body = {
+        "input_ids": tokenizer("a long running one")["input_ids"],
+        "sampling_params": {**LONG},
+        "stream": True,
+        "rid": "runner",
+    }
     streaming = in_background(_stream_chunks, engine_url, body, lambda chunks: chunks_seen.set())
     assert chunks_seen.wait(30)
     assert _greedy(client, short_prompt, n=15)["output_ids"] == expected
@@ -494,8 +515,10 @@ def test_bad_weight_update_is_refused_and_changes_nothing(engine_process, hf_mod
         trainer.close()
         again = client.post("/destroy_weights_update_group", json={"group_name": "wu-bad"})
         assert again.status_code == 400 and again.json()["success"] is False
-        missing = client.post("/update_weights_from_distributed", json={
-            "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "wu-bad"})
+        missing = client.post(
+            "/update_weights_from_distributed",
+            json={"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "wu-bad"},
+        )
         assert missing.status_code == 400 and "init_weights_update_group" in missing.json()["message"]
 
 
@@ -506,22 +529,47 @@ def test_the_weight_group_rendezvous_is_the_one_sglang_clients_use(engine_proces
 
     with httpx.Client(base_url=engine_process, timeout=60, headers=client_headers()) as client:
         port, group_name = _free_port(), "sglang-style"
-        joined = in_background(client.post, "/init_weights_update_group", json={
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": group_name, "backend": "gloo"})
+        joined = in_background(
+            client.post,
+            "/init_weights_update_group",
+            json={
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": group_name,
+                "backend": "gloo",
+            },
+        )
         timeout = timedelta(seconds=30)
         store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
         store.set_timeout(timeout)
-        group, _ = _new_process_group_helper(world_size, rank, [], Backend("gloo"), PrefixStore(group_name, store),
-                                             group_name=group_name, timeout=timeout, backend_options=None)
+        group, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend("gloo"),
+            PrefixStore(group_name, store),
+            group_name=group_name,
+            timeout=timeout,
+            backend_options=None,
+        )
         _world.pg_group_ranks[group] = {0: 0, 1: 1}
         r = joined.result(60)
         assert r.status_code == 200 and r.json()["success"] is True, r.text
 
         name, tensor = _new_weights(hf_model, seed=11)[0]
-        answer = in_background(client.post, "/update_weights_from_distributed", json={
-            "names": [name], "dtypes": ["float32"], "shapes": [list(tensor.shape)], "group_name": group_name,
-            "weight_version": "sglang-style"})
+        answer = in_background(
+            client.post,
+            "/update_weights_from_distributed",
+            json={
+                "names": [name],
+                "dtypes": ["float32"],
+                "shapes": [list(tensor.shape)],
+                "group_name": group_name,
+                "weight_version": "sglang-style",
+            },
+        )
         torch.distributed.broadcast(tensor, src=0, group=group)
         assert answer.result(60).json()["success"] is True
         _assert_engine_has(client, [(name, tensor)])
@@ -530,11 +578,18 @@ def test_the_weight_group_rendezvous_is_the_one_sglang_clients_use(engine_proces
         destroy_weight_group(group, group_name)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("image_data", "data:image/png;base64,AAAA"), ("lora_path", "adapter"), ("return_hidden_states", True),
-    ("return_routed_experts", True), ("custom_logit_processor", "{}"), ("session_params", {"id": "s"}),
-    ("input_embeds", [[0.0]]),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("image_data", "data:image/png;base64,AAAA"),
+        ("lora_path", "adapter"),
+        ("return_hidden_states", True),
+        ("return_routed_experts", True),
+        ("custom_logit_processor", "{}"),
+        ("session_params", {"id": "s"}),
+        ("input_embeds", [[0.0]]),
+    ],
+)
 def test_request_fields_the_engine_does_not_implement_are_refused(client, field, value):
     r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}, field: value})
     assert r.status_code == 400

@@ -61,8 +61,17 @@ def test_dataset_paths_outside_data_roots_are_refused_alike(buffer, places, tmp_
     stub = buffer(data_roots=[data], export_dir=tmp_path / "exports")
     (data / "link.jsonl").symlink_to(outside / "secret.jsonl")
     (data / "linkdir").symlink_to(outside)
-    attempts = ["../outside/secret.json", str(outside / "secret.json"), f"{data}/../outside/secret.jsonl",
-                "link.jsonl", "linkdir", "linkdir/secret.jsonl", "/", "/etc/passwd", "../outside/missing.json"]
+    attempts = [
+        "../outside/secret.json",
+        str(outside / "secret.json"),
+        f"{data}/../outside/secret.jsonl",
+        "link.jsonl",
+        "linkdir",
+        "linkdir/secret.jsonl",
+        "/",
+        "/etc/passwd",
+        "../outside/missing.json",
+    ]
     answers = {}
     for path in attempts:
         details = refusal(lambda: create(stub, path))  # noqa: B023
@@ -157,8 +166,9 @@ def trainer(start_in_loop, tmp_path):
 
 
 def init_run(stub, model_dir, run_id="r1", **overrides):
-    config = TrainerRunConfig.model_validate({"model_path": str(model_dir), "micro_batch_size": 2, "device": "cpu",
-                                              **overrides})
+    config = TrainerRunConfig.model_validate(
+        {"model_path": str(model_dir), "micro_batch_size": 2, "device": "cpu", **overrides}
+    )
     return stub.InitRun(trainer_pb2.InitRunRequest(run_id=run_id, config_json=config.model_dump_json()))
 
 
@@ -189,7 +199,8 @@ def test_checkpoints_stay_under_work_dir(trainer, tiny_model_dir, tmp_path):
         assert "checkpoint_dir" in refusal(lambda: init_run(stub, tiny_model_dir, checkpoint_dir=where))  # noqa: B023
     init_run(stub, tiny_model_dir, checkpoint_dir="saves")
     assert stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id="r1")).path == str(
-        (work / "saves" / "step_0").resolve())
+        (work / "saves" / "step_0").resolve()
+    )
 
 
 def test_a_save_replaces_only_rlmeshs_own_checkpoints(trainer, tiny_model_dir):
@@ -230,8 +241,13 @@ def test_a_run_resumes_only_from_under_work_dir(trainer, tiny_model_dir, tmp_pat
 def test_every_service_refuses_run_ids_that_could_escape(buffer, trainer, start_in_loop, redis_url, tiny_model_dir):
     stub = buffer()
     trainer_stub, work = trainer
-    _, port = start_in_loop(lambda: start_rollout(RolloutSettings(
-        port=0, buffer_address="127.0.0.1:1", reward_address="127.0.0.1:1", engine_urls=["http://127.0.0.1:1"])))
+    _, port = start_in_loop(
+        lambda: start_rollout(
+            RolloutSettings(
+                port=0, buffer_address="127.0.0.1:1", reward_address="127.0.0.1:1", engine_urls=["http://127.0.0.1:1"]
+            )
+        )
+    )
     rollout = rollout_pb2_grpc.RolloutStub(sync_channel(f"127.0.0.1:{port}"))
     calls = [  # each takes a run id
         lambda r: stub.GetStats(buffer_pb2.GetStatsRequest(run_id=r)),

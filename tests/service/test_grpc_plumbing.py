@@ -22,7 +22,9 @@ def test_services_serve_health_and_reflection(redis_url, start_in_loop):
     channel = sync_channel(f"127.0.0.1:{port}")
     health = health_pb2_grpc.HealthStub(channel)
     for name in ("", "rlmesh.v1.Buffer"):
-        assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+        )
     reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
     (reply,) = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     names = {s.name for s in reply.list_services_response.service}
@@ -45,8 +47,11 @@ def test_undecodable_requests_get_invalid_argument(redis_url, start_in_loop):
 
 def test_a_service_stops_gracefully_on_sigterm(redis_url):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rlmesh.cli", "serve", "buffer", "--redis-url", redis_url,
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlmesh.cli", "serve", "buffer", "--redis-url", redis_url, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         channel = sync_channel(f"127.0.0.1:{port}")
         grpc.channel_ready_future(channel).result(timeout=60)

@@ -71,8 +71,11 @@ def test_refused_and_unknown_calls_are_counted_without_new_labels(buffer, datase
     samples = scrape(f"http://127.0.0.1:{port}/metrics")
     assert value(samples, "grpc_server_handled_total", grpc_method="GetStats", grpc_code="UNAUTHENTICATED") == 1
     assert value(samples, "grpc_server_handled_total", grpc_service="unknown", grpc_code="UNIMPLEMENTED") == 5
-    assert label_values(samples, "grpc_server_started_total", "grpc_service") <= {BUFFER, "unknown",
-                                                                                    "grpc.health.v1.Health"}
+    assert label_values(samples, "grpc_server_started_total", "grpc_service") <= {
+        BUFFER,
+        "unknown",
+        "grpc.health.v1.Health",
+    }
 
 
 def test_metrics_endpoint_needs_the_stacks_token(buffer):
@@ -93,23 +96,29 @@ def test_metrics_endpoint_is_off_by_default_and_on_loopback():
     assert settings.metrics_port == 0 and settings.metrics_host == "127.0.0.1"
 
 
-
 def test_reward_failures_are_counted_by_reason(loop_thread):
     port = free_port()
-    settings = RewardSettings(port=0, metrics_port=port, default_components={"math": 1.0}, custom_functions=CUSTOM,
-                              group_functions=GROUP)
+    settings = RewardSettings(
+        port=0, metrics_port=port, default_components={"math": 1.0}, custom_functions=CUSTOM, group_functions=GROUP
+    )
     server, grpc_port = loop_thread.run(start_reward(settings))
     try:
         stub = reward_pb2_grpc.RewardStub(sync_channel(f"127.0.0.1:{grpc_port}"))
 
         def score(components: dict[str, float], *samples: Sample) -> list[Sample]:
-            reply = stub.Score(reward_pb2.ScoreRequest(samples=[sample_to_proto(s) for s in samples],
-                                                       spec=reward_pb2.RewardSpec(components=components)), timeout=30)
+            reply = stub.Score(
+                reward_pb2.ScoreRequest(
+                    samples=[sample_to_proto(s) for s in samples], spec=reward_pb2.RewardSpec(components=components)
+                ),
+                timeout=30,
+            )
             return [sample_from_proto(m) for m in reply.samples]
 
         ok = make_sample(0, r"\boxed{2}", "2")
-        assert [s.status for s in score({"math": 1.0}, ok, make_sample(1, "x", ""))] == [Status.COMPLETED,
-                                                                                       Status.FAILED]
+        assert [s.status for s in score({"math": 1.0}, ok, make_sample(1, "x", ""))] == [
+            Status.COMPLETED,
+            Status.FAILED,
+        ]
         assert score({"broken": 1.0}, ok, ok)[0].status == Status.FAILED  # raises
         assert score({"not_a_number": 1.0}, ok)[0].status == Status.FAILED  # returns "yes"
         samples = scrape(f"http://127.0.0.1:{port}/metrics")
@@ -119,14 +128,27 @@ def test_reward_failures_are_counted_by_reason(loop_thread):
     assert value(samples, "rlmesh_reward_sample_failures_total", reason="raised") == 3  # no label (math), broken x2
     assert value(samples, "rlmesh_reward_sample_failures_total", reason="invalid_value") == 1
     assert label_values(samples, "rlmesh_reward_sample_failures_total", "reason") <= set(FAILURE_CAUSES)
-    assert value(samples, "grpc_server_handled_total", grpc_service="rlmesh.v1.Reward", grpc_method="Score",
-                 grpc_code="OK") == 3
+    assert (
+        value(
+            samples, "grpc_server_handled_total", grpc_service="rlmesh.v1.Reward", grpc_method="Score", grpc_code="OK"
+        )
+        == 3
+    )
 
 
 def test_coordinator_counts_rest_requests_by_route_and_runs_by_status(start_in_loop, redis_url, silent_address):
-    _, port = start_in_loop(lambda: start_coordinator(CoordinatorSettings(
-        port=0, redis_url=redis_url, buffer_address=silent_address, rollout_address=silent_address,
-        reward_address=silent_address, trainer_address=silent_address)))
+    _, port = start_in_loop(
+        lambda: start_coordinator(
+            CoordinatorSettings(
+                port=0,
+                redis_url=redis_url,
+                buffer_address=silent_address,
+                rollout_address=silent_address,
+                reward_address=silent_address,
+                trainer_address=silent_address,
+            )
+        )
+    )
     base = f"http://127.0.0.1:{port}"
     with httpx.Client(base_url=base, timeout=30, headers=auth.client_headers()) as api:
         body = {"model_path": "/models/m", "datasets": [{"name": "d", "path": "d.jsonl"}]}
@@ -142,6 +164,9 @@ def test_coordinator_counts_rest_requests_by_route_and_runs_by_status(start_in_l
     assert value(samples, requests, route="unmatched", status="404") == 1
     assert value(samples, requests, route="unmatched", status="401") == 1  # refused before routing
     assert value(samples, "rlmesh_coordinator_http_request_seconds_count", method="POST", route="/runs") == 1
-    assert value(samples, "rlmesh_coordinator_runs", status="pending") + value(
-        samples, "rlmesh_coordinator_runs", status="running") == 1
+    assert (
+        value(samples, "rlmesh_coordinator_runs", status="pending")
+        + value(samples, "rlmesh_coordinator_runs", status="running")
+        == 1
+    )
     assert value(samples, "rlmesh_coordinator_runs", status="completed") == 0

@@ -33,9 +33,14 @@ from tests.helpers.masks import mask_runs
 # What the agents below saw, for the tests to compare with the samples (tests run one at a time).
 SEEN: dict[str, Any] = {}
 
-LOOKUP_TOOL = {"type": "function", "function": {
-    "name": "lookup", "description": "Look a word up.",
-    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a word up.",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
+}
 
 
 @register_tool_parser("test_openai_every_turn_calls")
@@ -58,10 +63,11 @@ async def tool_agent(base_url: str, sample: Sample) -> None:
     messages: list[dict] = [{"role": "user", "content": sample.prompt}]
     first = await llm.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL], logprobs=True)
     reply = first.choices[0].message
-    messages += [reply.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "42"}]
-    second = await llm.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL],
-                                               logprobs=True)
+    messages += [
+        reply.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "42"},
+    ]
+    second = await llm.chat.completions.create(model="policy", messages=messages, tools=[LOOKUP_TOOL], logprobs=True)
     SEEN["answers"] = [first, second]
 
 
@@ -76,8 +82,9 @@ def completions_agent(base_url: str, sample: Sample) -> None:
     """Plain code with the synchronous client: it continues its own text."""
     llm = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
     first = llm.completions.create(model="policy", prompt=sample.prompt, max_tokens=3, logprobs=1)
-    second = llm.completions.create(model="policy", prompt=sample.prompt + first.choices[0].text + "!", max_tokens=4,
-                                    logprobs=1)
+    second = llm.completions.create(
+        model="policy", prompt=sample.prompt + first.choices[0].text + "!", max_tokens=4, logprobs=1
+    )
     SEEN["answers"] = [first, second]
 
 
@@ -90,8 +97,10 @@ async def looping_agent(base_url: str, sample: Sample) -> None:
         SEEN.setdefault("answers", []).append(answer)
         if answer.usage.completion_tokens == 0:
             return
-        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
-                     {"role": "user", "content": "more"}]
+        messages += [
+            {"role": "assistant", "content": answer.choices[0].message.content},
+            {"role": "user", "content": "more"},
+        ]
 
 
 async def refused_requests_agent(base_url: str, sample: Sample) -> None:
@@ -103,8 +112,10 @@ async def refused_requests_agent(base_url: str, sample: Sample) -> None:
     with pytest.raises(openai.BadRequestError, match="stream is not supported"):
         await llm.chat.completions.create(model="policy", messages=messages, stream=True)
     with pytest.raises(openai.BadRequestError, match="only text content"):
-        await llm.chat.completions.create(model="policy", messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+        await llm.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+        )
     elsewhere = client(base_url.split("/samples/")[0] + "/samples/not-a-token/v1")
     with pytest.raises(openai.NotFoundError, match="no sample is generating under this URL"):
         await elsewhere.chat.completions.create(model="policy", messages=messages)
@@ -123,9 +134,17 @@ async def raising_agent(base_url: str, sample: Sample) -> None:
     raise RuntimeError("the agent's own bug")
 
 
-AGENTS = {name: f"tests.service.test_openai_endpoint:{name}" for name in (
-    "tool_agent", "two_conversations_agent", "completions_agent", "looping_agent", "refused_requests_agent",
-    "raising_agent")}
+AGENTS = {
+    name: f"tests.service.test_openai_endpoint:{name}"
+    for name in (
+        "tool_agent",
+        "two_conversations_agent",
+        "completions_agent",
+        "looping_agent",
+        "refused_requests_agent",
+        "raising_agent",
+    )
+}
 
 # What the agents send back must tokenise to the engine's ids for their calls to chain. The
 # tiny model is random: it emits </s>, <pad>, <unk> (so the text spells special tokens out) and
@@ -146,8 +165,12 @@ def generate(tiny_model_dir, engine_url, options: dict, sampling: dict, prompt: 
     async def go():
         pool = EnginePool([engine_url], "", 30, 30, stack_token() or "", 60)
         try:
-            ctx = GenerateContext(tokenizer=tokenizer, engine=pool.for_generation(), settings=settings,
-                                  options=OpenAIAgentOptions.model_validate(options, context={"settings": settings}))
+            ctx = GenerateContext(
+                tokenizer=tokenizer,
+                engine=pool.for_generation(),
+                settings=settings,
+                options=OpenAIAgentOptions.model_validate(options, context={"settings": settings}),
+            )
             return await openai_agent_generate(ctx, Sample(index=3, prompt=prompt, label="ba"), sampling)
         finally:
             await close_shared_endpoint()
@@ -172,8 +195,9 @@ def trainer_log_probs(tiny_model_dir, s: Sample) -> list[float]:
 
 
 def test_a_tool_using_conversation_is_one_sample_of_the_engines_tokens(tiny_model_dir, engine_url):
-    sample = generate(tiny_model_dir, engine_url, {"agent": "tool_agent", "tool_parser": "test_openai_every_turn_calls"},
-                      LONG_TURNS)
+    sample = generate(
+        tiny_model_dir, engine_url, {"agent": "tool_agent", "tool_parser": "test_openai_every_turn_calls"}, LONG_TURNS
+    )
     first, second = SEEN["answers"]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
 
@@ -187,9 +211,9 @@ def test_a_tool_using_conversation_is_one_sample_of_the_engines_tokens(tiny_mode
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 6
 
     assert isinstance(sample, Sample) and sample.index == 3 and sample.label == "ba"
-    assert sample.prompt_tokens == tokenizer.apply_chat_template([{"role": "user", "content": "rev ab="}],
-                                                                 tokenize=True, add_generation_prompt=True,
-                                                                 return_dict=False)
+    assert sample.prompt_tokens == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "rev ab="}], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     # model turn, the tool turn the template put between, model turn
     assert mask_runs(sample.loss_mask) == [(1, 6), (0, len(tokenizer("\nT: 42\nA: ")["input_ids"])), (1, 6)]
     assert tokenizer.decode(sample.response_tokens[6:-6]) == "\nT: 42\nA: "
@@ -210,8 +234,12 @@ def test_a_tool_using_conversation_is_one_sample_of_the_engines_tokens(tiny_mode
 
 
 def test_a_turn_that_ends_with_tool_calls_says_so(tiny_model_dir, engine_url):
-    sample = generate(tiny_model_dir, engine_url, {"agent": "tool_agent", "tool_parser": "test_openai_every_turn_calls"},
-                      ONE_TOKEN_TURNS)
+    sample = generate(
+        tiny_model_dir,
+        engine_url,
+        {"agent": "tool_agent", "tool_parser": "test_openai_every_turn_calls"},
+        ONE_TOKEN_TURNS,
+    )
     first, second = SEEN["answers"]
     assert first.choices[0].finish_reason == second.choices[0].finish_reason == "tool_calls"
     assert mask_runs(sample.loss_mask)[0] == (1, 1) and mask_runs(sample.loss_mask)[-1] == (1, 1)
@@ -226,7 +254,8 @@ def test_completions_continue_the_same_sample(tiny_model_dir, engine_url):
     assert mask_runs(sample.loss_mask) == [(1, 3), (0, 1), (1, 4)]  # the agent's "!" between the calls
     assert tokenizer.decode(sample.response_tokens) == first.choices[0].text + "!" + second.choices[0].text
     assert [lp for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if m] == pytest.approx(
-        first.choices[0].logprobs.token_logprobs + second.choices[0].logprobs.token_logprobs)
+        first.choices[0].logprobs.token_logprobs + second.choices[0].logprobs.token_logprobs
+    )
     assert first.choices[0].finish_reason == "length" and sample.response == second.choices[0].text
 
 
@@ -235,7 +264,9 @@ def test_separate_conversations_are_separate_samples(tiny_model_dir, engine_url)
     answers = SEEN["answers"]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert [s.metadata["openai_agent"] for s in samples] == [
-        {"segment": 0, "segments": 2, "calls": 1}, {"segment": 1, "segments": 2, "calls": 1}]
+        {"segment": 0, "segments": 2, "calls": 1},
+        {"segment": 1, "segments": 2, "calls": 1},
+    ]
     for s, question, answer in zip(samples, ("first question", "second question"), answers):
         assert tokenizer.decode(s.prompt_tokens) == f"U: {question}\nA: "
         assert tokenizer.decode(s.response_tokens) == answer.choices[0].message.content
@@ -284,8 +315,9 @@ def test_in_a_rollout_a_raising_agent_fails_its_sample_and_conversations_add_sam
             for name in ("raising_agent", "two_conversations_agent"):
                 group = SampleGroup("g", 0, [Sample(index=0, prompt="a"), Sample(index=1, prompt="b")])
                 generator = manager.generator(GenerateChoice("openai_agent", {"agent": name}))
-                groups.append(await manager._generate_group(group, LONG_TURNS, asyncio.Semaphore(4), False, generator,
-                                                            {}))
+                groups.append(
+                    await manager._generate_group(group, LONG_TURNS, asyncio.Semaphore(4), False, generator, {})
+                )
             return groups
         finally:
             await close_shared_endpoint()
@@ -318,9 +350,19 @@ def test_a_call_extends_the_conversation_it_continues():
     """Chains by token prefix: a retry from an earlier point starts its own sample."""
 
     def call(seq: int, prompt: list[int], output: list[int]) -> ModelCall:
-        return ModelCall(seq, prompt, {"output_ids": output, "text": f"t{seq}", "meta_info": {
-            "finish_reason": {"type": "stop"}, "weight_version": str(seq),
-            "output_token_logprobs": [[-0.5, t, None] for t in output]}})
+        return ModelCall(
+            seq,
+            prompt,
+            {
+                "output_ids": output,
+                "text": f"t{seq}",
+                "meta_info": {
+                    "finish_reason": {"type": "stop"},
+                    "weight_version": str(seq),
+                    "output_token_logprobs": [[-0.5, t, None] for t in output],
+                },
+            },
+        )
 
     calls = [call(0, [1, 2], [3]), call(1, [1, 2, 3, 4], [5, 6]), call(2, [1, 2], [7])]
     whole, retry = samples_from_calls(Sample(prompt="p"), calls)

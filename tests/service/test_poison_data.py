@@ -36,8 +36,15 @@ Rejection = buffer_pb2.RejectGroupsRequest.Rejection
 def group(group_id: str, response=(8, 9), rewards=(1.0, 0.0), **sample_fields):
     """A completed group of len(rewards) samples: prompt [5, 6, 7] + `response`."""
     samples = [
-        Sample(index=i, tokens=[5, 6, 7, *response], response_length=len(response), loss_mask=[1] * len(response),
-               rollout_log_probs=[-0.5] * len(response), reward=r, status=Status.COMPLETED)
+        Sample(
+            index=i,
+            tokens=[5, 6, 7, *response],
+            response_length=len(response),
+            loss_mask=[1] * len(response),
+            rollout_log_probs=[-0.5] * len(response),
+            reward=r,
+            status=Status.COMPLETED,
+        )
         for i, r in enumerate(rewards)
     ]
     for name, value in sample_fields.items():
@@ -46,9 +53,14 @@ def group(group_id: str, response=(8, 9), rewards=(1.0, 0.0), **sample_fields):
 
 
 def create(stub, dataset, run_id="r1", vocab_size=0):
-    stub.CreateRun(buffer_pb2.CreateRunRequest(
-        run_id=run_id, n_samples_per_prompt=2, vocab_size=vocab_size,
-        datasets=[buffer_pb2.DatasetSpec(name="train", path=str(dataset), prompt_key="q", label_key="a")]))
+    stub.CreateRun(
+        buffer_pb2.CreateRunRequest(
+            run_id=run_id,
+            n_samples_per_prompt=2,
+            vocab_size=vocab_size,
+            datasets=[buffer_pb2.DatasetSpec(name="train", path=str(dataset), prompt_key="q", label_key="a")],
+        )
+    )
 
 
 def lease(stub, run_id="r1", **kw) -> buffer_pb2.LeaseBatchResponse:
@@ -63,15 +75,18 @@ def export_dead_letters(stub, path, run_id="r1") -> list[dict]:
 # ------------------------------------------------------------------ refused at write time
 
 
-@pytest.mark.parametrize("fields, says", [
-    ({"tokens": [5, 6, 7, -3, 9]}, "tokens holds id -3 at position 3, outside 0.."),
-    ({"loss_mask": [1]}, "loss_mask has 1 entries but response_length is 2"),
-    ({"rollout_log_probs": [-0.5, -0.5, -0.5]}, "rollout_log_probs has 3 entries but response_length is 2"),
-    ({"response_length": 9}, "response_length 9 is outside 0..5"),
-    ({"reward": math.nan}, "reward is nan, not a finite number"),
-    ({"reward_components": {"acc": math.inf}}, "reward_components['acc'] is inf, not a finite number"),
-    ({"rollout_log_probs": [-0.5, -math.inf]}, "rollout_log_probs holds -inf at position 1, not a finite number"),
-])
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"tokens": [5, 6, 7, -3, 9]}, "tokens holds id -3 at position 3, outside 0.."),
+        ({"loss_mask": [1]}, "loss_mask has 1 entries but response_length is 2"),
+        ({"rollout_log_probs": [-0.5, -0.5, -0.5]}, "rollout_log_probs has 3 entries but response_length is 2"),
+        ({"response_length": 9}, "response_length 9 is outside 0..5"),
+        ({"reward": math.nan}, "reward is nan, not a finite number"),
+        ({"reward_components": {"acc": math.inf}}, "reward_components['acc'] is inf, not a finite number"),
+        ({"rollout_log_probs": [-0.5, -math.inf]}, "rollout_log_probs holds -inf at position 1, not a finite number"),
+    ],
+)
 def test_a_write_with_a_broken_group_is_refused_whole_naming_the_group_and_field(buffer, dataset, fields, says):
     stub = buffer()
     create(stub, dataset)
@@ -80,8 +95,9 @@ def test_a_write_with_a_broken_group_is_refused_whole_naming_the_group_and_field
     code, details = code_of(lambda: put(stub, [group("ok"), group("bad", **fields)]))
     assert code == INVALID
     assert "group 'bad', sample 1: " + says in details and "none of its groups was stored" in details
-    code, _ = code_of(lambda: stub.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(
-        run_id="r1", groups=[group("bad", **fields)])))
+    code, _ = code_of(
+        lambda: stub.ReturnPartialGroups(buffer_pb2.PutGroupsRequest(run_id="r1", groups=[group("bad", **fields)]))
+    )
     assert code == INVALID
 
     # Nothing else of the run was touched: the group before is queued, the good one can be written.
@@ -94,7 +110,10 @@ def test_token_ids_are_checked_against_the_runs_vocab_size_and_counts_against_th
     stub = buffer(limits={"max_samples_per_prompt": 3})
     create(stub, dataset, vocab_size=10)
     code, details = code_of(lambda: put(stub, [group("big", response=(8, 10))]))
-    assert code == INVALID and "group 'big', sample 0: tokens holds id 10 at position 4, outside the vocabulary [0, 9]" in details
+    assert (
+        code == INVALID
+        and "group 'big', sample 0: tokens holds id 10 at position 4, outside the vocabulary [0, 9]" in details
+    )
     assert put(stub, [group("fits", response=(8, 9))]).stored == 1
 
     code, details = code_of(lambda: put(stub, [group("many", rewards=(1.0,) * 4)]))
@@ -113,9 +132,12 @@ def stack(redis_url, start_in_loop, loop_thread, tmp_path, tiny_model_dir):
     """(buffer stub, trainer stub) over a real buffer and a trainer holding run r1 of the tiny model."""
     _, port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
     trainer = Trainer(TrainerSettings(work_dir=tmp_path, buffer_address=f"127.0.0.1:{port}"))
-    server, trainer_port = loop_thread.run(start_service(functools.partial(build_trainer, trainer=trainer), trainer.settings))
+    server, trainer_port = loop_thread.run(
+        start_service(functools.partial(build_trainer, trainer=trainer), trainer.settings)
+    )
     config = TrainerRunConfig.model_validate(
-        {"model_path": str(tiny_model_dir), "micro_batch_size": 2, "optimizer": {"lr": 1e-3}, "device": "cpu"})
+        {"model_path": str(tiny_model_dir), "micro_batch_size": 2, "optimizer": {"lr": 1e-3}, "device": "cpu"}
+    )
     trainer_stub = TrainerStub(sync_channel(f"127.0.0.1:{trainer_port}"))
     trainer_stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=config.model_dump_json()))
     yield BufferStub(sync_channel(f"127.0.0.1:{port}")), trainer_stub
@@ -153,7 +175,10 @@ def test_groups_the_trainer_cannot_train_go_to_the_dead_letter_list_and_the_run_
     assert put(buffer, [group("p1", response=(8, vocab + 3))]).duplicates == 1  # never stored again
     lines = export_dead_letters(buffer, tmp_path / "dead.jsonl")
     assert [line["group_id"] for line in lines] == ["p1", "p2"]
-    assert f"group 'p1', sample 0: tokens holds id {vocab + 3}, outside the model's vocabulary [0, {vocab - 1}]" in lines[0]["reason"]
+    assert (
+        f"group 'p1', sample 0: tokens holds id {vocab + 3}, outside the model's vocabulary [0, {vocab - 1}]"
+        in lines[0]["reason"]
+    )
     assert lines[0]["samples"][1]["tokens"] == [5, 6, 7, 8, vocab + 3]  # as it was written, to find its source
 
 
@@ -181,7 +206,12 @@ def test_a_group_whose_leases_keep_expiring_goes_to_the_dead_letter_list(buffer,
 
     s = stats(stub)
     assert (s.dead_letter_groups, s.redelivered_groups, s.acknowledged_groups, s.queued_groups, s.leased_groups) == (
-        1, 1, 1, 0, 0)
+        1,
+        1,
+        1,
+        0,
+        0,
+    )
     [line] = export_dead_letters(stub, tmp_path / "dead.jsonl")
     assert line["group_id"] == "g1" and "delivered 2 times and never acknowledged" in line["reason"]
     assert "max_deliveries is 2" in line["reason"]
@@ -192,8 +222,11 @@ def test_reject_groups_errors(buffer, dataset):
     stub = buffer()
 
     def reject(lease_id, *group_ids, run_id="r1"):
-        return stub.RejectGroups(buffer_pb2.RejectGroupsRequest(
-            run_id=run_id, lease_id=lease_id, groups=[Rejection(group_id=g, reason="bad") for g in group_ids]))
+        return stub.RejectGroups(
+            buffer_pb2.RejectGroupsRequest(
+                run_id=run_id, lease_id=lease_id, groups=[Rejection(group_id=g, reason="bad") for g in group_ids]
+            )
+        )
 
     code, _ = code_of(lambda: reject("x", "g1", run_id="nope"))
     assert code == grpc.StatusCode.NOT_FOUND

@@ -1,6 +1,5 @@
 """Reward service contract over gRPC on loopback: scoring, groups, errors, stats."""
 
-
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +38,11 @@ def reward_channel(loop_thread):
 
 def test_score_over_grpc(reward_channel):
     stub = reward_pb2_grpc.RewardStub(reward_channel)
-    samples = [make_sample(0, r"\boxed{\frac{1}{2}}", "0.5"), make_sample(1, r"\boxed{2}", "0.5"), make_sample(2, "x", "")]
+    samples = [
+        make_sample(0, r"\boxed{\frac{1}{2}}", "0.5"),
+        make_sample(1, r"\boxed{2}", "0.5"),
+        make_sample(2, "x", ""),
+    ]
     reply = stub.Score(reward_pb2.ScoreRequest(samples=[sample_to_proto(s) for s in samples]), timeout=30)
     scored = [sample_from_proto(m) for m in reply.samples]
     assert [s.reward for s in scored] == [1.0, 0.0, 0.0]
@@ -64,7 +67,9 @@ def test_score_groups_over_grpc(reward_channel):
         for g in range(2)
     ]
     spec = reward_pb2.RewardSpec(components={"shortest": 1.0, "exact_match": 0.5})
-    reply = stub.ScoreGroups(reward_pb2.ScoreGroupsRequest(groups=[group_to_proto(g) for g in groups], spec=spec), timeout=30)
+    reply = stub.ScoreGroups(
+        reward_pb2.ScoreGroupsRequest(groups=[group_to_proto(g) for g in groups], spec=spec), timeout=30
+    )
     scored = [group_from_proto(m) for m in reply.groups]
     assert [g.group_id for g in scored] == ["g0", "g1"]
     assert [g.rewards for g in scored] == [[1.5, 0.0, 0.0, 0.0]] * 2
@@ -120,4 +125,8 @@ def test_stats_count_scored_and_failed_samples(reward_channel):
 def test_no_components_at_all_is_refused_not_scored_zero():
     scorer = Scorer.from_config(default_components={})
     with pytest.raises(errors.InvalidArgument, match="no reward components"):
-        asyncio.run(scorer.score_samples([Sample(index=0, response="a", label="a", tokens=[1], response_length=1)], RewardSpec()))
+        asyncio.run(
+            scorer.score_samples(
+                [Sample(index=0, response="a", label="a", tokens=[1], response_length=1)], RewardSpec()
+            )
+        )

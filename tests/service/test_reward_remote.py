@@ -50,6 +50,7 @@ from tests.helpers.dns import fake_dns
 SECRET = "AKIAIOSFODNN7EXAMPLE-very-secret"  # what a probed internal service might answer with
 LOOPBACK = ["127.0.0.0/8", "::1"]  # the test remotes listen on loopback, which an operator must allow
 
+
 class RemoteState:
     def __init__(self) -> None:
         self.batches: dict[str, list[list[int]]] = defaultdict(list)  # behaviour -> sample indices per request
@@ -100,12 +101,13 @@ def _raw(body) -> Response:
 
 # Replies that depend only on the request: behaviour -> (samples, their right scores) -> reply.
 _FIXED_REPLIES = {
-    "named": lambda samples, scores: {"scores": [{"exact": x, "length": float(len(s["response"]))}
-                                                 for x, s in zip(scores, samples)]},
+    "named": lambda samples, scores: {
+        "scores": [{"exact": x, "length": float(len(s["response"]))} for x, s in zip(scores, samples)]
+    },
     "teapot": lambda samples, scores: PlainTextResponse("no", status_code=418),
     "garbage": lambda samples, scores: PlainTextResponse("<html>Bad gateway</html>"),
     "nan": lambda samples, scores: _raw({"scores": [float("nan")] + scores[1:]}),
-    "overflow": lambda samples, scores: Response('{"scores": [1' + "0" * 400 + ', 1]}', media_type="application/json"),
+    "overflow": lambda samples, scores: Response('{"scores": [1' + "0" * 400 + ", 1]}", media_type="application/json"),
     "inf": lambda samples, scores: _raw({"scores": [{"exact": float("inf")}] * len(samples)}),
     "string": lambda samples, scores: {"scores": ["0.5"] * len(samples)},
     "bool": lambda samples, scores: {"scores": [True] * len(samples)},
@@ -151,8 +153,9 @@ class HttpServer:
 
 
 async def start_http(app: FastAPI, port: int = 0) -> tuple[HttpServer, int]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=1))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=1)
+    )
     serving = asyncio.get_running_loop().create_task(server.serve())
     while not server.started:
         if serving.done():
@@ -164,14 +167,30 @@ async def start_http(app: FastAPI, port: int = 0) -> tuple[HttpServer, int]:
 # ---------------------------------------------------------------- helpers
 
 
-FAST = dict(remote_max_retries=2, remote_backoff_seconds=0.01, remote_backoff_max_seconds=0.05,
-            breaker_failure_threshold=3, breaker_cooldown_seconds=0.3, max_reply_bytes=64 * 1024)
+FAST = dict(
+    remote_max_retries=2,
+    remote_backoff_seconds=0.01,
+    remote_backoff_max_seconds=0.05,
+    breaker_failure_threshold=3,
+    breaker_cooldown_seconds=0.3,
+    max_reply_bytes=64 * 1024,
+)
 
 
 def make_sample(index: int, response: str = "42", label: str = "42", group_index: int = 0, **kw) -> Sample:
-    return Sample(index=index, group_index=group_index, prompt="What is 6 * 7?", tokens=[1, 2, 3, 4], response=response,
-                  response_length=2, label=label, loss_mask=[1, 1], rollout_log_probs=[-0.5, -0.25],
-                  status=Status.COMPLETED, **kw)
+    return Sample(
+        index=index,
+        group_index=group_index,
+        prompt="What is 6 * 7?",
+        tokens=[1, 2, 3, 4],
+        response=response,
+        response_length=2,
+        label=label,
+        loss_mask=[1, 1],
+        rollout_log_probs=[-0.5, -0.25],
+        status=Status.COMPLETED,
+        **kw,
+    )
 
 
 class Reward:
@@ -183,21 +202,30 @@ class Reward:
         self.stub = reward_pb2_grpc.RewardStub(sync_channel(f"127.0.0.1:{self.port}"))
 
     def register(self, name: str, url: str, replace: bool = False, **kw) -> reward_pb2.RemoteService:
-        return self.stub.RegisterService(reward_pb2.RegisterServiceRequest(
-            service=reward_pb2.RemoteService(name=name, url=url, **kw), replace=replace), timeout=30)
+        return self.stub.RegisterService(
+            reward_pb2.RegisterServiceRequest(
+                service=reward_pb2.RemoteService(name=name, url=url, **kw), replace=replace
+            ),
+            timeout=30,
+        )
 
     def score(self, samples: list[Sample], components: dict[str, float], **kw) -> list[Sample]:
         spec = reward_pb2.RewardSpec(components=components, **kw)
-        reply = self.stub.Score(reward_pb2.ScoreRequest(samples=[sample_to_proto(s) for s in samples], spec=spec), timeout=30)
+        reply = self.stub.Score(
+            reward_pb2.ScoreRequest(samples=[sample_to_proto(s) for s in samples], spec=spec), timeout=30
+        )
         return [sample_from_proto(m) for m in reply.samples]
 
     def score_groups(self, groups: list[SampleGroup], components: dict[str, float]) -> list[SampleGroup]:
-        request = reward_pb2.ScoreGroupsRequest(groups=[group_to_proto(g) for g in groups],
-                                                spec=reward_pb2.RewardSpec(components=components))
+        request = reward_pb2.ScoreGroupsRequest(
+            groups=[group_to_proto(g) for g in groups], spec=reward_pb2.RewardSpec(components=components)
+        )
         return [group_from_proto(g) for g in self.stub.ScoreGroups(request, timeout=30).groups]
 
     def stats(self, name: str) -> reward_pb2.RemoteServiceStats:
-        return next(s for s in self.stub.GetStats(reward_pb2.GetRewardStatsRequest(), timeout=10).services if s.name == name)
+        return next(
+            s for s in self.stub.GetStats(reward_pb2.GetRewardStatsRequest(), timeout=10).services if s.name == name
+        )
 
 
 @pytest.fixture
@@ -250,9 +278,11 @@ def test_a_remote_with_its_own_credential(reward, remote):
     [scored] = reward.score([make_sample(0)], {"judge": 1.0})
     assert scored.status == Status.COMPLETED and scored.reward == 1.0
     # never in clear text over the network, never in the URL, and only a token's characters
-    for bad_url, token, why in (("http://judge.example/score", "s3cret", "only over https://"),
-                                ("http://user:pw@127.0.0.1:9/score", "", "user name or password"),
-                                (f"{url}/authed", "s3cr\u00e9t", "RFC 6750")):
+    for bad_url, token, why in (
+        ("http://judge.example/score", "s3cret", "only over https://"),
+        ("http://user:pw@127.0.0.1:9/score", "", "user name or password"),
+        (f"{url}/authed", "s3cr\u00e9t", "RFC 6750"),
+    ):
         code, message = rpc_error(lambda: reward.register("j2", bad_url, bearer_token=token))  # noqa: B023
         assert code == grpc.StatusCode.INVALID_ARGUMENT and why in message and "pw" not in message
     # the credential is write-only
@@ -276,14 +306,17 @@ def test_registration_is_refused_when_the_service_does_not_answer(reward, remote
     assert reward.stub.ListServices(reward_pb2.ListServicesRequest()).services == []
 
 
-@pytest.mark.parametrize("url,reason", [
-    ("ftp://judge.example/score", "only http://, https:// and grpc:// URLs are accepted, not ftp://"),
-    ("file:///etc/passwd", "only http://, https:// and grpc://"),
-    ("judge:8000/score", "only http://, https:// and grpc://"),
-    ("grpc://judge", "needs a port"),
-    ("grpc://judge:50053/path", "host:port only"),
-    ("http://", "has no host"),
-])
+@pytest.mark.parametrize(
+    "url,reason",
+    [
+        ("ftp://judge.example/score", "only http://, https:// and grpc:// URLs are accepted, not ftp://"),
+        ("file:///etc/passwd", "only http://, https:// and grpc://"),
+        ("judge:8000/score", "only http://, https:// and grpc://"),
+        ("grpc://judge", "needs a port"),
+        ("grpc://judge:50053/path", "host:port only"),
+        ("http://", "has no host"),
+    ],
+)
 def test_only_http_https_and_grpc_urls(reward, url, reason):
     code, message = rpc_error(lambda: reward.register("judge", url))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and reason in message
@@ -345,14 +378,17 @@ def test_loopback_remotes_only_where_the_operator_allows_them(start_in_loop, red
     assert strict.stub.ListServices(reward_pb2.ListServicesRequest()).services == []
 
 
-@pytest.mark.parametrize("url", [
-    "http://169.254.169.254/latest/meta-data/iam/security-credentials/",
-    "http://[fe80::1]:8000/score",
-    "http://metadata.google.internal/computeMetadata/v1/",
-    "http://[::ffff:169.254.169.254]/score",
-    "http://0.0.0.0:{port}/ok",
-    "grpc://169.254.169.254:50053",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://169.254.169.254/latest/meta-data/iam/security-credentials/",
+        "http://[fe80::1]:8000/score",
+        "http://metadata.google.internal/computeMetadata/v1/",
+        "http://[::ffff:169.254.169.254]/score",
+        "http://0.0.0.0:{port}/ok",
+        "grpc://169.254.169.254:50053",
+    ],
+)
 def test_link_local_and_metadata_addresses_are_never_called(start_in_loop, redis_url, remote, url):
     state, remote_url = remote
     anything = Reward(start_in_loop, redis_url, remote_allowed_networks=["0.0.0.0/0", "::/0"])
@@ -410,8 +446,10 @@ def test_no_text_of_a_remote_reply_reaches_a_client(start_in_loop, reward, remot
     leaky_grpc = LeakyGrpcReward()
 
     async def start_leaky():
-        server, port, _ = await start_server([ServiceBinding(
-            leaky_grpc, reward_pb2_grpc.add_RewardServicer_to_server, "rlmesh.v1.Reward")], "127.0.0.1:0")
+        server, port, _ = await start_server(
+            [ServiceBinding(leaky_grpc, reward_pb2_grpc.add_RewardServicer_to_server, "rlmesh.v1.Reward")],
+            "127.0.0.1:0",
+        )
         return server, port
 
     _, grpc_port = start_in_loop(start_leaky)
@@ -431,10 +469,12 @@ def test_no_text_of_a_remote_reply_reaches_a_client(start_in_loop, reward, remot
     listed = reward.stub.ListServices(reward_pb2.ListServicesRequest(), timeout=10)
 
     assert [reason.split(" (")[0] for reason in seen] == [
-        f"leaky_500: HTTP 500 from {url}/leaky_500", "leaky_text: the reply is not valid JSON",
+        f"leaky_500: HTTP 500 from {url}/leaky_500",
+        "leaky_text: the reply is not valid JSON",
         'leaky_json: the reply must be an object {"scores": [...]} with one score per sample, got an object '
         'without a "scores" list',
-        "leaky_scores: the score is a JSON string, not a number", "upstream: the remote marked it FAILED",
+        "leaky_scores: the score is a JSON string, not a number",
+        "upstream: the remote marked it FAILED",
         f"upstream: INVALID_ARGUMENT from grpc://127.0.0.1:{grpc_port}",
     ]
     for text in (*seen, str(stats), str(listed)):
@@ -446,9 +486,18 @@ def test_no_text_of_a_remote_reply_reaches_a_client(start_in_loop, reward, remot
 
 def test_the_active_runs_reward_services_cannot_be_swapped(start_in_loop, redis_url, reward, remote, silent_address):
     _, url = remote
-    _, port = start_in_loop(lambda: start_coordinator(CoordinatorSettings(
-        port=0, redis_url=redis_url, buffer_address=silent_address, rollout_address=silent_address,
-        reward_address=f"127.0.0.1:{reward.port}", trainer_address=silent_address)))
+    _, port = start_in_loop(
+        lambda: start_coordinator(
+            CoordinatorSettings(
+                port=0,
+                redis_url=redis_url,
+                buffer_address=silent_address,
+                rollout_address=silent_address,
+                reward_address=f"127.0.0.1:{reward.port}",
+                trainer_address=silent_address,
+            )
+        )
+    )
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=client_headers())
     judge = {"name": "judge", "url": f"{url}/ok", "timeout_seconds": 5}
     assert api.post("/reward-services", json=judge).status_code == 201
@@ -456,14 +505,24 @@ def test_the_active_runs_reward_services_cannot_be_swapped(start_in_loop, redis_
     assert r.status_code == 409 and r.json()["code"] == "ALREADY_EXISTS" and "replace" in r.json()["detail"]
     assert api.post("/reward-services", json={**judge, "replace": True}).status_code == 201  # no run: fine
 
-    run = api.post("/runs", json={"model_path": "/models/m", "datasets": [{"name": "d", "path": "d.jsonl"}],
-                                  "reward": {"components": {"judge/exact": 1.0, "math": 0.5}}})
+    run = api.post(
+        "/runs",
+        json={
+            "model_path": "/models/m",
+            "datasets": [{"name": "d", "path": "d.jsonl"}],
+            "reward": {"components": {"judge/exact": 1.0, "math": 0.5}},
+        },
+    )
     assert run.status_code == 201, run.text
     run_id = run.json()["id"]
-    for r in (api.delete("/reward-services/judge"),
-              api.post("/reward-services", json={**judge, "url": f"{url}/named", "replace": True})):
-        assert r.status_code == 409 and f"run {run_id} is active and its reward uses the reward service 'judge'" in \
-            r.json()["detail"]
+    for r in (
+        api.delete("/reward-services/judge"),
+        api.post("/reward-services", json={**judge, "url": f"{url}/named", "replace": True}),
+    ):
+        assert (
+            r.status_code == 409
+            and f"run {run_id} is active and its reward uses the reward service 'judge'" in r.json()["detail"]
+        )
     assert [s["url"] for s in api.get("/reward-services").json()] == [f"{url}/ok"]  # unchanged
 
     # names the run does not use are free
@@ -472,8 +531,9 @@ def test_the_active_runs_reward_services_cannot_be_swapped(start_in_loop, redis_
 
 
 def test_a_run_without_components_uses_every_weighted_service():
-    config = RunConfig.model_validate({"model_path": "m", "datasets": [{"name": "d", "path": "d.jsonl"}],
-                                       "reward": {"components": {}}})
+    config = RunConfig.model_validate(
+        {"model_path": "m", "datasets": [{"name": "d", "path": "d.jsonl"}], "reward": {"components": {}}}
+    )
     registered = {"weighted": 1.0, "unweighted": 0.0}
     with pytest.raises(FailedPrecondition, match="'weighted'"):
         check_reward_service_change("r1", config, "weighted", registered, removes=True)
@@ -501,7 +561,10 @@ def test_remote_scores_are_components_beside_the_total(reward, remote):
     [s] = reward.score([make_sample(0)], {"multi": 1.0}, reward_key="exact")
     assert s.reward == 1.0
     [s] = reward.score([make_sample(0)], {"multi": 1.0})
-    assert s.status == Status.FAILED and "name one in the spec as 'multi/<name>' or set reward_key" in s.metadata["reward_error"]
+    assert (
+        s.status == Status.FAILED
+        and "name one in the spec as 'multi/<name>' or set reward_key" in s.metadata["reward_error"]
+    )
     [s] = reward.score([make_sample(0)], {"multi/style": 1.0})
     assert "returned no score named 'style' (it returned: exact, length)" in s.metadata["reward_error"]
 
@@ -532,24 +595,29 @@ def test_groups_travel_whole_batched_and_capped(reward, remote):
     assert sorted(len(b) for b in state.batches["ok"]) == [2, 4, 4]
 
 
-@pytest.mark.parametrize("behaviour,reason,failed", [
-    ("slow", "judge: no answer within 0.2 s (3 attempts)", [0, 1]),
-    ("error", "judge: HTTP 500 from http://127.0.0.1:{port}/error (3 attempts)", [0, 1]),
-    ("teapot", "judge: HTTP 418 from", [0, 1]),  # not retried
-    ("garbage", "judge: the reply is not valid JSON (1 attempt)", [0, 1]),
-    ("nan", "judge: the score is nan (scores must be finite numbers)", [0]),
-    ("inf", "judge: named score 'exact' is inf", [0, 1]),
-    ("string", "judge: the score is a JSON string, not a number", [0, 1]),
-    ("bool", "judge: the score is a JSON boolean, not a number", [0, 1]),
-    ("wrong_count", "judge: the reply has 1 scores for 2 samples (1 attempt)", [0, 1]),
-    ("huge", "judge: the reply is", [0, 1]),  # larger than max_reply_bytes
-    ("overflow", "judge: the score is an integer too large for a float", [0]),
-    ("null", "judge: the service returned null: it could not score this sample", [0]),
-])
+@pytest.mark.parametrize(
+    "behaviour,reason,failed",
+    [
+        ("slow", "judge: no answer within 0.2 s (3 attempts)", [0, 1]),
+        ("error", "judge: HTTP 500 from http://127.0.0.1:{port}/error (3 attempts)", [0, 1]),
+        ("teapot", "judge: HTTP 418 from", [0, 1]),  # not retried
+        ("garbage", "judge: the reply is not valid JSON (1 attempt)", [0, 1]),
+        ("nan", "judge: the score is nan (scores must be finite numbers)", [0]),
+        ("inf", "judge: named score 'exact' is inf", [0, 1]),
+        ("string", "judge: the score is a JSON string, not a number", [0, 1]),
+        ("bool", "judge: the score is a JSON boolean, not a number", [0, 1]),
+        ("wrong_count", "judge: the reply has 1 scores for 2 samples (1 attempt)", [0, 1]),
+        ("huge", "judge: the reply is", [0, 1]),  # larger than max_reply_bytes
+        ("overflow", "judge: the score is an integer too large for a float", [0]),
+        ("null", "judge: the service returned null: it could not score this sample", [0]),
+    ],
+)
 def test_misbehaving_remote_fails_samples_with_the_reason(reward, remote, behaviour, reason, failed):
     _state, url = remote
     reward.register("judge", f"{url}/{behaviour}", timeout_seconds=0.2, max_batch_size=2)
-    scored = reward.score_groups([SampleGroup("g", 0, [make_sample(0), make_sample(1)])], {"exact_match": 1.0, "judge": 1.0})
+    scored = reward.score_groups(
+        [SampleGroup("g", 0, [make_sample(0), make_sample(1)])], {"exact_match": 1.0, "judge": 1.0}
+    )
     samples = scored[0].samples
     for i, s in enumerate(samples):
         if i in failed:
@@ -597,7 +665,10 @@ def test_breaker_opens_fails_fast_and_closes_on_success(reward, remote):
 
     calls = stats.calls
     [s] = reward.score([make_sample(0)], {"judge": 1.0, "exact_match": 1.0})  # fails fast, nothing sent
-    assert s.status == Status.FAILED and "judge: circuit breaker open after 3 consecutive failures" in s.metadata["reward_error"]
+    assert (
+        s.status == Status.FAILED
+        and "judge: circuit breaker open after 3 consecutive failures" in s.metadata["reward_error"]
+    )
     assert "last: HTTP 500" in s.metadata["reward_error"] and reward.stats("judge").calls == calls
 
     # half-open: the trial fails, the breaker opens again
@@ -618,16 +689,20 @@ def test_a_remote_that_dies_mid_run(start_in_loop, loop_thread, redis_url):
     server, port = start_in_loop(lambda: start_http(remote_app(state)))
     reward = Reward(start_in_loop, redis_url)
     reward.register("judge", f"http://127.0.0.1:{port}/ok", timeout_seconds=2)
+
     def group(g):
         return SampleGroup(f"g{g}", g, [make_sample(3 * g + i, group_index=g) for i in range(3)])
+
     assert all(s.reward == 1.0 for s in reward.score_groups([group(0)], {"judge": 1.0})[0].samples)
 
     loop_thread.run(server.stop())  # the remote dies
     for g in (1, 2):  # every later step still gets an answer promptly: FAILED samples with the reason
         [scored] = reward.score_groups([group(g)], {"judge": 1.0, "exact_match": 0.5})
         assert all(s.status == Status.FAILED for s in scored.samples)
-        assert "judge: cannot connect" in scored.samples[0].metadata["reward_error"] or \
-            "circuit breaker open" in scored.samples[0].metadata["reward_error"]
+        assert (
+            "judge: cannot connect" in scored.samples[0].metadata["reward_error"]
+            or "circuit breaker open" in scored.samples[0].metadata["reward_error"]
+        )
     assert reward.stats("judge").breaker_state == "open"
 
     server, _ = start_in_loop(lambda: start_http(remote_app(state), port))  # back on the same port
@@ -653,12 +728,19 @@ class ReorderingReward(reward_pb2_grpc.RewardServicer):
 
 def test_grpc_remote(start_in_loop, redis_url, reward):
     # another rlmesh reward service is a valid remote
-    _, remote_port = start_in_loop(lambda: start_reward(Settings(port=0, default_components={"math": 1.0, "format": 0.5})))
+    _, remote_port = start_in_loop(
+        lambda: start_reward(Settings(port=0, default_components={"math": 1.0, "format": 0.5}))
+    )
     # it wants the stack's token: the registration carries it as the remote's credential
-    registered = reward.register("upstream", f"grpc://127.0.0.1:{remote_port}", timeout_seconds=5,
-                                bearer_token=auth.stack_token())
+    registered = reward.register(
+        "upstream", f"grpc://127.0.0.1:{remote_port}", timeout_seconds=5, bearer_token=auth.stack_token()
+    )
     assert registered.protocol == "grpc"
-    right, wrong, unlabeled = make_sample(0, r"\boxed{42}", "42"), make_sample(1, r"\boxed{41}", "42"), make_sample(2, "x", "")
+    right, wrong, unlabeled = (
+        make_sample(0, r"\boxed{42}", "42"),
+        make_sample(1, r"\boxed{41}", "42"),
+        make_sample(2, "x", ""),
+    )
     groups = [SampleGroup("g", 0, [right, wrong, unlabeled])]
     samples = reward.score_groups(groups, {"upstream": 1.0, "upstream/format": 1.0})[0].samples
     assert samples[0].reward_components == {"upstream": 1.5, "upstream/math": 1.0, "upstream/format": 1.0}
@@ -667,15 +749,24 @@ def test_grpc_remote(start_in_loop, redis_url, reward):
     assert "upstream: the remote marked it FAILED" in samples[2].metadata["reward_error"]
 
     async def start_reordering():
-        server, port, _ = await start_server([ServiceBinding(
-            ReorderingReward(), reward_pb2_grpc.add_RewardServicer_to_server, "rlmesh.v1.Reward")], "127.0.0.1:0")
+        server, port, _ = await start_server(
+            [ServiceBinding(ReorderingReward(), reward_pb2_grpc.add_RewardServicer_to_server, "rlmesh.v1.Reward")],
+            "127.0.0.1:0",
+        )
         return server, port
 
     _, bad_port = start_in_loop(start_reordering)
-    reward.register("reorders", f"grpc://127.0.0.1:{bad_port}", timeout_seconds=5,  # one sample: order is fine
-                    bearer_token=auth.stack_token())
+    reward.register(
+        "reorders",
+        f"grpc://127.0.0.1:{bad_port}",
+        timeout_seconds=5,  # one sample: order is fine
+        bearer_token=auth.stack_token(),
+    )
     [scored] = reward.score_groups([SampleGroup("g", 0, [make_sample(0), make_sample(1)])], {"reorders": 1.0})
-    assert "the reply has sample 1 where sample 0 was sent (order must be kept)" in scored.samples[0].metadata["reward_error"]
+    assert (
+        "the reply has sample 1 where sample 0 was sent (order must be kept)"
+        in scored.samples[0].metadata["reward_error"]
+    )
 
 
 # ---------------------------------------------------------------- plain logic
@@ -728,13 +819,22 @@ def test_batches_keep_units_whole():
 
 def test_http_reply_parsing():
     assert parse_scores_reply(b'{"scores": [1, 0.5, {"a": 2}, null]}', 4)[:3] == [
-        RemoteScore(1.0), RemoteScore(0.5), RemoteScore(None, {"a": 2.0})]
-    for body, reason in ((b"[1, 2]", "the reply must be an object"), (b'{"score": [1]}', "must be an object"),
-                         (b'{"scores": [1]}', "1 scores for 2 samples"), (b"\xff\xfe", "not valid JSON")):
+        RemoteScore(1.0),
+        RemoteScore(0.5),
+        RemoteScore(None, {"a": 2.0}),
+    ]
+    for body, reason in (
+        (b"[1, 2]", "the reply must be an object"),
+        (b'{"score": [1]}', "must be an object"),
+        (b'{"scores": [1]}', "1 scores for 2 samples"),
+        (b"\xff\xfe", "not valid JSON"),
+    ):
         with pytest.raises(CallFailed, match=reason):
             parse_scores_reply(body, 2)
     assert parse_scores_reply(b'{"scores": [1e999, {}]}', 2) == [
-        "the score is inf (scores must be finite numbers)", "the service returned an empty object instead of named scores"]
+        "the score is inf (scores must be finite numbers)",
+        "the service returned an empty object instead of named scores",
+    ]
 
 
 # ---------------------------------------------------------------- the conformance kit
@@ -755,16 +855,30 @@ def test_check_passes_an_rlmesh_grpc_service(start_in_loop, capsys, tmp_path):
     token_file.write_text(auth.stack_token())
     assert check.main([f"grpc://127.0.0.1:{port}", "--latency-calls", "2", "--batch-size", "4"]) == 1  # no token
     assert "UNAUTHENTICATED" in capsys.readouterr().out
-    assert check.main([f"grpc://127.0.0.1:{port}", "--latency-calls", "2", "--batch-size", "4",
-                       "--token-file", str(token_file)]) == 0
+    assert (
+        check.main(
+            [f"grpc://127.0.0.1:{port}", "--latency-calls", "2", "--batch-size", "4", "--token-file", str(token_file)]
+        )
+        == 0
+    )
     assert "6 passed, 0 failed" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("behaviour,failing", [
-    ("nan", "answers"), ("garbage", "answers"), ("error", "answers"), ("slow", "answers"), ("wrong_count", "answers"),
-    ("null", "answers"), ("reverse", "ordering"), ("varying_names", "shapes"), ("crash_on_unlabeled", "errors"),
-    ("lenient", "errors"),
-])
+@pytest.mark.parametrize(
+    "behaviour,failing",
+    [
+        ("nan", "answers"),
+        ("garbage", "answers"),
+        ("error", "answers"),
+        ("slow", "answers"),
+        ("wrong_count", "answers"),
+        ("null", "answers"),
+        ("reverse", "ordering"),
+        ("varying_names", "shapes"),
+        ("crash_on_unlabeled", "errors"),
+        ("lenient", "errors"),
+    ],
+)
 def test_check_fails_a_bad_service(remote, capsys, behaviour, failing):
     _, url = remote
     assert check.main([f"{url}/{behaviour}", "--timeout", "0.5", "--latency-calls", "2", "--batch-size", "4"]) == 1

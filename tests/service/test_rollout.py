@@ -27,15 +27,31 @@ from tests.helpers.rollout import request
 def stack(redis_url, start_in_loop, engine_url, tmp_path):
     _, buffer_port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
     _, reward_port = start_in_loop(lambda: start_reward(RewardSettings(port=0)))
-    _, rollout_port = start_in_loop(lambda: start_rollout(RolloutSettings(
-        port=0, buffer_address=f"127.0.0.1:{buffer_port}", reward_address=f"127.0.0.1:{reward_port}",
-        engine_urls=[engine_url])))
+    _, rollout_port = start_in_loop(
+        lambda: start_rollout(
+            RolloutSettings(
+                port=0,
+                buffer_address=f"127.0.0.1:{buffer_port}",
+                reward_address=f"127.0.0.1:{reward_port}",
+                engine_urls=[engine_url],
+            )
+        )
+    )
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"rev {s}=", "label": s[::-1]}) + "\n" for s in ("abc", "bcd", "cde", "def")))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"rev {s}=", "label": s[::-1]}) + "\n" for s in ("abc", "bcd", "cde", "def"))
+    )
     buffer = buffer_pb2_grpc.BufferStub(sync_channel(f"127.0.0.1:{buffer_port}"))
-    buffer.CreateRun(buffer_pb2.CreateRunRequest(run_id="r", n_samples_per_prompt=3, datasets=[
-        buffer_pb2.DatasetSpec(name="train", path=str(data)),
-        buffer_pb2.DatasetSpec(name="held_out", path=str(data), eval=True)]))
+    buffer.CreateRun(
+        buffer_pb2.CreateRunRequest(
+            run_id="r",
+            n_samples_per_prompt=3,
+            datasets=[
+                buffer_pb2.DatasetSpec(name="train", path=str(data)),
+                buffer_pb2.DatasetSpec(name="held_out", path=str(data), eval=True),
+            ],
+        )
+    )
     return buffer, WithDeadline(rollout_pb2_grpc.RolloutStub(sync_channel(f"127.0.0.1:{rollout_port}")))
 
 
@@ -78,9 +94,15 @@ def test_sft_mode_writes_label_as_response(stack):
 def test_sft_mode_reads_a_warm_start_dataset_apart_from_the_training_stream(stack):
     buffer, rollout = stack
     for offset in (3, 3):  # a step redone (after a restart) is new data, not a duplicate
-        assert rollout.GenerateRollout(request(mode="sft", num_groups=2, dataset="held_out",
-                                               dataset_offset=offset)).groups_written == 2
-    groups = [group_from_proto(g) for g in buffer.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r", num_groups=4)).groups]
+        assert (
+            rollout.GenerateRollout(
+                request(mode="sft", num_groups=2, dataset="held_out", dataset_offset=offset)
+            ).groups_written
+            == 2
+        )
+    groups = [
+        group_from_proto(g) for g in buffer.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r", num_groups=4)).groups
+    ]
     assert [g.samples[0].response for g in groups] == ["fed", "cba"] * 2  # rows 3 and 0 (4 rows, cycled)
     assert len({g.group_id for g in groups}) == 4
     # the training stream was not touched: its first prompt is still row 0's group
@@ -102,9 +124,14 @@ def test_over_sampling_hands_surplus_groups_back(stack):
 
 def test_evaluate_reports_metrics_per_dataset(stack):
     _, rollout = stack
-    r = rollout.Evaluate(rollout_pb2.EvaluateRequest(
-        run_id="r", dataset="held_out", sampling=sampling_to_proto(SamplingConfig(max_new_tokens=4, temperature=0)),
-        reward=reward_pb2.RewardSpec(components={"exact_match": 1.0})))
+    r = rollout.Evaluate(
+        rollout_pb2.EvaluateRequest(
+            run_id="r",
+            dataset="held_out",
+            sampling=sampling_to_proto(SamplingConfig(max_new_tokens=4, temperature=0)),
+            reward=reward_pb2.RewardSpec(components={"exact_match": 1.0}),
+        )
+    )
     assert r.metrics["eval/held_out/samples"] == 4
     assert 0 <= r.metrics["eval/held_out/reward_mean"] <= 1
 
@@ -133,8 +160,11 @@ def test_a_filter_that_drops_everything_fails_clearly(stack):
     buffer, rollout = stack
     # A reward that is 0 for every sample (labels never match 1-token answers): all groups equal.
     with pytest.raises(grpc.RpcError) as e:
-        rollout.GenerateRollout(request(num_groups=1, group_filter="nonzero_std",
-                                        sampling=sampling_to_proto(SamplingConfig(max_new_tokens=1))))
+        rollout.GenerateRollout(
+            request(
+                num_groups=1, group_filter="nonzero_std", sampling=sampling_to_proto(SamplingConfig(max_new_tokens=1))
+            )
+        )
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "dropped" in e.value.details()
     assert buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r")).dropped_groups > 20
 

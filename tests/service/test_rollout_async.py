@@ -36,16 +36,34 @@ def make_stack(redis_url, start_in_loop, engine_url, tmp_path):
     def make(**rollout_settings):
         _, buffer_port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
         _, reward_port = start_in_loop(lambda: start_reward(RewardSettings(port=0)))
-        _, rollout_port = start_in_loop(lambda: start_rollout(RolloutSettings(
-            port=0, buffer_address=f"127.0.0.1:{buffer_port}", reward_address=f"127.0.0.1:{reward_port}",
-            engine_urls=[engine_url], **rollout_settings)))
+        _, rollout_port = start_in_loop(
+            lambda: start_rollout(
+                RolloutSettings(
+                    port=0,
+                    buffer_address=f"127.0.0.1:{buffer_port}",
+                    reward_address=f"127.0.0.1:{reward_port}",
+                    engine_urls=[engine_url],
+                    **rollout_settings,
+                )
+            )
+        )
         data = tmp_path / "train.jsonl"
-        data.write_text("".join(json.dumps({"prompt": f"rev {a}{b}=", "label": f"{b}{a}"}) + "\n"
-                                for a in "abcdef" for b in "abcdef"))
+        data.write_text(
+            "".join(
+                json.dumps({"prompt": f"rev {a}{b}=", "label": f"{b}{a}"}) + "\n" for a in "abcdef" for b in "abcdef"
+            )
+        )
         buffer = buffer_pb2_grpc.BufferStub(sync_channel(f"127.0.0.1:{buffer_port}"))
-        buffer.CreateRun(buffer_pb2.CreateRunRequest(run_id="r", n_samples_per_prompt=3, max_queued_groups=4,
-                                                     datasets=[buffer_pb2.DatasetSpec(name="train", path=str(data))]))
+        buffer.CreateRun(
+            buffer_pb2.CreateRunRequest(
+                run_id="r",
+                n_samples_per_prompt=3,
+                max_queued_groups=4,
+                datasets=[buffer_pb2.DatasetSpec(name="train", path=str(data))],
+            )
+        )
         return buffer, rollout_pb2_grpc.RolloutStub(sync_channel(f"127.0.0.1:{rollout_port}"))
+
     return make
 
 
@@ -93,8 +111,9 @@ def test_samples_aborted_by_a_weight_push_resume_under_the_new_weights(make_stac
     for version in range(1, 6):  # training steps, each followed by a weight push with the engines paused
         samples += [s for g in lease_and_ack(buffer, 1) for s in g.samples]
         rollout.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode="abort"))
-        rollout.UpdateWeightsFromDisk(rollout_pb2.UpdateWeightsFromDiskRequest(
-            model_path=str(tiny_model_dir), weight_version=str(version)))
+        rollout.UpdateWeightsFromDisk(
+            rollout_pb2.UpdateWeightsFromDiskRequest(model_path=str(tiny_model_dir), weight_version=str(version))
+        )
         rollout.ContinueGeneration(rollout_pb2.ContinueGenerationRequest())
     samples += [s for g in lease_and_ack(buffer, 2) for s in g.samples]
     report = rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r"))
@@ -127,11 +146,13 @@ def test_partial_samples_older_than_the_bound_start_over_instead_of_resuming(mak
     old = int(engine.weight_version) if engine.weight_version.isdigit() else 0
     first = rollout.GenerateRollout(request(num_groups=1, over_sampling_groups=3, partial_rollout=True, sampling=long))
     assert first.metrics["rollout/groups_aborted"] == 3 and stats(buffer).partial_groups == 3
-    rollout.UpdateWeightsFromDisk(rollout_pb2.UpdateWeightsFromDiskRequest(
-        model_path=str(tiny_model_dir), weight_version=str(old + 1)))
+    rollout.UpdateWeightsFromDisk(
+        rollout_pb2.UpdateWeightsFromDiskRequest(model_path=str(tiny_model_dir), weight_version=str(old + 1))
+    )
 
-    second = rollout.GenerateRollout(request(num_groups=3, partial_rollout=True, sampling=long,
-                                             min_weight_version=old + 1))
+    second = rollout.GenerateRollout(
+        request(num_groups=3, partial_rollout=True, sampling=long, min_weight_version=old + 1)
+    )
     assert second.groups_written == 3
     lease_and_ack(buffer, 1)  # the first rollout's group
     for group in lease_and_ack(buffer, 3):  # the partial groups, started over under the new weights

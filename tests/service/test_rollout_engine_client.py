@@ -16,8 +16,16 @@ from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailabl
 from rlmesh.common.net import free_port
 from rlmesh.rollout.engine_client import EnginePool, SGLangClient, TensorMeta, WeightDelta
 
-ANSWER = {"text": "x", "output_ids": [5], "meta_info": {"id": "r", "finish_reason": {"type": "stop", "matched": 1},
-                                                      "weight_version": "3", "output_token_logprobs": [[-0.1, 5, None]]}}
+ANSWER = {
+    "text": "x",
+    "output_ids": [5],
+    "meta_info": {
+        "id": "r",
+        "finish_reason": {"type": "stop", "matched": 1},
+        "weight_version": "3",
+        "output_token_logprobs": [[-0.1, 5, None]],
+    },
+}
 
 
 async def flaky_engine(drop_first: int, tp_size: int = 1, port: int = 0):
@@ -28,7 +36,9 @@ async def flaky_engine(drop_first: int, tp_size: int = 1, port: int = 0):
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         head = await reader.readuntil(b"\r\n\r\n")
-        lengths = [int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+        lengths = [
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        ]
         body = json.loads(await reader.readexactly(lengths[0])) if lengths else {}
         path = head.split(b" ")[1].decode()
         seen.append({"path": path, **body})
@@ -39,7 +49,10 @@ async def flaky_engine(drop_first: int, tp_size: int = 1, port: int = 0):
             version["weight_version"] = body["weight_version"]
         answers = {"/generate": ANSWER, "/get_server_info": {"tp_size": tp_size}, "/get_model_info": version}
         payload = json.dumps(answers.get(path, {})).encode()
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(payload), payload))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (len(payload), payload)
+        )
         await writer.drain()
         writer.close()
 
@@ -61,7 +74,9 @@ def test_generate_retries_a_broken_connection_with_a_fresh_rid(drops):
     generates = [s["rid"] for s in seen if s["path"] == "/generate"]
     assert generates == ["abc"] + [f"abc-retry{i}" for i in range(1, drops + 1)]
     # before each retry the broken request is aborted by the rid it was sent with
-    assert [s["rid"] for s in seen if s["path"] == "/abort_request"] == ["abc"] + [f"abc-retry{i}" for i in range(1, drops)]
+    assert [s["rid"] for s in seen if s["path"] == "/abort_request"] == ["abc"] + [
+        f"abc-retry{i}" for i in range(1, drops)
+    ]
 
 
 def test_generate_gives_up_with_unavailable_after_bounded_retries():
@@ -97,7 +112,9 @@ def test_the_pool_relays_weight_updates_to_every_engine_with_its_rank_offset():
     joins = [s for seen in (seen_a, seen_b) for s in seen if s["path"] == "/init_weights_update_group"]
     # the trainer is rank 0; engine a holds ranks 1-2 (TP 2), engine b rank 3
     assert [(j["rank_offset"], j["world_size"], j["master_address"]) for j in joins] == [
-        (1, 4, "10.0.0.1"), (3, 4, "10.0.0.1")]
+        (1, 4, "10.0.0.1"),
+        (3, 4, "10.0.0.1"),
+    ]
     for seen in (seen_a, seen_b):
         update = next(s for s in seen if s["path"] == "/update_weights_from_distributed")
         assert (update["names"], update["shapes"], update["weight_version"]) == (["w"], [[2, 3]], "7")
@@ -113,8 +130,14 @@ def test_a_push_is_one_weight_update_session_and_deltas_go_only_to_engines_that_
                     await pool.update_weights([TensorMeta(f"w{k}", "bfloat16", (2,))], "g", version, bool(version), "")
                 await pool.states()  # this engine's /get_server_info has no rlmesh_weight_delta
                 with pytest.raises(FailedPrecondition, match="not every engine accepts rlmesh-delta-v1"):
-                    await pool.update_weights([TensorMeta("w", "bfloat16", (2,))], "g", "9", True, "",
-                                              WeightDelta(count=1, index_dtype="int32", base_version="8"))
+                    await pool.update_weights(
+                        [TensorMeta("w", "bfloat16", (2,))],
+                        "g",
+                        "9",
+                        True,
+                        "",
+                        WeightDelta(count=1, index_dtype="int32", base_version="8"),
+                    )
             finally:
                 await pool.close()
         return seen

@@ -157,13 +157,20 @@ def test_kl_stays_finite_beside_padding(tiny_model_dir, estimator):
     # are about -1e7 unless the token happens to be the argmax there, and exp(-log_ratio)
     # overflows. At the real tokens the policy still equals the reference (log-ratio 0),
     # so any overflow would come from padding.
-    backend = TorchBackend(config(tiny_model_dir, rollout_temperature=1e-7, micro_batch_size=6,
-                                  algorithm={"kl_loss_coef": 0.1, "kl_estimator": estimator}), CPU)
+    backend = TorchBackend(
+        config(
+            tiny_model_dir,
+            rollout_temperature=1e-7,
+            micro_batch_size=6,
+            algorithm={"kl_loss_coef": 0.1, "kl_estimator": estimator},
+        ),
+        CPU,
+    )
     with torch.no_grad():
-        first = next(t for t in range(3, 40)
-                     if backend.policy(torch.tensor([[t]])).logits[0, 0].argmax() != t)
-    groups = [SampleGroup("g0", 0, [sample(0, [first, 6, 7], [8, 9, 10, 1], 1.0),
-                                    sample(1, [first, 6, 7], [11, 1], 0.0)])]
+        first = next(t for t in range(3, 40) if backend.policy(torch.tensor([[t]])).logits[0, 0].argmax() != t)
+    groups = [
+        SampleGroup("g0", 0, [sample(0, [first, 6, 7], [8, 9, 10, 1], 1.0), sample(1, [first, 6, 7], [11, 1], 0.0)])
+    ]
     before = params(backend)
     m = backend.train_step(groups)
     assert math.isfinite(m["grad_norm"]) and m["kl_loss"] == pytest.approx(0.0, abs=1e-6)
@@ -171,9 +178,7 @@ def test_kl_stays_finite_beside_padding(tiny_model_dir, estimator):
 
 
 def test_sft_step_uses_its_own_optimizer_and_lowers_the_nll(tiny_model_dir):
-    backend = TorchBackend(
-        config(tiny_model_dir, sft_optimizer={"lr": 1e-2, "warmup_steps": 2}), CPU
-    )
+    backend = TorchBackend(config(tiny_model_dir, sft_optimizer={"lr": 1e-2, "warmup_steps": 2}), CPU)
     groups = [SampleGroup("g", 0, [sample(0, [5, 6], [40, 41, 42, 1], 0.0, loss_mask=[1, 1, 0, 1])])]
     first = backend.sft_step(groups)
     assert first["lr"] == pytest.approx(5e-3)  # warmup: step 1 of 2
@@ -393,7 +398,9 @@ def test_publish_weights_through_the_rollout_service(rollout_address, engine, tr
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_flattened_bf16_buckets_and_a_new_group_after_an_engine_restart(loop_thread, rollout_address, engine, tiny_model_dir):
+def test_flattened_bf16_buckets_and_a_new_group_after_an_engine_restart(
+    loop_thread, rollout_address, engine, tiny_model_dir
+):
     backend = TorchBackend(config(tiny_model_dir), CPU)
     sync = WeightSyncConfig(bucket_bytes=64 * 1024, backend="gloo", load_format="flattened_bucket")
     pusher = WeightPusher(rollout_address, "r-flat")

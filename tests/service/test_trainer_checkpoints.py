@@ -72,8 +72,7 @@ def test_a_checkpoint_every_interval_and_only_the_newest_of_rlmeshs_own_kept(tin
     manual = asyncio.run(scenario())
     # Saved at 2, 4 and 6, and at 7 as the run ended (its acknowledgments become final only in
     # a checkpoint); keep_last=2 deleted steps 2 and 4; nothing else was touched.
-    assert names(checkpoints) == ["step-000000", "step-000001", "step-000003", "step-000006", "step-000007",
-                                  "step_3"]
+    assert names(checkpoints) == ["step-000000", "step-000001", "step-000003", "step-000006", "step-000007", "step_3"]
     assert manual == checkpoints / "step_3"
     for directory in (theirs, hf, other_run):
         assert "keep.txt" in names(directory)
@@ -87,7 +86,10 @@ def test_a_checkpoint_every_interval_and_only_the_newest_of_rlmeshs_own_kept(tin
     trainer = Trainer(Settings(work_dir=tmp_path))
     listed = asyncio.run(trainer.list_checkpoints("r1"))
     assert [(c.step, c.path, c.automatic) for c in listed] == [
-        (3, manual, False), (6, checkpoints / "step-000006", True), (7, newest, True)]
+        (3, manual, False),
+        (6, checkpoints / "step-000006", True),
+        (7, newest, True),
+    ]
     assert listed[-1].written_at == (newest / COMPLETE_FILE).stat().st_mtime
     assert asyncio.run(trainer.list_checkpoints("r1", str(checkpoints))) == listed
     assert asyncio.run(trainer.list_checkpoints("r2")) == []
@@ -113,8 +115,9 @@ def test_a_save_cut_short_is_ignored_and_cleaned_and_an_unmarked_one_never_loade
     unmarked = shutil.copytree(checkpoints / "step-000004", checkpoints / "step-000008")
     (unmarked / COMPLETE_FILE).unlink()
     for directory, step in ((scratch, 6), (unmarked, 8)):
-        (directory / "trainer_state.json").write_text(json.dumps(
-            {**json.loads((directory / "trainer_state.json").read_text()), "step": step}))
+        (directory / "trainer_state.json").write_text(
+            json.dumps({**json.loads((directory / "trainer_state.json").read_text()), "step": step})
+        )
 
     # Resumed from step 4, the newest complete one; the scratch directory is gone.
     assert asyncio.run(train(Trainer(Settings(work_dir=tmp_path)), 2)) == 4
@@ -244,7 +247,9 @@ def test_a_restarted_trainer_resumes_the_run_bit_for_bit(
     def train(stub, run_id: str, steps: range) -> None:
         for step in steps:
             put(buffer, [scored(prompts(buffer, 1, run_id=run_id)[0], step)], run_id=run_id)
-            assert stub.TrainStep(trainer_pb2.TrainStepRequest(run_id=run_id, num_groups=1, wait_seconds=5)).step == step
+            assert (
+                stub.TrainStep(trainer_pb2.TrainStepRequest(run_id=run_id, num_groups=1, wait_seconds=5)).step == step
+            )
 
     def final_state(stub, run_id: str) -> tuple[dict, dict]:
         path = Path(stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id=run_id, path=f"final-{run_id}")).path)
@@ -279,7 +284,10 @@ def test_a_restarted_trainer_resumes_the_run_bit_for_bit(
     s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="killed"))
     assert (s.groups_written, s.rolled_back_groups) == (4, 1)
 
-    (weights, optimizer), (expected_weights, expected_optimizer) = final_state(stub, "killed"), final_state(whole, "whole")
+    (weights, optimizer), (expected_weights, expected_optimizer) = (
+        final_state(stub, "killed"),
+        final_state(whole, "whole"),
+    )
     assert weights.keys() == expected_weights.keys()
     for name, tensor in expected_weights.items():
         assert torch.equal(weights[name], tensor), name

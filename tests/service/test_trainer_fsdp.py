@@ -42,8 +42,12 @@ CASES = {
     # 5 samples, 2 mini-batches of 3 and 2: ranks take 2 + 1, then 1 + 1.
     "grpo": {"num_steps_per_rollout": 2, "optimizer": {"lr": 1e-3, "grad_clip": 100.0}},
     # one sample per micro-batch: in the 3-sample mini-batch rank 1 runs a stand-in.
-    "ppo_critic_micro1": {"micro_batch_size": 1, "num_steps_per_rollout": 2, "algorithm": {"advantage_estimator": "gae"},
-                          "optimizer": {"lr": 1e-3, "grad_clip": 100.0}},
+    "ppo_critic_micro1": {
+        "micro_batch_size": 1,
+        "num_steps_per_rollout": 2,
+        "algorithm": {"advantage_estimator": "gae"},
+        "optimizer": {"lr": 1e-3, "grad_clip": 100.0},
+    },
     "kl_loss": {"algorithm": {"kl_loss_coef": 0.1, "kl_estimator": "k3"}, "optimizer": {"lr": 1e-3}},
 }
 
@@ -51,15 +55,30 @@ CASES = {
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(REPO / "tests" / "helpers" / "fsdp_worker.py"), str(tiny_model_dir), str(out), json.dumps(CASES)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "tests" / "helpers" / "fsdp_worker.py"),
+        str(tiny_model_dir),
+        str(out),
+        json.dumps(CASES),
+    ]
     run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     if "terminate called without an active exception" in run.stderr:
         # Once in a CI run a rank died in C++ (SIGABRT, no Python error) and never again in
         # ten runs, loaded or not: a crash of the process, not a result; the same run again.
-        warnings.warn("an FSDP rank aborted (SIGABRT) without a Python error: running the two ranks again", stacklevel=1)
+        warnings.warn(
+            "an FSDP rank aborted (SIGABRT) without a Python error: running the two ranks again", stacklevel=1
+        )
         run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return out
@@ -130,13 +149,38 @@ def test_the_trainer_service_on_two_ranks(buffer_address, rollout_address, engin
     (over the weight group and from disk), and a checkpoint is written and resumed."""
     port = free_port()
     log = tmp_path / "trainer.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "rlmesh.cli", "serve", "trainer", "--port", str(port), "--device", "cpu",
-         "--work-dir", str(tmp_path / "work"), "--buffer-address", buffer_address, "--rollout-address", rollout_address],
-        env=env, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "rlmesh.cli",
+            "serve",
+            "trainer",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--buffer-address",
+            buffer_address,
+            "--rollout-address",
+            rollout_address,
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
     )
     try:
         stub = TrainerStub(sync_channel(f"127.0.0.1:{port}"))

@@ -129,16 +129,26 @@ def _merged(peft_model):
 
 
 def test_lora_settings_are_checked(tiny_model_dir):
-    for bad in ({"rank": 0}, {"dropout": 1.0}, {"target_modules": ["q_proj; rm"]}, {"target_modules": []},
-                {"alpha": -1}, {"ranks": 4}):
+    for bad in (
+        {"rank": 0},
+        {"dropout": 1.0},
+        {"target_modules": ["q_proj; rm"]},
+        {"target_modules": []},
+        {"alpha": -1},
+        {"ranks": 4},
+    ):
         with pytest.raises(ValidationError):
             config(tiny_model_dir, lora=bad)
     with pytest.raises(ValidationError, match="lora with data_parallel 'fsdp2'"):
         config(tiny_model_dir, lora=LORA, data_parallel="fsdp2")
     with pytest.raises(errors.InvalidArgument, match="lora.target_modules"):
         TorchBackend(config(tiny_model_dir, lora={"target_modules": ["no_such_proj"]}), CPU)
-    assert TrainerRunConfig.model_validate(
-        {"model_path": "m", "lora": {"target_modules": "all-linear"}}).lora.target_modules == "all-linear"
+    assert (
+        TrainerRunConfig.model_validate(
+            {"model_path": "m", "lora": {"target_modules": "all-linear"}}
+        ).lora.target_modules
+        == "all-linear"
+    )
 
 
 def test_dropout_is_on_in_training_passes_only(tiny_model_dir):

@@ -48,9 +48,24 @@ def torch_result(model) -> dict:
 
 def torchrun_worker(mode: str, model_dir: Path, tp: int, pp: int, out: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp * pp),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "tests.helpers.megatron_worker", mode, str(model_dir), str(tp), str(pp), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(tp * pp),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "tests.helpers.megatron_worker",
+        mode,
+        str(model_dir),
+        str(tp),
+        str(pp),
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 

@@ -39,9 +39,28 @@ def torchrun_trainer(tmp_path):
         port = free_port()
         log_path = tmp_path / "trainer.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), "-m", "rlmesh.cli", "serve", "trainer", "--port", str(port),
-               "--work-dir", str(tmp_path / "megatron-work"), "--device", "cpu", *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "rlmesh.cli",
+            "serve",
+            "trainer",
+            "--port",
+            str(port),
+            "--work-dir",
+            str(tmp_path / "megatron-work"),
+            "--device",
+            "cpu",
+            *flags,
+        ]
         with open(log_path, "wb") as log:
             process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         started.append(process)
@@ -72,9 +91,7 @@ def train_and_save(stub: TrainerStub, run_id: str, run_config) -> tuple[dict, Pa
 
 
 @pytest.mark.slow
-def test_megatron_tp2_service_trains_like_the_torch_backend(
-    buffer_address, torchrun_trainer, trainer_server, tmp_path
-):
+def test_megatron_tp2_service_trains_like_the_torch_backend(buffer_address, torchrun_trainer, trainer_server, tmp_path):
     model_dir = build_model("llama", tmp_path / "llama")
     stub = torchrun_trainer("--buffer-address", buffer_address)
 
@@ -112,9 +129,12 @@ def test_megatron_tp2_pushes_hf_weights_to_the_engine(
     for bit; after a step, the tensors the trainer's checkpoint holds."""
     stub = torchrun_trainer("--buffer-address", buffer_address, "--rollout-address", rollout_address)
     fill_buffer(buffer_address, "w1", tmp_path / "w1.jsonl")
-    stub.InitRun(trainer_pb2.InitRunRequest(
-        run_id="w1", config_json=config(tiny_model_dir, backend="megatron", tensor_parallel_size=2).model_dump_json()
-    ))
+    stub.InitRun(
+        trainer_pb2.InitRunRequest(
+            run_id="w1",
+            config_json=config(tiny_model_dir, backend="megatron", tensor_parallel_size=2).model_dump_json(),
+        )
+    )
     stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="w1", version=1), timeout=300)
     assert engine.weight_version() == "1"
     assert_engine_has(engine, load_file(tiny_model_dir / "model.safetensors").items())
@@ -125,4 +145,6 @@ def test_megatron_tp2_pushes_hf_weights_to_the_engine(
     trained = load_file(saved / "model.safetensors")
     assert engine.weight_version() == "2"
     assert_engine_has(engine, trained.items())
-    assert not torch.equal(trained["model.norm.weight"], load_file(tiny_model_dir / "model.safetensors")["model.norm.weight"])
+    assert not torch.equal(
+        trained["model.norm.weight"], load_file(tiny_model_dir / "model.safetensors")["model.norm.weight"]
+    )

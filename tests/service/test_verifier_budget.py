@@ -35,8 +35,10 @@ class RewardServer:
         return self.reply(self.score_async(samples, **components))
 
     def score_async(self, samples: list[Sample], **components: float) -> grpc.Future:
-        request = reward_pb2.ScoreRequest(samples=[sample_to_proto(s) for s in samples],
-                                          spec=reward_pb2.RewardSpec(components=components or {"math": 1.0}))
+        request = reward_pb2.ScoreRequest(
+            samples=[sample_to_proto(s) for s in samples],
+            spec=reward_pb2.RewardSpec(components=components or {"math": 1.0}),
+        )
         return self.stub.Score.future(request, timeout=120)
 
     @staticmethod
@@ -137,6 +139,7 @@ def test_long_responses_are_read_from_their_tail(reward_server):
 
 # ---------------------------------------------------------------- the time budget
 
+
 def test_a_hung_verifier_is_killed_and_the_other_samples_are_scored(reward_server):
     server = reward_server(verifier_workers=1, verifier_timeout_seconds=3.0)
     mixed = ordinary_samples()
@@ -178,8 +181,9 @@ def test_a_caller_that_goes_away_does_not_receive_or_poison_later_answers(tmp_pa
 def test_stopping_fails_calls_in_flight_instead_of_leaving_them_hanging(tmp_path):
     async def scenario() -> None:
         pool = VerifierPool(1, timeout_seconds=60, overload_seconds=60, verifiers=misbehaving.VERIFIERS)
-        calls = asyncio.gather(*(pool.verify("held", "", str(tmp_path / "never"), {}) for _ in range(3)),
-                               return_exceptions=True)
+        calls = asyncio.gather(
+            *(pool.verify("held", "", str(tmp_path / "never"), {}) for _ in range(3)), return_exceptions=True
+        )
         await asyncio.sleep(0.5)  # one call at the worker (or all waiting for it)
         pool.close()
         results = await calls
@@ -189,6 +193,7 @@ def test_stopping_fails_calls_in_flight_instead_of_leaving_them_hanging(tmp_path
 
 
 # ---------------------------------------------------------------- health
+
 
 def test_health_is_not_serving_while_the_pool_is_overloaded(reward_server, tmp_path):
     server = reward_server(verifier_workers=1, verifier_timeout_seconds=60, verifier_overload_seconds=0.2)

@@ -121,7 +121,9 @@ def test_engine_checks_a_delta_announcement():
         with pytest.raises(WeightUpdateError, match=message):
             parse_delta(bad, specs)
     with pytest.raises(WeightUpdateError, match="one dtype"):
-        parse_delta({"count": 1, "index_dtype": "int32", "base_version": "7"}, [*specs, TensorSpec("c", torch.float32, (1,))])
+        parse_delta(
+            {"count": 1, "index_dtype": "int32", "base_version": "7"}, [*specs, TensorSpec("c", torch.float32, (1,))]
+        )
 
 
 @pytest.mark.slow
@@ -222,9 +224,18 @@ def test_the_engine_applies_a_delta_over_its_base_version_only(bf16_engine):
 
             def send_delta(indices: torch.Tensor, base_version: str) -> httpx.Response:
                 payload, index_dtype = delta_payload(new, indices)
-                body = {"names": [name], "dtypes": ["bfloat16"], "shapes": [[64]], "group_name": "wu-delta",
-                        "weight_version": "d2", "rlmesh_delta": {"count": indices.numel(), "index_dtype": index_dtype,
-                                                                  "base_version": base_version}}
+                body = {
+                    "names": [name],
+                    "dtypes": ["bfloat16"],
+                    "shapes": [[64]],
+                    "group_name": "wu-delta",
+                    "weight_version": "d2",
+                    "rlmesh_delta": {
+                        "count": indices.numel(),
+                        "index_dtype": index_dtype,
+                        "base_version": base_version,
+                    },
+                }
                 with ThreadPoolExecutor(1) as pool:
                     answer = pool.submit(client.post, "/update_weights_from_distributed", json=body)
                     torch.distributed.broadcast(payload, src=0, group=trainer.group)

@@ -80,7 +80,9 @@ def test_the_old_gspo_estimator_is_grpo_with_the_gspo_loss():
 
 def test_an_algorithms_defaults_apply_unless_the_run_sets_them():
     assert AlgorithmConfig(advantage_estimator="dr_grpo").loss_aggregation == "seq_mean_token_sum"
-    assert AlgorithmConfig(advantage_estimator="dr_grpo", loss_aggregation="token_mean").loss_aggregation == "token_mean"
+    assert (
+        AlgorithmConfig(advantage_estimator="dr_grpo", loss_aggregation="token_mean").loss_aggregation == "token_mean"
+    )
     assert AlgorithmConfig().loss_aggregation == "seq_mean_token_mean"
     assert (AlgorithmConfig().eps_clip, AlgorithmConfig().eps_clip_high) == (0.2, None)
 
@@ -121,10 +123,13 @@ def test_tis_cap_is_the_old_name_of_the_token_level_truncation_bound():
 
 
 def test_rollout_is_settings_are_checked():
-    config = AlgorithmConfig(rollout_is_upper=5.0, rollout_is_lower=0.2, rollout_is_level="sequence",
-                             rollout_is_mode="mask")
+    config = AlgorithmConfig(
+        rollout_is_upper=5.0, rollout_is_lower=0.2, rollout_is_level="sequence", rollout_is_mode="mask"
+    )
     assert AlgorithmConfig.model_validate_json(config.model_dump_json()) == config
-    with pytest.raises(ValidationError, match="rollout_is_level, rollout_is_mode set, but .* off until rollout_is_upper"):
+    with pytest.raises(
+        ValidationError, match="rollout_is_level, rollout_is_mode set, but .* off until rollout_is_upper"
+    ):
         AlgorithmConfig(rollout_is_level="sequence", rollout_is_mode="mask")
     with pytest.raises(ValidationError, match="greater than or equal to 1"):  # ratio 1 (no mismatch) is in range
         AlgorithmConfig(rollout_is_upper=0.5)
@@ -148,8 +153,9 @@ def test_a_newly_registered_estimator_and_loss_are_accepted_by_the_config(regist
     assert config.loss_aggregation == "token_mean"
     assert AlgorithmConfig.model_json_schema()["properties"]["advantage_estimator"]["enum"][-1] == "max_baseline"
     # groups (1, 3) and (2,): r - max = -2, 0 | 0, broadcast under the mask
-    close(algo.compute_advantages(config, t([1, 3, 2]), [2, 1], t([[1, 1], [1, 0], [1, 1]])),
-          [[-2, -2], [0, 0], [0, 0]])
+    close(
+        algo.compute_advantages(config, t([1, 3, 2]), [2, 1], t([[1, 1], [1, 0], [1, 1]])), [[-2, -2], [0, 0], [0, 0]]
+    )
     loss, _ = algo.get_policy_loss("vanilla_pg").compute(t([-1.0]), t([-1.0]), t([2.0]), t([1.0]), config)
     close(loss, [2.0])
 
@@ -261,12 +267,15 @@ def test_kl_sequence_penalty_is_not_also_added_per_token():
     # REINFORCE++ at level 'sequence' is REINFORCE++ without KL on the penalized rewards.
     mask = t([[1, 1, 1], [1, 1, 0]])
     kl = t([[0.1, 0.2, 0.3], [0.5, 0.4, 9.0]])
-    config = AlgorithmConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.5, gamma=0.5,
-                             kl_reward_level="sequence")
+    config = AlgorithmConfig(
+        advantage_estimator="reinforce_plus_plus", kl_coef=0.5, gamma=0.5, kl_reward_level="sequence"
+    )
     penalized = t([1 - 0.5 * 0.6, -1 - 0.5 * 0.9])
     without_kl = AlgorithmConfig(advantage_estimator="reinforce_plus_plus", gamma=0.5)
-    close(algo.compute_advantages(config, t([1, -1]), [1, 1], mask, kl),
-          algo.compute_advantages(without_kl, penalized, [1, 1], mask).tolist())
+    close(
+        algo.compute_advantages(config, t([1, -1]), [1, 1], mask, kl),
+        algo.compute_advantages(without_kl, penalized, [1, 1], mask).tolist(),
+    )
 
 
 def test_gae_skips_masked_tokens():
@@ -507,12 +516,15 @@ IS_ROLLOUT = t([[-1.0, -2.0, -0.5], [-1.5, -1.5, -9.0]])
 IS_MASK = t([[1, 1, 1], [1, 1, 0]])
 
 
-@pytest.mark.parametrize(("level", "mode", "lower", "expected"), [
-    ("token", "truncate", 0.7, [[1.0, 2.0, 0.7], [1.648721, 1.648721, 0]]),
-    ("token", "mask", 0.7, [[1.0, 0, 0], [1.648721, 1.648721, 0]]),  # e and .6065 dropped
-    ("sequence", "truncate", 0.0, [[1.648721] * 3, [2.0, 2.0, 0]]),
-    ("sequence", "mask", 0.5, [[1.648721] * 3, [0, 0, 0]]),  # e > 2: the whole sequence dropped
-])
+@pytest.mark.parametrize(
+    ("level", "mode", "lower", "expected"),
+    [
+        ("token", "truncate", 0.7, [[1.0, 2.0, 0.7], [1.648721, 1.648721, 0]]),
+        ("token", "mask", 0.7, [[1.0, 0, 0], [1.648721, 1.648721, 0]]),  # e and .6065 dropped
+        ("sequence", "truncate", 0.0, [[1.648721] * 3, [2.0, 2.0, 0]]),
+        ("sequence", "mask", 0.5, [[1.648721] * 3, [0, 0, 0]]),  # e > 2: the whole sequence dropped
+    ],
+)
 def test_rollout_is_weights(level, mode, lower, expected):
     old = IS_OLD.clone().requires_grad_()
     w = terms.rollout_is_weights(old, IS_ROLLOUT, IS_MASK, level=level, mode=mode, lower=lower, upper=2.0)
@@ -524,8 +536,9 @@ def test_rollout_is_weights_of_far_off_sequences_stay_finite():
     # sum of log ratios +-1000: e^1000 overflows, the bounds are applied in log space
     far = {"old": t([[0.0, 0.0], [-500.0, -500.0]]), "rollout": t([[-500.0, -500.0], [0.0, 0.0]])}
     for mode, expected in (("truncate", [[2.0, 2.0], [0.5, 0.5]]), ("mask", [[0, 0], [0, 0]])):
-        w = terms.rollout_is_weights(far["old"], far["rollout"], torch.ones(2, 2), level="sequence", mode=mode,
-                                    lower=0.5, upper=2.0)
+        w = terms.rollout_is_weights(
+            far["old"], far["rollout"], torch.ones(2, 2), level="sequence", mode=mode, lower=0.5, upper=2.0
+        )
         close(w, expected)
 
 
@@ -551,8 +564,12 @@ def test_a_group_of_equal_rewards_has_exactly_zero_advantage(value):
     # The float mean of equal rewards can be off by an ulp; over GRPO's eps that noise
     # would be a real push. No spread, no signal.
     rewards = torch.full((8,), value)
-    for advantages in (algo.grpo_advantages(rewards), algo.grpo_advantages(rewards, normalize_std=False),
-                       algo.dr_grpo_advantages(rewards), algo.rloo_advantages(rewards)):
+    for advantages in (
+        algo.grpo_advantages(rewards),
+        algo.grpo_advantages(rewards, normalize_std=False),
+        algo.dr_grpo_advantages(rewards),
+        algo.rloo_advantages(rewards),
+    ):
         assert torch.equal(advantages, torch.zeros(8))
 
 

@@ -24,7 +24,7 @@ def _imports(path: Path, root: Path) -> list[tuple[int, str, list[str]]]:
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
+            base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join([*base, *([node.module] if node.module else [])])
             found.append((node.lineno, module, [alias.name for alias in node.names]))
     return [(line, module, names) for line, module, names in found if module.split(".")[0] == "rlmesh"]
@@ -40,8 +40,10 @@ def boundary_breaks(root: Path) -> list[str]:
         for line, module, _ in _imports(path, root):
             target = module.split(".")[1] if "." in module else ""
             if target not in allowed:
-                breaks.append(f"services/{path.relative_to(root)}:{line} imports {module} "
-                              f"(rlmesh.{package} may import only {', '.join(sorted(allowed))})")
+                breaks.append(
+                    f"services/{path.relative_to(root)}:{line} imports {module} "
+                    f"(rlmesh.{package} may import only {', '.join(sorted(allowed))})"
+                )
     return breaks
 
 
@@ -62,8 +64,11 @@ def test_services_share_only_common_and_the_contracts():
 
 def test_no_module_imports_another_modules_private_names():
     # (tests and benchmarks too: what they need of a module is part of its public face)
-    offenders = [o for folder in ("services", "tests", "bench")
-                 for o in private_imports(SERVICES.parent / folder, shown_as=folder)]
+    offenders = [
+        o
+        for folder in ("services", "tests", "bench")
+        for o in private_imports(SERVICES.parent / folder, shown_as=folder)
+    ]
     assert offenders == [], "make these public, or keep them in their module:\n" + "\n".join(offenders)
 
 
@@ -73,5 +78,6 @@ def test_the_checks_see_a_break(tmp_path):
     (tmp_path / "cli").mkdir()
     (tmp_path / "cli" / "fine.py").write_text("import rlmesh.trainer.server\n")
     assert boundary_breaks(tmp_path) == [
-        "services/common/bad.py:2 imports rlmesh.trainer.backend (rlmesh.common may import only common, v1)"]
+        "services/common/bad.py:2 imports rlmesh.trainer.backend (rlmesh.common may import only common, v1)"
+    ]
     assert private_imports(tmp_path) == ["services/common/bad.py:2 takes _copy from rlmesh.trainer.backend"]

@@ -106,8 +106,11 @@ def render(directory: Path) -> list[dict]:
     for patch in kustomization.get("patches", []):
         assert set(patch) == {"path"}, "render() applies patches given by path only"
         for doc in yaml.safe_load_all((directory / patch["path"]).read_text()):
-            (n,) = [i for i, o in enumerate(objects) if (o["kind"], o["metadata"]["name"]) ==
-                    (doc["kind"], doc["metadata"]["name"])]
+            (n,) = [
+                i
+                for i, o in enumerate(objects)
+                if (o["kind"], o["metadata"]["name"]) == (doc["kind"], doc["metadata"]["name"])
+            ]
             objects[n] = _merge(objects[n], doc)
     return objects
 
@@ -136,8 +139,13 @@ def test_every_object_is_valid_against_the_kubernetes_schemas():
 @pytest.mark.skipif(not shutil.which("kubectl"), reason="no kubectl here to cross-check the renderer with")
 def test_the_renderer_agrees_with_kubectl_kustomize():
     for overlay, objects in rendered().items():
-        out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True,
-                             text=True, timeout=120, check=True).stdout
+        out = subprocess.run(
+            ["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
         key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
         assert sorted(yaml.safe_load_all(out), key=key) == sorted(objects, key=key)
 
@@ -164,7 +172,8 @@ def test_the_services_engine_and_redis_are_there_with_probes_resources_and_no_ro
         engine = workloads["engine"]["spec"]["template"]["spec"]["containers"][0]
         gpus = engine["resources"]["limits"].get("nvidia.com/gpu")
         trainer_gpus = workloads["trainer"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"].get(
-            "nvidia.com/gpu")
+            "nvidia.com/gpu"
+        )
         if overlay == "gpu":
             assert engine["image"].startswith("lmsysorg/sglang") and gpus == 1 and trainer_gpus == 1
             assert "--enable-metrics" in engine["args"]
@@ -215,17 +224,26 @@ def test_the_trainer_ranks_find_each_other_through_a_headless_service():
 
 def test_every_service_selects_pods_and_names_ports_they_have():
     for overlay, objects in rendered().items():
-        pods = [w["spec"]["template"] for w in [*by_kind(objects, "Deployment").values(),
-                                                 *by_kind(objects, "StatefulSet").values()]]
+        pods = [
+            w["spec"]["template"]
+            for w in [*by_kind(objects, "Deployment").values(), *by_kind(objects, "StatefulSet").values()]
+        ]
         for name, service in by_kind(objects, "Service").items():
             selector = service["spec"]["selector"].items()
-            chosen = [p for p in pods if {k: v for k, v in selector if k != "apps.kubernetes.io/pod-index"}.items()
-                      <= p["metadata"]["labels"].items()]
+            chosen = [
+                p
+                for p in pods
+                if {k: v for k, v in selector if k != "apps.kubernetes.io/pod-index"}.items()
+                <= p["metadata"]["labels"].items()
+            ]
             assert chosen, (overlay, name)
             ports = {p["name"] for pod in chosen for c in pod["spec"]["containers"] for p in c.get("ports", [])}
             assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports, (overlay, name)
         claims = {c["metadata"]["name"] for c in by_kind(objects, "PersistentVolumeClaim").values()}
         for pod in pods:
-            used = {v["persistentVolumeClaim"]["claimName"] for v in pod["spec"].get("volumes", [])
-                    if "persistentVolumeClaim" in v}
+            used = {
+                v["persistentVolumeClaim"]["claimName"]
+                for v in pod["spec"].get("volumes", [])
+                if "persistentVolumeClaim" in v
+            }
             assert used <= claims, (overlay, used - claims)

@@ -16,9 +16,20 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "docs/**/*.md", "deploy/README.md", "examples/**/README.md"]
-TOP_LEVEL = ("services/", "proto/", "tests/", "bench/", "docs/", "deploy/", "examples/", ".ci/",
-             "Makefile", "pyproject.toml", "README.md",
-             "rlmesh/")  # no such folder (the source is in services/): named so that the slip is caught
+TOP_LEVEL = (
+    "services/",
+    "proto/",
+    "tests/",
+    "bench/",
+    "docs/",
+    "deploy/",
+    "examples/",
+    ".ci/",
+    "Makefile",
+    "pyproject.toml",
+    "README.md",
+    "rlmesh/",
+)  # no such folder (the source is in services/): named so that the slip is caught
 
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 CODE = re.compile(r"`([^`]+)`")

@@ -13,8 +13,15 @@ from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.trainer.megatron.conversion import hf_names, hf_shape, megatron_shards, units, unshard
 from rlmesh.trainer.megatron.layout import hf_layout
 
-DIMS = dict(vocab_size=37, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=4, head_dim=4)
+DIMS = dict(
+    vocab_size=37,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=4,
+)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -57,14 +64,30 @@ def test_fused_qkv_is_grouped_by_kv_head():
 def test_models_the_backend_cannot_convert_are_refused_with_the_reason():
     with pytest.raises(errors.InvalidArgument, match="builds llama, qwen2 models; model_path holds a 'mistral'"):
         hf_layout(MistralConfig(**DIMS), 1, 1)
-    with pytest.raises(errors.InvalidArgument, match=r"num_key_value_heads \(4\) is not a multiple of tensor_parallel_size \(8\)"):
+    with pytest.raises(
+        errors.InvalidArgument, match=r"num_key_value_heads \(4\) is not a multiple of tensor_parallel_size \(8\)"
+    ):
         hf_layout(LlamaConfig(**DIMS), 8, 1)
-    with pytest.raises(errors.InvalidArgument, match=r"num_hidden_layers \(4\) is not a multiple of pipeline_parallel_size \(3\)"):
+    with pytest.raises(
+        errors.InvalidArgument, match=r"num_hidden_layers \(4\) is not a multiple of pipeline_parallel_size \(3\)"
+    ):
         hf_layout(LlamaConfig(**DIMS), 1, 3)
     with pytest.raises(errors.InvalidArgument, match="rope_type 'llama3'"):
-        hf_layout(LlamaConfig(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                               "original_max_position_embeddings": 64}, **DIMS), 1, 1)
+        hf_layout(
+            LlamaConfig(
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 5e5,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+                **DIMS,
+            ),
+            1,
+            1,
+        )
     assert hf_layout(LlamaConfig(**DIMS), 4, 1).padded_vocab == 40  # vocabulary padded to a multiple of TP
 
 
@@ -78,11 +101,14 @@ def test_run_config_parallel_sizes_need_the_megatron_backend():
         TrainerRunConfig(model_path="m", backend="deepspeed")
 
 
-@pytest.mark.parametrize("feature, refused", [
-    ({"lora": {"rank": 4}}, "lora"),
-    ({"data_parallel": "fsdp2"}, "data_parallel 'fsdp2'"),
-    ({"algorithm": {"advantage_estimator": "gae"}}, "advantage_estimator 'gae' \\(a critic\\)"),
-])
+@pytest.mark.parametrize(
+    "feature, refused",
+    [
+        ({"lora": {"rank": 4}}, "lora"),
+        ({"data_parallel": "fsdp2"}, "data_parallel 'fsdp2'"),
+        ({"algorithm": {"advantage_estimator": "gae"}}, "advantage_estimator 'gae' \\(a critic\\)"),
+    ],
+)
 def test_the_megatron_backend_refuses_the_torch_backends_features(feature, refused):
     # The megatron backend trains the whole model on its own ranks: LoRA, FSDP2 and a critic
     # are the torch backend's, refused at validation rather than silently ignored.

@@ -5,13 +5,23 @@ from rlmesh.common.metrics import merge_sample_metrics
 
 def test_means_are_weighted_by_samples_and_counts_add_up():
     total: dict[str, float] = {}
-    merge_sample_metrics(total, {"rollout/samples": 2, "rollout/reward_mean": 1.0, "rollout/truncated_ratio": 0.0,
-                                 "rollout/groups_written": 1}, "rollout/samples")
-    merge_sample_metrics(total, {"rollout/samples": 6, "rollout/reward_mean": 0.0, "rollout/truncated_ratio": 0.5,
-                                 "rollout/groups_written": 3}, "rollout/samples")
+    merge_sample_metrics(
+        total,
+        {"rollout/samples": 2, "rollout/reward_mean": 1.0, "rollout/truncated_ratio": 0.0, "rollout/groups_written": 1},
+        "rollout/samples",
+    )
+    merge_sample_metrics(
+        total,
+        {"rollout/samples": 6, "rollout/reward_mean": 0.0, "rollout/truncated_ratio": 0.5, "rollout/groups_written": 3},
+        "rollout/samples",
+    )
     merge_sample_metrics(total, {}, "rollout/samples")  # an empty window changes nothing
-    assert total == {"rollout/samples": 8, "rollout/reward_mean": 0.25, "rollout/truncated_ratio": 0.375,
-                     "rollout/groups_written": 4}
+    assert total == {
+        "rollout/samples": 8,
+        "rollout/reward_mean": 0.25,
+        "rollout/truncated_ratio": 0.375,
+        "rollout/groups_written": 4,
+    }
 
 
 def test_drop_reasons_exported_are_bounded():

@@ -49,6 +49,8 @@ def test_every_package_under_services_is_installed():
     # `rlmesh`): a subpackage missing from the list would be left out of a wheel.
     tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    on_disk = {".".join(("rlmesh", *init.parent.relative_to(REPO / "services").parts))
-               for init in (REPO / "services").rglob("__init__.py")}
+    on_disk = {
+        ".".join(("rlmesh", *init.parent.relative_to(REPO / "services").parts))
+        for init in (REPO / "services").rglob("__init__.py")
+    }
     assert on_disk - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"

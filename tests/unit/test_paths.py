@@ -30,8 +30,17 @@ def test_relative_paths_are_taken_under_the_first_root_and_absolute_ones_under_a
     assert under(a, roots) == a
 
 
-@pytest.mark.parametrize("path", ["../outside/secret.json", "sub/../../outside/secret.json", "/etc/passwd", "/",
-                                  "{a}/../outside/secret.json", "{a}/../outside/missing.json"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../outside/secret.json",
+        "sub/../../outside/secret.json",
+        "/etc/passwd",
+        "/",
+        "{a}/../outside/secret.json",
+        "{a}/../outside/missing.json",
+    ],
+)
 def test_paths_outside_every_root_are_refused_naming_the_roots(roots, path):
     path = path.format(a=roots[0])
     with pytest.raises(InvalidArgument) as e:
@@ -77,8 +86,10 @@ def test_good_run_ids(run_id):
     assert validate_run_id(run_id) == run_id
 
 
-@pytest.mark.parametrize("run_id", ["", ".", "..", "../../x", "a/b", "a\\b", ".hidden", "-flag", "_x", "a:b", "a*",
-                                    "a b", "0" * 65, "r\n", "é"])
+@pytest.mark.parametrize(
+    "run_id",
+    ["", ".", "..", "../../x", "a/b", "a\\b", ".hidden", "-flag", "_x", "a:b", "a*", "a b", "0" * 65, "r\n", "é"],
+)
 def test_bad_run_ids(run_id):
     with pytest.raises(InvalidArgument, match="run_id must be"):
         validate_run_id(run_id)

@@ -28,13 +28,16 @@ def test_the_loader_resolves_module_and_dotted_attributes():
     assert load_plugin(f"{__name__}:Holder.method")() == 7
 
 
-@pytest.mark.parametrize("path, message", [
-    ("rlmesh.buffer.filters.fifo", "is not an import path"),  # one syntax: module:attr
-    ("os.system('x')", "is not an import path"),
-    ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
-    ("rlmesh.buffer.filters:nope", "has no attribute 'nope'"),
-    (f"{__name__}:NOT_CALLABLE", "is not callable"),
-])
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("rlmesh.buffer.filters.fifo", "is not an import path"),  # one syntax: module:attr
+        ("os.system('x')", "is not an import path"),
+        ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
+        ("rlmesh.buffer.filters:nope", "has no attribute 'nope'"),
+        (f"{__name__}:NOT_CALLABLE", "is not callable"),
+    ],
+)
 def test_bad_paths_say_what_is_wrong(path, message):
     with pytest.raises(PluginError, match=message):
         load_plugin(path)
@@ -46,12 +49,15 @@ def test_built_in_defaults_are_import_paths_through_the_same_door():
     assert load_plugin(RolloutSettings().generate_function) is default_generate
 
 
-@pytest.mark.parametrize("build", [
-    lambda p: BufferSettings(buffer_filter=p),
-    lambda p: RolloutSettings(generate_function=p),
-    lambda p: RewardSettings(custom_functions={"mine": p}),
-    lambda p: RewardSettings(group_functions={"mine": p}),
-])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda p: BufferSettings(buffer_filter=p),
+        lambda p: RolloutSettings(generate_function=p),
+        lambda p: RewardSettings(custom_functions={"mine": p}),
+        lambda p: RewardSettings(group_functions={"mine": p}),
+    ],
+)
 def test_every_plug_in_setting_is_checked_when_settings_are_built(build):
     with pytest.raises(ValidationError, match="cannot import module 'no_such_module_xyz'"):
         build("no_such_module_xyz:fn")

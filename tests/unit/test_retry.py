@@ -60,8 +60,18 @@ def test_a_call_is_retried_through_an_outage_and_each_wait_is_reported():
     async def on_wait(reason: str) -> None:
         waits.append(reason)
 
-    result = asyncio.run(retry(call, service="trainer at 127.0.0.1:50054", budget_seconds=60, on_wait=on_wait,
-                               backoff=Backoff(1.0, 10.0), clock=t.clock, sleep=t.sleep, uniform=lambda lo, hi: hi))
+    result = asyncio.run(
+        retry(
+            call,
+            service="trainer at 127.0.0.1:50054",
+            budget_seconds=60,
+            on_wait=on_wait,
+            backoff=Backoff(1.0, 10.0),
+            clock=t.clock,
+            sleep=t.sleep,
+            uniform=lambda lo, hi: hi,
+        )
+    )
     assert result == "ok" and len(calls) == 4
     assert t.sleeps == [1.0, 2.0, 4.0]
     assert len(waits) == 3
@@ -72,8 +82,17 @@ def test_the_outage_budget_runs_out_with_a_message_naming_the_service():
     t = FakeTime()
     call, calls = failing(1000, rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
     with pytest.raises(OutageTooLong) as e:
-        asyncio.run(retry(call, service="reward service at 127.0.0.1:50053", budget_seconds=30,
-                          backoff=Backoff(1.0, 8.0), clock=t.clock, sleep=t.sleep, uniform=lambda lo, hi: hi))
+        asyncio.run(
+            retry(
+                call,
+                service="reward service at 127.0.0.1:50053",
+                budget_seconds=30,
+                backoff=Backoff(1.0, 8.0),
+                clock=t.clock,
+                sleep=t.sleep,
+                uniform=lambda lo, hi: hi,
+            )
+        )
     assert isinstance(e.value, Unavailable)  # answered as UNAVAILABLE by a gRPC service
     message = str(e.value)
     assert "reward service at 127.0.0.1:50053" in message and "30 s" in message and "DEADLINE_EXCEEDED" in message

@@ -35,8 +35,14 @@ def test_every_field_of_the_run_body_is_described():
 
 
 def test_the_trainer_gets_the_run_fields_unchanged():
-    run = RunConfig(model_path="m", datasets=[{"name": "d", "path": "p"}], micro_batch_size=3,
-                    optimizer={"lr": 0.5}, algorithm={"kl_loss_coef": 0.1}, rollout={"sampling": {"temperature": 0}})
+    run = RunConfig(
+        model_path="m",
+        datasets=[{"name": "d", "path": "p"}],
+        micro_batch_size=3,
+        optimizer={"lr": 0.5},
+        algorithm={"kl_loss_coef": 0.1},
+        rollout={"sampling": {"temperature": 0}},
+    )
     trainer = run.trainer_config()
     assert isinstance(trainer, TrainerRunConfig)
     for name in TrainingConfig.model_fields:
@@ -58,8 +64,12 @@ def test_a_dataset_crosses_the_wire_and_gets_defaults_once():
 
 
 def test_modes_set_the_staleness_bound_and_the_queue_cap():
-    base = {"model_path": "/m", "datasets": [{"name": "t", "path": "t.jsonl"}],
-            "rollout": {"rollout_batch_size": 4}, "sft_warmup": {"steps": 1, "batch_groups": 16}}
+    base = {
+        "model_path": "/m",
+        "datasets": [{"name": "t", "path": "t.jsonl"}],
+        "rollout": {"rollout_batch_size": 4},
+        "sft_warmup": {"steps": 1, "batch_groups": 16},
+    }
     sync = RunConfig.model_validate(base)
     assert (sync.staleness_bound, sync.queue_cap, sync.trainer_config().staleness_bound) == (None, 0, None)
     fully = RunConfig.model_validate({**base, "mode": "fully_async", "max_staleness": 2})
@@ -80,9 +90,14 @@ def test_the_oldest_weight_version_a_batch_may_hold():
 
 
 def test_a_warm_start_dataset_stays_out_of_the_training_stream_and_of_evaluation():
-    datasets = [{"name": "warm", "path": "w.jsonl"}, {"name": "train", "path": "t.jsonl"},
-                {"name": "held_out", "path": "h.jsonl", "eval": True}]
-    run = RunConfig.model_validate({"model_path": "/m", "datasets": datasets, "sft_warmup": {"steps": 5, "dataset": "warm"}})
+    datasets = [
+        {"name": "warm", "path": "w.jsonl"},
+        {"name": "train", "path": "t.jsonl"},
+        {"name": "held_out", "path": "h.jsonl", "eval": True},
+    ]
+    run = RunConfig.model_validate(
+        {"model_path": "/m", "datasets": datasets, "sft_warmup": {"steps": 5, "dataset": "warm"}}
+    )
     assert [(d.name, d.eval) for d in run.buffer_datasets()] == [("warm", True), ("train", False), ("held_out", True)]
     assert [d.name for d in run.eval_datasets()] == ["held_out"]
     with pytest.raises(ValueError, match="no dataset 'wram'"):

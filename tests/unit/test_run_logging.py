@@ -69,8 +69,10 @@ def test_only_finite_numbers_are_logged():
     assert loggable({"a": 1, "b": True, "c": "x", "d": math.nan, "time": 5.0, "e": 2.5}) == {"a": 1.0, "e": 2.5}
 
 
-@pytest.mark.parametrize("logging", [{"wandb": {"project": "a b"}}, {"wandb": {"project": "p", "mode": "cloud"}},
-                                     {"tensorboard": True, "other": 1}])
+@pytest.mark.parametrize(
+    "logging",
+    [{"wandb": {"project": "a b"}}, {"wandb": {"project": "p", "mode": "cloud"}}, {"tensorboard": True, "other": 1}],
+)
 def test_bad_logging_sections_are_refused(logging):
     with pytest.raises(ValueError):
         config(**logging)

@@ -28,14 +28,31 @@ from rlmesh.v1 import sample_pb2
 
 def full_sample() -> Sample:
     return Sample(
-        index=7, group_index=3, prompt="", tokens=[5, 6, 7, 8],
-        messages=[{"role": "user", "content": "hi"},
-                  {"role": "assistant", "content": "", "tool_calls": [
-                      {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
-                  {"role": "tool", "content": "2", "tool_call_id": "call_0", "name": "add"}],
-        response="ab", response_length=2, label="ab", reward=0.5, reward_components={"exact_match": 0.5},
-        loss_mask=[0, 1], status=Status.TRUNCATED, metadata={"dataset": "d", "n": 1},
-        rollout_log_probs=[-0.5, -1.25], weight_versions=[3, 4],
+        index=7,
+        group_index=3,
+        prompt="",
+        tokens=[5, 6, 7, 8],
+        messages=[
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+                ],
+            },
+            {"role": "tool", "content": "2", "tool_call_id": "call_0", "name": "add"},
+        ],
+        response="ab",
+        response_length=2,
+        label="ab",
+        reward=0.5,
+        reward_components={"exact_match": 0.5},
+        loss_mask=[0, 1],
+        status=Status.TRUNCATED,
+        metadata={"dataset": "d", "n": 1},
+        rollout_log_probs=[-0.5, -1.25],
+        weight_versions=[3, 4],
         multimodal_inputs=[{"kind": "image", "uri": "file:///x.png", "data": b"", "mime_type": "image/png"}],
     )
 
@@ -52,14 +69,17 @@ def test_sample_round_trips_through_protobuf_and_json():
     assert s.prompt_tokens == [5, 6] and s.response_tokens == [7, 8]
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("loss_mask", b"\x01", "loss_mask has 1 entries"),
-    ("rollout_log_probs", b"\x00" * 5, "not a multiple of 4"),
-    ("response_length", 9, "outside 0..4"),
-    ("metadata_json", "[1]", "JSON object"),
-    ("metadata_json", "{oops", "not valid JSON"),
-    ("status", 42, "unknown status 42"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("loss_mask", b"\x01", "loss_mask has 1 entries"),
+        ("rollout_log_probs", b"\x00" * 5, "not a multiple of 4"),
+        ("response_length", 9, "outside 0..4"),
+        ("metadata_json", "[1]", "JSON object"),
+        ("metadata_json", "{oops", "not valid JSON"),
+        ("status", 42, "unknown status 42"),
+    ],
+)
 def test_malformed_samples_are_refused_with_the_reason(field, value, message):
     msg = sample_to_proto(full_sample())
     setattr(msg, field, value)

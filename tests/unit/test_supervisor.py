@@ -131,8 +131,10 @@ def test_each_exit_and_restart_is_said_on_the_console_and_in_the_log_file(tmp_pa
     h.crash(12.0)
     h.at(13.0)
     pid = h.started[0].pid
-    assert h.lines == ["svc exited (killed by SIGKILL) after 12 s; restart attempt 1 in 1 s",
-                       f"svc restarted (pid {pid}, attempt 1)"]
+    assert h.lines == [
+        "svc exited (killed by SIGKILL) after 12 s; restart attempt 1 in 1 s",
+        f"svc restarted (pid {pid}, attempt 1)",
+    ]
     log = h.log_file.read_text().splitlines()
     assert [line.split(" rlmesh up: ")[1] for line in log] == h.lines
 
@@ -152,8 +154,14 @@ def test_only_the_process_that_exited_is_restarted(tmp_path):
     assert supervisor.watched["a"].process is procs["a"] and supervisor.watched["c"].process is procs["c"]
 
 
-@pytest.mark.parametrize(("code", "words"), [(0, "exit code 0"), (3, "exit code 3"),
-                                             (-signal.SIGKILL, "killed by SIGKILL"),
-                                             (-signal.SIGTERM, "killed by SIGTERM")])
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        (0, "exit code 0"),
+        (3, "exit code 3"),
+        (-signal.SIGKILL, "killed by SIGKILL"),
+        (-signal.SIGTERM, "killed by SIGTERM"),
+    ],
+)
 def test_exit_reasons_name_the_code_or_the_signal(code, words):
     assert exit_reason(code) == words

@@ -28,7 +28,10 @@ def test_sample_groups_travel_to_the_followers_as_protobuf_bytes():
 
 def test_the_torch_backend_refuses_a_trainer_started_with_several_ranks(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(errors.InvalidArgument, match="backend 'torch' without data_parallel runs in one process, but this trainer runs 2 ranks"):
+    with pytest.raises(
+        errors.InvalidArgument,
+        match="backend 'torch' without data_parallel runs in one process, but this trainer runs 2 ranks",
+    ):
         ranks.open_backend(TrainerRunConfig(model_path=str(tmp_path)), torch.device("cpu"), False, None)
 
 

@@ -34,9 +34,17 @@ NEVER = (
     "grpc://169.254.169.254:50053",
 )
 PRIVATE = (
-    "http://127.0.0.1:8000/score", "http://127.1.2.3/score", "http://[::1]:8000/score", "http://localhost:8000/score",
-    "http://10.1.2.3/score", "http://172.16.0.1/score", "http://192.168.1.1/score", "http://100.64.0.1/score",
-    "http://[fc00::1]/score", "http://[::ffff:127.0.0.1]:8000/score", "http://2130706433/score",  # 127.0.0.1 as one number
+    "http://127.0.0.1:8000/score",
+    "http://127.1.2.3/score",
+    "http://[::1]:8000/score",
+    "http://localhost:8000/score",
+    "http://10.1.2.3/score",
+    "http://172.16.0.1/score",
+    "http://192.168.1.1/score",
+    "http://100.64.0.1/score",
+    "http://[fc00::1]/score",
+    "http://[::ffff:127.0.0.1]:8000/score",
+    "http://2130706433/score",  # 127.0.0.1 as one number
     "grpc://10.0.0.5:50053",
 )
 
@@ -56,8 +64,10 @@ def test_link_local_and_metadata_addresses_are_never_called(url):
 def test_loopback_and_private_addresses_only_where_allowed(url):
     with pytest.raises(Refused, match="remote_allowed_networks"):
         resolve(UrlPolicy(), url)
-    assert resolve(UrlPolicy(["127.0.0.0/8", "::1", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",
-                              "100.64.0.0/10", "fc00::/7"]), url)
+    assert resolve(
+        UrlPolicy(["127.0.0.0/8", "::1", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7"]),
+        url,
+    )
 
 
 def test_an_allowance_covers_what_it_names_only():

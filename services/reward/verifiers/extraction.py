@@ -16,6 +16,7 @@ def require_label(label: str) -> str:
 
 # ---------------------------------------------------------------- answer extraction
 
+
 def braced(text: str, open_index: int) -> tuple[str, int] | None:
     """Content of the brace group opening at text[open_index] and the index after it;
     escaped braces (\\{ \\}) are literal. None when the braces never balance. A scan per
@@ -101,6 +102,7 @@ def answer_phrase(text: str) -> str | None:
 
 
 # ---------------------------------------------------------------- verifiers
+
 
 def format(response: str, label: str, metadata: dict[str, Any]) -> float:
     """1.0 when the response ends its reasoning with a non-empty \\boxed{} answer."""

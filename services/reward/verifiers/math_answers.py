@@ -29,11 +29,57 @@ def extract_math_answer(text: str) -> str | None:
 
 _TEXT_COMMANDS = re.compile(r"\\(?:text|textbf|textit|textnormal|textrm|mathrm|mathbf|mbox|operatorname)\s*\{")
 _UNITS = (
-    "dollars", "dollar", "cents", "cent", "units", "unit", "degrees", "degree", "radians", "percent",
-    "centimeters", "centimetres", "cm", "meters", "metres", "mm", "km", "kilometers", "kilometres",
-    "inches", "inch", "feet", "foot", "ft", "yards", "miles", "mph", "hours", "hour", "hrs", "minutes",
-    "minute", "mins", "seconds", "second", "sec", "days", "day", "weeks", "months", "years",
-    "kg", "grams", "pounds", "lbs", "ounces", "liters", "litres", "ml", "people", "students",
+    "dollars",
+    "dollar",
+    "cents",
+    "cent",
+    "units",
+    "unit",
+    "degrees",
+    "degree",
+    "radians",
+    "percent",
+    "centimeters",
+    "centimetres",
+    "cm",
+    "meters",
+    "metres",
+    "mm",
+    "km",
+    "kilometers",
+    "kilometres",
+    "inches",
+    "inch",
+    "feet",
+    "foot",
+    "ft",
+    "yards",
+    "miles",
+    "mph",
+    "hours",
+    "hour",
+    "hrs",
+    "minutes",
+    "minute",
+    "mins",
+    "seconds",
+    "second",
+    "sec",
+    "days",
+    "day",
+    "weeks",
+    "months",
+    "years",
+    "kg",
+    "grams",
+    "pounds",
+    "lbs",
+    "ounces",
+    "liters",
+    "litres",
+    "ml",
+    "people",
+    "students",
 )
 # A unit word right after a number (or a closing brace, as in \frac{1}{2} cups).
 _TRAILING_UNIT = re.compile(
@@ -88,8 +134,17 @@ class _Unsupported(Exception):
 
 
 _LATEX_WORDS = {
-    "pi": "pi", "infty": "oo", "sin": "sin", "cos": "cos", "tan": "tan", "log": "log", "ln": "log",
-    "exp": "exp", "cdot": "*", "times": "*", "div": "/",
+    "pi": "pi",
+    "infty": "oo",
+    "sin": "sin",
+    "cos": "cos",
+    "tan": "tan",
+    "log": "log",
+    "ln": "log",
+    "exp": "exp",
+    "cdot": "*",
+    "times": "*",
+    "div": "/",
 }
 _SYMPY_WORDS = {"sqrt", "pi", "oo", "sin", "cos", "tan", "log", "exp"}
 _MAX_SYMPY_CHARS = 120
@@ -163,10 +218,21 @@ def _sympy_globals() -> dict[str, Any]:
     import sympy
 
     return {
-        "Integer": sympy.Integer, "Float": sympy.Float, "Rational": sympy.Rational, "Symbol": sympy.Symbol,
-        "Add": sympy.Add, "Mul": sympy.Mul, "Pow": sympy.Pow,
-        "sqrt": sympy.sqrt, "pi": sympy.pi, "oo": sympy.oo, "sin": sympy.sin, "cos": sympy.cos,
-        "tan": sympy.tan, "log": sympy.log, "exp": sympy.exp,
+        "Integer": sympy.Integer,
+        "Float": sympy.Float,
+        "Rational": sympy.Rational,
+        "Symbol": sympy.Symbol,
+        "Add": sympy.Add,
+        "Mul": sympy.Mul,
+        "Pow": sympy.Pow,
+        "sqrt": sympy.sqrt,
+        "pi": sympy.pi,
+        "oo": sympy.oo,
+        "sin": sympy.sin,
+        "cos": sympy.cos,
+        "tan": sympy.tan,
+        "log": sympy.log,
+        "exp": sympy.exp,
     }
 
 
@@ -300,6 +366,7 @@ def answers_equal(answer: str, reference: str) -> bool:
 
 
 # ---------------------------------------------------------------- verifiers
+
 
 def math(response: str, label: str, metadata: dict[str, Any]) -> float:
     """1.0 when the extracted answer equals the label, textually after normalisation or

@@ -34,17 +34,28 @@ class AgentOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tools: list[str] | None = Field(
-        None, max_length=256, description="Names of the rollout service's tools the model may call (settings "
-        "tools / http_tools); default all of them. A dataset's own `tools` are shown to the model too.")
-    tool_parser: ToolParserName = Field("hermes", description="How calls are read from a turn: " + ", ".join(tool_parser_names()))
+        None,
+        max_length=256,
+        description="Names of the rollout service's tools the model may call (settings "
+        "tools / http_tools); default all of them. A dataset's own `tools` are shown to the model too.",
+    )
+    tool_parser: ToolParserName = Field(
+        "hermes", description="How calls are read from a turn: " + ", ".join(tool_parser_names())
+    )
     max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode.")
-    max_tokens_per_turn: int = Field(0, ge=0, le=MAX_RESPONSE_TOKENS,
-                                     description="Tokens one turn may generate; 0 = the run's max_new_tokens.")
+    max_tokens_per_turn: int = Field(
+        0, ge=0, le=MAX_RESPONSE_TOKENS, description="Tokens one turn may generate; 0 = the run's max_new_tokens."
+    )
     max_response_tokens: int = Field(
-        0, ge=0, le=MAX_RESPONSE_TOKENS, description="Tokens of the whole response, the model's and the tools' "
-        "(the trainer's sequence length); 0 = max_turns x the turn limit.")
-    tool_timeout_seconds: float = Field(10.0, gt=0, le=600, description="Longest one Python tool call may take "
-                                        "(an HTTP tool has its own timeout).")
+        0,
+        ge=0,
+        le=MAX_RESPONSE_TOKENS,
+        description="Tokens of the whole response, the model's and the tools' "
+        "(the trainer's sequence length); 0 = max_turns x the turn limit.",
+    )
+    tool_timeout_seconds: float = Field(
+        10.0, gt=0, le=600, description="Longest one Python tool call may take (an HTTP tool has its own timeout)."
+    )
     max_tool_output_chars: int = Field(4096, ge=1, le=1 << 20, description="Longer tool outputs are cut.")
 
     @field_validator("tools")
@@ -56,18 +67,27 @@ class AgentOptions(BaseModel):
         registered = {*settings.tools, *(t.name for t in settings.http_tools)}
         unknown = [n for n in names if n not in registered]
         if unknown:
-            raise ValueError(f"unknown tools {', '.join(map(repr, unknown))}; the rollout service has: "
-                             f"{', '.join(sorted(registered)) or 'none'} (settings tools / http_tools)")
+            raise ValueError(
+                f"unknown tools {', '.join(map(repr, unknown))}; the rollout service has: "
+                f"{', '.join(sorted(registered)) or 'none'} (settings tools / http_tools)"
+            )
         return names
 
 
 def render(tokenizer: Any, messages: list[dict], tools: list[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
-def tool_turn_text(tokenizer: Any, history: list[dict], tools: list[dict], turn_text: str, last_token: int | None,
-                   tool_messages: list[dict]) -> str:
+def tool_turn_text(
+    tokenizer: Any,
+    history: list[dict],
+    tools: list[dict],
+    turn_text: str,
+    last_token: int | None,
+    tool_messages: list[dict],
+) -> str:
     """The text the chat template puts between the end of the model's turn and the start of
     its next one: what closes the assistant turn (less the end-of-turn token the model
     generated itself), the tool turn(s), and the next generation prompt."""
@@ -76,18 +96,20 @@ def tool_turn_text(tokenizer: Any, history: list[dict], tools: list[dict], turn_
     closed = render(tokenizer, [*history, turn], tools, False)
     after = render(tokenizer, [*history, turn, *tool_messages], tools, True)
     if not after.startswith(closed):
-        raise ValueError("the chat template renders the conversation differently once a tool turn follows, so a "
-                         "tool turn cannot be appended to the generated tokens")
+        raise ValueError(
+            "the chat template renders the conversation differently once a tool turn follows, so a "
+            "tool turn cannot be appended to the generated tokens"
+        )
     close = ""
     if closed.startswith(opened):
-        whole_turn = closed[len(opened):]
+        whole_turn = closed[len(opened) :]
         at = whole_turn.rfind(turn_text) if turn_text else -1
-        close = whole_turn[at + len(turn_text):] if at >= 0 else ""
+        close = whole_turn[at + len(turn_text) :] if at >= 0 else ""
     if last_token is not None and last_token in tokenizer.all_special_ids:
         generated_end = tokenizer.decode([last_token], skip_special_tokens=False)
         if close.startswith(generated_end):
-            close = close[len(generated_end):]
-    return close + after[len(closed):]
+            close = close[len(generated_end) :]
+    return close + after[len(closed) :]
 
 
 def _tool_message(call: ToolCall, content: str) -> dict:
@@ -99,7 +121,9 @@ def _first_turn(tokenizer: Any, sample: Sample, tools: list[dict]) -> tuple[list
     if sample.metadata.get("chat_template_applied") and not sample.messages:
         # The buffer templated the text prompt (with the dataset's tools): its ids are used as
         # they are; a stand-in first turn is enough to render what follows each model turn.
-        return [{"role": "user", "content": sample.prompt}], tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+        return [{"role": "user", "content": sample.prompt}], tokenizer(sample.prompt, add_special_tokens=False)[
+            "input_ids"
+        ]
     history = [dict(m) for m in sample.messages] or [{"role": "user", "content": sample.prompt}]
     return history, tokenizer(render(tokenizer, history, tools, True), add_special_tokens=False)["input_ids"]
 
@@ -138,13 +162,20 @@ async def agent_generate(ctx: GenerateContext, sample: Sample, sampling_params: 
         if not parsed.calls and not parsed.errors:
             sample.status = Status.COMPLETED
             break
-        results = await asyncio.gather(*(
-            ctx.tools.call(c.name, c.arguments, allowed, opts.tool_timeout_seconds) for c in parsed.calls))
-        tool_messages = [_tool_message(c, r.text[:opts.max_tool_output_chars]) for c, r in zip(parsed.calls, results)]
+        results = await asyncio.gather(
+            *(ctx.tools.call(c.name, c.arguments, allowed, opts.tool_timeout_seconds) for c in parsed.calls)
+        )
+        tool_messages = [_tool_message(c, r.text[: opts.max_tool_output_chars]) for c, r in zip(parsed.calls, results)]
         if parsed.errors:
             tool_messages.append({"role": "tool", "content": "error: " + "\n".join(parsed.errors)})
-        text = tool_turn_text(tokenizer, history, tools, turn_text, sample.tokens[-1] if len(sample.tokens) > before
-                              else None, tool_messages)
+        text = tool_turn_text(
+            tokenizer,
+            history,
+            tools,
+            turn_text,
+            sample.tokens[-1] if len(sample.tokens) > before else None,
+            tool_messages,
+        )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         history = [*history, {"role": "assistant", "content": turn_text}, *tool_messages]
         turns.extend(tool_messages)

@@ -79,12 +79,16 @@ async def openai_agent_generate(ctx: GenerateContext, sample: Sample, sampling_p
     generated there becomes the sample, or several (see the module's docstring)."""
     opts: OpenAIAgentOptions | None = ctx.options
     if opts is None:
-        raise ValueError("the 'openai_agent' generate function needs options naming the agent to run "
-                         '(rollout.generate.options: {"agent": ...})')
+        raise ValueError(
+            "the 'openai_agent' generate function needs options naming the agent to run "
+            '(rollout.generate.options: {"agent": ...})'
+        )
     agents = getattr(ctx.settings, "agents", None) or {}
     if opts.agent not in agents:
-        raise ValueError(f"unknown agent {opts.agent!r}; the rollout service has: {', '.join(sorted(agents)) or 'none'}"
-                         " (settings agents)")
+        raise ValueError(
+            f"unknown agent {opts.agent!r}; the rollout service has: {', '.join(sorted(agents)) or 'none'}"
+            " (settings agents)"
+        )
     agent = load_plugin(agents[opts.agent])
     endpoint = await shared_endpoint(ctx.settings)
     # A fresh rid per attempt: the rollout aborts a sample's calls by it (they all start with it).

@@ -22,27 +22,44 @@ class OpenAIAgentOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    agent: str = Field(min_length=1, max_length=128, description="Which of the rollout service's agents "
-                       "(settings.agents) runs each sample.")
-    tool_parser: ToolParserName = Field("hermes", description="How tool calls are read from a chat answer when the request "
-                             "offers tools: " + ", ".join(tool_parser_names()))
+    agent: str = Field(
+        min_length=1,
+        max_length=128,
+        description="Which of the rollout service's agents (settings.agents) runs each sample.",
+    )
+    tool_parser: ToolParserName = Field(
+        "hermes",
+        description="How tool calls are read from a chat answer when the request "
+        "offers tools: " + ", ".join(tool_parser_names()),
+    )
     max_calls: int = Field(16, ge=1, le=256, description="Model calls one sample's agent may make.")
-    max_total_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="Tokens the model may generate over all of "
-                                  "a sample's calls; 0 = max_calls x the run's max_new_tokens.")
+    max_total_tokens: int = Field(
+        0,
+        ge=0,
+        le=MAX_TOKENS,
+        description="Tokens the model may generate over all of "
+        "a sample's calls; 0 = max_calls x the run's max_new_tokens.",
+    )
     honor_agent_sampling: bool = Field(
-        False, description="Let requests set temperature, top_p, seed, penalties and logit_bias; by default the "
-        "run's sampling is used (the trainer recomputes log-probs at the run's temperature).")
+        False,
+        description="Let requests set temperature, top_p, seed, penalties and logit_bias; by default the "
+        "run's sampling is used (the trainer recomputes log-probs at the run's temperature).",
+    )
     tool_arguments_as_dict: bool = Field(
-        True, description="Give the chat template the arguments of an assistant message's tool_calls as a dict "
-        "(Hugging Face's convention: Qwen, Llama 3); false: as the JSON text the client sent.")
+        True,
+        description="Give the chat template the arguments of an assistant message's tool_calls as a dict "
+        "(Hugging Face's convention: Qwen, Llama 3); false: as the JSON text the client sent.",
+    )
 
     @field_validator("agent")
     @classmethod
     def _registered_agent(cls, name: str, info: ValidationInfo) -> str:
         settings = (info.context or {}).get("settings")
         if settings is not None and name not in settings.agents:
-            raise ValueError(f"unknown agent {name!r}; the rollout service has: "
-                             f"{', '.join(sorted(settings.agents)) or 'none'} (settings agents)")
+            raise ValueError(
+                f"unknown agent {name!r}; the rollout service has: "
+                f"{', '.join(sorted(settings.agents)) or 'none'} (settings agents)"
+            )
         return name
 
 
@@ -99,8 +116,12 @@ class RequestError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error",
-                   param: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
     # x-should-retry: OpenAI's clients would otherwise retry 5xx answers themselves.
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status, headers={"x-should-retry": "false"})
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": None}},
+        status_code=status,
+        headers={"x-should-retry": "false"},
+    )

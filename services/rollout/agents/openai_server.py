@@ -119,13 +119,23 @@ class OpenAIEndpoint:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
         except OSError as e:
-            raise FailedPrecondition(f"the OpenAI-compatible endpoint for agents cannot listen on "
-                                     f"{self.host}:{self.port} (settings openai_host / openai_port): {e}") from None
+            raise FailedPrecondition(
+                f"the OpenAI-compatible endpoint for agents cannot listen on "
+                f"{self.host}:{self.port} (settings openai_host / openai_port): {e}"
+            ) from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_config=None, log_level="warning",
-                                access_log=False, lifespan="off", timeout_graceful_shutdown=5,
-                                # longer than clients keep idle connections (httpx: 5 s)
-                                timeout_keep_alive=30)
+        config = uvicorn.Config(
+            self.app,
+            host=self.host,
+            port=self.port,
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            # longer than clients keep idle connections (httpx: 5 s)
+            timeout_keep_alive=30,
+        )
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -146,8 +156,11 @@ class OpenAIEndpoint:
     def _session(self, token: str) -> AgentSession:
         session = self.sessions.get(token)
         if session is None:
-            raise RequestError(404, "no sample is generating under this URL: its agent has returned, or the URL "
-                               "is wrong", kind="not_found_error")
+            raise RequestError(
+                404,
+                "no sample is generating under this URL: its agent has returned, or the URL is wrong",
+                kind="not_found_error",
+            )
         return session
 
     def _build_app(self) -> FastAPI:
@@ -182,18 +195,21 @@ class OpenAIEndpoint:
             req: ChatRequest = _parse(ChatRequest, await _json_body(request))
             refuse_unsupported(req)
             if req.top_logprobs:
-                raise RequestError(400, "top_logprobs is not supported (logprobs of the chosen tokens are)",
-                                   param="top_logprobs")
+                raise RequestError(
+                    400, "top_logprobs is not supported (logprobs of the chosen tokens are)", param="top_logprobs"
+                )
             if (req.response_format or {}).get("type", "text") != "text":
-                raise RequestError(400, "response_format: only text is supported (no constrained decoding)",
-                                   param="response_format")
+                raise RequestError(
+                    400, "response_format: only text is supported (no constrained decoding)", param="response_format"
+                )
             messages = template_messages(req.messages, session.options.tool_arguments_as_dict)
             use_tools = bool(req.tools) and req.tool_choice != "none"
             if use_tools:
                 check_tools(req.tools or [])
             prompt_ids = chat_prompt_ids(session.tokenizer, messages, req.tools if use_tools else None)
-            out = await session.generate(prompt_ids, req.max_completion_tokens or req.max_tokens,
-                                         request_sampling(req, session))
+            out = await session.generate(
+                prompt_ids, req.max_completion_tokens or req.max_tokens, request_sampling(req, session)
+            )
             return chat_answer(session, req, prompt_ids, out, parse_tools=use_tools)
 
         @app.post("/samples/{token}/v1/completions")

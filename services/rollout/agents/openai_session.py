@@ -72,8 +72,9 @@ class AgentSession:
         """The engine's answer to one call, recorded; None when a budget is spent (the call
         is answered as cut off by the token limit, without the engine)."""
         if self.aborted:
-            raise RequestError(503, "the rollout aborted this sample's generation; it will be started over",
-                               kind="server_error")
+            raise RequestError(
+                503, "the rollout aborted this sample's generation; it will be started over", kind="server_error"
+            )
         if self.failure is not None:
             raise RequestError(503, f"the engine failed: {self.failure}", kind="server_error")
         left = self.token_budget - self.generated - self.reserved
@@ -82,9 +83,12 @@ class AgentSession:
             self.budget_spent = True
             self.past_budget += 1
             if self.past_budget > MAX_CALLS_PAST_BUDGET:
-                raise RequestError(400, f"this sample's budget ({self.options.max_calls} calls, {self.token_budget} "
-                                   "generated tokens) is spent and the agent kept calling after answers with "
-                                   "finish_reason 'length'")
+                raise RequestError(
+                    400,
+                    f"this sample's budget ({self.options.max_calls} calls, {self.token_budget} "
+                    "generated tokens) is spent and the agent kept calling after answers with "
+                    "finish_reason 'length'",
+                )
             return None
         seq = self.started
         self.started += 1
@@ -108,8 +112,9 @@ class AgentSession:
         self.calls.append(call)
         if call.finish == "abort":
             self.aborted = True
-            raise RequestError(503, "the rollout aborted this sample's generation; it will be started over",
-                               kind="server_error")
+            raise RequestError(
+                503, "the rollout aborted this sample's generation; it will be started over", kind="server_error"
+            )
         return out
 
 
@@ -176,7 +181,7 @@ def samples_from_calls(sample: Sample, calls: list[ModelCall], truncated: bool =
         s = cleared_copy(sample)
         s.tokens = list(chain[0].prompt_ids)
         for call in chain:
-            between = call.prompt_ids[len(s.tokens):]  # tool results, the next user turn: not the model's
+            between = call.prompt_ids[len(s.tokens) :]  # tool results, the next user turn: not the model's
             s.tokens += between
             s.response_length += len(between)
             s.loss_mask += [0] * len(between)

@@ -62,8 +62,10 @@ def template_messages(messages: list[ChatMessage], arguments_as_dict: bool) -> l
     names: dict[str, str] = {}  # tool_call_id -> function name
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                   "content": _text(m.content, where)}
+        message: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": _text(m.content, where),
+        }
         if m.tool_calls:
             if m.role != "assistant":
                 raise RequestError(400, f"{where}: only assistant messages carry tool_calls")
@@ -84,15 +86,21 @@ def template_messages(messages: list[ChatMessage], arguments_as_dict: bool) -> l
 def check_tools(tools: list[dict[str, Any]]) -> None:
     for k, tool in enumerate(tools):
         function = tool.get("function")
-        if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise RequestError(400, f'tools[{k}] must be {{"type": "function", "function": {{"name": ..., ...}}}}',
-                               param=f"tools[{k}]")
+        if (
+            tool.get("type") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+        ):
+            raise RequestError(
+                400, f'tools[{k}] must be {{"type": "function", "function": {{"name": ..., ...}}}}', param=f"tools[{k}]"
+            )
 
 
 def refuse_unsupported(req: SamplingFields) -> None:
     if req.n not in (None, 1):
-        raise RequestError(400, "n must be 1: each call generates one answer (make several calls for several)",
-                           param="n")
+        raise RequestError(
+            400, "n must be 1: each call generates one answer (make several calls for several)", param="n"
+        )
     if req.stream:
         raise RequestError(400, "stream is not supported: ask without stream", param="stream")
 
@@ -109,8 +117,12 @@ def request_sampling(req: SamplingFields, session: AgentSession) -> dict[str, An
         run_stop = [run_stop] if isinstance(run_stop, str) else list(run_stop)
         stop = list(dict.fromkeys([*run_stop, *asked]))
         if len(stop) > ENGINE_MAX_STOP_STRINGS:
-            raise RequestError(400, f"with the run's own stop strings this makes {len(stop)}; the engine takes at "
-                               f"most {ENGINE_MAX_STOP_STRINGS}", param="stop")
+            raise RequestError(
+                400,
+                f"with the run's own stop strings this makes {len(stop)}; the engine takes at "
+                f"most {ENGINE_MAX_STOP_STRINGS}",
+                param="stop",
+            )
         params["stop"] = stop
     if not session.options.honor_agent_sampling:
         return params
@@ -129,8 +141,11 @@ def request_sampling(req: SamplingFields, session: AgentSession) -> dict[str, An
 
 def _usage(prompt_ids: list[int], out: dict | None) -> dict[str, int]:
     completion = len(out["output_ids"]) if out else 0
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-            "total_tokens": len(prompt_ids) + completion}
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": completion,
+        "total_tokens": len(prompt_ids) + completion,
+    }
 
 
 def _token_logprobs(tokenizer: Any, out: dict | None) -> list[tuple[str, float]]:
@@ -157,30 +172,44 @@ def _openai_finish(out: dict | None) -> str:
     return "length" if (out["meta_info"].get("finish_reason") or {}).get("type") == "length" else "stop"
 
 
-def chat_answer(session: AgentSession, req: ChatRequest, prompt_ids: list[int], out: dict | None,
-                parse_tools: bool) -> dict[str, Any]:
+def chat_answer(
+    session: AgentSession, req: ChatRequest, prompt_ids: list[int], out: dict | None, parse_tools: bool
+) -> dict[str, Any]:
     text = out.get("text", "") if out else ""
     finish = _openai_finish(out)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if parse_tools and out is not None:
         parsed = parse_tool_calls(session.options.tool_parser, text, finish)
         if parsed.calls:
-            message = {"role": "assistant", "content": parsed.content or None,
-                       "tool_calls": _openai_tool_calls(parsed.calls)}
+            message = {
+                "role": "assistant",
+                "content": parsed.content or None,
+                "tool_calls": _openai_tool_calls(parsed.calls),
+            }
             if finish == "stop":
                 finish = "tool_calls"
     logprobs = None
     if req.logprobs:
-        logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                for t, lp in _token_logprobs(session.tokenizer, out)], "refusal": None}
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": req.model or MODEL_NAME,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
-            "usage": _usage(prompt_ids, out)}
+        logprobs = {
+            "content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in _token_logprobs(session.tokenizer, out)
+            ],
+            "refusal": None,
+        }
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model or MODEL_NAME,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
+        "usage": _usage(prompt_ids, out),
+    }
 
 
-def completion_answer(session: AgentSession, req: CompletionRequest, prompt_ids: list[int],
-                      out: dict | None) -> dict[str, Any]:
+def completion_answer(
+    session: AgentSession, req: CompletionRequest, prompt_ids: list[int], out: dict | None
+) -> dict[str, Any]:
     finish = _openai_finish(out)
     logprobs = None
     if req.logprobs is not None:
@@ -189,13 +218,22 @@ def completion_answer(session: AgentSession, req: CompletionRequest, prompt_ids:
         for t, _ in pairs:
             offsets.append(at)
             at += len(t)
-        logprobs = {"tokens": [t for t, _ in pairs], "token_logprobs": [lp for _, lp in pairs],
-                    "top_logprobs": None, "text_offset": offsets}
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": req.model or MODEL_NAME,
-            "choices": [{"index": 0, "text": out.get("text", "") if out else "", "finish_reason": finish,
-                         "logprobs": logprobs}],
-            "usage": _usage(prompt_ids, out)}
+        logprobs = {
+            "tokens": [t for t, _ in pairs],
+            "token_logprobs": [lp for _, lp in pairs],
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model or MODEL_NAME,
+        "choices": [
+            {"index": 0, "text": out.get("text", "") if out else "", "finish_reason": finish, "logprobs": logprobs}
+        ],
+        "usage": _usage(prompt_ids, out),
+    }
 
 
 def completion_prompt_ids(tokenizer: Any, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
@@ -216,8 +254,12 @@ def completion_prompt_ids(tokenizer: Any, prompt: str | list[int] | list[str] | 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
     try:
-        return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
     except Exception as e:  # a template refuses a conversation (roles out of order, ...) by raising
-        raise RequestError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
-                           param="messages") from None
+        raise RequestError(
+            400, f"the chat template cannot render these messages: {type(e).__name__}: {e}", param="messages"
+        ) from None

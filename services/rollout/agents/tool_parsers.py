@@ -109,7 +109,8 @@ def render_tool_calls_for_template(calls: list[ToolCall], *, arguments_as_dict: 
             "type": "function",
             "function": {
                 "name": call.name,
-                "arguments": copy.deepcopy(call.arguments) if arguments_as_dict
+                "arguments": copy.deepcopy(call.arguments)
+                if arguments_as_dict
                 else json.dumps(call.arguments, ensure_ascii=False),
             },
         }
@@ -164,8 +165,10 @@ class _TurnCalls:
         """The number of the call found next, or None (and an error) past the bound."""
         self.count += 1
         if self.count > MAX_CALLS_PER_TURN:
-            self.errors.append(f"tool call {self.count} and any after it were not run: "
-                               f"at most {MAX_CALLS_PER_TURN} tool calls per turn")
+            self.errors.append(
+                f"tool call {self.count} and any after it were not run: "
+                f"at most {MAX_CALLS_PER_TURN} tool calls per turn"
+            )
             return None
         return self.count
 
@@ -193,8 +196,10 @@ class _TurnCalls:
         """A ToolCall from a decoded call object, or what is wrong with it."""
         own_key = self.argument_keys[0]
         if not isinstance(obj, dict):
-            return (f'tool call {number} must be a JSON object {{"name": ..., "{own_key}": {{...}}}}, '
-                    f"not {type(obj).__name__}")
+            return (
+                f'tool call {number} must be a JSON object {{"name": ..., "{own_key}": {{...}}}}, '
+                f"not {type(obj).__name__}"
+            )
         name = obj.get("name")
         if not isinstance(name, str) or not name:
             return f'tool call {number} has no "name" (the tool to call, as a string)'
@@ -229,8 +234,12 @@ class _TurnCalls:
 
     def _id(self, given: Any) -> str:
         # The model's id is kept only when it is short, plain and unique in the turn.
-        if isinstance(given, str) and len(given) <= MAX_NAME_CHARS and _NAME.fullmatch(given) \
-                and given not in self._ids:
+        if (
+            isinstance(given, str)
+            and len(given) <= MAX_NAME_CHARS
+            and _NAME.fullmatch(given)
+            and given not in self._ids
+        ):
             return given
         k = len(self.calls)
         while f"call_{k}" in self._ids:
@@ -328,8 +337,10 @@ def llama3_json(text: str, finish_reason: str | None) -> ParsedTurn:
             elif body.startswith("{", pos):
                 found.errors.append(f"tool call {number} is not valid JSON: {_json_error(e, pos)}")
             else:
-                found.errors.append(f'tool call {number} after {_PYTHON_TAG} must be a JSON object '
-                                    f'{{"name": ..., "parameters": {{...}}}}')
+                found.errors.append(
+                    f"tool call {number} after {_PYTHON_TAG} must be a JSON object "
+                    f'{{"name": ..., "parameters": {{...}}}}'
+                )
             pos = len(body)  # past a broken object the next one cannot be found reliably
             break
         found.add_object(number, obj)

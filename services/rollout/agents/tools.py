@@ -46,8 +46,14 @@ def function_schema(name: str, fn: Callable[..., Any]) -> dict[str, Any]:
         if param.default is param.empty:
             required.append(param.name)
     doc = (inspect.getdoc(fn) or "").split("\n\n")[0].strip()
-    return {"type": "function", "function": {
-        "name": name, "description": doc, "parameters": {"type": "object", "properties": properties, "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": doc,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
 
 
 @dataclass(frozen=True)
@@ -82,14 +88,19 @@ class ToolBox:
                 out.append(function_schema(name, self.functions[name]))
             else:
                 t = self.http_tools[name]
-                out.append({"type": "function", "function": {
-                    "name": name, "description": t.description, "parameters": t.parameters}})
+                out.append(
+                    {
+                        "type": "function",
+                        "function": {"name": name, "description": t.description, "parameters": t.parameters},
+                    }
+                )
         return out
 
     async def call(self, name: str, arguments: dict[str, Any], allowed: list[str], timeout: float) -> ToolResult:
         if name not in allowed:
-            return ToolResult(f"error: there is no tool named {name!r}; the tools are: {', '.join(allowed) or 'none'}",
-                              False)
+            return ToolResult(
+                f"error: there is no tool named {name!r}; the tools are: {', '.join(allowed) or 'none'}", False
+            )
         try:
             if name in self.functions:
                 value = await asyncio.wait_for(self._call_function(self.functions[name], arguments), timeout)

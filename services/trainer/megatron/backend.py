@@ -76,12 +76,16 @@ class MegatronBackend(TorchBackend):
         try:
             self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise errors.InvalidArgument(f"model_path: cannot read a Hugging Face config from {str(path)!r}: {e}") from None
+            raise errors.InvalidArgument(
+                f"model_path: cannot read a Hugging Face config from {str(path)!r}: {e}"
+            ) from None
         self.layout = hf_layout(self.hf_config, self.tp, self.pp)
         # The global rank of this TP rank's last pipeline stage: log-probs and the metrics of a
         # step are taken there and broadcast over the pipeline group.
         self._last_stage_rank = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[-1]
-        self._tp_sharded = {u.local: u.kind != "replicated" for u in units(self.layout, self.pp) if u.stage == self.pp_rank}
+        self._tp_sharded = {
+            u.local: u.kind != "replicated" for u in units(self.layout, self.pp) if u.stage == self.pp_rank
+        }
         self._tp_sharded["output_layer.weight"] = True  # also the last stage's copy of a tied embedding
         super().__init__(config, device, mixed_precision, resume_from)
 
@@ -149,7 +153,9 @@ class MegatronBackend(TorchBackend):
     def _response_log_probs(self, model, mb: MicroBatch) -> Tensor:
         """Log-probs [b, R] of the response tokens, on every rank (taken on the last stage)."""
         _, out = self._stage_forward(model, mb, grad=False)
-        log_probs = token_log_probs(out, mb.targets) if self.last_stage else torch.empty(mb.targets.shape, device=self.device)
+        log_probs = (
+            token_log_probs(out, mb.targets) if self.last_stage else torch.empty(mb.targets.shape, device=self.device)
+        )
         dist.broadcast(log_probs, src=self._last_stage_rank, group=self._ps.get_pipeline_model_parallel_group())
         return log_probs
 
@@ -257,7 +263,9 @@ class MegatronBackend(TorchBackend):
                     moments[key] = gather_hf(self.layout, local)
                 adam_step = next((float(s["step"]) for s in state.values()), 0.0)
                 optimizers[name] = {
-                    "format": "hf_names", "step": adam_step, **moments,
+                    "format": "hf_names",
+                    "step": adam_step,
+                    **moments,
                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups],
                     "scheduler": opt.scheduler.state_dict(),
                 }

@@ -63,8 +63,14 @@ def hf_names(layout: HFLayout) -> list[str]:
             names.append(p + f"self_attn.{proj}_proj.weight")
             if layout.qkv_bias:
                 names.append(p + f"self_attn.{proj}_proj.bias")
-        names += [p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                  p + "mlp.down_proj.weight", p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [
+            p + "self_attn.o_proj.weight",
+            p + "mlp.gate_proj.weight",
+            p + "mlp.up_proj.weight",
+            p + "mlp.down_proj.weight",
+            p + "input_layernorm.weight",
+            p + "post_attention_layernorm.weight",
+        ]
     names.append("model.norm.weight")
     if not layout.tied:
         names.append("lm_head.weight")
@@ -76,9 +82,15 @@ def hf_shape(layout: HFLayout, name: str) -> tuple[int, ...]:
     last = name.rsplit(".", 2)[-2]
     bias = name.endswith(".bias")
     shapes = {
-        "embed_tokens": (layout.vocab, h), "lm_head": (layout.vocab, h),
-        "q_proj": (q,) if bias else (q, h), "k_proj": (kv,) if bias else (kv, h), "v_proj": (kv,) if bias else (kv, h),
-        "o_proj": (h, q), "gate_proj": (layout.ffn, h), "up_proj": (layout.ffn, h), "down_proj": (h, layout.ffn),
+        "embed_tokens": (layout.vocab, h),
+        "lm_head": (layout.vocab, h),
+        "q_proj": (q,) if bias else (q, h),
+        "k_proj": (kv,) if bias else (kv, h),
+        "v_proj": (kv,) if bias else (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (layout.ffn, h),
+        "up_proj": (layout.ffn, h),
+        "down_proj": (h, layout.ffn),
     }
     return shapes.get(last, (h,))  # norms
 
@@ -123,14 +135,18 @@ def unshard(unit: Unit, layout: HFLayout, shards: list[Tensor]) -> list[Tensor]:
     return [shards[0]]
 
 
-def megatron_shards(layout: HFLayout, read: Callable[[str], Tensor], tp_rank: int, tp: int, pp_rank: int, pp: int) -> dict[str, Tensor]:
+def megatron_shards(
+    layout: HFLayout, read: Callable[[str], Tensor], tp_rank: int, tp: int, pp_rank: int, pp: int
+) -> dict[str, Tensor]:
     """This rank's megatron tensors (local names) from HF tensors, read by name."""
     out = {}
     for unit in units(layout, pp):
         if unit.stage == pp_rank:
             out[unit.local] = _shard(unit, layout, [read(n) for n in unit.hf], tp_rank, tp)
     if layout.tied and pp_rank == pp - 1 and pp > 1:  # the last stage's copy of the shared embedding
-        out["output_layer.weight"] = _shard(units(layout, pp)[0], layout, [read("model.embed_tokens.weight")], tp_rank, tp)
+        out["output_layer.weight"] = _shard(
+            units(layout, pp)[0], layout, [read("model.embed_tokens.weight")], tp_rank, tp
+        )
     return out
 
 

@@ -47,18 +47,27 @@ def hf_layout(hf_config, tp: int, pp: int) -> HFLayout:
         )
     rope = getattr(hf_config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
-        raise errors.InvalidArgument(f"backend 'megatron': rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+        raise errors.InvalidArgument(
+            f"backend 'megatron': rope_type {rope.get('rope_type')!r} is not supported (only 'default')"
+        )
     if getattr(hf_config, "mlp_bias", False) or (kind == "llama" and getattr(hf_config, "attention_bias", False)):
-        raise errors.InvalidArgument("backend 'megatron': Llama models with attention_bias or mlp_bias are not supported")
+        raise errors.InvalidArgument(
+            "backend 'megatron': Llama models with attention_bias or mlp_bias are not supported"
+        )
     if getattr(hf_config, "use_sliding_window", False):
         raise errors.InvalidArgument("backend 'megatron': sliding-window attention is not supported")
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads or hf_config.num_attention_heads
     layers = hf_config.num_hidden_layers
-    for what, n, size in (("num_attention_heads", heads, tp), ("num_key_value_heads", kv_heads, tp),
-                          ("num_hidden_layers", layers, pp)):
+    for what, n, size in (
+        ("num_attention_heads", heads, tp),
+        ("num_key_value_heads", kv_heads, tp),
+        ("num_hidden_layers", layers, pp),
+    ):
         if n % size:
             name = "tensor_parallel_size" if size == tp and what != "num_hidden_layers" else "pipeline_parallel_size"
-            raise errors.InvalidArgument(f"backend 'megatron': the model's {what} ({n}) is not a multiple of {name} ({size})")
+            raise errors.InvalidArgument(
+                f"backend 'megatron': the model's {what} ({n}) is not a multiple of {name} ({size})"
+            )
     pad = hf_config.pad_token_id
     return HFLayout(
         model_type=kind,

@@ -34,7 +34,10 @@ def init_parallel(tp: int, pp: int, device: torch.device) -> None:
             f"{world} rank(s); start it with `torchrun --nproc-per-node {tp * pp} -m rlmesh.cli serve trainer ...`"
         )
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) == (tp, pp):
+        if (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        ) == (tp, pp):
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -62,7 +65,9 @@ class GatherVocab(torch.autograd.Function):
 
 def broadcast_json(value, src: int, group=None):
     """`value` (JSON-able) from rank `src` to every rank of `group`, as bytes in a tensor."""
-    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8) if dist.get_rank() == src else None
+    data = (
+        torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8) if dist.get_rank() == src else None
+    )
     size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.long)
     dist.broadcast(size, src=src, group=group)
     if data is None:
