@@ -29,10 +29,11 @@ test: $(STAMP) proto-check docs-check lint
 	$(BIN)/python -m pytest -q tests/unit tests/service
 	$(BIN)/python -m pytest -q tests/e2e
 
-# ruff, and the service boundary (services share only rlmesh.common and rlmesh.v1; see
-# docs/architecture.md): a break fails here, before any test runs.
+# ruff (lint and format), and the service boundary (services share only rlmesh.common and
+# rlmesh.v1; see docs/architecture.md): a break fails here, before any test runs.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_boundaries.py
 
 # Regenerate the Python code for the .proto contracts (committed).
