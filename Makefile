@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/rlmesh/v1/*.proto)
 
-.PHONY: demo demo-agent test lint proto proto-check docs docs-check bench compose-check clean
+.PHONY: demo demo-agent test lint format proto proto-check docs docs-check bench compose-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_boundaries.py
+
+# Rewrite the tree as `make lint` wants it (formatting, then the fixable lint findings).
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 # Regenerate the Python code for the .proto contracts (committed).
 proto: $(STAMP)
