@@ -51,21 +51,17 @@ def iteration_record(
     }
 
 
-class TrainingMode:
-    """sync; the base of the others, whose background work the hooks below manage."""
+class RunMode:
+    """How a run's RL iterations go; the hooks say what of it runs in the background between
+    iterations (nothing, unless a mode says otherwise)."""
 
     def __init__(self, calls: RunCalls, heartbeat_seconds: float) -> None:
         self.calls = calls
         self.heartbeat_seconds = heartbeat_seconds
 
     async def iteration(self, rollout_id: int) -> dict:
-        t0 = time.monotonic()
-        generation, generate_seconds = await self.calls.generate_batch()
-        t, train_seconds = await self.calls.train_batch()
-        w = await self.calls.publish()
-        return iteration_record(
-            rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds}, t0
-        )
+        """RL iteration `rollout_id` (0-based): its metric record."""
+        raise NotImplementedError
 
     async def settle(self, keep_metrics: bool = False) -> None:
         """Between steps (a pause, the warm start's steps, the end of training): nothing of the
@@ -80,7 +76,18 @@ class TrainingMode:
         (the run stays active and resumes on restart)."""
 
 
-class OneStepOffMode(TrainingMode):
+class SyncMode(RunMode):
+    async def iteration(self, rollout_id: int) -> dict:
+        t0 = time.monotonic()
+        generation, generate_seconds = await self.calls.generate_batch()
+        t, train_seconds = await self.calls.train_batch()
+        w = await self.calls.publish()
+        return iteration_record(
+            rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds}, t0
+        )
+
+
+class OneStepOffMode(RunMode):
     def __init__(self, calls: RunCalls, heartbeat_seconds: float) -> None:
         super().__init__(calls, heartbeat_seconds)
         self.upcoming: asyncio.Task | None = None  # the next batch's generation, finished by the iteration's end
@@ -129,7 +136,7 @@ class OneStepOffMode(TrainingMode):
             self.upcoming.cancel()
 
 
-class FullyAsyncMode(TrainingMode):
+class FullyAsyncMode(RunMode):
     def __init__(self, calls: RunCalls, heartbeat_seconds: float) -> None:
         super().__init__(calls, heartbeat_seconds)
         self.heartbeat: asyncio.Task | None = None  # while the continuous generation runs
@@ -225,8 +232,8 @@ class FullyAsyncMode(TrainingMode):
         self.heartbeat = None
 
 
-TRAINING_MODES: dict[str, type[TrainingMode]] = {
-    "sync": TrainingMode,
+MODES: dict[str, type[RunMode]] = {
+    "sync": SyncMode,
     "one_step_off": OneStepOffMode,
     "fully_async": FullyAsyncMode,
 }

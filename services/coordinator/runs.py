@@ -18,7 +18,7 @@ from rlmesh.common.run_config import RunConfig
 from rlmesh.coordinator import requests
 from rlmesh.coordinator.calls import Clients, RunCalls, StopRequested
 from rlmesh.coordinator.config import Settings
-from rlmesh.coordinator.modes import TRAINING_MODES, TrainingMode
+from rlmesh.coordinator.modes import MODES, RunMode
 from rlmesh.coordinator.observe import CoordinatorMetrics, RunLoggers
 from rlmesh.coordinator.store import ACTIVE, FINAL, RunStore
 from rlmesh.v1 import buffer_pb2, trainer_pb2
@@ -128,7 +128,7 @@ class RunDriver:
 
     async def _drive(self, run_id: str) -> None:
         """The run from where its record says it stands to its end: completed, stopped or failed."""
-        mode: TrainingMode | None = None
+        mode: RunMode | None = None
         try:
             rec = await self.store.get(run_id)
             cfg = RunConfig.model_validate(rec["config"])
@@ -138,7 +138,7 @@ class RunDriver:
             calls = RunCalls(
                 run_id, cfg, self.store, self.clients, self.settings, self.backoff, self.train_wait_seconds
             )
-            mode = TRAINING_MODES[cfg.mode](calls, self.settings.async_heartbeat_seconds)
+            mode = MODES[cfg.mode](calls, self.settings.async_heartbeat_seconds)
             await self._train(calls, mode, rec["phase"])
             after = await calls.evaluate()
             await self._append(run_id, cfg, {"rollout_id": cfg.num_rollouts, "time": time.time(), **after})
@@ -161,7 +161,7 @@ class RunDriver:
             await self.store.update(run_id, status="failed", error=f"{type(e).__name__}: {e}")
             await self._end(run_id, mode)
 
-    async def _train(self, calls: RunCalls, mode: TrainingMode, phase: str) -> None:
+    async def _train(self, calls: RunCalls, mode: RunMode, phase: str) -> None:
         """The run's train steps in order: the SFT warm start's, the evaluation before RL, then
         RL's iterations, until the trainer's model holds every one in a checkpoint. Where the
         run stands is the trainer's step (the run record's train_steps say which of the run's
@@ -190,7 +190,7 @@ class RunDriver:
                 await self._step_boundary(calls, mode)
                 done = await self._rl_iteration(calls, mode, done - sft_steps)
 
-    async def _step_boundary(self, calls: RunCalls, mode: TrainingMode) -> None:
+    async def _step_boundary(self, calls: RunCalls, mode: RunMode) -> None:
         """Between steps, where nothing of the run is in flight: stop when asked; while paused,
         hold here (held=1 tells the API the run has come to rest). The mode's background work
         is settled first (fully_async: the continuous generation stops, its unfinished prompts
@@ -211,7 +211,7 @@ class RunDriver:
             raise StopRequested
         log.info("run %s resumed", run_id)
 
-    async def _rl_iteration(self, calls: RunCalls, mode: TrainingMode, rollout_id: int) -> int:
+    async def _rl_iteration(self, calls: RunCalls, mode: RunMode, rollout_id: int) -> int:
         """RL iteration `rollout_id` (0-based), recorded; how many of the run's train steps the
         trainer holds after it."""
         cfg = calls.cfg
@@ -227,7 +227,7 @@ class RunDriver:
             self.metrics.iteration(cfg.mode, record)
         return done
 
-    async def _sft_step(self, calls: RunCalls, mode: TrainingMode, step: int) -> int:
+    async def _sft_step(self, calls: RunCalls, mode: RunMode, step: int) -> int:
         """The warm start's step `step` (0-based); the trainer's step after it."""
         run_id, cfg = calls.run_id, calls.cfg
         await self._step_boundary(calls, mode)
@@ -299,7 +299,7 @@ class RunDriver:
         await self.store.update(run_id, train_steps=steps)
         return len(steps)
 
-    async def _end(self, run_id: str, mode: TrainingMode | None, trainer_ended: bool = False) -> None:
+    async def _end(self, run_id: str, mode: RunMode | None, trainer_ended: bool = False) -> None:
         if mode is not None:
             await mode.close()
         if not trainer_ended:
