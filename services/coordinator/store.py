@@ -17,6 +17,29 @@ ACTIVE = ("pending", "running", "paused", "stopping")
 FINAL = ("completed", "stopped", "failed")
 
 
+# Create a run. KEYS: its record, the claim, the index. ARGV: its id, its creation time, the
+# prefix of run records, the number n of active statuses, those statuses, then the record's
+# fields and values. The claim becomes the new run's unless an active, indexed run holds it:
+# then that run's id is returned, else ''. A claim held by a finished run, by a run whose
+# record is gone, or by one never indexed (its creator died half way, when creation took
+# three writes) is taken over; the run's own claim is a retried call that had succeeded.
+_CREATE = """
+local holder = redis.call('GET', KEYS[2])
+local n = tonumber(ARGV[4])
+if holder and holder ~= ARGV[1] then
+  local status = redis.call('HGET', ARGV[3] .. holder, 'status')
+  local indexed = redis.call('ZSCORE', KEYS[3], holder)
+  for i = 5, 4 + n do
+    if status == ARGV[i] and indexed then return holder end
+  end
+  if status and not indexed then redis.call('DEL', ARGV[3] .. holder) end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 5 + n))
+redis.call('SET', KEYS[2], ARGV[1])
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+return ''
+"""
+
 # Compare-and-delete: release the active-run claim only if this run holds it.
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
@@ -54,52 +77,39 @@ class RunStore:
         self.redis = redis
         self.prefix = f"{prefix}:coord:"
         self.active_key = self.prefix + "active"
+        self.index_key = self.prefix + "runs"
 
     def _key(self, run_id: str) -> str:
         return f"{self.prefix}run:{run_id}"
 
     async def create(self, config: RunConfig) -> str:
-        """A new pending run, if no other run is active (else FailedPrecondition, 409)."""
+        """A new pending run, if no other run is active (else FailedPrecondition, 409): its
+        record, the claim and its place in the index are one script, so no crash leaves a
+        claim without its run."""
         run_id = uuid.uuid4().hex[:12]
         now = time.time()
-        # The record exists before its claim, so a claim whose record is gone is surely stale.
-        await self.redis.hset(
-            self._key(run_id),
-            mapping={
-                "id": run_id,
-                "name": config.name,
-                "config": config.model_dump_json(),
-                "status": "pending",
-                "phase": "setup",
-                "weight_version": 0,
-                "created_at": now,
-                "updated_at": now,
-                "error": "",
-                "waiting_for": "",
-                "eval_before": "{}",
-                "eval_after": "{}",
-                "held": 0,
-                "train_steps": "[]",
-            },
-        )
-        try:
-            await self._claim(run_id)
-        except BaseException:
-            await self.redis.delete(self._key(run_id))
-            raise
-        await self.redis.zadd(self.prefix + "runs", {run_id: now})
+        record = {
+            "id": run_id,
+            "name": config.name,
+            "config": config.model_dump_json(),
+            "status": "pending",
+            "phase": "setup",
+            "weight_version": 0,
+            "created_at": now,
+            "updated_at": now,
+            "error": "",
+            "waiting_for": "",
+            "eval_before": "{}",
+            "eval_after": "{}",
+            "held": 0,
+            "train_steps": "[]",
+        }
+        fields = [item for pair in record.items() for item in pair]
+        keys = (self._key(run_id), self.active_key, self.index_key)
+        holder = await self.redis.eval(_CREATE, 3, *keys, run_id, now, self._key(""), len(ACTIVE), *ACTIVE, *fields)
+        if holder:
+            raise FailedPrecondition(f"run {holder.decode()} is still active; stop it first (one run trains at a time)")
         return run_id
-
-    async def _claim(self, run_id: str) -> None:
-        for _ in range(2):
-            if await self.redis.set(self.active_key, run_id, nx=True):
-                return
-            holder = (await self.redis.get(self.active_key) or b"").decode()
-            status = (await self.redis.hget(self._key(holder), "status") or b"").decode()
-            if status in ACTIVE:
-                raise FailedPrecondition(f"run {holder} is still active; stop it first (one run trains at a time)")
-            await self.release(holder)  # a claim left by a coordinator that died as its run ended
-        raise FailedPrecondition("another run was submitted at the same moment; try again")
 
     async def mark_stopping(self, run_id: str) -> str:
         status = await self.redis.eval(_MARK_STOPPING, 1, self._key(run_id), *FINAL, time.time())
@@ -135,7 +145,7 @@ class RunStore:
 
     async def delete(self, run_id: str) -> None:
         await self.redis.delete(self._key(run_id), self._key(run_id) + ":metrics")
-        await self.redis.zrem(self.prefix + "runs", run_id)
+        await self.redis.zrem(self.index_key, run_id)
 
     async def get(self, run_id: str) -> dict:
         raw = await self.redis.hgetall(self._key(run_id))
@@ -184,7 +194,7 @@ class RunStore:
         return [json.loads(r) for r in await self.redis.lrange(self._key(run_id) + ":metrics", start, -1)]
 
     async def list(self) -> list[dict]:
-        ids = [r.decode() for r in await self.redis.zrange(self.prefix + "runs", 0, -1)]
+        ids = [r.decode() for r in await self.redis.zrange(self.index_key, 0, -1)]
         records = []
         for run_id in ids:
             try:

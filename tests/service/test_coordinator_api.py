@@ -115,6 +115,21 @@ def test_concurrent_submissions_start_one_run(api):
     assert api.delete("/runs/..%2F..").status_code in (404, 422)
 
 
+def test_a_claim_left_by_a_half_created_run_is_taken_over(api, redis_url):
+    # What a coordinator killed between the claim and the index write left behind, when run
+    # creation was three writes: a pending record that holds the claim but that no list shows
+    # and nothing resumes (every POST /runs answered 409 "still active" forever).
+    r = redis.Redis.from_url(redis_url)
+    r.hset("rlmesh:coord:run:orphan", mapping={"id": "orphan", "status": "pending"})
+    r.set("rlmesh:coord:active", "orphan")
+    created = api.post("/runs", json=body())
+    assert created.status_code == 201, created.text
+    assert [run["id"] for run in api.get("/runs").json()] == [created.json()["id"]]
+    assert not r.exists("rlmesh:coord:run:orphan")
+    # the new run is active and indexed: it holds the claim as before
+    assert api.post("/runs", json=body()).status_code == 409
+
+
 def test_the_spec_documents_every_error_status(api):
     spec = api.get("/openapi.json").json()
     post_runs = spec["paths"]["/runs"]["post"]["responses"]
