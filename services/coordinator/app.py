@@ -139,7 +139,7 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse(status_code=status, content={"detail": exc.details(), "code": exc.code().name})
 
     app.include_router(runs_router(settings))
-    app.include_router(reward_services_router())
+    app.include_router(reward_services_router(settings))
 
     @app.get("/health")
     async def health():

@@ -10,6 +10,7 @@ from google.protobuf.json_format import MessageToDict
 from rlmesh.common.errors import FailedPrecondition
 from rlmesh.common.reward_service import remote_service_to_proto
 from rlmesh.common.run_config import RunConfig
+from rlmesh.coordinator.config import Settings
 from rlmesh.coordinator.schemas import RELAYED, RewardServiceRegistration, error_responses
 from rlmesh.v1 import reward_pb2
 
@@ -39,46 +40,52 @@ def _service_dict(msg) -> dict:
     return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-async def _refuse_if_the_active_run_uses(request: Request, name: str, removes: bool, new_weight: float = 0.0):
-    """409 when the change would swap the rewards of the run training now (the reward service
-    knows no runs). Checked just before the change, not atomically with it."""
-    active = await request.app.state.store.active()
-    if active is not None:
-        listed = await request.app.state.reward.ListServices(reward_pb2.ListServicesRequest())
-        check_reward_service_change(*active, name, {s.name: s.weight for s in listed.services}, removes, new_weight)
-
-
-def reward_services_router() -> APIRouter:
+def reward_services_router(settings: Settings) -> APIRouter:
     router = APIRouter()
+    deadline = settings.call_deadline_seconds
+
+    async def refuse_if_the_active_run_uses(request: Request, name: str, removes: bool, new_weight: float = 0.0):
+        """409 when the change would swap the rewards of the run training now (the reward service
+        knows no runs). Checked just before the change, not atomically with it."""
+        active = await request.app.state.store.active()
+        if active is not None:
+            listed = await request.app.state.reward.ListServices(reward_pb2.ListServicesRequest(), timeout=deadline)
+            registered = {s.name: s.weight for s in listed.services}
+            check_reward_service_change(*active, name, registered, removes, new_weight)
 
     @router.post("/reward-services", status_code=201, responses=error_responses(*RELAYED, 413))
     async def register_reward_service(spec: RewardServiceRegistration, request: Request):
         """Register a remote reward service by URL; refused (400) when its host is not allowed by the
         reward service's address policy, 409 when it does not answer the probe, when the name is taken
         and replace is not set, or when the active run uses the name."""
-        await _refuse_if_the_active_run_uses(request, spec.name, removes=spec.replace, new_weight=spec.weight)
+        await refuse_if_the_active_run_uses(request, spec.name, removes=spec.replace, new_weight=spec.weight)
+        # (registration probes the remote service, which may take its whole timeout)
         msg = await request.app.state.reward.RegisterService(
             reward_pb2.RegisterServiceRequest(
                 service=remote_service_to_proto(spec, with_token=True), replace=spec.replace
-            )
+            ),
+            timeout=deadline + spec.timeout_seconds,
         )
         return _service_dict(msg)
 
     @router.get("/reward-services", responses=error_responses(*RELAYED))
     async def list_reward_services(request: Request):
-        resp = await request.app.state.reward.ListServices(reward_pb2.ListServicesRequest())
+        resp = await request.app.state.reward.ListServices(reward_pb2.ListServicesRequest(), timeout=deadline)
         return [_service_dict(s) for s in resp.services]
 
     @router.delete("/reward-services/{name}", responses=error_responses(*RELAYED))
     async def unregister_reward_service(name: str, request: Request):
         """Unregister a remote reward service; 409 while the active run uses it."""
-        await _refuse_if_the_active_run_uses(request, name, removes=True)
-        resp = await request.app.state.reward.UnregisterService(reward_pb2.UnregisterServiceRequest(name=name))
+        await refuse_if_the_active_run_uses(request, name, removes=True)
+        resp = await request.app.state.reward.UnregisterService(
+            reward_pb2.UnregisterServiceRequest(name=name), timeout=deadline
+        )
         return {"removed": resp.removed}
 
     @router.get("/reward-services/stats", responses=error_responses(*RELAYED))
     async def reward_stats(request: Request):
         """Per remote service: calls, failures, retries, breaker state, latency."""
-        return _service_dict(await request.app.state.reward.GetStats(reward_pb2.GetRewardStatsRequest()))
+        stats = await request.app.state.reward.GetStats(reward_pb2.GetRewardStatsRequest(), timeout=deadline)
+        return _service_dict(stats)
 
     return router

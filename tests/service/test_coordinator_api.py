@@ -130,6 +130,19 @@ def test_a_claim_left_by_a_half_created_run_is_taken_over(api, redis_url):
     assert api.post("/runs", json=body()).status_code == 409
 
 
+def test_a_reward_service_that_never_answers_is_a_504_not_a_hang(start_in_loop, redis_url, silent_address):
+    _, port = start_in_loop(
+        lambda: start_coordinator(
+            Settings(port=0, redis_url=redis_url, reward_address=silent_address, call_deadline_seconds=1.0)
+        )
+    )
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=client_headers()) as client:
+        for method, path in (("GET", "/reward-services"), ("GET", "/reward-services/stats"),
+                             ("DELETE", "/reward-services/judge")):  # fmt: skip
+            r = client.request(method, path)
+            assert r.status_code == 504 and r.json()["code"] == "DEADLINE_EXCEEDED", (path, r.text)
+
+
 def test_the_spec_documents_every_error_status(api):
     spec = api.get("/openapi.json").json()
     post_runs = spec["paths"]["/runs"]["post"]["responses"]
