@@ -132,9 +132,30 @@ class RunCalls:
         return await self.patiently(self.service("trainer"), lambda: self.on_trainer(call))
 
     async def init_trainer(self) -> trainer_pb2.TrainerStatus:
-        return await self.clients.trainer.InitRun(
-            requests.init_run_request(self.run_id, self.cfg), timeout=self.settings.setup_deadline_seconds
+        """InitRun. A trainer that still holds a run that has ended (its EndRun never landed:
+        the coordinator died first, or the call failed) lets that run go first."""
+
+        def init() -> Awaitable[trainer_pb2.TrainerStatus]:
+            request = requests.init_run_request(self.run_id, self.cfg)
+            return self.clients.trainer.InitRun(request, timeout=self.settings.setup_deadline_seconds)
+
+        try:
+            return await init()
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            held = await self.clients.trainer.GetStatus(
+                trainer_pb2.GetStatusRequest(), timeout=self.settings.call_deadline_seconds
+            )
+            if not held.run_id or held.run_id == self.run_id or await self.store.is_active(held.run_id):
+                raise
+        log.warning(
+            "run %s: the trainer still holds run %s, which has ended: ending it there", self.run_id, held.run_id
         )
+        await self.clients.trainer.EndRun(
+            trainer_pb2.EndRunRequest(run_id=held.run_id), timeout=self.settings.setup_deadline_seconds
+        )
+        return await init()
 
     async def setup(self) -> int:
         """The run in the buffer and on the trainer; returns the trainer's step."""

@@ -139,7 +139,9 @@ class OneStepOffMode(RunMode):
 class FullyAsyncMode(RunMode):
     def __init__(self, calls: RunCalls, heartbeat_seconds: float) -> None:
         super().__init__(calls, heartbeat_seconds)
-        self.heartbeat: asyncio.Task | None = None  # while the continuous generation runs
+        self.heartbeat: asyncio.Task | None = None  # while this coordinator keeps the generation running
+        # Until stopped once: a previous coordinator of the run may have left its loop running.
+        self.loop_may_run = True
         self.generation_metrics: dict[str, float] = {}  # since the last record
 
     async def iteration(self, rollout_id: int) -> dict:
@@ -149,6 +151,7 @@ class FullyAsyncMode(RunMode):
         t0 = time.monotonic()
         if self.heartbeat is None:
             self.heartbeat = asyncio.create_task(self._beat(), name=f"heartbeat-{calls.run_id}")
+            self.loop_may_run = True
         await self._start_generation()
         t, train_seconds = await calls.train_batch()
         t1 = time.monotonic()
@@ -213,10 +216,11 @@ class FullyAsyncMode(RunMode):
             self.heartbeat.cancel()
 
     async def _stop_generation(self, patiently: bool) -> None:
-        if self.heartbeat is None:
+        if not self.loop_may_run:
             return
-        self.heartbeat.cancel()
-        await asyncio.gather(self.heartbeat, return_exceptions=True)
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
+            await asyncio.gather(self.heartbeat, return_exceptions=True)
         calls = self.calls
 
         def call():
@@ -229,7 +233,7 @@ class FullyAsyncMode(RunMode):
         except grpc.aio.AioRpcError as e:
             log.warning("run %s: could not stop the generation loop: %s", calls.run_id, e.details())
         # (not when the wait above ended otherwise, say by a stop request: close() tries once more)
-        self.heartbeat = None
+        self.heartbeat, self.loop_may_run = None, False
 
 
 MODES: dict[str, type[RunMode]] = {

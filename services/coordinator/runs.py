@@ -132,13 +132,14 @@ class RunDriver:
         try:
             rec = await self.store.get(run_id)
             cfg = RunConfig.model_validate(rec["config"])
-            if rec["status"] == "stopping":  # stopped while the coordinator was down
-                raise StopRequested
-            await self.store.transition(run_id, ("pending",), "running")  # (a paused run stays paused)
             calls = RunCalls(
                 run_id, cfg, self.store, self.clients, self.settings, self.backoff, self.train_wait_seconds
             )
+            # (before anything can fail: its end stops what a previous coordinator left running)
             mode = MODES[cfg.mode](calls, self.settings.async_heartbeat_seconds)
+            if rec["status"] == "stopping":  # stopped while the coordinator was down
+                raise StopRequested
+            await self.store.transition(run_id, ("pending",), "running")  # (a paused run stays paused)
             await self._train(calls, mode, rec["phase"])
             after = await calls.evaluate()
             await self._append(run_id, cfg, {"rollout_id": cfg.num_rollouts, "time": time.time(), **after})

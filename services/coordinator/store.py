@@ -167,6 +167,13 @@ class RunStore:
         fields = {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in fields.items()}
         await self.redis.hset(self._key(run_id), mapping={**fields, "updated_at": time.time()})
 
+    async def is_active(self, run_id: str) -> bool:
+        """Whether the run exists and has not ended."""
+        try:
+            return await self.status(run_id) in ACTIVE
+        except NotFound:
+            return False
+
     async def status(self, run_id: str) -> str:
         s = await self.redis.hget(self._key(run_id), "status")
         if s is None:

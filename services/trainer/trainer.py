@@ -166,6 +166,9 @@ class Trainer:
             return run.status()
 
     def status(self, run_id: str) -> RunStatus:
+        """The run's status; with run_id "", that of the run this trainer holds (all empty: none)."""
+        if not run_id:
+            return self._run.status() if self._run is not None else RunStatus("", 0, 0, "")
         return self._get(run_id).status()
 
     @asynccontextmanager

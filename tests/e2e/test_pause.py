@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+import redis
 
 from rlmesh.common.auth import client_headers
 from rlmesh.coordinator.app import API_TASK
@@ -105,3 +106,36 @@ def test_a_paused_run_stays_paused_across_a_coordinator_restart(
     assert run["status"] == "completed", run["error"]
     rl = [m for m in run["metrics"] if "iteration/seconds" in m]
     assert [m["rollout_id"] for m in rl] == list(range(1, ROLLOUTS + 1))
+
+
+@pytest.mark.slow
+def test_a_fully_async_run_stopped_while_its_coordinator_is_down_leaves_no_generation_behind(
+    redis_url, start_in_loop, loop_thread, engine_url, tmp_path, tiny_model_dir
+):
+    stack = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path)
+    config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=ROLLOUTS), "mode": "fully_async"}
+    run_id = stack.api.post("/runs", json=config).json()["id"]
+    wait_for_run(stack.api, run_id, lambda run: run["rollout_id"] >= 1)
+    # The coordinator goes down with the rollout service's generation loop running; the stop
+    # comes meanwhile (as another coordinator replica would write it).
+    loop_thread.run(_stop_coordinator(stack.servers["coordinator"]), timeout=60)
+    redis.Redis.from_url(redis_url).hset(f"rlmesh:coord:run:{run_id}", "status", "stopping")
+    a = stack.addresses
+    _, port = start_in_loop(
+        lambda: start_coordinator(
+            CoordinatorSettings(
+                port=0,
+                redis_url=redis_url,
+                buffer_address=a["buffer"],
+                rollout_address=a["rollout"],
+                reward_address=a["reward"],
+                trainer_address=a["trainer"],
+            )
+        )
+    )
+    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=client_headers())
+    assert wait_for_run(api, run_id)["status"] == "stopped"
+    # The next fully_async run gets the rollout service's generation to itself.
+    next_id = api.post("/runs", json={**config, "num_rollouts": 2}).json()["id"]
+    run = wait_for_run(api, next_id)
+    assert run["status"] == "completed", run["error"]

@@ -6,9 +6,12 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rlmesh.v1 import buffer_pb2
+from rlmesh.common.grpc_server import sync_channel
+from rlmesh.common.run_config import TrainerRunConfig
+from rlmesh.v1 import buffer_pb2, trainer_pb2
+from rlmesh.v1.trainer_pb2_grpc import TrainerStub
 from tests.helpers.runs import run_config
-from tests.helpers.stack import wait_for_run
+from tests.helpers.stack import start_local_stack, wait_for_run
 
 
 @pytest.mark.slow
@@ -78,3 +81,22 @@ def test_reward_services_are_registered_through_the_rest_api(services):
     assert r.status_code == 409 and r.json()["code"] == "FAILED_PRECONDITION"
     assert api.delete("/reward-services/judge").json() == {"removed": False}
     assert api.get("/reward-services/stats").status_code == 200
+
+
+@pytest.mark.slow
+def test_a_trainer_still_holding_a_run_that_ended_lets_it_go_for_the_next(
+    redis_url, start_in_loop, engine_url, tmp_path, tiny_model_dir
+):
+    # What a coordinator killed between a run's final status and its EndRun (or an EndRun that
+    # failed) leaves behind: the trainer holds a run that is over (every later InitRun was
+    # refused with "already holds run ...", so every later run failed).
+    stack = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path)
+    trainer = TrainerStub(sync_channel(stack.addresses["trainer"]))
+    config = TrainerRunConfig(model_path=str(tiny_model_dir), device="cpu")
+    trainer.InitRun(trainer_pb2.InitRunRequest(run_id="ended", config_json=config.model_dump_json()))
+    assert trainer.GetStatus(trainer_pb2.GetStatusRequest()).run_id == "ended"
+
+    run_id = stack.api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1)).json()["id"]
+    run = wait_for_run(stack.api, run_id)
+    assert run["status"] == "completed", run["error"]
+    assert trainer.GetStatus(trainer_pb2.GetStatusRequest()).run_id == ""  # (the run has ended on it too)
