@@ -57,6 +57,7 @@ async def run_stats(redis: aioredis.Redis, k: RunKeys, spec: dict, rate_window_s
         dead_letter_groups=dead,
         provisional_groups=provisional,
         rolled_back_groups=counters.get("rolled_back_groups", 0),
+        dataset_rows=spec["sizes"],
     )
 
 

@@ -290,13 +290,16 @@ class RunCalls:
         return await self.patiently(self.service("rollout"), call)
 
     async def evaluate(self) -> dict:
-        out: dict = {}
-        for d in self.cfg.eval_datasets():
-            request = requests.evaluate_request(self.run_id, self.cfg, d.name)
+        """The run's evaluation metrics, each eval dataset's call with a deadline for its size."""
+        cfg, out = self.cfg, {}
+        rows = (await self.stats()).dataset_rows if not cfg.eval.limit else {}
+        for d in cfg.eval_datasets():
+            request = requests.evaluate_request(self.run_id, cfg, d.name)
+            prompts = cfg.eval.limit or rows.get(d.name, 0)
             r = await self.patiently(
                 self.service("rollout"),
-                lambda request=request: self.clients.rollout.Evaluate(
-                    request, timeout=self.deadline(self.cfg.eval.limit)
+                lambda request=request, prompts=prompts: self.clients.rollout.Evaluate(
+                    request, timeout=self.deadline(prompts)
                 ),
             )
             out.update(r.metrics)

@@ -13,7 +13,7 @@ import time
 import grpc
 
 from rlmesh.common.errors import FailedPrecondition, NotFound
-from rlmesh.common.retry import Backoff
+from rlmesh.common.retry import Backoff, OutageTooLong
 from rlmesh.common.run_config import RunConfig
 from rlmesh.coordinator import requests
 from rlmesh.coordinator.calls import Clients, RunCalls, StopRequested
@@ -141,10 +141,10 @@ class RunDriver:
                 raise StopRequested
             await self.store.transition(run_id, ("pending",), "running")  # (a paused run stays paused)
             await self._train(calls, mode, rec["phase"])
-            after = await calls.evaluate()
+            after, error = await self._evaluate_after(calls)
             await self._append(run_id, cfg, {"rollout_id": cfg.num_rollouts, "time": time.time(), **after})
             await self.run_logs.close(run_id)  # (flushed before the run says it is done)
-            await self.store.update(run_id, phase="done", status="completed", eval_after=after)
+            await self.store.update(run_id, phase="done", status="completed", eval_after=after, error=error)
             await self._end(run_id, mode, trainer_ended=True)
         except StopRequested:
             await self.store.update(run_id, status="stopped")
@@ -190,6 +190,16 @@ class RunDriver:
             else:
                 await self._step_boundary(calls, mode)
                 done = await self._rl_iteration(calls, mode, done - sft_steps)
+
+    async def _evaluate_after(self, calls: RunCalls) -> tuple[dict, str]:
+        """The evaluation after RL, and what went wrong with it: every step is trained and in a
+        checkpoint by now, so an evaluation that cannot be taken does not fail the run."""
+        try:
+            return await calls.evaluate(), ""
+        except (grpc.aio.AioRpcError, OutageTooLong) as e:
+            reason = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            log.error("run %s: the evaluation after RL failed: %s", calls.run_id, reason)
+            return {}, f"the evaluation after RL failed (the run trained every step): {reason}"
 
     async def _step_boundary(self, calls: RunCalls, mode: RunMode) -> None:
         """Between steps, where nothing of the run is in flight: stop when asked; while paused,

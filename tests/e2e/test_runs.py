@@ -100,3 +100,20 @@ def test_a_trainer_still_holding_a_run_that_ended_lets_it_go_for_the_next(
     run = wait_for_run(stack.api, run_id)
     assert run["status"] == "completed", run["error"]
     assert trainer.GetStatus(trainer_pb2.GetStatusRequest()).run_id == ""  # (the run has ended on it too)
+
+
+@pytest.mark.slow
+def test_an_evaluation_of_a_whole_dataset_has_a_deadline_for_its_size(
+    redis_url, start_in_loop, engine_url, tmp_path, tiny_model_dir
+):
+    # eval.limit 0 evaluates every row; its deadline used to be the base alone, whatever the
+    # dataset's size, so a long evaluation was cut and retried until the run failed.
+    stack = start_local_stack(
+        start_in_loop, redis_url, engine_url, tmp_path,
+        coordinator_settings={"work_deadline_seconds": 0.001, "per_group_deadline_seconds": 10},
+    )  # fmt: skip
+    config = run_config(tmp_path, tiny_model_dir, num_rollouts=1)
+    config.update(max_outage_seconds=10, eval={**config["eval"], "limit": 0})
+    run = wait_for_run(stack.api, stack.api.post("/runs", json=config).json()["id"])
+    assert run["status"] == "completed", run["error"]
+    assert "eval/held_out/reward_mean" in run["eval_before"] and "eval/held_out/reward_mean" in run["eval_after"]
