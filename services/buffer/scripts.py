@@ -103,6 +103,15 @@ local function leased(k, ids, lease_id, expiry, stale_kept, stale_dropped)
   return out
 end
 
+-- The lease KEYS[8] (batch:<ARGV[3]>), if it lives: what leasing it answered (a retried call).
+local function live_lease(k)
+  if not redis.call('ZSCORE', k.leases, ARGV[3]) then return nil end
+  local ids = redis.call('LRANGE', k.lease_list, 0, -1)
+  local out = {#ids, 0, 0, run_token(k.spec)}
+  for _, id in ipairs(ids) do out[#out + 1] = id end
+  return out
+end
+
 local function lease_keys()
   return {spec = KEYS[1], queue = KEYS[2], leases = KEYS[3], groups = KEYS[4], meta = KEYS[5],
           stats = KEYS[6], discarded = KEYS[7], lease_list = KEYS[8], deliveries = KEYS[9],
@@ -125,6 +134,8 @@ LEASE_FIFO = (
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-1} end
 requeue_expired(k, ARGV[1], ARGV[2], tonumber(ARGV[5]))
+local again = live_lease(k)
+if again then return again end
 local want_groups, want_samples = tonumber(ARGV[6]), tonumber(ARGV[7])
 local min_v, keep = tonumber(ARGV[8]), ARGV[9] == '1'
 local take, drop, stale_kept = {}, {}, 0
@@ -175,6 +186,8 @@ LEASE_CHOSEN = (
     + r"""
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-1} end
+local again = live_lease(k)
+if again then return again end
 local n_take, n_drop, stale_kept = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local take, drop = {}, {}
 for i = 1, n_take do
@@ -222,6 +235,30 @@ for i = 2, #ARGV, 2 do
   if redis.call('LREM', k.lease_list, 1, ARGV[i]) == 1 then dead_letter(k, ARGV[i], ARGV[i + 1]) end
 end
 return {(#ARGV - 1) / 2}
+"""
+)
+
+# A live lease given up by its holder: its groups go back to the front of the queue in
+# their order, their delivery undone (the step never used them). Idempotent.
+#   KEYS: as the lease scripts (batch:<lease_id> of this lease);  ARGV: lease_id
+# Returns -2 unknown run, else groups queued again (0: no such live lease).
+RELEASE_BATCH = (
+    _HELPERS
+    + r"""
+local k = lease_keys()
+if redis.call('EXISTS', k.spec) == 0 then return -2 end
+if not redis.call('ZSCORE', k.leases, ARGV[1]) then return 0 end
+local ids = redis.call('LRANGE', k.lease_list, 0, -1)
+local samples = 0
+for i = #ids, 1, -1 do
+  redis.call('LPUSH', k.queue, ids[i])
+  redis.call('HINCRBY', k.deliveries, ids[i], -1)
+  samples = samples + (meta_of(k.meta, ids[i]))
+end
+redis.call('DEL', k.lease_list)
+redis.call('ZREM', k.leases, ARGV[1])
+redis.call('HINCRBY', k.stats, 'queued_samples', samples)
+return #ids
 """
 )
 

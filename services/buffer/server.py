@@ -129,6 +129,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             min_weight_version=request.min_weight_version,
             keep_stale=_STALE_POLICIES[request.stale_policy],
             poll_seconds=self.settings.poll_interval_seconds,
+            lease_id=request.lease_id,
         )
         return batch.response
 
@@ -153,6 +154,11 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         reasons = {g.group_id: g.reason for g in request.groups}
         return buffer_pb2.RejectGroupsResponse(
             rejected=await self.store.reject_groups(request.run_id, request.lease_id, reasons)
+        )
+
+    async def ReleaseBatch(self, request, context):
+        return buffer_pb2.ReleaseBatchResponse(
+            released=await self.store.release_batch(request.run_id, request.lease_id)
         )
 
     async def GetStats(self, request, context):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from rlmesh.buffer.stats import run_stats
 from rlmesh.buffer.wire import repeated_messages
 from rlmesh.common.dataset_spec import dataset_defaults
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RlmeshError
+from rlmesh.common.faults import fault_point
 from rlmesh.common.run_config import DatasetConfig
 from rlmesh.common.sample import ConversionError, validate_group_proto
 from rlmesh.v1 import buffer_pb2, sample_pb2
@@ -76,6 +78,7 @@ _MAX_REASON = 4096  # characters of a rejection's reason that are kept
 # Acknowledged lease ids remembered per run so that a retried AckBatch (the buffer died
 # before its reply) succeeds again; a trainer retries within minutes, not 1,000 steps.
 _REMEMBERED_ACKED_LEASES = 1000
+_LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class BufferStore:
@@ -109,6 +112,7 @@ class BufferStore:
         self._commit_acks = redis.register_script(scripts.COMMIT_ACKS)
         self._rollback = redis.register_script(scripts.ROLLBACK_TO_CHECKPOINT)
         self._reject = redis.register_script(scripts.REJECT_GROUPS)
+        self._release = redis.register_script(scripts.RELEASE_BATCH)
         self._return_partial = redis.register_script(scripts.RETURN_PARTIAL)
         self._drop = redis.register_script(scripts.DROP_GROUPS)
 
@@ -317,18 +321,22 @@ class BufferStore:
         min_weight_version: int = 0,
         keep_stale: bool = False,
         poll_seconds: float = 0.02,
+        lease_id: str = "",
     ) -> LeasedBatch:
         """Lease whole groups: exactly num_groups, or the fewest holding num_samples;
-        none if the queue has too few after wait_seconds."""
+        none if the queue has too few after wait_seconds. With the caller's `lease_id`, a
+        retried call answers the lease that the first one took, while it lives."""
         if (num_groups > 0) == (num_samples > 0) or num_groups < 0 or num_samples < 0:
             raise InvalidArgument("set exactly one of num_groups and num_samples (a positive number)")
         if min_weight_version < 0:
             raise InvalidArgument("min_weight_version must not be negative (0 = any)")
         if lease_seconds <= 0:
             raise InvalidArgument("lease_seconds must be positive (0 = the service default)")
+        if lease_id and not _LEASE_ID.fullmatch(lease_id):
+            raise InvalidArgument("lease_id must be 1-64 letters, digits, '_' or '-' (or empty: the buffer chooses)")
         k = self.keys(run_id)
         deadline = time.monotonic() + max(wait_seconds, 0.0)
-        lease_id = uuid.uuid4().hex
+        lease_id = lease_id or uuid.uuid4().hex
         keys = self._lease_keys(k, lease_id)
         dropped = 0
         while True:
@@ -344,6 +352,7 @@ class BufferStore:
                 raise unknown_run(run_id)
             dropped += result[1]
             if result[0] > 0:
+                await fault_point("buffer.after_lease")  # (the lease is taken; its reply is not sent yet)
                 groups = await self._group_bytes(k, result[3].decode(), [i.decode() for i in result[4:]])
                 return LeasedBatch(result[0], lease_response(lease_id, groups, result[2], dropped))
             if time.monotonic() >= deadline:
@@ -470,6 +479,16 @@ class BufferStore:
         if result[0] == -2:
             raise unknown_run(run_id)
         return result[0], result[1], result[2]
+
+    async def release_batch(self, run_id: str, lease_id: str) -> int:
+        """Give up a live lease untrained: its groups are queued again at once (0: no such lease)."""
+        if not _LEASE_ID.fullmatch(lease_id):
+            raise InvalidArgument("lease_id must be 1-64 letters, digits, '_' or '-'")
+        k = self.keys(run_id)
+        n = await self._release(keys=self._lease_keys(k, lease_id), args=[lease_id])
+        if n == -2:
+            raise unknown_run(run_id)
+        return n
 
     async def reject_groups(self, run_id: str, lease_id: str, reasons: dict[str, str]) -> int:
         """Move groups of a live lease to the dead-letter list ({group_id: reason}); all or nothing."""

@@ -145,7 +145,7 @@ class RunCalls:
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
             held = await self.clients.trainer.GetStatus(
-                trainer_pb2.GetStatusRequest(), timeout=self.settings.call_deadline_seconds
+                trainer_pb2.GetStatusRequest(held_run=True), timeout=self.settings.call_deadline_seconds
             )
             if not held.run_id or held.run_id == self.run_id or await self.store.is_active(held.run_id):
                 raise
@@ -205,32 +205,21 @@ class RunCalls:
 
     async def train_step(self, request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
         """A train step, retried only while its batch was not trained: the trainer finishes and
-        acknowledges a started step even when the caller is gone, so before a retry the buffer
-        tells whether the failed call's batch was acknowledged (nothing queued or leased: done),
-        is still leased (wait for the ack, or for a restarted trainer to be set up again, which
-        releases it) or is queued (train it)."""
+        acknowledges a started step even when the caller is gone. So before a retry, the
+        trainer tells whether that step (or its acknowledgment) is still under way (wait), and
+        then the buffer whether its batch was acknowledged (nothing queued or leased: done);
+        otherwise the step is taken again: a lease left from the failed step is given back by
+        the trainer's next step, a dead trainer's by the restarted one set up again."""
         tried = False
 
         async def attempt():
             nonlocal tried
             if tried:
+                await self._wait_for_a_step_in_flight()
                 stats = await self.stats()
                 if not stats.queued_groups and not stats.leased_groups:
                     log.warning("run %s: the interrupted train step was taken (its metrics are lost)", self.run_id)
                     return trainer_pb2.TrainStepResponse()
-                if stats.leased_groups and stats.queued_groups < request.num_groups:
-                    # A trainer that restarted has lost the run: set up again, it releases
-                    # the dead trainer's lease (RollbackToCheckpoint) instead of waiting it out.
-                    await self.on_trainer(
-                        lambda: self.clients.trainer.GetStatus(
-                            trainer_pb2.GetStatusRequest(run_id=self.run_id),
-                            timeout=self.settings.call_deadline_seconds,
-                        )
-                    )
-                    raise _StepInFlight(
-                        f"{stats.leased_groups} groups are leased by an interrupted train step: "
-                        "waiting for its acknowledgment or for the lease to expire"
-                    )
             tried = True
             return await self.on_trainer(
                 lambda: self.clients.trainer.TrainStep(
@@ -239,6 +228,21 @@ class RunCalls:
             )
 
         return await self.patiently(self.service("trainer"), attempt)
+
+    async def _wait_for_a_step_in_flight(self) -> None:
+        """_StepInFlight while the trainer's step, or its acknowledgment, is under way (another
+        TrainStep would take a second step)."""
+        status = await self.on_trainer(
+            lambda: self.clients.trainer.GetStatus(
+                trainer_pb2.GetStatusRequest(run_id=self.run_id), timeout=self.settings.call_deadline_seconds
+            )
+        )
+        if status.unacknowledged_step:
+            raise _StepInFlight(
+                f"step {status.unacknowledged_step} is trained; waiting for the buffer to take its acknowledgment"
+            )
+        if status.step_in_flight:
+            raise _StepInFlight("the trainer's step is still under way")
 
     async def train_batch(self) -> tuple[trainer_pb2.TrainStepResponse, float]:
         """An RL train step on the next batch; its answer and how long it took."""

@@ -14,7 +14,7 @@ import grpc
 
 from rlmesh.common import errors
 from rlmesh.common.grpc_server import aio_channel
-from rlmesh.common.retry import retry
+from rlmesh.common.retry import OutageTooLong, retry
 from rlmesh.common.run_config import StalePolicy
 from rlmesh.trainer.config import Settings
 from rlmesh.v1 import buffer_pb2
@@ -47,9 +47,12 @@ class BufferClient:
         wait_seconds: float,
         min_weight_version: int,
         stale_policy: StalePolicy,
+        lease_id: str,
     ) -> buffer_pb2.LeaseBatchResponse:
         """A batch of exactly num_groups groups, none generated with weights older than
-        min_weight_version (older ones dropped, or kept with stale_policy 'keep', counted)."""
+        min_weight_version (older ones dropped, or kept with stale_policy 'keep', counted),
+        leased as `lease_id`. A call that fails may still have taken the lease (its reply
+        lost): the caller gives `lease_id` back (release)."""
         request = buffer_pb2.LeaseBatchRequest(
             run_id=run_id,
             num_groups=num_groups,
@@ -59,7 +62,9 @@ class BufferClient:
             stale_policy=buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP
             if stale_policy == "keep"
             else buffer_pb2.LeaseBatchRequest.STALE_POLICY_DROP,
+            lease_id=lease_id,
         )
+
         try:
             response = await self._stub().LeaseBatch(
                 request, timeout=wait_seconds + self.settings.buffer_timeout_seconds
@@ -74,17 +79,37 @@ class BufferClient:
             log.warning("buffer leased %d of %d groups; training on those", len(response.groups), num_groups)
         return response
 
-    async def ack(self, run_id: str, lease_id: str, step: int, provisional: bool) -> None:
-        """Acknowledge a lease after its optimizer step; `provisional` until a checkpoint holds
-        the step (see commit_acks)."""
-        request = buffer_pb2.AckBatchRequest(run_id=run_id, lease_id=lease_id, step=step, provisional=provisional)
+    async def release(self, run_id: str, lease_id: str) -> bool:
+        """Give a lease back untrained, so its groups are queued again at once; best effort
+        (whether it landed): one that did not expires in its time."""
+        request = buffer_pb2.ReleaseBatchRequest(run_id=run_id, lease_id=lease_id)
         try:
-            await self._call("AckBatch", request)
-        except errors.RlmeshError as error:
-            raise type(error)(
-                f"step {step} was taken but lease {lease_id!r} was not acknowledged ({error}); "
-                "the buffer will redeliver those groups when the lease expires"
-            ) from None
+            await self._stub().ReleaseBatch(request, timeout=self.settings.buffer_timeout_seconds)
+            return True
+        except grpc.aio.AioRpcError as e:
+            log.warning("run %s: lease %s could not be given back (%s); it will expire", run_id, lease_id, e.details())
+            return False
+
+    async def ack(self, run_id: str, lease_id: str, step: int, provisional: bool) -> bool:
+        """Acknowledge a lease after its optimizer step (`provisional` until a checkpoint holds
+        the step, see commit_acks), retried through a buffer outage for as long as it takes:
+        the model holds the step. False when the buffer no longer knows the lease (a write
+        its Redis lost, or an expiry): its groups were queued again, and come back to a
+        trainer that acknowledges them without training them again."""
+        request = buffer_pb2.AckBatchRequest(run_id=run_id, lease_id=lease_id, step=step, provisional=provisional)
+        while True:
+            try:
+                await self._call("AckBatch", request)
+                return True
+            except OutageTooLong as error:
+                log.warning("run %s: step %d's acknowledgment still waits for the buffer: %s", run_id, step, error)
+            except errors.FailedPrecondition as error:  # (the buffer's NOT_FOUND)
+                log.warning(
+                    "run %s: the buffer no longer knows lease %s of step %d (%s): its groups were queued again; "
+                    "the model holds them, so they will be acknowledged, not trained, when they come back",
+                    run_id, lease_id, step, error,
+                )  # fmt: skip
+                return False
 
     async def rewind(self, run_id: str, step: int) -> None:
         """Tell the buffer where a freshly loaded model (at `step`) stands: acknowledgments up

@@ -27,6 +27,8 @@ def _status(status: RunStatus) -> trainer_pb2.TrainerStatus:
         weight_version=status.weight_version,
         model_path=status.model_path,
         resumed_step=status.resumed_step,
+        step_in_flight=status.step_in_flight,
+        unacknowledged_step=status.unacknowledged_step,
     )
 
 
@@ -63,6 +65,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return trainer_pb2.SaveCheckpointResponse(path=str(path))
 
     async def GetStatus(self, request, context):
+        if request.held_run:
+            return _status(self.trainer.held_status())
         return _status(self.trainer.status(request.run_id))
 
     async def EndRun(self, request, context):

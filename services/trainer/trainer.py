@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,8 @@ class RunStatus:
     weight_version: int
     model_path: str
     resumed_step: int = 0  # step of the checkpoint the run resumed from; 0 = a fresh start
+    step_in_flight: bool = False  # a TrainStep leases, trains or acknowledges now
+    unacknowledged_step: int = 0  # a trained step whose acknowledgment has not landed (retried until it does)
 
 
 @dataclass
@@ -92,6 +95,19 @@ class _Run:
     trained: dict[int, list[str]] = field(default_factory=dict)
     # The buffer was told where this model stands (RollbackToCheckpoint) since it was loaded.
     buffer_rewound: bool = False
+    # Every group id in `trained`: a group the buffer hands out again (it lost a write, or a
+    # lease expired) is acknowledged, never trained twice.
+    trained_ids: set[str] = field(default_factory=set)
+    step_in_flight: bool = False  # a TrainStep leases, trains or acknowledges
+    # The last step's acknowledgment (step, task) while it has not landed: retried until it
+    # does, and awaited before the next lease, checkpoint commit or EndRun.
+    unacknowledged: tuple[int, asyncio.Task] | None = None
+    # Leases this trainer may hold though its step failed (a lost LeaseBatch reply, a failed
+    # release): given back before the next lease.
+    abandoned_leases: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.trained_ids = {gid for ids in self.trained.values() for gid in ids}
 
     @property
     def acks_wait_for_checkpoints(self) -> bool:
@@ -101,7 +117,17 @@ class _Run:
         return self.config.checkpoint_interval > 0
 
     def status(self) -> RunStatus:
-        return RunStatus(self.run_id, self.backend.step, self.weight_version, self.config.model_path, self.resumed_step)
+        return RunStatus(
+            self.run_id,
+            self.backend.step,
+            self.weight_version,
+            self.config.model_path,
+            self.resumed_step,
+            step_in_flight=self.step_in_flight,
+            unacknowledged_step=self.unacknowledged[0]
+            if self.unacknowledged and not self.unacknowledged[1].done()
+            else 0,
+        )
 
     async def saved(self) -> None:
         """Wait for the checkpoint being written, if any (it logs its own failure). Shielded:
@@ -166,10 +192,11 @@ class Trainer:
             return run.status()
 
     def status(self, run_id: str) -> RunStatus:
-        """The run's status; with run_id "", that of the run this trainer holds (all empty: none)."""
-        if not run_id:
-            return self._run.status() if self._run is not None else RunStatus("", 0, 0, "")
         return self._get(run_id).status()
+
+    def held_status(self) -> RunStatus:
+        """The status of whichever run this trainer holds (all empty: none)."""
+        return self._run.status() if self._run is not None else RunStatus("", 0, 0, "")
 
     @asynccontextmanager
     async def _holding(self, run: _Run):
@@ -189,6 +216,11 @@ class Trainer:
         fails, the run stays set up and EndRun may be called again."""
         run = self._get(run_id)
         async with self._holding(run):
+            if shutting_down and run.unacknowledged is not None:
+                # (a restarted trainer gets the lease released; its groups come back acknowledged)
+                run.unacknowledged[1].cancel()
+            else:
+                await self._acknowledged(run)
             await run.saved()  # the last automatic checkpoint lands before the model goes
             if run.acks_wait_for_checkpoints:
                 if run.backend.step > run.written_step:
@@ -229,7 +261,18 @@ class Trainer:
 
     async def _lease_train_ack(self, run: _Run, num_groups: int, wait_seconds: float, loss: str) -> StepResult:
         async with self._holding(run):
-            await self._rewind_buffer(run)
+            run.step_in_flight = True
+            try:
+                return await self._step(run, num_groups, wait_seconds, loss)
+            finally:
+                run.step_in_flight = False
+
+    async def _step(self, run: _Run, num_groups: int, wait_seconds: float, loss: str) -> StepResult:
+        await self._acknowledged(run)
+        await self._give_back_abandoned_leases(run)
+        await self._rewind_buffer(run)
+        lease_id = uuid.uuid4().hex
+        try:
             # (the bound counts back from the weights this trainer last published)
             lease = await self._buffer.lease(
                 run.run_id,
@@ -237,9 +280,18 @@ class Trainer:
                 wait_seconds,
                 oldest_weight_version(run.weight_version, run.config.staleness_bound),
                 run.config.stale_policy,
+                lease_id,
             )
-            lease_id = lease.lease_id
             groups, rejected = _trainable(list(lease.groups), run.backend.vocab_size)
+            repeated = [g for g in groups if g.group_id in run.trained_ids]
+            groups = [g for g in groups if g.group_id not in run.trained_ids]
+            if repeated:
+                log.warning(
+                    "run %s: %d leased groups are in the model already (the buffer handed them out again); "
+                    "they are acknowledged, not trained again",
+                    run.run_id,
+                    len(repeated),
+                )
             if rejected:
                 # Failing the step would only have these redelivered, again and again: the
                 # buffer keeps them (and why) in its dead-letter list; the rest trains.
@@ -254,18 +306,56 @@ class Trainer:
                     next(iter(rejected.values())),
                 )
             result = await self._train(run, groups, loss)
-            # (extended: a step that trained nothing leaves the step where the previous one did)
-            run.trained.setdefault(result.step, []).extend(g.group_id for g in groups)
-            await fault_point("trainer.before_ack")
-            await self._buffer.ack(run.run_id, lease_id, result.step, provisional=run.acks_wait_for_checkpoints)
-            result.metrics.update(
-                rejected_groups=float(len(rejected)),
-                stale_groups_dropped=float(lease.stale_groups_dropped),
-                stale_groups_kept=float(lease.stale_groups),
-                **_staleness(groups, run.weight_version),
+        except BaseException:
+            # Not trained: the lease goes back at once (the call that failed may have taken it).
+            if not await self._buffer.release(run.run_id, lease_id):
+                run.abandoned_leases.add(lease_id)
+            raise
+        # (extended: a step that trained nothing leaves the step where the previous one did)
+        run.trained.setdefault(result.step, []).extend(g.group_id for g in groups)
+        run.trained_ids.update(g.group_id for g in groups)
+        await fault_point("trainer.before_ack")
+        await self._acknowledge(run, lease_id, result.step)
+        result.metrics.update(
+            rejected_groups=float(len(rejected)),
+            repeated_groups=float(len(repeated)),
+            stale_groups_dropped=float(lease.stale_groups_dropped),
+            stale_groups_kept=float(lease.stale_groups),
+            **_staleness(groups, run.weight_version),
+        )
+        await self._checkpoint_if_due(run)
+        return result
+
+    async def _acknowledge(self, run: _Run, lease_id: str, step: int) -> None:
+        """Acknowledge the step's lease. The model holds the step whatever happens now, so the
+        acknowledgment is never given up: past buffer_outage_seconds this call fails and the
+        acknowledgment goes on in the background (GetStatus shows it), awaited before the next
+        step, checkpoint commit or EndRun."""
+        task = asyncio.create_task(
+            self._buffer.ack(run.run_id, lease_id, step, provisional=run.acks_wait_for_checkpoints),
+            name=f"ack-{run.run_id}-{step}",
+        )
+        run.unacknowledged = (step, task)
+        await asyncio.wait([task], timeout=self.settings.buffer_outage_seconds)
+        if not task.done():
+            raise errors.Unavailable(
+                f"step {step} is trained, but the buffer at {self.settings.buffer_address} has not taken its "
+                "acknowledgment yet; it is retried until it lands"
             )
-            await self._checkpoint_if_due(run)
-            return result
+        await self._acknowledged(run)
+
+    async def _acknowledged(self, run: _Run) -> None:
+        """Once the last step's acknowledgment has landed (waiting for the buffer if need be)."""
+        if run.unacknowledged is not None:
+            try:
+                await asyncio.shield(run.unacknowledged[1])
+            finally:  # (landed, or failed for good: then its lease expires, and the groups come back acknowledged)
+                run.unacknowledged = None
+
+    async def _give_back_abandoned_leases(self, run: _Run) -> None:
+        for lease_id in list(run.abandoned_leases):
+            if await self._buffer.release(run.run_id, lease_id):
+                run.abandoned_leases.discard(lease_id)
 
     async def train_on_groups(self, run_id: str, groups: list[SampleGroup], loss: str = "") -> StepResult:
         """Train on groups the caller already has (no buffer involved)."""

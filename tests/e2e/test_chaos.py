@@ -115,6 +115,9 @@ class Chaos:
         raise AssertionError("the coordinator never answered again")
 
 
+TRAINER_BUFFER_TIMEOUT, TRAINER_BUFFER_OUTAGE = 3, 6
+
+
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("chaos")
@@ -132,6 +135,9 @@ def chaos(tmp_path_factory, tiny_model_dir):
     patch.setenv("RLMESH_ROLLOUT_WEIGHT_UPDATE_TIMEOUT_SECONDS", "10")
     patch.setenv("RLMESH_TRAINER_WEIGHT_SYNC_TIMEOUT_SECONDS", "10")
     patch.setenv("OMP_NUM_THREADS", "1")
+    # The trainer gives up waiting for the buffer soon (a step's acknowledgment then lands later).
+    patch.setenv("RLMESH_TRAINER_BUFFER_TIMEOUT_SECONDS", str(TRAINER_BUFFER_TIMEOUT))
+    patch.setenv("RLMESH_TRAINER_BUFFER_OUTAGE_SECONDS", str(TRAINER_BUFFER_OUTAGE))
     stack = start_stack(root / "stack", str(tiny_model_dir), echo=lambda _: None)
     stop = threading.Event()
     supervisor = threading.Thread(
@@ -173,13 +179,18 @@ def check_accounting(chaos: Chaos, run_id: str) -> buffer_pb2.BufferStats:
 
 
 MOMENTS = ("generation", "before_ack")
-SCENARIOS = [(name, moment) for moment in MOMENTS for name in PROCESSES] + [("trainer", "checkpoint_save")]
+# Where a process stops at a fault point of its own: (process, moment) -> the point.
+OWN_POINTS = {
+    ("trainer", "checkpoint_save"): "trainer.checkpoint_written",
+    ("buffer", "after_lease"): "buffer.after_lease",  # the lease taken, its reply not sent
+}
+SCENARIOS = [(name, moment) for moment in MOMENTS for name in PROCESSES] + list(OWN_POINTS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("victim", "moment"), SCENARIOS, ids=[f"{v}-{m}" for v, m in SCENARIOS])
 def test_a_run_survives_a_killed_process(chaos, tmp_path, tiny_model_dir, victim, moment):
-    point = {"before_ack": "trainer.before_ack", "checkpoint_save": "trainer.checkpoint_written"}.get(moment)
+    point = OWN_POINTS.get((victim, moment)) or {"before_ack": "trainer.before_ack"}.get(moment)
     if point:
         chaos.hold(point)
     run_id = chaos.start_run(chaos_config(chaos.stack, tiny_model_dir))
@@ -191,7 +202,7 @@ def test_a_run_survives_a_killed_process(chaos, tmp_path, tiny_model_dir, victim
                 # held: the restarted trainer resumes two steps back, and the run must take
                 # both steps again, not end with their groups queued.
                 eventually(lambda: chaos.stats(run_id).provisional_groups >= 4, "the next step acknowledged")
-            if victim == "trainer":  # its restarted self must not stop there again
+            if point.startswith(victim + "."):  # its restarted self must not stop there again
                 chaos.release(point)
         else:
             chaos.wait_rollout(run_id)
@@ -211,6 +222,34 @@ def test_a_run_survives_a_killed_process(chaos, tmp_path, tiny_model_dir, victim
             f"\n| {victim} | {moment} | completed | {after:.1f} | {s.groups_written} | {s.acknowledged_groups} | "
             f"{s.rolled_back_groups} |"
         )
+    finally:
+        chaos.ensure_finished(run_id)
+
+
+@pytest.mark.slow
+def test_a_trained_step_is_kept_while_its_acknowledgment_waits_for_the_buffer(chaos, tiny_model_dir):
+    """The buffer freezes between a step and its acknowledgment for longer than the trainer
+    waits for it: the step stays in the model, its acknowledgment lands once the buffer is
+    back, and the run goes on (before, the acknowledgment was given up: the coordinator
+    waited on its lease until the run failed, or in the async modes the groups came back
+    and were trained twice)."""
+    chaos.hold("trainer.before_ack")
+    run_id = chaos.start_run(chaos_config(chaos.stack, tiny_model_dir))
+    buffer = None
+    try:
+        chaos.wait_reached("trainer.before_ack")
+        buffer = chaos.process("buffer")
+        buffer.send_signal(signal.SIGSTOP)
+        chaos.release("trainer.before_ack")
+        time.sleep(TRAINER_BUFFER_OUTAGE + 2 * TRAINER_BUFFER_TIMEOUT)  # the trainer's step has given up waiting
+    finally:
+        chaos.release("trainer.before_ack")
+        if buffer is not None:
+            buffer.send_signal(signal.SIGCONT)
+    try:
+        run = chaos.run(run_id)
+        assert run["status"] == "completed", run["error"]
+        check_accounting(chaos, run_id)
     finally:
         chaos.ensure_finished(run_id)
 

@@ -94,12 +94,12 @@ def test_a_trainer_still_holding_a_run_that_ended_lets_it_go_for_the_next(
     trainer = TrainerStub(sync_channel(stack.addresses["trainer"]))
     config = TrainerRunConfig(model_path=str(tiny_model_dir), device="cpu")
     trainer.InitRun(trainer_pb2.InitRunRequest(run_id="ended", config_json=config.model_dump_json()))
-    assert trainer.GetStatus(trainer_pb2.GetStatusRequest()).run_id == "ended"
+    assert trainer.GetStatus(trainer_pb2.GetStatusRequest(held_run=True)).run_id == "ended"
 
     run_id = stack.api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1)).json()["id"]
     run = wait_for_run(stack.api, run_id)
     assert run["status"] == "completed", run["error"]
-    assert trainer.GetStatus(trainer_pb2.GetStatusRequest()).run_id == ""  # (the run has ended on it too)
+    assert trainer.GetStatus(trainer_pb2.GetStatusRequest(held_run=True)).run_id == ""  # (the run has ended on it too)
 
 
 @pytest.mark.slow

@@ -106,3 +106,28 @@ def test_a_retried_acknowledgment_answers_as_the_first_and_counts_once(buffer, d
     assert (s.acknowledged_groups, s.provisional_groups, s.leased_groups) == (2, 2, 0)
     assert commit(stub, 1) == 2
     assert stats(stub).acknowledged_groups == 4
+
+
+def test_a_retried_lease_answers_the_same_batch_and_a_released_one_comes_back_undelivered(buffer, dataset):
+    stub = buffer()
+    ids = [g.group_id for g in setup(stub, dataset, 4)]
+
+    def lease(n: int, lease_id: str) -> list[str]:
+        request = buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=n, lease_id=lease_id)
+        reply = stub.LeaseBatch(request)
+        assert reply.lease_id == lease_id
+        return [g.group_id for g in reply.groups]
+
+    # The reply of the first call was lost: the retry, with the same lease id, gets the same groups.
+    assert lease(2, "step-1") == lease(2, "step-1") == ids[:2]
+    assert (stats(stub).leased_groups, stats(stub).queued_groups) == (2, 2)
+    # The step failed before training: given up, the batch is first in line again, and the
+    # failed attempt does not count as a delivery.
+    release = buffer_pb2.ReleaseBatchRequest(run_id="r1", lease_id="step-1")
+    assert stub.ReleaseBatch(release).released == 2
+    assert stub.ReleaseBatch(release).released == 0  # idempotent
+    assert (stats(stub).leased_groups, stats(stub).queued_groups) == (0, 4)
+    assert lease(4, "step-2") == ids
+    s = stats(stub)
+    assert (s.redelivered_groups, s.dead_letter_groups) == (0, 0)
+    assert code_of(lambda: lease(1, "no:colons"))[0] == grpc.StatusCode.INVALID_ARGUMENT

@@ -145,7 +145,7 @@ class DropGroupsResponse(_message.Message):
     def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class LeaseBatchRequest(_message.Message):
-    __slots__ = ("run_id", "num_groups", "lease_seconds", "wait_seconds", "min_weight_version", "num_samples", "stale_policy")
+    __slots__ = ("run_id", "num_groups", "lease_seconds", "wait_seconds", "min_weight_version", "num_samples", "stale_policy", "lease_id")
     class StalePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STALE_POLICY_DROP: _ClassVar[LeaseBatchRequest.StalePolicy]
@@ -159,6 +159,7 @@ class LeaseBatchRequest(_message.Message):
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STALE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_groups: int
     lease_seconds: float
@@ -166,7 +167,8 @@ class LeaseBatchRequest(_message.Message):
     min_weight_version: int
     num_samples: int
     stale_policy: LeaseBatchRequest.StalePolicy
-    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., min_weight_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., stale_policy: _Optional[_Union[LeaseBatchRequest.StalePolicy, str]] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., min_weight_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., stale_policy: _Optional[_Union[LeaseBatchRequest.StalePolicy, str]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class LeaseBatchResponse(_message.Message):
     __slots__ = ("lease_id", "groups", "stale_groups", "stale_groups_dropped")
@@ -252,6 +254,20 @@ class RejectGroupsResponse(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     rejected: int
     def __init__(self, rejected: _Optional[int] = ...) -> None: ...
+
+class ReleaseBatchRequest(_message.Message):
+    __slots__ = ("run_id", "lease_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    lease_id: str
+    def __init__(self, run_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseBatchResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("run_id",)

@@ -94,6 +94,11 @@ class BufferStub:
                 request_serializer=rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsResponse.FromString,
                 _registered_method=True)
+        self.ReleaseBatch = channel.unary_unary(
+                '/rlmesh.v1.Buffer/ReleaseBatch',
+                request_serializer=rlmesh_dot_v1_dot_buffer__pb2.ReleaseBatchRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.ReleaseBatchResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/rlmesh.v1.Buffer/GetStats',
                 request_serializer=rlmesh_dot_v1_dot_buffer__pb2.GetStatsRequest.SerializeToString,
@@ -215,6 +220,14 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseBatch(self, request, context):
+        """A live lease its holder gives up without training it (its step failed): the groups go
+        back to the front of the queue at once, as if never delivered. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -306,6 +319,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.RejectGroups,
                     request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsResponse.SerializeToString,
+            ),
+            'ReleaseBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseBatch,
+                    request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.ReleaseBatchRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_buffer__pb2.ReleaseBatchResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -652,6 +670,33 @@ class Buffer:
             '/rlmesh.v1.Buffer/RejectGroups',
             rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsRequest.SerializeToString,
             rlmesh_dot_v1_dot_buffer__pb2.RejectGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Buffer/ReleaseBatch',
+            rlmesh_dot_v1_dot_buffer__pb2.ReleaseBatchRequest.SerializeToString,
+            rlmesh_dot_v1_dot_buffer__pb2.ReleaseBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -82,10 +82,12 @@ class SaveCheckpointResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
-    __slots__ = ("run_id",)
+    __slots__ = ("run_id", "held_run")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_RUN_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+    held_run: bool
+    def __init__(self, run_id: _Optional[str] = ..., held_run: _Optional[bool] = ...) -> None: ...
 
 class EndRunRequest(_message.Message):
     __slots__ = ("run_id",)
@@ -94,18 +96,22 @@ class EndRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("run_id", "step", "weight_version", "model_path", "resumed_step")
+    __slots__ = ("run_id", "step", "weight_version", "model_path", "resumed_step", "step_in_flight", "unacknowledged_step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     RESUMED_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    UNACKNOWLEDGED_STEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     weight_version: int
     model_path: str
     resumed_step: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ..., resumed_step: _Optional[int] = ...) -> None: ...
+    step_in_flight: bool
+    unacknowledged_step: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ..., resumed_step: _Optional[int] = ..., step_in_flight: _Optional[bool] = ..., unacknowledged_step: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("run_id", "checkpoint_dir")
