@@ -65,6 +65,9 @@ WRITTEN_BY = "rlmesh"
 AUTO_CHECKPOINT = re.compile(r"step-(\d+)")
 CHECKPOINT = re.compile(r"step[-_](\d+)")
 SCRATCH = re.compile(r"\.step[-_]\d+\.[0-9a-f]{12}")
+# A checkpoint moved aside while a save replaces it (.<name>.<12 hex>.old): put back in
+# place when the save died before the new one took its place.
+SET_ASIDE = re.compile(r"\.(step[-_]\d+)\.[0-9a-f]{12}\.old")
 
 
 # --------------------------------------------------------------------------------------
@@ -253,8 +256,12 @@ def newest_checkpoint(directory: Path, run_id: str) -> Path | None:
     if not directory.is_dir():
         return None
     found = []
+    for entry in sorted(directory.iterdir()):
+        if (aside := SET_ASIDE.fullmatch(entry.name)) and not (directory / aside[1]).exists():
+            log.info("putting %s back in place: the save that was replacing it did not finish", entry)
+            entry.rename(directory / aside[1])
     for entry in directory.iterdir():
-        if SCRATCH.fullmatch(entry.name):
+        if SCRATCH.fullmatch(entry.name) or SET_ASIDE.fullmatch(entry.name):
             log.info("removing %s, left by a checkpoint save that did not finish", entry)
             shutil.rmtree(entry, ignore_errors=True)
         elif CHECKPOINT.fullmatch(entry.name) and (state := _checkpoint_state(entry, run_id)) is not None:
@@ -314,6 +321,11 @@ def commit_checkpoint(snapshot: CheckpointSnapshot, target: Path, extra: dict) -
         raise errors.FailedPrecondition(
             f"{str(target)!r} exists and is not a checkpoint rlmesh wrote; a save replaces only rlmesh's own "
             "checkpoints: choose another path or remove it"
+        )
+    if target.exists() and (owner := read_state(target).get("run_id")) != extra["run_id"]:
+        raise errors.FailedPrecondition(
+            f"{str(target)!r} is a checkpoint of run {owner!r}; a save replaces only its own run's: give this run "
+            "a checkpoint_dir of its own"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     fresh = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}")

@@ -29,6 +29,7 @@ from rlmesh.trainer.backend import TorchBackend, resolve_device
 from rlmesh.trainer.batches import check_group
 from rlmesh.trainer.buffer_client import BufferClient
 from rlmesh.trainer.checkpoints import (
+    CHECKPOINT,
     OPTIMIZER_FILE,
     STATE_FILE,
     CheckpointInfo,
@@ -448,7 +449,10 @@ class Trainer:
                 written = await asyncio.to_thread(commit_checkpoint, snapshot, target, extra)
             except OSError as e:
                 raise errors.FailedPrecondition(f"cannot write checkpoint to {str(target)!r}: {e}") from None
-            if run.acks_wait_for_checkpoints and written.parent == self._checkpoint_dir(run.run_id, run.config):
+            resumable = written.parent == self._checkpoint_dir(run.run_id, run.config) and CHECKPOINT.fullmatch(
+                written.name
+            )
+            if run.acks_wait_for_checkpoints and resumable:
                 await self._buffer.commit_acks(run.run_id, run.backend.step)  # a restart would resume from it
             return written
 

@@ -298,3 +298,63 @@ def test_a_restarted_trainer_resumes_the_run_bit_for_bit(
     # Not trivially equal: training moved the weights away from the step-2 checkpoint.
     at_two = load_file(tmp_path / "b" / "killed" / "checkpoints" / "step-000002" / "model.safetensors")
     assert any(not torch.equal(at_two[name], tensor) for name, tensor in weights.items())
+
+
+def test_only_a_save_a_resume_would_use_makes_acknowledgments_final(
+    redis_url, start_in_loop, dataset, serve, tiny_model_dir, tmp_path
+):
+    # A save named "best" in the run's checkpoint_dir is never resumed from: had it made the
+    # acknowledgments through its step final, a trainer killed later would have resumed from
+    # an older checkpoint and the groups between would have been lost.
+    _, port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
+    buffer = BufferStub(sync_channel(f"127.0.0.1:{port}"))
+    create(buffer, dataset, run_id="r1")
+    stub, _ = serve(Trainer(Settings(work_dir=tmp_path, buffer_address=f"127.0.0.1:{port}", port=0)))
+    cfg = config(tiny_model_dir, checkpoint_interval=100)
+    stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=cfg.model_dump_json()))
+    for step in (1, 2):
+        put(buffer, [scored(prompts(buffer, 1, run_id="r1")[0], step)], run_id="r1")
+        stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="r1", num_groups=1, wait_seconds=5))
+
+    def provisional() -> int:
+        return buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r1")).provisional_groups
+
+    stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id="r1", path="r1/checkpoints/best"))
+    assert provisional() == 2
+    stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id="r1"))  # step_2: a resume would use it
+    assert provisional() == 0
+
+
+def test_a_checkpoint_set_aside_by_a_save_that_died_is_put_back(tiny_model_dir, tmp_path):
+    checkpoints = tmp_path / "r1" / "checkpoints"
+    cfg = config(tiny_model_dir, checkpoint_interval=2)
+
+    async def train(trainer: Trainer, steps: int) -> int:
+        status = await trainer.init_run("r1", cfg)
+        for _ in range(steps):
+            await trainer.train_on_groups("r1", make_groups())
+        await trainer.end_run("r1")
+        return status.resumed_step
+
+    assert asyncio.run(train(Trainer(Settings(work_dir=tmp_path)), 4)) == 0
+    # A save replacing step-000004 died between its two renames: the old checkpoint is set
+    # aside, the new one complete beside it, and nothing is in place.
+    (checkpoints / "step-000004").rename(checkpoints / ".step-000004.0123456789ab.old")
+    shutil.copytree(checkpoints / ".step-000004.0123456789ab.old", checkpoints / ".step-000004.0123456789ab")
+    assert asyncio.run(train(Trainer(Settings(work_dir=tmp_path)), 1)) == 4
+    assert not [name for name in names(checkpoints) if name.startswith(".")]
+
+
+def test_a_save_never_replaces_another_runs_checkpoint(tiny_model_dir, tmp_path):
+    async def save(run_id: str) -> Path:
+        trainer = Trainer(Settings(work_dir=tmp_path))
+        await trainer.init_run(run_id, config(tiny_model_dir, checkpoint_dir="shared"))
+        try:
+            return await trainer.save_checkpoint(run_id, "shared/step_0")
+        finally:
+            await trainer.end_run(run_id)
+
+    written = asyncio.run(save("a"))
+    with pytest.raises(errors.FailedPrecondition, match="a checkpoint of run 'a'"):
+        asyncio.run(save("b"))
+    assert json.loads((written / "trainer_state.json").read_text())["run_id"] == "a"
