@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from rlmesh.common import safe_json
 from rlmesh.v1 import sample_pb2
 
 _TOKEN_DTYPE = np.dtype("<i4")
@@ -179,7 +180,7 @@ def sample_from_proto(msg: sample_pb2.Sample) -> Sample:
 
 def _metadata(msg: sample_pb2.Sample) -> dict[str, Any]:
     try:
-        metadata = json.loads(msg.metadata_json) if msg.metadata_json else {}
+        metadata = safe_json.loads(msg.metadata_json) if msg.metadata_json else {}
     except json.JSONDecodeError as e:
         raise ConversionError(f"sample {msg.index}: metadata_json is not valid JSON ({e})") from None
     if not isinstance(metadata, dict):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +11,7 @@ import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from rlmesh.common import safe_json
 from rlmesh.engine.config import Settings
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.protocol import GenerationRequest, build_response
@@ -76,7 +76,7 @@ async def json_body(request: Request) -> dict[str, Any]:
     if not raw.strip():
         return {}
     try:
-        body = json.loads(raw)
+        body = safe_json.loads(raw)
     except ValueError:
         raise RequestError("the request body is not valid JSON") from None
     if not isinstance(body, dict):

@@ -4,9 +4,8 @@ and the engine pool (which relays weight updates to every engine), results becom
 from __future__ import annotations
 
 import functools
-import json
 
-from rlmesh.common import auth
+from rlmesh.common import auth, safe_json
 from rlmesh.common.errors import InvalidArgument
 from rlmesh.common.grpc_server import Service, ServiceBinding, aio_channel, start_service
 from rlmesh.common.paths import validate_run_id
@@ -155,7 +154,7 @@ def generate_choice_from_proto(g: rollout_pb2.GenerateFunction) -> GenerateChoic
             f"generate options are {len(g.options_json)} bytes, more than {MAX_GENERATE_OPTIONS_BYTES}"
         )
     try:
-        options = json.loads(g.options_json) if g.options_json else {}
+        options = safe_json.loads(g.options_json) if g.options_json else {}
     except ValueError as e:
         raise InvalidArgument(f"generate options are not valid JSON: {e}") from None
     if not isinstance(options, dict):

@@ -77,6 +77,7 @@ def test_sample_round_trips_through_protobuf_and_json():
         ("response_length", 9, "outside 0..4"),
         ("metadata_json", "[1]", "JSON object"),
         ("metadata_json", "{oops", "not valid JSON"),
+        ("metadata_json", '{"a": ' + "[" * 100_000, "nested too deeply"),  # (a RecursionError before)
         ("status", 42, "unknown status 42"),
     ],
 )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import socket
@@ -17,6 +16,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rlmesh.common import safe_json
 from rlmesh.common.errors import FailedPrecondition
 from rlmesh.common.http_guard import BodyLimit
 from rlmesh.rollout.agents.openai_models import (
@@ -57,7 +57,7 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
 async def _json_body(request: Request) -> Any:
     raw = await request.body()
     try:
-        return json.loads(raw)
+        return safe_json.loads(raw)
     except (ValueError, RecursionError):
         raise RequestError(400, "the request body is not valid JSON") from None
 

@@ -4,12 +4,12 @@ engine's output as OpenAI's chat.completion and text_completion answers."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
 from typing import Any
 
+from rlmesh.common import safe_json
 from rlmesh.rollout.agents.openai_models import (
     MODEL_NAME,
     ChatMessage,
@@ -46,7 +46,7 @@ def _template_tool_calls(calls: list[dict[str, Any]], where: str, as_dict: bool)
         arguments = function.get("arguments") or {}
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
+                arguments = safe_json.loads(arguments) if arguments.strip() else {}
             except (ValueError, RecursionError) as e:
                 raise RequestError(400, f"{where}.tool_calls[{k}].function.arguments is not valid JSON: {e}") from None
         if not isinstance(arguments, dict):

@@ -25,6 +25,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
+from rlmesh.common import safe_json
+
 MAX_CALLS_PER_TURN = 16
 MAX_NAME_CHARS = 128
 MAX_ARGUMENTS_BYTES = 64 * 1024
@@ -136,13 +138,6 @@ def _decode(text: str, pos: int = 0) -> tuple[Any, int]:
         raise json.JSONDecodeError("nested too deeply", text, pos) from None
 
 
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise json.JSONDecodeError("nested too deeply", text, 0) from None
-
-
 def _skip_whitespace(text: str, pos: int) -> int:
     while pos < len(text) and text[pos] in _WHITESPACE:
         pos += 1
@@ -178,7 +173,7 @@ class _TurnCalls:
 
     def add_json(self, number: int, raw: str) -> None:
         try:
-            obj = _loads(raw)
+            obj = safe_json.loads(raw)
         except json.JSONDecodeError as e:
             self.errors.append(f"tool call {number} is not valid JSON: {_json_error(e)}")
             return
@@ -215,7 +210,7 @@ class _TurnCalls:
             if len(arguments.encode()) > MAX_ARGUMENTS_BYTES:
                 return self._too_long(number, name)
             try:
-                arguments = _loads(arguments) if arguments.strip() else {}
+                arguments = safe_json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError as e:
                 return f'tool call {number} ({name}): "{key}" is a string that is not valid JSON: {_json_error(e)}'
         if not isinstance(arguments, dict):
