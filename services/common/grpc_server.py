@@ -134,6 +134,21 @@ def sync_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTE
     return grpc.intercept_channel(channel, _SyncTokenInterceptor(value)) if value else channel
 
 
+class _HealthServicer(health.aio.HealthServicer):
+    """grpcio's health servicer, which answers List too (its own answers INTERNAL): the
+    status of the server ("") and of each of its services."""
+
+    def __init__(self, services: list[str]) -> None:
+        super().__init__()
+        self.services = ["", *services]
+
+    async def List(self, request, context):
+        statuses = {
+            name: await self.Check(health_pb2.HealthCheckRequest(service=name), context) for name in self.services
+        }
+        return health_pb2.HealthListResponse(statuses=statuses)
+
+
 class _AuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call without the stack's token (UNAUTHENTICATED), health checks excepted:
     orchestrators probe health without credentials, and health reveals nothing else."""
@@ -277,11 +292,11 @@ async def start_server(
     server = grpc.aio.server(
         interceptors=[*interceptors, _StatusInterceptor()], options=channel_options(max_message_bytes)
     )
-    health_servicer = health.aio.HealthServicer()
+    names = [b.full_name for b in bindings]
+    health_servicer = _HealthServicer(names)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for b in bindings:
         b.add_to_server(b.servicer, server)
-    names = [b.full_name for b in bindings]
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     files = tls.tls_files()
     port = (

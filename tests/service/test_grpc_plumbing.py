@@ -25,6 +25,11 @@ def test_services_serve_health_and_reflection(redis_url, start_in_loop):
         assert (
             health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
         )
+    listed = health.List(health_pb2.HealthListRequest(), timeout=10).statuses  # (INTERNAL before)
+    assert {name: s.status for name, s in listed.items()} == {
+        "": health_pb2.HealthCheckResponse.SERVING,
+        "rlmesh.v1.Buffer": health_pb2.HealthCheckResponse.SERVING,
+    }
     reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
     (reply,) = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     names = {s.name for s in reply.list_services_response.service}
