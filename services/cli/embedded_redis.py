@@ -82,6 +82,7 @@ def _password(data_dir: Path) -> str:
 def start_redis(data_dir: str | os.PathLike, port: int | None = None, timeout: float = 20.0) -> EmbeddedRedis:
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.chmod(0o700)  # its append-only file holds every run's data and registered services' credentials
     password = _password(data_dir)
     port = port or free_port()
     binary = find_redis_server()
@@ -106,7 +107,8 @@ def start_redis(data_dir: str | os.PathLike, port: int | None = None, timeout: f
         "--logfile",
         str(data_dir / "redis.log"),
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # (umask: the files Redis writes are this user's alone, like their directory)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, umask=0o077)
     client = redis.Redis(port=port, password=password)
     deadline = time.monotonic() + timeout
     while True:

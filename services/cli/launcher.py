@@ -227,6 +227,7 @@ def start_stack(
 ) -> Stack:
     data_dir = Path(data_dir).resolve()
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+    data_dir.chmod(0o700)  # the stack's token, its Redis, logs and checkpoints: this user's alone
     redis = None
     if not redis_url:
         redis = start_redis(data_dir / "redis")

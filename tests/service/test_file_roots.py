@@ -10,11 +10,14 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import time
 
 import grpc
 import httpx
 import pytest
+import redis
 
+from rlmesh.cli.embedded_redis import start_redis
 from rlmesh.common.auth import client_headers
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.run_config import TrainerRunConfig
@@ -269,3 +272,19 @@ def test_every_service_refuses_run_ids_that_could_escape(buffer, trainer, start_
         for bad in ("a:b", "a:b:metrics", ".hidden", "%2E%2E"):
             for r in (api.get(f"/runs/{bad}"), api.post(f"/runs/{bad}/stop")):
                 assert r.status_code == 422 and "run_id" in r.text, (bad, r.text)  # the REST API's bad-input answer
+
+
+def test_the_embedded_redis_files_are_readable_by_their_owner_only(tmp_path):
+    # Its append-only file holds every run's samples and registered reward services' bearer
+    # tokens (it was world-readable).
+    server = start_redis(tmp_path / "redis")
+    try:
+        redis.Redis.from_url(server.url).set("k", "v")
+        redis.Redis.from_url(server.url).execute_command("BGREWRITEAOF")
+        time.sleep(1)
+    finally:
+        server.stop()
+    written = [p for p in (tmp_path / "redis").rglob("*") if p.is_file()]
+    assert any("appendonly" in p.name for p in written), written
+    for path in [tmp_path / "redis", *written]:
+        assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
