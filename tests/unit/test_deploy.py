@@ -41,7 +41,10 @@ def test_services_talk_on_an_internal_network_with_secrets():
     for service in ("BUFFER", "REWARD", "COORDINATOR"):
         assert env[f"RLMESH_{service}_REDIS_URL"].startswith("redis://:${REDIS_PASSWORD")
     assert "requirepass" in " ".join(spec["services"]["redis"]["command"])
-    assert "--api-key" in " ".join(spec["services"]["sglang"]["command"])
+    # The engine's API key is the token, read from the environment: never an argument (`ps`).
+    sglang = spec["services"]["sglang"]
+    assert "--api-key" not in sglang["command"] and "os.environ['RLMESH_TOKEN']" in sglang["command"][2]
+    assert "RLMESH_TOKEN" not in " ".join(sglang["command"][3:])
     for name in RLMESH_SERVICES:
         assert "internal" in spec["services"][name]["networks"]
 
@@ -247,3 +250,31 @@ def test_every_service_selects_pods_and_names_ports_they_have():
                 if "persistentVolumeClaim" in v
             }
             assert used <= claims, (overlay, used - claims)
+
+
+def test_pods_hold_no_api_credentials_and_no_secret_in_their_arguments():
+    for overlay, objects in rendered().items():
+        for name, workload in [*by_kind(objects, "Deployment").items(), *by_kind(objects, "StatefulSet").items()]:
+            pod = workload["spec"]["template"]["spec"]
+            assert pod["automountServiceAccountToken"] is False, (overlay, name)
+            for container in [*pod.get("initContainers", []), *pod["containers"]]:
+                words = " ".join([*container.get("command", []), *container.get("args", [])])
+                # ($(VAR) in command or args is expanded: the secret would show in `ps`)
+                assert "$(RLMESH_TOKEN)" not in words and "$(REDIS_PASSWORD)" not in words, (overlay, name)
+
+
+def test_only_the_coordinator_is_reachable_from_outside_and_redis_only_from_its_users():
+    for objects in rendered().values():
+        policies = by_kind(objects, "NetworkPolicy")
+        open_to_all = [
+            p for p in policies.values() for rule in p["spec"].get("ingress", []) if "from" not in rule
+        ]  # fmt: skip
+        assert [p["spec"]["podSelector"]["matchLabels"] for p in open_to_all] == [
+            {"app.kubernetes.io/name": "coordinator"}
+        ]
+        redis_users = policies["rlmesh-redis"]["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"]
+        assert redis_users[0]["values"] == ["buffer", "coordinator", "reward"]
+        others = policies["rlmesh-ingress"]["spec"]["podSelector"]["matchExpressions"]
+        assert others == [{"key": "app.kubernetes.io/name", "operator": "NotIn", "values": ["redis"]}]
+        egress = policies["rlmesh-egress"]["spec"]["egress"][0]["to"]
+        assert "169.254.0.0/16" in egress[0]["ipBlock"]["except"]  # the cloud's metadata service
