@@ -5,6 +5,9 @@ back to SGLang's defaults."""
 
 from __future__ import annotations
 
+from pydantic import ValidationError
+
+from rlmesh.common.errors import InvalidArgument
 from rlmesh.common.run_config import SamplingConfig
 from rlmesh.v1 import rollout_pb2
 
@@ -14,7 +17,9 @@ def sampling_to_proto(cfg: SamplingConfig) -> rollout_pb2.SamplingParams:
 
 
 def sampling_to_sglang(p: rollout_pb2.SamplingParams) -> dict:
-    params = {
+    """SGLang's parameters, checked as the run config checks them: InvalidArgument names the
+    field out of bounds (the same answer as a 422 from the REST API)."""
+    values = {
         "max_new_tokens": p.max_new_tokens or 128,
         "temperature": p.temperature,
         "top_p": p.top_p or 1.0,
@@ -26,9 +31,15 @@ def sampling_to_sglang(p: rollout_pb2.SamplingParams) -> dict:
         "frequency_penalty": p.frequency_penalty,
         "presence_penalty": p.presence_penalty,
         "min_new_tokens": p.min_new_tokens,
+        "stop": list(p.stop),
+        "stop_token_ids": list(p.stop_token_ids),
     }
-    if p.stop:
-        params["stop"] = list(p.stop)
-    if p.stop_token_ids:
-        params["stop_token_ids"] = list(p.stop_token_ids)
+    try:
+        params = SamplingConfig.model_validate(values).model_dump()
+    except ValidationError as e:
+        where = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise InvalidArgument(f"sampling: {where}") from None
+    for name in ("stop", "stop_token_ids"):
+        if not params[name]:
+            del params[name]
     return params

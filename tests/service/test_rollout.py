@@ -154,6 +154,11 @@ def test_list_engines_and_errors(stack, engine_url):
     with pytest.raises(grpc.RpcError) as e:
         rollout.StartAsyncRollout(request(mode="sft"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "async" in e.value.details()
+    # sampling parameters are checked as the REST API checks them (they went to the engines unchecked)
+    for bad, field in ((dict(top_p=5.0), "top_p"), (dict(temperature=float("nan")), "temperature")):
+        with pytest.raises(grpc.RpcError) as e:
+            rollout.GenerateRollout(request(sampling=rollout_pb2.SamplingParams(max_new_tokens=6, **bad)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"sampling: {field}" in e.value.details()
 
 
 def test_a_filter_that_drops_everything_fails_clearly(stack):
