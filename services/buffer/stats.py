@@ -14,8 +14,9 @@ _RATE_COUNTERS = ("groups_written", "acknowledged_groups", "prompts_handed_out")
 
 
 async def run_stats(redis: aioredis.Redis, k: RunKeys, spec: dict, rate_window_seconds: float) -> dict:
-    """The run's counters, by the field names of the BufferStats message."""
-    pipe = redis.pipeline(transaction=False)
+    """The run's counters, by the field names of the BufferStats message; the counts are read
+    in one transaction (leased_groups is derived from three of them)."""
+    pipe = redis.pipeline(transaction=True)
     pipe.llen(k.queue)
     pipe.hlen(k.groups)
     pipe.llen(k.partial)

@@ -11,6 +11,7 @@ import logging
 import time
 
 import grpc
+from redis.exceptions import RedisError
 
 from rlmesh.common.errors import FailedPrecondition, NotFound
 from rlmesh.common.retry import Backoff, OutageTooLong
@@ -147,20 +148,30 @@ class RunDriver:
             await self.store.update(run_id, phase="done", status="completed", eval_after=after, error=error)
             await self._end(run_id, mode, trainer_ended=True)
         except StopRequested:
-            await self.store.update(run_id, status="stopped")
-            await self._end(run_id, mode)
+            await self._record_end(run_id, mode, status="stopped")
         except asyncio.CancelledError:
             if mode is not None:  # coordinator shutting down: the run stays active and resumes on restart
                 mode.cancel()
             raise
         except grpc.aio.AioRpcError as e:
             log.error("run %s failed: %s", run_id, e.details())
-            await self.store.update(run_id, status="failed", error=f"{e.code().name}: {e.details()}")
-            await self._end(run_id, mode)  # free the trainer for the next run
+            await self._record_end(run_id, mode, status="failed", error=f"{e.code().name}: {e.details()}")
         except Exception as e:
             log.exception("run %s failed", run_id)
-            await self.store.update(run_id, status="failed", error=f"{type(e).__name__}: {e}")
-            await self._end(run_id, mode)
+            await self._record_end(run_id, mode, status="failed", error=f"{type(e).__name__}: {e}")
+
+    async def _record_end(self, run_id: str, mode: RunMode | None, **fields) -> None:
+        """The run's end recorded, even through a Redis outage longer than the store's own
+        retries (a driver that gave up here left the run 'running' with its claim held until
+        the coordinator restarted), then the trainer freed for the next run (_end)."""
+        while True:
+            try:
+                await self.store.update(run_id, **fields)
+                break
+            except RedisError as e:
+                log.error("run %s: its end (%s) cannot be recorded yet, Redis fails: %s", run_id, fields["status"], e)
+                await asyncio.sleep(self.backoff.max_seconds)
+        await self._end(run_id, mode)
 
     async def _train(self, calls: RunCalls, mode: RunMode, phase: str) -> None:
         """The run's train steps in order: the SFT warm start's, the evaluation before RL, then
