@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from rlmesh.common.errors import InvalidArgument
+from rlmesh.common.errors import InvalidArgument, validation_problems
 from rlmesh.common.run_config import DatasetConfig
 from rlmesh.v1 import buffer_pb2
 
@@ -33,7 +33,7 @@ def dataset_from_proto(spec: buffer_pb2.DatasetSpec, run: buffer_pb2.CreateRunRe
     try:
         return DatasetConfig(**values)
     except ValidationError as e:
-        where = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'dataset'}: {err['msg']}" for err in e.errors())
+        where = validation_problems(e, "dataset")
         raise InvalidArgument(f"dataset {spec.name!r}: {where}") from None
 
 

@@ -5,6 +5,7 @@ on, never a stack trace."""
 from __future__ import annotations
 
 import grpc
+from pydantic import ValidationError
 
 
 class RlmeshError(Exception):
@@ -77,3 +78,10 @@ def upstream_error(service: str, address: str, e: grpc.aio.AioRpcError) -> Rlmes
         return Unavailable(f"{service} at {address} is unavailable: {e.details()}")
     cls = FailedPrecondition if code == grpc.StatusCode.NOT_FOUND else ERROR_BY_GRPC_CODE.get(code, RlmeshError)
     return cls(f"{service} at {address} answered {code.name}: {e.details()}")
+
+
+def validation_problems(e: ValidationError, whole: str = "value", most: int = 0) -> str:
+    """What a pydantic validation found wrong, one `field.path: message` per problem (`whole`
+    names the object itself when the problem is not a field's; `most` > 0 caps the count)."""
+    found = e.errors()[:most] if most else e.errors()
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or whole}: {err['msg']}" for err in found)

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, ValidationError
 
-from rlmesh.common.errors import InvalidArgument
+from rlmesh.common.errors import InvalidArgument, validation_problems
 from rlmesh.common.limits import (
     MAX_REMOTE_BATCH_SIZE,
     MAX_REMOTE_CONCURRENCY,
@@ -56,7 +56,7 @@ def remote_service(fields: dict) -> RemoteServiceSpec:
     try:
         return RemoteServiceSpec(**fields)
     except ValidationError as e:
-        where = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'registration'}: {err['msg']}" for err in e.errors())
+        where = validation_problems(e, "registration")
         raise InvalidArgument(f"reward service {fields.get('name', '')!r}: {where}") from None
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from rlmesh.common.errors import InvalidArgument
+from rlmesh.common.errors import InvalidArgument, validation_problems
 from rlmesh.common.run_config import SamplingConfig
 from rlmesh.v1 import rollout_pb2
 
@@ -37,7 +37,7 @@ def sampling_to_sglang(p: rollout_pb2.SamplingParams) -> dict:
     try:
         params = SamplingConfig.model_validate(values).model_dump()
     except ValidationError as e:
-        where = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        where = validation_problems(e, "sampling")
         raise InvalidArgument(f"sampling: {where}") from None
     for name in ("stop", "stop_token_ids"):
         if not params[name]:

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from pydantic import ValidationError
 
-from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable, validation_problems
 from rlmesh.common.limits import within
 from rlmesh.common.plugins import load_plugin
 from rlmesh.common.retry import retry
@@ -190,7 +190,7 @@ class RolloutManager:
         try:
             return Generator(fn, model.model_validate(choice.options, context={"settings": self.settings}))
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'options'}: {err['msg']}" for err in e.errors())
+            problems = validation_problems(e, "options")
             raise InvalidArgument(f"options of generate function {choice.name!r}: {problems}") from None
 
     # ---- one sample / one group ---------------------------------------------------------

@@ -55,7 +55,7 @@ def parse_run_config(config_json: str) -> TrainerRunConfig:
     try:
         config = TrainerRunConfig.model_validate_json(config_json)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in e.errors())
+        problems = errors.validation_problems(e, "config")
         raise errors.InvalidArgument(f"invalid trainer config: {problems}") from None
     return config
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlmesh.common import safe_json
-from rlmesh.common.errors import FailedPrecondition
+from rlmesh.common.errors import FailedPrecondition, validation_problems
 from rlmesh.common.http_guard import BodyLimit
 from rlmesh.rollout.agents.openai_models import (
     MODEL_NAME,
@@ -50,7 +50,7 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         return model.model_validate(body)
     except ValidationError as e:
         # Where and what, without echoing the input back.
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:10])
+        problems = validation_problems(e, "body", most=10)
         raise RequestError(400, f"invalid request: {problems}") from None
 
 
