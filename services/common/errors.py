@@ -43,6 +43,13 @@ class Unavailable(RlmeshError):
     http_status = 503
 
 
+class Aborted(RlmeshError):
+    """The call lost a race with a state change elsewhere: the caller fixes that state and asks again."""
+
+    code = grpc.StatusCode.ABORTED
+    http_status = 409
+
+
 class DeadlineExceeded(RlmeshError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     http_status = 504
@@ -62,6 +69,7 @@ ERROR_BY_GRPC_CODE = {
         AlreadyExists,
         ResourceExhausted,
         Unavailable,
+        Aborted,
         DeadlineExceeded,
         Unimplemented,
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from rlmesh.common.retry import Backoff, retry, transient_grpc_error
+from rlmesh.common.retry import Backoff, OutageTooLong, retry, transient_grpc_error
 from rlmesh.common.run_config import RunConfig, oldest_weight_version
 from rlmesh.coordinator import requests
 from rlmesh.coordinator.config import Settings
@@ -20,6 +20,9 @@ from rlmesh.coordinator.store import RunStore
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# A train step asks the trainer for its batch with waits this long, acting between them.
+BATCH_POLL_SECONDS = 5.0
 
 
 @dataclass
@@ -42,10 +45,15 @@ class _TrainerLostRun(Exception):
     """The trainer answered NOT_FOUND for the run (it restarted): the run was set up on it again."""
 
 
+class _EnginesWereBehind(Exception):
+    """The rollout service found the engines on older weights than the run's (they restarted
+    on their base weights): the trainer's weights were pushed to them again."""
+
+
 def _transient(e: BaseException) -> str | None:
     """Why a failed call is worth retrying (a peer down, restarting or past its deadline; a
-    step still in flight; a trainer set up again), or None."""
-    if isinstance(e, (_StepInFlight, _TrainerLostRun)):
+    step still in flight; a trainer set up again; engines brought up to date), or None."""
+    if isinstance(e, (_StepInFlight, _TrainerLostRun, _EnginesWereBehind)):
         return str(e)
     return transient_grpc_error(e)
 
@@ -203,6 +211,36 @@ class RunCalls:
         """The trainer's weights to every engine, as the next weight version; its metrics."""
         return await self._patient_trainer(self._publish_once)
 
+    async def on_current_engines(self, call: Callable[[], Awaitable]):
+        """A generation or evaluation call. When it fails because the engines hold older
+        weights than the run's (ABORTED: one restarted on its base weights), the trainer's
+        weights are pushed to them again before the call is retried: no sample is ever
+        generated on weights the run has left behind."""
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.ABORTED:
+                raise
+            log.warning("run %s: %s; pushing the weights again", self.run_id, e.details())
+            await self.on_trainer(self._publish_once)
+            raise _EnginesWereBehind(
+                f"the engines held older weights than the run's; pushed again: {e.details()}"
+            ) from None
+
+    async def engines_behind(self) -> list[str]:
+        """The engines that answer with older weights than the run's last push ('url (version)')."""
+        version = (await self.store.get(self.run_id))["weight_version"]
+        reply = await self.rollout_call(
+            lambda: self.clients.rollout.ListEngines(
+                rollout_pb2.ListEnginesRequest(), timeout=self.settings.call_deadline_seconds
+            )
+        )
+        return [
+            f"{e.url} (version {e.weight_version})"
+            for e in reply.engines
+            if e.healthy and (int(e.weight_version) if e.weight_version.isdigit() else 0) < version
+        ]
+
     async def train_step(self, request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
         """A train step, retried only while its batch was not trained: the trainer finishes and
         acknowledges a started step even when the caller is gone. So before a retry, the
@@ -244,31 +282,64 @@ class RunCalls:
         if status.step_in_flight:
             raise _StepInFlight("the trainer's step is still under way")
 
-    async def train_batch(self) -> tuple[trainer_pb2.TrainStepResponse, float]:
-        """An RL train step on the next batch; its answer and how long it took."""
+    async def train_batch(
+        self, on_no_batch: Callable[[], Awaitable[str]] | None = None
+    ) -> tuple[trainer_pb2.TrainStepResponse, float]:
+        """An RL train step on the next batch; its answer and how long it took. The trainer is
+        asked with short waits: between them the mode acts (`on_no_batch`: generate what is
+        missing, push weights to engines that fell behind; it says what it found) and the run
+        record says what it waits for. No batch for train_wait_seconds + max_outage_seconds:
+        OutageTooLong."""
         t0 = time.monotonic()
-        t = await self.train_step(
-            trainer_pb2.TrainStepRequest(
-                run_id=self.run_id, num_groups=self.cfg.rollout.rollout_batch_size, wait_seconds=self.train_wait_seconds
-            )
+        batch = self.cfg.rollout.rollout_batch_size
+        request = trainer_pb2.TrainStepRequest(
+            run_id=self.run_id,
+            num_groups=batch,
+            wait_seconds=min(self.train_wait_seconds, BATCH_POLL_SECONDS),
+            answer_without_batch=True,
         )
-        return t, time.monotonic() - t0
+        give_up = t0 + self.train_wait_seconds + self.cfg.max_outage_seconds
+        dropped, waited = 0, False
+        try:
+            while True:
+                t = await self.train_step(request)
+                if not t.no_batch:
+                    return t, time.monotonic() - t0
+                dropped += t.stale_groups_dropped
+                stats = await self.stats()
+                reason = (
+                    f"a full batch of {batch} fresh groups for the trainer ({stats.queued_groups} queued, "
+                    f"{dropped} dropped as stale while waiting)"
+                )
+                found = await on_no_batch() if on_no_batch is not None else ""
+                reason += f"; {found}" if found else ""
+                if time.monotonic() > give_up:
+                    raise OutageTooLong(f"no batch for {time.monotonic() - t0:.0f} s: waited for {reason}")
+                waited = True
+                await self.store.update(self.run_id, waiting_for=reason)
+                await self.check_stop()
+        finally:
+            if waited:
+                await self.store.update(self.run_id, waiting_for="")
 
     # ---- the rollout service -----------------------------------------------------------------
 
     async def generate(
-        self, batch: int, request: Callable[[int], rollout_pb2.GenerateRolloutRequest]
+        self, batch: int, request: Callable[[int, int], rollout_pb2.GenerateRolloutRequest]
     ) -> rollout_pb2.GenerateRolloutResponse:
-        """Generate what the batch still misses. Safe to retry: groups an interrupted call wrote
-        stay queued and are counted; prompts it held are handed back (or their lease expires)."""
+        """Generate what the batch still misses (`request(missing, weight_version)`), on engines
+        holding the run's weights. Safe to retry: groups an interrupted call wrote stay queued
+        and are counted; prompts it held are handed back (or their lease expires)."""
 
         async def attempt():
             missing = await self.missing_groups(batch)
             if not missing:
                 return rollout_pb2.GenerateRolloutResponse()
-            req = request(missing)
-            return await self.clients.rollout.GenerateRollout(
-                req, timeout=self.deadline(missing + req.over_sampling_groups)
+            req = request(missing, (await self.store.get(self.run_id))["weight_version"])
+            return await self.on_current_engines(
+                lambda: self.clients.rollout.GenerateRollout(
+                    req, timeout=self.deadline(missing + req.over_sampling_groups)
+                )
             )
 
         return await self.patiently(self.service("rollout"), attempt)
@@ -279,13 +350,12 @@ class RunCalls:
         cfg = self.cfg
         # The trainer leases this batch with the same bound; one_step_off trains it one version
         # later than the weights it is generated with.
-        oldest = oldest_weight_version(
-            (await self.store.get(self.run_id))["weight_version"],
-            cfg.staleness_bound,
-            ahead=int(cfg.mode == "one_step_off"),
-        )
+        ahead = int(cfg.mode == "one_step_off")
         g = await self.generate(
-            cfg.rollout.rollout_batch_size, lambda missing: requests.rollout_request(self.run_id, cfg, missing, oldest)
+            cfg.rollout.rollout_batch_size,
+            lambda missing, version: requests.rollout_request(
+                self.run_id, cfg, missing, oldest_weight_version(version, cfg.staleness_bound, ahead=ahead), version
+            ),
         )
         return dict(g.metrics), time.monotonic() - t0
 
@@ -298,15 +368,17 @@ class RunCalls:
         cfg, out = self.cfg, {}
         rows = (await self.stats()).dataset_rows if not cfg.eval.limit else {}
         for d in cfg.eval_datasets():
-            request = requests.evaluate_request(self.run_id, cfg, d.name)
             prompts = cfg.eval.limit or rows.get(d.name, 0)
-            r = await self.patiently(
-                self.service("rollout"),
-                lambda request=request, prompts=prompts: self.clients.rollout.Evaluate(
-                    request, timeout=self.deadline(prompts)
-                ),
-            )
-            out.update(r.metrics)
+
+            async def call(dataset: str = d.name, prompts: int = prompts):
+                # (read each try: a retry after the engines were brought up to date asks for the new version)
+                version = (await self.store.get(self.run_id))["weight_version"]
+                request = requests.evaluate_request(self.run_id, cfg, dataset, version)
+                return await self.on_current_engines(
+                    lambda: self.clients.rollout.Evaluate(request, timeout=self.deadline(prompts))
+                )
+
+            out.update((await self.patiently(self.service("rollout"), call)).metrics)
         return out
 
     # ---- the buffer ----------------------------------------------------------------------

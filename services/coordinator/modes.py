@@ -21,6 +21,7 @@ import grpc
 
 from rlmesh.common.metrics import merge_sample_metrics
 from rlmesh.common.retry import OutageTooLong
+from rlmesh.common.run_config import oldest_weight_version
 from rlmesh.coordinator import requests
 from rlmesh.coordinator.calls import RunCalls, StopRequested
 from rlmesh.v1 import rollout_pb2, trainer_pb2
@@ -63,6 +64,16 @@ class RunMode:
         """RL iteration `rollout_id` (0-based): its metric record."""
         raise NotImplementedError
 
+    async def on_no_batch(self) -> str:
+        """The trainer found no full batch of fresh groups within a short wait (say, a
+        restart's rollback requeued groups that are now too old, and they were dropped as
+        stale): generate what is missing. Returns what it did, for the run's waiting_for."""
+        stats = await self.calls.stats()
+        if stats.queued_groups + stats.leased_groups >= self.calls.cfg.rollout.rollout_batch_size:
+            return ""
+        await self.calls.generate_batch()
+        return "generated the missing groups"
+
     async def settle(self, keep_metrics: bool = False) -> None:
         """Between steps (a pause, the warm start's steps, the end of training): nothing of the
         run generates in the background; keep_metrics keeps what it measured for the next
@@ -80,7 +91,7 @@ class SyncMode(RunMode):
     async def iteration(self, rollout_id: int) -> dict:
         t0 = time.monotonic()
         generation, generate_seconds = await self.calls.generate_batch()
-        t, train_seconds = await self.calls.train_batch()
+        t, train_seconds = await self.calls.train_batch(self.on_no_batch)
         w = await self.calls.publish()
         return iteration_record(
             rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds}, t0
@@ -98,7 +109,7 @@ class OneStepOffMode(RunMode):
         t0 = time.monotonic()
         generating, self.upcoming = self.upcoming, None
         generation, generate_seconds = await generating if generating else await self.calls.generate_batch()
-        training = asyncio.create_task(self.calls.train_batch())
+        training = asyncio.create_task(self.calls.train_batch(self.on_no_batch))
         upcoming = None
         try:
             if rollout_id + 1 < self.calls.cfg.num_rollouts:
@@ -143,49 +154,75 @@ class FullyAsyncMode(RunMode):
         # Until stopped once: a previous coordinator of the run may have left its loop running.
         self.loop_may_run = True
         self.generation_metrics: dict[str, float] = {}  # since the last record
+        self.loop_error = ""  # what the generation loop last reported going wrong ("" when all is well)
 
     async def iteration(self, rollout_id: int) -> dict:
         """Train the next batch the continuous generation wrote, then push the new weights
         with the engines paused (pause_mode)."""
-        calls, settings = self.calls, self.calls.settings
+        calls = self.calls
         t0 = time.monotonic()
         if self.heartbeat is None:
             self.heartbeat = asyncio.create_task(self._beat(), name=f"heartbeat-{calls.run_id}")
             self.loop_may_run = True
         await self._start_generation()
-        t, train_seconds = await calls.train_batch()
+        t, train_seconds = await calls.train_batch(self.on_no_batch)
         t1 = time.monotonic()
-        await calls.rollout_call(
-            lambda: calls.clients.rollout.PauseGeneration(
-                rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode), timeout=settings.call_deadline_seconds
-            )
-        )
-        try:
-            w = await calls.publish()
-        finally:
-            await calls.rollout_call(
-                lambda: calls.clients.rollout.ContinueGeneration(
-                    rollout_pb2.ContinueGenerationRequest(), timeout=settings.call_deadline_seconds
-                )
-            )
+        w = await self._push_weights()
         generation, self.generation_metrics = self.generation_metrics, {}
         return iteration_record(
             rollout_id, generation, t, w, {"train": train_seconds, "pause": time.monotonic() - t1}, t0
         )
 
+    async def _push_weights(self) -> dict:
+        """The trainer's weights to the engines, paused meanwhile (pause_mode); its metrics."""
+        calls = self.calls
+        deadline = calls.settings.call_deadline_seconds
+        await calls.rollout_call(
+            lambda: calls.clients.rollout.PauseGeneration(
+                rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode), timeout=deadline
+            )
+        )
+        try:
+            return await calls.publish()
+        finally:
+            await calls.rollout_call(
+                lambda: calls.clients.rollout.ContinueGeneration(
+                    rollout_pb2.ContinueGenerationRequest(), timeout=deadline
+                )
+            )
+
+    async def on_no_batch(self) -> str:
+        """No full batch yet. Engines that restarted on their base weights generate nothing
+        the trainer would keep (the loop refuses them), and no push would ever come, since
+        pushes follow train steps: push the weights to them now. Otherwise say what the
+        generation loop reports."""
+        behind = await self.calls.engines_behind()
+        if behind:
+            await self._push_weights()
+            return f"engines behind the run's weights ({', '.join(behind)}) were pushed the weights again"
+        return f"the generation loop reports: {self.loop_error}" if self.loop_error else ""
+
     async def _start_generation(self) -> None:
         """StartAsyncRollout: starts the run's generation loop, or (already running) is a
-        heartbeat; either way it returns the loop's metrics since the previous call."""
+        heartbeat; either way it returns the loop's metrics since the previous call. It
+        carries the run's weight version (engines behind it take no sample) and the oldest
+        version a partial group may have begun under (older ones start over)."""
         calls = self.calls
+        version = (await calls.store.get(calls.run_id))["weight_version"]
+        request = requests.rollout_request(
+            calls.run_id,
+            calls.cfg,
+            calls.cfg.rollout.rollout_batch_size,
+            oldest_weight_version(version, calls.cfg.staleness_bound),
+            version,
+        )
         r = await calls.rollout_call(
-            lambda: calls.clients.rollout.StartAsyncRollout(
-                requests.rollout_request(calls.run_id, calls.cfg, calls.cfg.rollout.rollout_batch_size),
-                timeout=calls.settings.call_deadline_seconds,
-            )
+            lambda: calls.clients.rollout.StartAsyncRollout(request, timeout=calls.settings.call_deadline_seconds)
         )
         self._collect(r)
 
     def _collect(self, reply: rollout_pb2.AsyncRolloutResponse) -> None:
+        self.loop_error = reply.error
         if reply.error:
             log.warning("run %s: the rollout service's generation loop reports: %s", self.calls.run_id, reply.error)
         merge_sample_metrics(self.generation_metrics, dict(reply.metrics), "rollout/samples")

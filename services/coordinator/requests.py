@@ -36,7 +36,7 @@ def init_run_request(run_id: str, cfg: RunConfig) -> trainer_pb2.InitRunRequest:
 
 
 def rollout_request(
-    run_id: str, cfg: RunConfig, num_groups: int, min_weight_version: int = 0
+    run_id: str, cfg: RunConfig, num_groups: int, min_weight_version: int = 0, weight_version: int = 0
 ) -> rollout_pb2.GenerateRolloutRequest:
     """An RL batch (GenerateRollout), or the continuous generation's settings (StartAsyncRollout)."""
     ro = cfg.rollout
@@ -53,6 +53,7 @@ def rollout_request(
         apply_chat_template=ro.apply_chat_template,
         generate=generate_function_spec(cfg),
         min_weight_version=min_weight_version,
+        weight_version=weight_version,
     )
 
 
@@ -70,7 +71,7 @@ def sft_rollout_request(run_id: str, cfg: RunConfig, step: int, missing: int) ->
     )
 
 
-def evaluate_request(run_id: str, cfg: RunConfig, dataset: str) -> rollout_pb2.EvaluateRequest:
+def evaluate_request(run_id: str, cfg: RunConfig, dataset: str, weight_version: int = 0) -> rollout_pb2.EvaluateRequest:
     return rollout_pb2.EvaluateRequest(
         run_id=run_id,
         dataset=dataset,
@@ -80,4 +81,5 @@ def evaluate_request(run_id: str, cfg: RunConfig, dataset: str) -> rollout_pb2.E
         limit=cfg.eval.limit,
         apply_chat_template=cfg.rollout.apply_chat_template,
         generate=generate_function_spec(cfg),
+        weight_version=weight_version,
     )

@@ -254,7 +254,7 @@ class RunDriver:
         run_id, cfg = calls.run_id, calls.cfg
         await self._step_boundary(calls, mode)
         batch = cfg.sft_warmup.batch_groups
-        await calls.generate(batch, lambda missing: requests.sft_rollout_request(run_id, cfg, step, missing))
+        await calls.generate(batch, lambda missing, _: requests.sft_rollout_request(run_id, cfg, step, missing))
         r = await calls.train_step(
             trainer_pb2.TrainStepRequest(
                 run_id=run_id, num_groups=batch, wait_seconds=self.train_wait_seconds, loss="sft"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -23,6 +23,7 @@ from rlmesh.rollout.rollout import (
     RolloutRequest,
     keep_group,
     reset_sample,
+    restart_stale,
     rollout_metrics,
 )
 from rlmesh.v1 import buffer_pb2, sample_pb2
@@ -131,10 +132,17 @@ class AsyncLoop:
 
     async def _one_group(self, prompt: sample_pb2.SampleGroup) -> SampleGroup:
         """Generate a group until none of its samples is aborted, then score it."""
-        group = group_from_proto(prompt)
+        # A partial group begun under weights the trainer would drop as stale starts over.
+        group = restart_stale(group_from_proto(prompt), self.req.min_weight_version)
         for _ in range(MAX_ABORTS_PER_GROUP + 1):
             group = await self.manager._generate_group(
-                group, self.req.sampling, self.sem, self.req.apply_chat_template, self.generator, self.inflight
+                group,
+                self.req.sampling,
+                self.sem,
+                self.req.apply_chat_template,
+                self.generator,
+                self.inflight,
+                weight_version=self.req.weight_version,
             )
             aborted = [s for s in group.samples if s.status == Status.ABORTED]
             if not aborted:
@@ -231,6 +239,8 @@ class AsyncRollouts:
         if loop is None or not loop.running:
             loop = self.loops[req.run_id] = AsyncLoop(self.manager, req)
             log.info("run %s: asynchronous generation started (%d groups in flight)", req.run_id, loop.target)
+        else:  # a heartbeat: the weights pushed since, and the staleness bound that follows
+            loop.req = replace(loop.req, weight_version=req.weight_version, min_weight_version=req.min_weight_version)
         return loop.report()
 
     async def stop(self, run_id: str) -> AsyncStatus:

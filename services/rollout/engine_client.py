@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import httpx
 
 from rlmesh.common.auth import credential_headers
-from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
 from rlmesh.rollout.metrics import RolloutMetrics
 
@@ -33,6 +33,18 @@ class EngineState:
 
 class EngineError(Unavailable):
     pass
+
+
+class EngineBehind(EngineError):
+    """An engine answered with weights older than the request needs (it restarted on its
+    base weights since it was last asked): the sample is generated again elsewhere."""
+
+
+class EnginesBehind(Aborted):
+    """Every engine that answers holds weights older than the request needs: the caller
+    pushes the current weights first, then asks again (an engine never generates on
+    weights it should not have, and the rollout does not wait for a push that only its
+    caller can start)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,7 @@ class SGLangClient:
         self.weight_delta_format = ""  # as its /get_server_info said when last asked (states())
         self._live_rids: dict[str, str] = {}  # rid a caller knows -> rid of the retry in flight
         self.metrics: RolloutMetrics | None = None  # counts tokens and requests (set by the pool)
+        self.answered_version: int | None = None  # the weight version of its last /generate answer
 
     async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
         try:
@@ -129,6 +142,9 @@ class SGLangClient:
         answer = None
         try:
             answer = await self._generate(body, rid, timeout)
+            version = answer.get("meta_info", {}).get("weight_version") if isinstance(answer, dict) else None
+            if version is not None:  # (SGLang before 0.4.10 does not say)
+                self.answered_version = _version_number(str(version))
             return answer
         finally:
             if self.metrics is not None:
@@ -331,6 +347,49 @@ class EnginePool:
             return self.router
         engines = self.in_rotation() or self.engines  # none left: try them all (the caller retries)
         return engines[next(self._next) % len(engines)]
+
+    async def engine_for(self, weight_version: int) -> SGLangClient:
+        """The next engine in turn that holds at least `weight_version` (0: any, as
+        for_generation). None known to: every engine is asked (a restarted one answers
+        with its base weights); EngineError while none answers (the caller waits and
+        retries), EnginesBehind when those that answer all hold older weights."""
+        if not weight_version or self.router:
+            return self.for_generation()  # (behind a router, the answer's version is checked)
+
+        def holding() -> list[SGLangClient]:
+            return [
+                e for e in self.engines if e.url not in self._down and self._versions.get(e.url, 0) >= weight_version
+            ]
+
+        engines = holding()
+        if not engines:
+            states = await self.states()
+            engines = holding()
+            if not engines:
+                answering = [s for s in states if s.healthy]
+                if not answering:
+                    raise EngineError(f"no engine answers: {', '.join(s.url for s in states)}")
+                behind = ", ".join(f"{s.url} holds version {s.weight_version}" for s in answering)
+                raise EnginesBehind(
+                    f"the engines hold weights older than version {weight_version} ({behind}): "
+                    "push the current weights to them first"
+                )
+        return engines[next(self._next) % len(engines)]
+
+    def check_answer(self, engine: SGLangClient, weight_version: int) -> None:
+        """EngineBehind when `engine` answered with weights older than `weight_version`."""
+        answered = engine.answered_version
+        if weight_version and answered is not None and answered < weight_version:
+            if engine is self.router:  # (it cannot be told to send the sample elsewhere)
+                raise EnginesBehind(
+                    f"the router {engine.url} answered with weight version {answered}, older than "
+                    f"{weight_version}: push the current weights to its engines first"
+                )
+            self._versions[engine.url] = answered
+            raise EngineBehind(
+                f"engine {engine.url} answered with weight version {answered}, older than {weight_version} "
+                "(it restarted?): generating the sample again"
+            )
 
     async def states(self) -> list[EngineState]:
         await self.refresh_workers()

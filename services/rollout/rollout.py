@@ -23,7 +23,7 @@ from rlmesh.common.retry import retry
 from rlmesh.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
 from rlmesh.rollout.agents.tools import ToolBox
 from rlmesh.rollout.config import BUILTIN_GENERATE_FUNCTIONS, Settings
-from rlmesh.rollout.engine_client import EngineError, EnginePool
+from rlmesh.rollout.engine_client import EngineBehind, EngineError, EnginePool, EnginesBehind
 from rlmesh.rollout.generation import GenerateContext, sft_sample
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc
 
@@ -79,6 +79,8 @@ class RolloutRequest:
     generate: GenerateChoice = GenerateChoice()
     # Partial samples with tokens older than this weight version start over (0: resume any).
     min_weight_version: int = 0
+    # Engines holding weights older than this take no sample (0: any); see EnginePool.engine_for.
+    weight_version: int = 0
     # mode "sft": a dataset of the run read from this row on (cycling) instead of the training stream.
     dataset: str = ""
     dataset_offset: int = 0
@@ -101,6 +103,7 @@ class EvalRequest:
     limit: int = 0  # 0 = the whole dataset
     apply_chat_template: bool = False
     generate: GenerateChoice = GenerateChoice()
+    weight_version: int = 0  # as RolloutRequest's
 
 
 def keep_group(group: SampleGroup, group_filter: str) -> bool:
@@ -204,7 +207,10 @@ class RolloutManager:
         generator: Generator,
         inflight: dict,
         stop: asyncio.Event | None = None,
+        weight_version: int = 0,
     ) -> SampleGroup:
+        """Generate every unfinished sample of `group`, each on an engine holding at least
+        `weight_version` (0: any)."""
         tokenizer = await self.tokenizer()
 
         async def one(sample: Sample) -> list[Sample]:
@@ -223,7 +229,7 @@ class RolloutManager:
                 # The next engine in turn: a retry goes to another engine when there are several.
                 ctx = GenerateContext(
                     tokenizer=tokenizer,
-                    engine=self.pool.for_generation(),
+                    engine=await self.pool.engine_for(weight_version),
                     apply_chat_template=chat,
                     options=generator.options,
                     settings=self.settings,
@@ -231,7 +237,11 @@ class RolloutManager:
                 )
                 inflight[id(sample)] = (ctx.engine, current)
                 try:
-                    return await generator.fn(ctx, current, params)
+                    out = await generator.fn(ctx, current, params)
+                    self.pool.check_answer(ctx.engine, weight_version)
+                    return out
+                except EngineBehind:
+                    raise  # (it answers: not down, only behind; the retry goes to another or fails)
                 except EngineError:
                     self.pool.mark_down(ctx.engine)  # out of the rotation: the retry goes to another
                     raise
@@ -250,8 +260,8 @@ class RolloutManager:
                         ),
                         self.settings.sample_timeout_seconds,
                     )
-                except (Unavailable, asyncio.CancelledError):
-                    raise  # the engines are down (the whole rollout is retried), or we are cancelled
+                except (Unavailable, EnginesBehind, asyncio.CancelledError):
+                    raise  # the engines are down or behind (the whole rollout is retried), or we are cancelled
                 except Exception as e:  # this sample's own failure: it fails, the rollout goes on
                     out = failed_sample(before, e, self.settings.sample_timeout_seconds)
             return out if isinstance(out, list) else [out]
@@ -361,6 +371,7 @@ class RolloutManager:
                         generator,
                         inflight,
                         stop,
+                        req.weight_version,
                     )
                 )
                 for g in resp.groups
@@ -503,7 +514,15 @@ class RolloutManager:
         sem = asyncio.Semaphore(self.settings.max_concurrency)
         groups = await asyncio.gather(
             *(
-                self._generate_group(group_from_proto(g), req.sampling, sem, req.apply_chat_template, generator, {})
+                self._generate_group(
+                    group_from_proto(g),
+                    req.sampling,
+                    sem,
+                    req.apply_chat_template,
+                    generator,
+                    {},
+                    weight_version=req.weight_version,
+                )
                 for g in resp.groups
             )
         )

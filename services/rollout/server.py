@@ -126,6 +126,7 @@ def rollout_request_from_proto(r: rollout_pb2.GenerateRolloutRequest) -> Rollout
         apply_chat_template=r.apply_chat_template,
         generate=generate_choice_from_proto(r.generate),
         min_weight_version=max(r.min_weight_version, 0),
+        weight_version=max(r.weight_version, 0),
         dataset=r.dataset,
         dataset_offset=max(r.dataset_offset, 0),
     )
@@ -141,6 +142,7 @@ def eval_request_from_proto(r: rollout_pb2.EvaluateRequest) -> EvalRequest:
         limit=r.limit,
         apply_chat_template=r.apply_chat_template,
         generate=generate_choice_from_proto(r.generate),
+        weight_version=max(r.weight_version, 0),
     )
 
 

@@ -49,9 +49,9 @@ class BufferClient:
         stale_policy: StalePolicy,
         lease_id: str,
     ) -> buffer_pb2.LeaseBatchResponse:
-        """A batch of exactly num_groups groups, none generated with weights older than
-        min_weight_version (older ones dropped, or kept with stale_policy 'keep', counted),
-        leased as `lease_id`. A call that fails may still have taken the lease (its reply
+        """A batch of exactly num_groups groups (or none, after wait_seconds), none generated
+        with weights older than min_weight_version (older ones dropped, or kept with
+        stale_policy 'keep', counted), leased as `lease_id`. A call that fails may still have taken the lease (its reply
         lost): the caller gives `lease_id` back (release)."""
         request = buffer_pb2.LeaseBatchRequest(
             run_id=run_id,
@@ -71,11 +71,7 @@ class BufferClient:
             )
         except grpc.aio.AioRpcError as e:
             raise errors.upstream_error("buffer (LeaseBatch)", self.settings.buffer_address, e) from None
-        if not response.groups:
-            raise errors.Unavailable(
-                f"buffer had only 0 of {num_groups} groups for run {run_id!r} after waiting {wait_seconds:g} s"
-            )
-        if len(response.groups) < num_groups:
+        if response.groups and len(response.groups) < num_groups:
             log.warning("buffer leased %d of %d groups; training on those", len(response.groups), num_groups)
         return response
 

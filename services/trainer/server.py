@@ -42,7 +42,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return _status(await self.trainer.init_run(request.run_id, config))
 
     async def TrainStep(self, request, context):
-        result = await self.trainer.train_step(request.run_id, request.num_groups, request.wait_seconds, request.loss)
+        result = await self.trainer.train_step(
+            request.run_id, request.num_groups, request.wait_seconds, request.loss, request.answer_without_batch
+        )
         if self.metrics is not None and result.seconds:
             self.metrics.step(request.loss, result.seconds, result.groups_trained, result.samples_trained)
         return trainer_pb2.TrainStepResponse(
@@ -50,6 +52,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             groups_trained=result.groups_trained,
             samples_trained=result.samples_trained,
             metrics=result.metrics,
+            no_batch=result.no_batch,
+            stale_groups_dropped=result.stale_groups_dropped,
         )
 
     async def PublishWeights(self, request, context):

@@ -78,6 +78,8 @@ class StepResult:
     samples_trained: int
     metrics: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0  # the forward/backward passes and the optimizer step, not the wait for a batch
+    no_batch: bool = False  # (answer_without_batch) no full batch came within the wait: nothing trained
+    stale_groups_dropped: int = 0  # while waiting for a batch
 
 
 @dataclass
@@ -248,27 +250,39 @@ class Trainer:
 
     # ---------------------------------------------------------------- training
 
-    async def train_step(self, run_id: str, num_groups: int, wait_seconds: float = 0.0, loss: str = "") -> StepResult:
+    async def train_step(
+        self,
+        run_id: str,
+        num_groups: int,
+        wait_seconds: float = 0.0,
+        loss: str = "",
+        answer_without_batch: bool = False,
+    ) -> StepResult:
         """Lease num_groups groups, train on them, acknowledge the lease. The work is
         shielded from the caller going away: a step once started is finished and
-        acknowledged rather than trained and then redelivered."""
+        acknowledged rather than trained and then redelivered. No full batch within
+        wait_seconds: UNAVAILABLE, or with answer_without_batch a result with no_batch set."""
         run = self._get(run_id)
         if num_groups < 1:
             raise errors.InvalidArgument(f"num_groups must be at least 1, got {num_groups}")
         at_most(num_groups, self.settings.limits.max_groups_per_call, "num_groups", "max_groups_per_call")
         seconds(wait_seconds, "wait_seconds")
         _check_loss(loss)
-        return await asyncio.shield(self._lease_train_ack(run, num_groups, wait_seconds, loss))
+        return await asyncio.shield(self._lease_train_ack(run, num_groups, wait_seconds, loss, answer_without_batch))
 
-    async def _lease_train_ack(self, run: _Run, num_groups: int, wait_seconds: float, loss: str) -> StepResult:
+    async def _lease_train_ack(
+        self, run: _Run, num_groups: int, wait_seconds: float, loss: str, answer_without_batch: bool
+    ) -> StepResult:
         async with self._holding(run):
             run.step_in_flight = True
             try:
-                return await self._step(run, num_groups, wait_seconds, loss)
+                return await self._step(run, num_groups, wait_seconds, loss, answer_without_batch)
             finally:
                 run.step_in_flight = False
 
-    async def _step(self, run: _Run, num_groups: int, wait_seconds: float, loss: str) -> StepResult:
+    async def _step(
+        self, run: _Run, num_groups: int, wait_seconds: float, loss: str, answer_without_batch: bool
+    ) -> StepResult:
         await self._acknowledged(run)
         await self._give_back_abandoned_leases(run)
         await self._rewind_buffer(run)
@@ -283,6 +297,15 @@ class Trainer:
                 run.config.stale_policy,
                 lease_id,
             )
+            if not lease.groups:
+                if answer_without_batch:
+                    return StepResult(
+                        run.backend.step, 0, 0, no_batch=True, stale_groups_dropped=lease.stale_groups_dropped
+                    )
+                raise errors.Unavailable(
+                    f"buffer had only 0 of {num_groups} groups for run {run.run_id!r} after waiting {wait_seconds:g} s"
+                    + (f" ({lease.stale_groups_dropped} stale groups dropped)" if lease.stale_groups_dropped else "")
+                )
             groups, rejected = _trainable(list(lease.groups), run.backend.vocab_size)
             repeated = [g for g in groups if g.group_id in run.trained_ids]
             groups = [g for g in groups if g.group_id not in run.trained_ids]

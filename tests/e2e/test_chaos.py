@@ -345,3 +345,29 @@ def test_a_frozen_peer_is_noticed_within_its_deadline(chaos, tmp_path, tiny_mode
         check_accounting(chaos, run_id)
     finally:
         chaos.ensure_finished(run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_a_restarted_engine_generates_for_the_run_only_once_it_has_the_runs_weights(chaos, tiny_model_dir, mode):
+    """The engine is killed while the run goes on and comes back on its base weights. Before,
+    sync trained what it generated there as on-policy (8-10 versions behind), and fully_async
+    could wedge for good (the trainer dropped each of its groups as stale, so the push that
+    would have brought it up to date never came). Now it gets the run's weights first."""
+    config = chaos_config(chaos.stack, tiny_model_dir)
+    config.update(mode=mode, num_rollouts=5)
+    run_id = chaos.start_run(config)
+    try:
+        chaos.wait_rollout(run_id, done=2)
+        chaos.kill("engine")
+        run = chaos.run(run_id)
+        assert run["status"] == "completed", run["error"]
+        assert run["waiting_for"] == ""
+        records = chaos.api.get(f"/runs/{run_id}/metrics", params={"fields": "train/staleness_max"}).json()
+        staleness = [r["train/staleness_max"] for r in records["records"] if "train/staleness_max" in r]
+        assert len(staleness) == 5
+        assert max(staleness) <= (0 if mode == "sync" else 2), staleness  # (fully_async's default bound: 2)
+        trained = trained_record(chaos.stack, run_id)
+        assert len(trained) == len(set(trained)) == chaos.stats(run_id).acknowledged_groups
+    finally:
+        chaos.ensure_finished(run_id)

@@ -14,7 +14,7 @@ import pytest
 
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlmesh.common.net import free_port
-from rlmesh.rollout.engine_client import EnginePool, SGLangClient, TensorMeta, WeightDelta
+from rlmesh.rollout.engine_client import EngineBehind, EnginePool, EnginesBehind, SGLangClient, TensorMeta, WeightDelta
 
 ANSWER = {
     "text": "x",
@@ -28,9 +28,10 @@ ANSWER = {
 }
 
 
-async def flaky_engine(drop_first: int, tp_size: int = 1, port: int = 0):
+async def flaky_engine(drop_first: int, tp_size: int = 1, port: int = 0, answers_its_version: bool = False):
     """An HTTP server that hangs up on the first `drop_first` /generate requests, then answers
-    (and reports the weight version it was last given)."""
+    (and reports the weight version it was last given: in /get_model_info, and with
+    answers_its_version in each /generate answer)."""
     seen: list[dict] = []
     version = {"weight_version": "default"}
 
@@ -47,7 +48,10 @@ async def flaky_engine(drop_first: int, tp_size: int = 1, port: int = 0):
             return
         if body.get("weight_version"):
             version["weight_version"] = body["weight_version"]
-        answers = {"/generate": ANSWER, "/get_server_info": {"tp_size": tp_size}, "/get_model_info": version}
+        answer = ANSWER
+        if answers_its_version:
+            answer = {**ANSWER, "meta_info": {**ANSWER["meta_info"], **version}}
+        answers = {"/generate": answer, "/get_server_info": {"tp_size": tp_size}, "/get_model_info": version}
         payload = json.dumps(answers.get(path, {})).encode()
         writer.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
@@ -181,3 +185,37 @@ def test_an_engine_that_is_down_leaves_the_pool_and_rejoins_once_it_has_the_weig
     assert [s["path"] for s in seen_a].count("/pause_generation") == 1
     assert [s.get("rank_offset") for s in seen_b if s["path"] == "/init_weights_update_group"] == [2]
     assert not any(s["path"] == "/update_weights_from_distributed" and s["group_name"] == "g1" for s in seen_b)
+
+
+def test_an_engine_on_older_weights_than_the_request_needs_takes_none_of_its_samples():
+    """A restarted engine is back on its base weights: until it receives the run's weights it
+    generates nothing for a request that needs them, whether the pool learns it from a probe
+    or from the engine's own answer (it restarted between two requests, no call broke);
+    with every engine behind, the request fails with ABORTED for the caller to push first."""
+
+    async def scenario():
+        engine, port, _ = await flaky_engine(0, answers_its_version=True)
+        url = f"http://127.0.0.1:{port}"
+        pool = EnginePool([url], "", 5, 5)
+        try:
+            async with engine:
+                with pytest.raises(EnginesBehind, match=r"older than version 3 .*holds version default.*push"):
+                    await pool.engine_for(3)
+                assert (await pool.engine_for(0)).url == url  # (a request that needs no version)
+                assert await pool.init_weight_group("10.0.0.1", 29500, 2, "g", "gloo") == 1
+                await pool.update_weights([TensorMeta("w", "float32", (2,))], "g", "3", True, "")
+                chosen = await pool.engine_for(3)
+                await chosen.generate([1, 2], {"max_new_tokens": 1}, rid="a")
+                pool.check_answer(chosen, 3)  # it holds version 3: the sample stands
+            restarted, _, _ = await flaky_engine(0, port=port, answers_its_version=True)
+            async with restarted:
+                chosen = await pool.engine_for(3)  # nothing broke: the pool still thinks it holds 3
+                await chosen.generate([1, 2], {"max_new_tokens": 1}, rid="b")
+                with pytest.raises(EngineBehind, match="answered with weight version 0, older than 3"):
+                    pool.check_answer(chosen, 3)
+                with pytest.raises(EnginesBehind):
+                    await pool.engine_for(3)
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())

@@ -38,7 +38,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., no_stop_trim: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRolloutRequest(_message.Message):
-    __slots__ = ("run_id", "num_groups", "sampling", "reward", "group_filter", "over_sampling_groups", "partial_rollout", "mode", "max_concurrency", "apply_chat_template", "generate", "min_weight_version", "dataset", "dataset_offset")
+    __slots__ = ("run_id", "num_groups", "sampling", "reward", "group_filter", "over_sampling_groups", "partial_rollout", "mode", "max_concurrency", "apply_chat_template", "generate", "min_weight_version", "dataset", "dataset_offset", "weight_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class GenerateRolloutRequest(_message.Message):
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     DATASET_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_groups: int
     sampling: SamplingParams
@@ -67,7 +68,8 @@ class GenerateRolloutRequest(_message.Message):
     min_weight_version: int
     dataset: str
     dataset_offset: int
-    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[_Union[_reward_pb2.RewardSpec, _Mapping]] = ..., group_filter: _Optional[str] = ..., over_sampling_groups: _Optional[int] = ..., partial_rollout: _Optional[bool] = ..., mode: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ..., generate: _Optional[_Union[GenerateFunction, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., dataset: _Optional[str] = ..., dataset_offset: _Optional[int] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[_Union[_reward_pb2.RewardSpec, _Mapping]] = ..., group_filter: _Optional[str] = ..., over_sampling_groups: _Optional[int] = ..., partial_rollout: _Optional[bool] = ..., mode: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ..., generate: _Optional[_Union[GenerateFunction, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., dataset: _Optional[str] = ..., dataset_offset: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class GenerateFunction(_message.Message):
     __slots__ = ("name", "options_json")
@@ -99,7 +101,7 @@ class GenerateRolloutResponse(_message.Message):
     def __init__(self, groups_written: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
-    __slots__ = ("run_id", "dataset", "n_samples_per_prompt", "sampling", "reward", "limit", "apply_chat_template", "generate")
+    __slots__ = ("run_id", "dataset", "n_samples_per_prompt", "sampling", "reward", "limit", "apply_chat_template", "generate", "weight_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     N_SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +110,7 @@ class EvaluateRequest(_message.Message):
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     dataset: str
     n_samples_per_prompt: int
@@ -116,7 +119,8 @@ class EvaluateRequest(_message.Message):
     limit: int
     apply_chat_template: bool
     generate: GenerateFunction
-    def __init__(self, run_id: _Optional[str] = ..., dataset: _Optional[str] = ..., n_samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[_Union[_reward_pb2.RewardSpec, _Mapping]] = ..., limit: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ..., generate: _Optional[_Union[GenerateFunction, _Mapping]] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, run_id: _Optional[str] = ..., dataset: _Optional[str] = ..., n_samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[_Union[_reward_pb2.RewardSpec, _Mapping]] = ..., limit: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ..., generate: _Optional[_Union[GenerateFunction, _Mapping]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class EvaluateResponse(_message.Message):
     __slots__ = ("metrics",)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/trainer.proto\x12\trlmesh.v1\"5\n\x0eInitRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\"Z\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nnum_groups\x18\x02 \x01(\x05\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\t\"\xbe\x01\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0egroups_trained\x18\x02 \x01(\x05\x12\x17\n\x0fsamples_trained\x18\x03 \x01(\x05\x12:\n\x07metrics\x18\x04 \x03(\x0b\x32).rlmesh.v1.TrainStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"H\n\x15PublishWeightsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06method\x18\x03 \x01(\t\"Z\n\x16PublishWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x04 \x01(\x05\"5\n\x15SaveCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"&\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\"4\n\x10GetStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08held_run\x18\x02 \x01(\x08\"\x1f\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa4\x01\n\rTrainerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x12\n\nmodel_path\x18\x04 \x01(\t\x12\x14\n\x0cresumed_step\x18\x05 \x01(\x03\x12\x16\n\x0estep_in_flight\x18\x06 \x01(\x08\x12\x1b\n\x13unacknowledged_step\x18\x07 \x01(\x03\"@\n\x16ListCheckpointsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_dir\x18\x02 \x01(\t\"g\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tautomatic\x18\x03 \x01(\x08\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x12\n\nwritten_at\x18\x05 \x01(\x01\"E\n\x17ListCheckpointsResponse\x12*\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x15.rlmesh.v1.Checkpoint2\x9b\x04\n\x07Trainer\x12>\n\x07InitRun\x12\x19.rlmesh.v1.InitRunRequest\x1a\x18.rlmesh.v1.TrainerStatus\x12\x46\n\tTrainStep\x12\x1b.rlmesh.v1.TrainStepRequest\x1a\x1c.rlmesh.v1.TrainStepResponse\x12U\n\x0ePublishWeights\x12 .rlmesh.v1.PublishWeightsRequest\x1a!.rlmesh.v1.PublishWeightsResponse\x12U\n\x0eSaveCheckpoint\x12 .rlmesh.v1.SaveCheckpointRequest\x1a!.rlmesh.v1.SaveCheckpointResponse\x12\x42\n\tGetStatus\x12\x1b.rlmesh.v1.GetStatusRequest\x1a\x18.rlmesh.v1.TrainerStatus\x12<\n\x06\x45ndRun\x12\x18.rlmesh.v1.EndRunRequest\x1a\x18.rlmesh.v1.TrainerStatus\x12X\n\x0fListCheckpoints\x12!.rlmesh.v1.ListCheckpointsRequest\x1a\".rlmesh.v1.ListCheckpointsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/trainer.proto\x12\trlmesh.v1\"5\n\x0eInitRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\"x\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nnum_groups\x18\x02 \x01(\x05\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\t\x12\x1c\n\x14\x61nswer_without_batch\x18\x05 \x01(\x08\"\xee\x01\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0egroups_trained\x18\x02 \x01(\x05\x12\x17\n\x0fsamples_trained\x18\x03 \x01(\x05\x12:\n\x07metrics\x18\x04 \x03(\x0b\x32).rlmesh.v1.TrainStepResponse.MetricsEntry\x12\x10\n\x08no_batch\x18\x05 \x01(\x08\x12\x1c\n\x14stale_groups_dropped\x18\x06 \x01(\x05\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"H\n\x15PublishWeightsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06method\x18\x03 \x01(\t\"Z\n\x16PublishWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x04 \x01(\x05\"5\n\x15SaveCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"&\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\"4\n\x10GetStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08held_run\x18\x02 \x01(\x08\"\x1f\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa4\x01\n\rTrainerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x12\n\nmodel_path\x18\x04 \x01(\t\x12\x14\n\x0cresumed_step\x18\x05 \x01(\x03\x12\x16\n\x0estep_in_flight\x18\x06 \x01(\x08\x12\x1b\n\x13unacknowledged_step\x18\x07 \x01(\x03\"@\n\x16ListCheckpointsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_dir\x18\x02 \x01(\t\"g\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tautomatic\x18\x03 \x01(\x08\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x12\n\nwritten_at\x18\x05 \x01(\x01\"E\n\x17ListCheckpointsResponse\x12*\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x15.rlmesh.v1.Checkpoint2\x9b\x04\n\x07Trainer\x12>\n\x07InitRun\x12\x19.rlmesh.v1.InitRunRequest\x1a\x18.rlmesh.v1.TrainerStatus\x12\x46\n\tTrainStep\x12\x1b.rlmesh.v1.TrainStepRequest\x1a\x1c.rlmesh.v1.TrainStepResponse\x12U\n\x0ePublishWeights\x12 .rlmesh.v1.PublishWeightsRequest\x1a!.rlmesh.v1.PublishWeightsResponse\x12U\n\x0eSaveCheckpoint\x12 .rlmesh.v1.SaveCheckpointRequest\x1a!.rlmesh.v1.SaveCheckpointResponse\x12\x42\n\tGetStatus\x12\x1b.rlmesh.v1.GetStatusRequest\x1a\x18.rlmesh.v1.TrainerStatus\x12<\n\x06\x45ndRun\x12\x18.rlmesh.v1.EndRunRequest\x1a\x18.rlmesh.v1.TrainerStatus\x12X\n\x0fListCheckpoints\x12!.rlmesh.v1.ListCheckpointsRequest\x1a\".rlmesh.v1.ListCheckpointsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INITRUNREQUEST']._serialized_start=38
   _globals['_INITRUNREQUEST']._serialized_end=91
   _globals['_TRAINSTEPREQUEST']._serialized_start=93
-  _globals['_TRAINSTEPREQUEST']._serialized_end=183
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=186
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=376
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=330
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=376
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=378
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=450
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=452
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=542
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=544
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=597
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=599
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=637
-  _globals['_GETSTATUSREQUEST']._serialized_start=639
-  _globals['_GETSTATUSREQUEST']._serialized_end=691
-  _globals['_ENDRUNREQUEST']._serialized_start=693
-  _globals['_ENDRUNREQUEST']._serialized_end=724
-  _globals['_TRAINERSTATUS']._serialized_start=727
-  _globals['_TRAINERSTATUS']._serialized_end=891
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=893
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=957
-  _globals['_CHECKPOINT']._serialized_start=959
-  _globals['_CHECKPOINT']._serialized_end=1062
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1064
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1133
-  _globals['_TRAINER']._serialized_start=1136
-  _globals['_TRAINER']._serialized_end=1675
+  _globals['_TRAINSTEPREQUEST']._serialized_end=213
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=216
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=454
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=408
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=454
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=456
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=528
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=530
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=620
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=622
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=675
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=677
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=715
+  _globals['_GETSTATUSREQUEST']._serialized_start=717
+  _globals['_GETSTATUSREQUEST']._serialized_end=769
+  _globals['_ENDRUNREQUEST']._serialized_start=771
+  _globals['_ENDRUNREQUEST']._serialized_end=802
+  _globals['_TRAINERSTATUS']._serialized_start=805
+  _globals['_TRAINERSTATUS']._serialized_end=969
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=971
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1035
+  _globals['_CHECKPOINT']._serialized_start=1037
+  _globals['_CHECKPOINT']._serialized_end=1140
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1142
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1211
+  _globals['_TRAINER']._serialized_start=1214
+  _globals['_TRAINER']._serialized_end=1753
 # @@protoc_insertion_point(module_scope)

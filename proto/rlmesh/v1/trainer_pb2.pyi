@@ -15,19 +15,21 @@ class InitRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("run_id", "num_groups", "wait_seconds", "loss")
+    __slots__ = ("run_id", "num_groups", "wait_seconds", "loss", "answer_without_batch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_WITHOUT_BATCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_groups: int
     wait_seconds: float
     loss: str
-    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., loss: _Optional[str] = ...) -> None: ...
+    answer_without_batch: bool
+    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., loss: _Optional[str] = ..., answer_without_batch: _Optional[bool] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
-    __slots__ = ("step", "groups_trained", "samples_trained", "metrics")
+    __slots__ = ("step", "groups_trained", "samples_trained", "metrics", "no_batch", "stale_groups_dropped")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,11 +41,15 @@ class TrainStepResponse(_message.Message):
     GROUPS_TRAINED_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_TRAINED_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    NO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    STALE_GROUPS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     step: int
     groups_trained: int
     samples_trained: int
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, step: _Optional[int] = ..., groups_trained: _Optional[int] = ..., samples_trained: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    no_batch: bool
+    stale_groups_dropped: int
+    def __init__(self, step: _Optional[int] = ..., groups_trained: _Optional[int] = ..., samples_trained: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., no_batch: _Optional[bool] = ..., stale_groups_dropped: _Optional[int] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
     __slots__ = ("run_id", "version", "method")
