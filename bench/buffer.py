@@ -11,9 +11,9 @@ two baselines measured in the same run on the same Redis:
 
 Payload: realistic groups, 8 samples x 1024 tokens (512 prompt + 512 response), int32
 tokens, float32 log-probs, uint8 loss masks as raw little-endian bytes fields
-(bench.wire.realistic_group), about 59 kB a group on the wire. Redis runs as deployed
-(append-only file, fsync every second); each round starts after the previous round's
-writes were fsynced. Everything runs on this machine: Redis, the buffer service and the
+(bench.wire.realistic_group), about 59 kB a group on the wire. Redis runs as embedded by
+default (append-only file, appendfsync always: what fsyncing costs is bench.durability's
+figure); each round starts after the previous round's background work settled. Everything runs on this machine: Redis, the buffer service and the
 JSON server as their own processes, the clients here. Each path is measured a few times,
 interleaved. The figures are medians over rounds, and the ratio is the median of the
 per-round ratios (each gRPC round runs right after its raw round, so pairing them cancels
@@ -107,8 +107,10 @@ def json_payloads(groups: list[sample_pb2.SampleGroup]) -> list[dict]:
 # ---------------------------------------------------------------- raw Redis baseline
 
 
-def raw_redis_round(url: str, raws: list[bytes], n: int, per_call: int, tag: str) -> float:
-    client = redis.Redis.from_url(url)
+def raw_redis_round(url: str, raws: list[bytes], n: int, per_call: int, tag: str, wait_aof: bool = False) -> float:
+    """`wait_aof`: each write and each read+delete waits until Redis fsynced it (WAITAOF 1 0,
+    Redis >= 7.2 or Valkey), as appendfsync always does for every write."""
+    client = redis.Redis.from_url(url, single_connection_client=True)  # (WAITAOF covers its connection's writes)
     hash_key, queue = f"raw:{tag}:groups", f"raw:{tag}:queue"
     start = time.perf_counter()
     for first in range(0, n, per_call):
@@ -116,10 +118,14 @@ def raw_redis_round(url: str, raws: list[bytes], n: int, per_call: int, tag: str
         pipe = client.pipeline(transaction=False)
         pipe.hset(hash_key, mapping={gid: raws[i % len(raws)] for i, gid in enumerate(ids)})
         pipe.rpush(queue, *ids)
+        if wait_aof:
+            pipe.execute_command("WAITAOF", 1, 0, 0)
         pipe.execute()
         got = client.lpop(queue, len(ids))
         values = client.hmget(hash_key, got)
         client.hdel(hash_key, *got)
+        if wait_aof:
+            client.execute_command("WAITAOF", 1, 0, 0)
         assert len(values) == len(ids) and all(v is not None for v in values)
     elapsed = time.perf_counter() - start
     client.close()
@@ -245,6 +251,20 @@ async def json_round(url: str, payloads: list[dict], opts: Options) -> float:
 # ---------------------------------------------------------------- processes
 
 
+def spawn_buffer(
+    redis_url: str, port: int, work: str, name: str, cache_megabytes: int | None = None
+) -> subprocess.Popen:
+    """The buffer service as its own process (its log in <work>/<name>.log; it reads datasets under `work`)."""
+    cache = [] if cache_megabytes is None else ["--cache-megabytes", str(cache_megabytes)]
+    with open(os.path.join(work, f"{name}.log"), "wb") as log:  # (the child keeps its own descriptor)
+        return subprocess.Popen(
+            [sys.executable, "-m", "rlmesh.cli", "serve", "buffer", "--redis-url", redis_url, "--port", str(port)]
+            + ["--log-level", "WARNING", "--data-roots", json.dumps([work]), *cache],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
 def wait_grpc(address: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     channel = grpc.insecure_channel(address)
@@ -270,8 +290,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def settle() -> None:
-    """Let Redis fsync the previous round's AOF writes (appendfsync everysec) before the
-    next round starts, so no path is charged for another's disk work."""
+    """Let Redis finish the previous round's disk work (an everysec fsync, a rewrite of its
+    append-only file) before the next round starts, so no path is charged for another's."""
     time.sleep(1.1)
 
 
@@ -323,29 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         group_bytes = sum(len(r) for r in raws) / len(raws)
 
         port = free_port()
-        buffer_log = open(os.path.join(work, "buffer.log"), "wb")
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "rlmesh.cli",
-                    "serve",
-                    "buffer",
-                    "--redis-url",
-                    server.url,
-                    "--port",
-                    str(port),
-                    "--log-level",
-                    "WARNING",
-                    "--data-roots",
-                    json.dumps([work]),
-                    *([] if args.cache_megabytes is None else ["--cache-megabytes", str(args.cache_megabytes)]),
-                ],
-                stdout=buffer_log,
-                stderr=subprocess.STDOUT,
-            )
-        )
+        procs.append(spawn_buffer(server.url, port, work, "buffer", args.cache_megabytes))
         json_port = free_port()
         procs.append(
             subprocess.Popen(

@@ -60,8 +60,9 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture
 def redis_url(redis_server) -> str:
-    """A real Redis, flushed before each test."""
-    redis.Redis.from_url(redis_server.url).flushall()
+    """A real Redis, flushed before each test (by its admin: the services' user may not);
+    the URL is the services' (a restricted ACL user, as `rlmesh up` gives them)."""
+    redis.Redis.from_url(redis_server.admin_url).flushall()
     return redis_server.url
 
 

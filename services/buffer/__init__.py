@@ -15,14 +15,9 @@ any of them can be killed at any time.
   reading them back from Redis (rlmesh.buffer.cache).
 
 Durability comes from Redis's append-only file. The embedded Redis
-(rlmesh.cli.embedded_redis) and the compose Redis run with `appendonly yes` and
-`appendfsync everysec`: Redis appends each write to the file with write(2) before it
-sends the reply, and a background thread fsyncs the file once a second. So a killed
-Redis process (SIGKILL, OOM kill, crash) loses nothing it acknowledged (the data is in
-the kernel's page cache; tests/test_buffer_durability.py kills it and checks), while a
-power cut or kernel crash can lose about the last second. One exception, on a disk too
-slow to fsync within a second: Redis then holds back write(2) for up to two more seconds
-while still replying, and a process crash in that window loses those writes too.
-`appendfsync always` closes both windows (replies only after write and fsync) at a large
-cost in write throughput.
+(rlmesh.cli.embedded_redis) and the deployed ones run with `appendonly yes` and
+`appendfsync always`: Redis answers a write only after it is written and fsynced, so
+neither a killed Redis nor a power cut loses what it acknowledged
+(tests/e2e/test_crashes.py kills it and checks). `appendfsync everysec` (opt-in) can lose
+the last second or so; what that does and what it costs: docs/fault-tolerance.md.
 """

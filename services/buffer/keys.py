@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 
 import redis.asyncio as aioredis
 
-from rlmesh.common.errors import NotFound
+from rlmesh.common.errors import FailedPrecondition, NotFound
 from rlmesh.common.paths import validate_run_id
 
 
@@ -41,6 +41,7 @@ class RunKeys:
     stats: str = field(init=False)
     rate_snapshots: str = field(init=False)
     recent: str = field(init=False)
+    closed: str = field(init=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -61,6 +62,29 @@ def run_keys(key_prefix: str, run_id: str) -> RunKeys:
 
 def unknown_run(run_id: str) -> NotFound:
     return NotFound(f"unknown run {run_id!r}: create it with CreateRun first")
+
+
+def closed_run(run_id: str) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"run {run_id!r} has ended (CloseRun): the buffer hands out no more of its prompts and takes no more "
+        "of its groups (its copies of the datasets were deleted)"
+    )
+
+
+# What CloseRun deletes (besides the dataset copies): what only a live run reads. The
+# acknowledged and discarded ids keep a retried or late write from storing a group twice;
+# a closed run refuses every write of groups, so nothing reads them any more.
+CLOSED_RUN_DROPS = (
+    "prompts",
+    "prompt_leases",
+    "partial",
+    "partial_groups",
+    "acked",
+    "discarded",
+    "acked_leases",
+    "acked_lease_order",
+    "rate_snapshots",
+)
 
 
 async def read_spec(redis: aioredis.Redis, k: RunKeys, run_id: str) -> dict:

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from rlmesh.buffer import scripts
 from rlmesh.buffer.datasets import epoch_order, load_dataset, record_to_samples
-from rlmesh.buffer.keys import RunKeys, read_spec, run_keys, unknown_run
+from rlmesh.buffer.keys import RunKeys, closed_run, read_spec, run_keys, unknown_run
 from rlmesh.buffer.sources import DataFiles
 from rlmesh.common.errors import InvalidArgument, NotFound
 from rlmesh.common.run_config import DatasetConfig
@@ -66,11 +66,13 @@ class PromptSource:
         k = run_keys(self.key_prefix, run_id)
         now = time.time()
         out = await self._get_prompts(
-            keys=[k.spec, k.cursor, k.prompt_leases, k.prompts, k.partial, k.partial_groups, k.stats],
+            keys=[k.spec, k.cursor, k.prompt_leases, k.prompts, k.partial, k.partial_groups, k.stats, k.closed],
             args=[now, now + lease_seconds, num_groups],
         )
         if out[0] == -1:
             raise unknown_run(run_id)
+        if out[0] == -3:
+            raise closed_run(run_id)
         ids, values = out[1::2], out[2::2]
         refs = [(i, v) for i, v in enumerate(values) if v.startswith(b"ref:")]
         if refs:
@@ -117,6 +119,8 @@ class PromptSource:
         always come back (a warm start cycling its own dataset); group ids count on past the end."""
         k = run_keys(self.key_prefix, run_id)
         spec = await read_spec(self.redis, k, run_id)
+        if await self.redis.exists(k.closed):
+            raise closed_run(run_id)
         by_name = {d["name"]: d for d in spec["datasets"]}
         if dataset not in by_name:
             raise NotFound(f"run {run_id!r} has no dataset {dataset!r}; it has {sorted(by_name)}")

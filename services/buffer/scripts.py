@@ -264,13 +264,14 @@ return #ids
 
 # Store completed groups all-or-nothing: skip duplicates (already stored, leased,
 # acknowledged or discarded), refuse the whole write when it would pass the queue cap.
-#   KEYS: spec groups queue acked discarded prompt_leases prompts stats meta
+#   KEYS: spec groups queue acked discarded prompt_leases prompts stats meta closed
 #   ARGV: (group_id, bytes, meta) per group
-# Returns {-1} unknown run, {-2, queued} over the cap, else {stored, run token,
-# positions (0-based) of the groups stored...}.
+# Returns {-1} unknown run, {-2, queued} over the cap, {-3} closed run, else {stored, run
+# token, positions (0-based) of the groups stored...}.
 PUT_GROUPS = r"""
 local spec = redis.call('GET', KEYS[1])
 if not spec then return {-1} end
+if redis.call('EXISTS', KEYS[10]) == 1 then return {-3} end
 local cap = tonumber(cjson.decode(spec).max_queued_groups) or 0
 local fresh, seen = {}, {}
 for i = 1, #ARGV, 3 do
@@ -425,12 +426,13 @@ return {committed, #later, released}
 # Several training datasets are mixed by weight with stride scheduling: the next prompt
 # comes from the dataset with the smallest (drawn + 1) / weight (exact proportions at
 # every point, deterministic, no randomness to replay).
-#   KEYS: spec cursor prompt_leases prompts partial partial_groups stats
+#   KEYS: spec cursor prompt_leases prompts partial partial_groups stats closed
 #   ARGV: now expiry n
-# Returns {-1} unknown run, else {1, id, value, id, value, ...}.
+# Returns {-1} unknown run, {-3} closed run (its datasets are gone), else {1, id, value, id, value, ...}.
 GET_PROMPTS = r"""
 local spec = redis.call('GET', KEYS[1])
 if not spec then return {-1} end
+if redis.call('EXISTS', KEYS[8]) == 1 then return {-3} end
 local cursor, leases, prompts, partial, partial_groups, stats = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local expiry, n = ARGV[2], tonumber(ARGV[3])
 local out, count, reissued = {1}, 0, 0
@@ -497,10 +499,11 @@ return 0
 """
 
 # Aborted groups come back with what they generated so far, to be handed out first.
-#   KEYS: spec partial partial_groups prompt_leases prompts stats groups acked discarded
-#   ARGV: (id, bytes) per group.  Returns -1 unknown run, else groups taken back.
+#   KEYS: spec partial partial_groups prompt_leases prompts stats groups acked discarded closed
+#   ARGV: (id, bytes) per group.  Returns -1 unknown run, -3 closed run, else groups taken back.
 RETURN_PARTIAL = r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('EXISTS', KEYS[10]) == 1 then return -3 end
 local n = 0
 for i = 1, #ARGV, 2 do
   local id = ARGV[i]
@@ -518,9 +521,11 @@ return n
 """
 
 # Prompts generated but filtered out: consumed and dropped, never handed out again.
-#   KEYS: spec prompt_leases prompts stats discarded;  ARGV: reason ids...
+#   KEYS: spec prompt_leases prompts stats discarded closed;  ARGV: reason ids...
+# Returns -1 unknown run, -3 closed run, else groups dropped.
 DROP_GROUPS = r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('EXISTS', KEYS[6]) == 1 then return -3 end
 for i = 2, #ARGV do
   redis.call('ZREM', KEYS[2], ARGV[i])
   redis.call('HDEL', KEYS[3], ARGV[i])

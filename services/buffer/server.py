@@ -20,7 +20,7 @@ from rlmesh.buffer.filters import load_filter
 from rlmesh.buffer.sources import DataFiles
 from rlmesh.buffer.store import BufferStore
 from rlmesh.common.dataset_spec import dataset_from_proto
-from rlmesh.common.errors import InvalidArgument, Unavailable
+from rlmesh.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
 from rlmesh.common.limits import MAX_DATASETS, Limits, at_most, seconds, within
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
@@ -59,6 +59,9 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
     async def DeleteRun(self, request, context):
         return buffer_pb2.DeleteRunResponse(keys_deleted=await self.store.delete_run(request.run_id))
+
+    async def CloseRun(self, request, context):
+        return buffer_pb2.CloseRunResponse(keys_deleted=await self.store.close_run(request.run_id))
 
     async def GetPrompts(self, request, context) -> bytes:
         at_most(request.num_groups, self.settings.limits.max_groups_per_call, "num_groups", "max_groups_per_call")
@@ -212,8 +215,10 @@ _REQUEST_DESERIALIZERS = {"PutGroups": wire.PutGroupsWire, "ReturnPartialGroups"
 _BYTES_RESPONSES = {"GetPrompts", "GetEvalPrompts", "LeaseBatch", "GetRecentGroups"}
 
 
-def _redis_outage_is_unavailable(handler):
-    """Redis down or still loading its data: UNAVAILABLE (callers retry), not INTERNAL."""
+def _redis_failures_said_plainly(handler):
+    """Redis down or still loading its data: UNAVAILABLE (callers retry). Redis full (its
+    maxmemory reached, with maxmemory-policy noeviction it refuses writes): RESOURCE_EXHAUSTED,
+    which writers take as backpressure, as a full queue. Neither is an INTERNAL error."""
 
     @functools.wraps(handler)
     async def guarded(request, context):
@@ -221,8 +226,22 @@ def _redis_outage_is_unavailable(handler):
             return await handler(request, context)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
             raise Unavailable(f"the buffer's Redis is unavailable ({type(e).__name__}: {e}); retry shortly") from None
+        except redis.exceptions.ResponseError as e:
+            if not is_out_of_memory(e):
+                raise
+            raise ResourceExhausted(
+                "the buffer's Redis is full: its memory use reached its maxmemory and it refuses writes "
+                "(nothing is evicted); retry once the trainer has consumed groups, or free memory (delete "
+                f"finished runs, raise maxmemory). Redis said: {e}"
+            ) from None
 
     return guarded
+
+
+def is_out_of_memory(e: redis.exceptions.ResponseError) -> bool:
+    """Redis refused a write over its maxmemory (a command's OOM error, or a script's or a
+    transaction's that wraps it)."""
+    return isinstance(e, redis.exceptions.OutOfMemoryError) or "OOM command not allowed" in str(e)
 
 
 def add_buffer_servicer(servicer: BufferServicer, server: grpc.aio.Server) -> None:
@@ -232,7 +251,7 @@ def add_buffer_servicer(servicer: BufferServicer, server: grpc.aio.Server) -> No
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _redis_outage_is_unavailable(getattr(servicer, method.name)),
+            _redis_failures_said_plainly(getattr(servicer, method.name)),
             request_deserializer=_REQUEST_DESERIALIZERS.get(method.name, request_cls.FromString),
             response_serializer=(
                 wire.serialize_response if method.name in _BYTES_RESPONSES else response_cls.SerializeToString

@@ -28,6 +28,8 @@ Keys of a run live under `<prefix>:run:<run_id>:` (rlmesh.buffer.keys.RunKeys li
   stats           hash of counters;  rate_snapshots  zset of counter snapshots (rates)
   recent          list of the newest stored groups' bytes (newest first), capped at
                   recent_groups: what a person watching the run browses (GetRecentGroups)
+  closed          set by CloseRun when the run is over: no more prompts or groups taken
+                  (keys.CLOSED_RUN_DROPS and the dataset copies are deleted then)
 
 Groups stay serialized protobuf bytes from the writer to the trainer: the buffer checks
 them but never re-encodes them (see rlmesh.buffer.wire).
@@ -47,7 +49,7 @@ import redis.asyncio as aioredis
 from rlmesh.buffer import scripts
 from rlmesh.buffer.cache import GroupCache
 from rlmesh.buffer.filters import BufferFilter, decode_meta, encode_meta
-from rlmesh.buffer.keys import RunKeys, read_spec, run_keys, unknown_run
+from rlmesh.buffer.keys import CLOSED_RUN_DROPS, RunKeys, closed_run, read_spec, run_keys, unknown_run
 from rlmesh.buffer.prompts import PromptSource, check_dataset_names
 from rlmesh.buffer.sources import DataFiles
 from rlmesh.buffer.stats import run_stats
@@ -172,6 +174,17 @@ class BufferStore:
             return await self.create_run(run_id, datasets, n_samples_per_prompt, max_queued_groups, vocab_size)
         return True
 
+    async def close_run(self, run_id: str) -> int:
+        """The run is over: it takes no more writes of prompts or groups, and what only a
+        live run reads is deleted (UNLINK: a large dataset is freed in the background, and
+        deletes pass even when Redis is at its maxmemory); returns how many keys went."""
+        k = self.keys(run_id)
+        spec = await self._spec(run_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(k.closed, time.time())
+            pipe.unlink(*(k.data(d["name"]) for d in spec["datasets"]), *(getattr(k, n) for n in CLOSED_RUN_DROPS))
+            return (await pipe.execute())[1]
+
     async def delete_run(self, run_id: str) -> int:
         base = self.keys(run_id).base
         deleted = 0
@@ -193,10 +206,12 @@ class BufferStore:
         raw_groups = raw_groups or [g.SerializeToString() for g in groups]
         for g, raw in zip(groups, raw_groups):
             args += [g.group_id, raw, _meta(g)]
-        keys = [k.spec, k.groups, k.queue, k.acked, k.discarded, k.prompt_leases, k.prompts, k.stats, k.meta]
+        keys = [k.spec, k.groups, k.queue, k.acked, k.discarded, k.prompt_leases, k.prompts, k.stats, k.meta, k.closed]
         result = await self._put(keys=keys, args=args)
         if result[0] == -1:
             raise unknown_run(run_id)
+        if result[0] == -3:
+            raise closed_run(run_id)
         if result[0] == -2:
             spec = await self._spec(run_id)
             if len(groups) > spec["max_queued_groups"]:  # waiting would never help
@@ -254,10 +269,11 @@ class BufferStore:
             k.groups,
             k.acked,
             k.discarded,
+            k.closed,
         ]
         n = await self._return_partial(keys=keys, args=args)
         if n < 0:
-            raise unknown_run(run_id)
+            raise unknown_run(run_id) if n == -1 else closed_run(run_id)
         return n
 
     async def _validate(self, run_id: str, groups) -> None:
@@ -277,10 +293,11 @@ class BufferStore:
             raise InvalidArgument("DropGroups needs at least one group id")
         k = self.keys(run_id)
         n = await self._drop(
-            keys=[k.spec, k.prompt_leases, k.prompts, k.stats, k.discarded], args=[reason or "unspecified", *group_ids]
+            keys=[k.spec, k.prompt_leases, k.prompts, k.stats, k.discarded, k.closed],
+            args=[reason or "unspecified", *group_ids],
         )
         if n < 0:
-            raise unknown_run(run_id)
+            raise unknown_run(run_id) if n == -1 else closed_run(run_id)
         return n
 
     async def stored_groups(self, run_id: str) -> list[bytes]:

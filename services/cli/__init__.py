@@ -46,6 +46,7 @@ def _serve(name: str, argv: list[str]) -> None:
 
 
 def _up(args: argparse.Namespace) -> None:
+    from rlmesh.cli.embedded_redis import settings_from_args
     from rlmesh.cli.launcher import start_stack, supervise
     from rlmesh.cli.tiny_model import build_tiny_model
 
@@ -55,7 +56,7 @@ def _up(args: argparse.Namespace) -> None:
         print(f"building the tiny model in {model_path}")
         build_tiny_model(model_path)
     print("starting rlmesh:")
-    stack = start_stack(data_dir, model_path, redis_url=args.redis_url)
+    stack = start_stack(data_dir, model_path, redis_url=args.redis_url, redis_settings=settings_from_args(args))
     print(f"rlmesh is up. REST API: {stack.coordinator_url} (docs: {stack.coordinator_url}/docs). Ctrl-C stops it.")
     print(f"Every call needs 'Authorization: Bearer <token>'; the token is in {stack.token_file}.")
     print(f"A service that exits is started again on its port (logs: {data_dir / 'logs'}).")
@@ -86,6 +87,19 @@ def main(argv: list[str] | None = None) -> None:
     for p in (u, d):
         p.add_argument("--data-dir", default=".rlmesh", help="where Redis data, logs and the tiny model live")
         p.add_argument("--redis-url", default="", help="use this Redis instead of starting an embedded one")
+        p.add_argument(
+            "--redis-maxmemory",
+            default=None,
+            help="the embedded Redis's memory limit: a share of this machine's memory ('25%%', the default) or a "
+            "size ('4gb'); '0' = none. Past it writes are refused (RESOURCE_EXHAUSTED), nothing is evicted",
+        )
+        p.add_argument(
+            "--redis-appendfsync",
+            choices=("always", "everysec"),
+            default=None,
+            help="when the embedded Redis fsyncs its append-only file: before each answer (always, the default) "
+            "or once a second (everysec); see docs/fault-tolerance.md",
+        )
     u.add_argument(
         "--model-path", default="", help="a local Hugging Face checkpoint directory (default: the tiny model)"
     )

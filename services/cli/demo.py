@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from rlmesh.cli.embedded_redis import settings_from_args
 from rlmesh.common.auth import client_headers
 from rlmesh.common.run_config import RunConfig
 
@@ -152,7 +153,9 @@ def run_demo(args) -> int:
             # SIGTERM (a CI job's timeout, `kill`) must stop the stack like Ctrl-C does,
             # not leave its services running: exit through the `finally` below.
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-            stack = start_stack(data_dir, str(model_path), redis_url=args.redis_url)
+            stack = start_stack(
+                data_dir, str(model_path), redis_url=args.redis_url, redis_settings=settings_from_args(args)
+            )
             url = stack.coordinator_url
     try:
         with httpx.Client(base_url=url, timeout=60, headers=client_headers()) as http:

@@ -24,7 +24,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlmesh.cli import agent_demo
-from rlmesh.cli.embedded_redis import EmbeddedRedis, start_redis
+from rlmesh.cli.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings, start_redis
 from rlmesh.common import auth
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.net import free_port, redacted
@@ -133,10 +133,10 @@ class Stack:
         return self.processes[name]
 
     def restart_redis(self) -> subprocess.Popen:
-        """The embedded Redis again on its port and data directory (its redis.conf keeps the
-        password, its append-only file the data), so the services' URL stays valid."""
+        """The embedded Redis again on its port, data directory and settings (its redis.conf
+        keeps the passwords, its append-only file the data), so the services' URL stays valid."""
         assert self.redis is not None
-        self.redis = start_redis(self.redis.data_dir, port=self.redis.port)
+        self.redis = start_redis(self.redis.data_dir, port=self.redis.port, settings=self.redis.settings)
         return self.redis.process
 
     def supervisor(self, echo=print, clock: Callable[[], float] = time.monotonic) -> Supervisor:
@@ -223,16 +223,25 @@ def _ready(name: str, address: str) -> bool:
 
 
 def start_stack(
-    data_dir: str | Path, model_path: str, redis_url: str = "", timeout: float = 180.0, echo=print
+    data_dir: str | Path,
+    model_path: str,
+    redis_url: str = "",
+    timeout: float = 180.0,
+    echo=print,
+    redis_settings: EmbeddedRedisSettings | None = None,
 ) -> Stack:
     data_dir = Path(data_dir).resolve()
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
     data_dir.chmod(0o700)  # the stack's token, its Redis, logs and checkpoints: this user's alone
     redis = None
     if not redis_url:
-        redis = start_redis(data_dir / "redis")
+        redis = start_redis(data_dir / "redis", settings=redis_settings)
         redis_url = redis.url
-        echo(f"  redis        {redacted(redis_url)} (embedded, append-only file in {data_dir / 'redis'})")
+        limit = redis.settings.maxmemory_bytes()
+        echo(
+            f"  redis        {redacted(redis_url)} (embedded, append-only file in {data_dir / 'redis'}, "
+            f"appendfsync {redis.settings.appendfsync}, maxmemory {f'{limit / 1024**3:.1f} GiB' if limit else 'none'})"
+        )
     ports = {n: free_port() for n in (*SERVICES, *(f"{m}_metrics" for m in METRICS_SERVICES))}
     stack = Stack(data_dir=data_dir, redis_url=redis_url, ports=ports, model_path=model_path, redis=redis)
     _write_private(stack.token_file, auth.ensure_stack_token())

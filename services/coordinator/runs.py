@@ -73,6 +73,22 @@ class RunDriver:
                 raise
         await self.store.delete(run_id)
 
+    async def _close_in_buffer(self, run_id: str) -> None:
+        """The buffer deletes what only a live run needs (its copies of the datasets, prompts,
+        acknowledged ids); after the trainer's EndRun, whose commit of acknowledgments must
+        land first. Best effort: what a failed call leaves goes when the run is pruned."""
+        try:
+            await self.clients.buffer.CloseRun(
+                buffer_pb2.CloseRunRequest(run_id=run_id), timeout=self.settings.call_deadline_seconds
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning(
+                    "run %s: the buffer could not close it (its data stays until the run is deleted): %s",
+                    run_id,
+                    e.details(),
+                )
+
     async def _prune(self) -> None:
         """Keep the newest max_finished_runs finished runs."""
         finished = [r["id"] for r in await self.store.list() if r["status"] in FINAL]
@@ -83,7 +99,10 @@ class RunDriver:
                 log.warning("could not delete old run %s: %s", run_id, e)
 
     def start(self, run_id: str) -> None:
-        self.tasks[run_id] = asyncio.create_task(self._drive(run_id), name=f"run-{run_id}")
+        task = asyncio.create_task(self._drive(run_id), name=f"run-{run_id}")
+        self.tasks[run_id] = task
+        # A finished run's task is forgotten (the coordinator serves for months, one run after another).
+        task.add_done_callback(lambda done: self.tasks.pop(run_id) if self.tasks.get(run_id) is done else None)
 
     async def resume_active(self) -> None:
         """After a coordinator restart, carry on with runs that were active."""
@@ -331,6 +350,7 @@ class RunDriver:
                 )
             except grpc.aio.AioRpcError as e:
                 log.warning("EndRun for %s: %s", run_id, e.details())
+        await self._close_in_buffer(run_id)
         await self.store.release(run_id)
         await self.run_logs.close(run_id)
         await self._prune()

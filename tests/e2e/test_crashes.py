@@ -119,8 +119,8 @@ def test_prompts_of_a_killed_rollout_worker_are_handed_out_again(redis_url, data
 
 @pytest.mark.slow
 def test_redis_killed_and_restarted_on_its_data_dir_loses_nothing_acknowledged(tmp_path, start_in_loop, dataset):
-    """appendfsync everysec: a power cut can cost up to a second of writes, but a killed
-    redis-server process loses nothing it wrote to the append-only file before replying."""
+    """appendfsync always (the embedded default): Redis answers a write once it is on disk,
+    so a killed server loses nothing it acknowledged."""
     server = start_redis(tmp_path / "redis")
     try:
         _, port = start_in_loop(lambda: start(Settings(redis_url=server.url, port=0)))

@@ -221,7 +221,7 @@ def test_a_prompt_drawn_by_a_replica_that_died_before_building_it_is_built_later
     draw = redis.Redis.from_url(redis_url).register_script(scripts.GET_PROMPTS)
     now = time.time()
     out = draw(
-        keys=[k.spec, k.cursor, k.prompt_leases, k.prompts, k.partial, k.partial_groups, k.stats],
+        keys=[k.spec, k.cursor, k.prompt_leases, k.prompts, k.partial, k.partial_groups, k.stats, k.closed],
         args=[now, now + 0.05, 1],
     )
     assert out[1:] == [b"g0", b'ref:{"d":"train","p":0,"i":0}'] or out[2].startswith(b"ref:")

@@ -280,7 +280,7 @@ def test_the_embedded_redis_files_are_readable_by_their_owner_only(tmp_path):
     server = start_redis(tmp_path / "redis")
     try:
         redis.Redis.from_url(server.url).set("k", "v")
-        redis.Redis.from_url(server.url).execute_command("BGREWRITEAOF")
+        redis.Redis.from_url(server.admin_url).execute_command("BGREWRITEAOF")
         time.sleep(1)
     finally:
         server.stop()

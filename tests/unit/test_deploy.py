@@ -41,6 +41,9 @@ def test_services_talk_on_an_internal_network_with_secrets():
     for service in ("BUFFER", "REWARD", "COORDINATOR"):
         assert env[f"RLMESH_{service}_REDIS_URL"].startswith("redis://:${REDIS_PASSWORD")
     assert "requirepass" in " ".join(spec["services"]["redis"]["command"])
+    # Refuses writes when full rather than evicting samples; fsyncs before it answers.
+    assert "--maxmemory-policy noeviction" in spec["services"]["redis"]["command"][-1]
+    assert "--appendfsync always" in spec["services"]["redis"]["command"][-1]
     # The engine's API key is the token, read from the environment: never an argument (`ps`).
     sglang = spec["services"]["sglang"]
     assert "--api-key" not in sglang["command"] and "os.environ['RLMESH_TOKEN']" in sglang["command"][2]
@@ -191,7 +194,10 @@ def test_redis_persists_its_append_only_file_on_a_volume():
         (claim,) = redis["spec"]["volumeClaimTemplates"]
         (container,) = redis["spec"]["template"]["spec"]["containers"]
         assert {"name": claim["metadata"]["name"], "mountPath": "/data"} in container["volumeMounts"]
-        assert "--appendonly yes" in " ".join(container["command"]) and "requirepass" in " ".join(container["command"])
+        command = " ".join(container["command"])
+        assert "--appendonly yes" in command and "requirepass" in command and "--appendfsync always" in command
+        assert "--maxmemory 3gb --maxmemory-policy noeviction" in command  # under its 4Gi limit
+        assert container["resources"]["limits"]["memory"] == "4Gi"
 
 
 def test_secrets_come_from_the_secret_never_from_the_manifests():

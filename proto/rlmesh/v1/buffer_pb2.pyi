@@ -78,6 +78,18 @@ class DeleteRunResponse(_message.Message):
     keys_deleted: int
     def __init__(self, keys_deleted: _Optional[int] = ...) -> None: ...
 
+class CloseRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class CloseRunResponse(_message.Message):
+    __slots__ = ("keys_deleted",)
+    KEYS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    keys_deleted: int
+    def __init__(self, keys_deleted: _Optional[int] = ...) -> None: ...
+
 class GetPromptsRequest(_message.Message):
     __slots__ = ("run_id", "num_groups", "lease_seconds")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class BufferStub:
                 request_serializer=rlmesh_dot_v1_dot_buffer__pb2.DeleteRunRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.DeleteRunResponse.FromString,
                 _registered_method=True)
+        self.CloseRun = channel.unary_unary(
+                '/rlmesh.v1.Buffer/CloseRun',
+                request_serializer=rlmesh_dot_v1_dot_buffer__pb2.CloseRunRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.CloseRunResponse.FromString,
+                _registered_method=True)
         self.GetPrompts = channel.unary_unary(
                 '/rlmesh.v1.Buffer/GetPrompts',
                 request_serializer=rlmesh_dot_v1_dot_buffer__pb2.GetPromptsRequest.SerializeToString,
@@ -134,6 +139,18 @@ class BufferServicer:
 
     def DeleteRun(self, request, context):
         """Remove every key of a run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseRun(self, request, context):
+        """The run is over (completed, stopped or failed): what only a live run needs is deleted
+        (its copies of the datasets, handed-out and partial prompts, the ids of acknowledged
+        and discarded groups), and it takes no more prompts or groups (GetPrompts,
+        GetEvalPrompts, PutGroups, ReturnPartialGroups, DropGroups: FAILED_PRECONDITION). What
+        people look at stays until DeleteRun: stats, groups never trained (ExportGroups), dead
+        letters, recent groups. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -270,6 +287,11 @@ def add_BufferServicer_to_server(servicer, server):
                     request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.DeleteRunRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_buffer__pb2.DeleteRunResponse.SerializeToString,
             ),
+            'CloseRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseRun,
+                    request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.CloseRunRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_buffer__pb2.CloseRunResponse.SerializeToString,
+            ),
             'GetPrompts': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPrompts,
                     request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.GetPromptsRequest.FromString,
@@ -400,6 +422,33 @@ class Buffer:
             '/rlmesh.v1.Buffer/DeleteRun',
             rlmesh_dot_v1_dot_buffer__pb2.DeleteRunRequest.SerializeToString,
             rlmesh_dot_v1_dot_buffer__pb2.DeleteRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Buffer/CloseRun',
+            rlmesh_dot_v1_dot_buffer__pb2.CloseRunRequest.SerializeToString,
+            rlmesh_dot_v1_dot_buffer__pb2.CloseRunResponse.FromString,
             options,
             channel_credentials,
             insecure,
