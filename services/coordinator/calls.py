@@ -5,10 +5,12 @@ that lost the run (it restarted) is set up again before the call is retried."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -20,9 +22,14 @@ from rlmesh.coordinator.store import RunStore
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A train step asks the trainer for its batch with waits this long, acting between them.
 BATCH_POLL_SECONDS = 5.0
+# While a long call is under way its service is asked this often, with this deadline, what
+# it waits for: an outage is named within a minute wherever it is absorbed.
+WATCH_SECONDS = 10.0
+PROBE_DEADLINE_SECONDS = 10.0
 
 
 @dataclass
@@ -118,6 +125,39 @@ class RunCalls:
             if waited:
                 await self.store.update(self.run_id, waiting_for="")
 
+    async def watched(self, call: Awaitable[T], service: str, probe: Callable[[], Awaitable[list[str]]]) -> T:
+        """A long call (generate, evaluate, train, push). Meanwhile `service` is asked every
+        WATCH_SECONDS what it waits for (`probe`) and the run's waiting_for says it: an outage
+        it absorbs (its engines or its buffer down) or the service itself not answering
+        (frozen, say SIGSTOPped) is named within a minute, not at the call's deadline."""
+        task = asyncio.ensure_future(call)
+        said = False
+        try:
+            while not (await asyncio.wait([task], timeout=WATCH_SECONDS))[0]:
+                try:
+                    reasons = await probe()
+                    reason = f"{service}: {'; '.join(reasons)}" if reasons else ""
+                except grpc.aio.AioRpcError as e:
+                    if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                        continue  # (it answers; say, a version without the probe)
+                    reason = f"{service} does not answer ({e.code().name}): stopped, overloaded or cut off?"
+                if reason or said:
+                    await self.store.update(self.run_id, waiting_for=reason)
+                    said = bool(reason)
+            return task.result()
+        finally:
+            task.cancel()  # (nothing, once done)
+            if said:
+                await self.store.update(self.run_id, waiting_for="")
+
+    async def _rollout_waits(self) -> list[str]:
+        reply = await self.clients.rollout.GetWaiting(rollout_pb2.GetWaitingRequest(), timeout=PROBE_DEADLINE_SECONDS)
+        return list(reply.reasons)
+
+    async def _trainer_waits(self) -> list[str]:
+        request = trainer_pb2.GetStatusRequest(run_id=self.run_id)
+        return list((await self.clients.trainer.GetStatus(request, timeout=PROBE_DEADLINE_SECONDS)).waiting_for)
+
     # ---- the trainer ------------------------------------------------------------------------
 
     async def on_trainer(self, call: Callable[[], Awaitable]):
@@ -200,9 +240,13 @@ class RunCalls:
 
     async def _publish_once(self) -> dict:
         version = (await self.store.get(self.run_id))["weight_version"] + 1
-        r = await self.clients.trainer.PublishWeights(
-            trainer_pb2.PublishWeightsRequest(run_id=self.run_id, version=version),
-            timeout=self.settings.setup_deadline_seconds,
+        r = await self.watched(
+            self.clients.trainer.PublishWeights(
+                trainer_pb2.PublishWeightsRequest(run_id=self.run_id, version=version),
+                timeout=self.settings.setup_deadline_seconds,
+            ),
+            self.service("trainer"),
+            self._trainer_waits,
         )
         await self.store.update(self.run_id, weight_version=version)
         return {"weights/version": version, "weights/seconds": r.seconds, "weights/bytes": r.bytes}
@@ -260,8 +304,12 @@ class RunCalls:
                     return trainer_pb2.TrainStepResponse()
             tried = True
             return await self.on_trainer(
-                lambda: self.clients.trainer.TrainStep(
-                    request, timeout=request.wait_seconds + self.deadline(request.num_groups)
+                lambda: self.watched(
+                    self.clients.trainer.TrainStep(
+                        request, timeout=request.wait_seconds + self.deadline(request.num_groups)
+                    ),
+                    self.service("trainer"),
+                    self._trainer_waits,
                 )
             )
 
@@ -337,8 +385,12 @@ class RunCalls:
                 return rollout_pb2.GenerateRolloutResponse()
             req = request(missing, (await self.store.get(self.run_id))["weight_version"])
             return await self.on_current_engines(
-                lambda: self.clients.rollout.GenerateRollout(
-                    req, timeout=self.deadline(missing + req.over_sampling_groups)
+                lambda: self.watched(
+                    self.clients.rollout.GenerateRollout(
+                        req, timeout=self.deadline(missing + req.over_sampling_groups)
+                    ),
+                    self.service("rollout"),
+                    self._rollout_waits,
                 )
             )
 
@@ -375,7 +427,11 @@ class RunCalls:
                 version = (await self.store.get(self.run_id))["weight_version"]
                 request = requests.evaluate_request(self.run_id, cfg, dataset, version)
                 return await self.on_current_engines(
-                    lambda: self.clients.rollout.Evaluate(request, timeout=self.deadline(prompts))
+                    lambda: self.watched(
+                        self.clients.rollout.Evaluate(request, timeout=self.deadline(prompts)),
+                        self.service("rollout"),
+                        self._rollout_waits,
+                    )
                 )
 
             out.update((await self.patiently(self.service("rollout"), call)).metrics)

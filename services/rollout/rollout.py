@@ -21,6 +21,7 @@ from rlmesh.common.limits import within
 from rlmesh.common.plugins import load_plugin
 from rlmesh.common.retry import retry
 from rlmesh.common.sample import Sample, SampleGroup, Status, group_from_proto, group_to_proto
+from rlmesh.common.waits import Waits
 from rlmesh.rollout.agents.tools import ToolBox
 from rlmesh.rollout.config import BUILTIN_GENERATE_FUNCTIONS, Settings
 from rlmesh.rollout.engine_client import EngineBehind, EngineError, EnginePool, EnginesBehind
@@ -140,6 +141,9 @@ def _failure_kind(sample: Sample) -> str:
     return "reward" if "reward_error" in sample.metadata else "other"
 
 
+ENGINES = "the inference engines"
+
+
 class RolloutManager:
     def __init__(
         self,
@@ -154,6 +158,7 @@ class RolloutManager:
         self.reward = reward
         self.generate_functions = {**BUILTIN_GENERATE_FUNCTIONS, **settings.generate_functions}
         self.tools = ToolBox(settings)
+        self.waits = Waits()  # what generation waits for now (GetWaiting tells a caller)
         self._tokenizer = None
         self._tokenizer_lock = asyncio.Lock()
 
@@ -253,13 +258,14 @@ class RolloutManager:
                     out = await asyncio.wait_for(
                         retry(
                             attempt,
-                            service="the inference engines",
+                            service=ENGINES,
                             budget_seconds=self.settings.peer_outage_seconds,
                             transient=_engine_down,
-                            on_wait=_log_wait,
+                            on_wait=self.waits.on_wait(ENGINES),
                         ),
                         self.settings.sample_timeout_seconds,
                     )
+                    self.waits.over(ENGINES)
                 except (Unavailable, EnginesBehind, asyncio.CancelledError):
                     raise  # the engines are down or behind (the whole rollout is retried), or we are cancelled
                 except Exception as e:  # this sample's own failure: it fails, the rollout goes on
@@ -279,8 +285,9 @@ class RolloutManager:
                 lambda: self.reward.ScoreGroups(request, timeout=self.settings.reward_timeout_seconds),
                 service=f"reward service at {self.settings.reward_address}",
                 budget_seconds=self.settings.peer_outage_seconds,
-                on_wait=_log_wait,
+                on_wait=self.waits.on_wait("the reward service"),
             )
+            self.waits.over("the reward service")
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(f"reward service: {e.details()}") from None
@@ -568,10 +575,6 @@ def failed_sample(sample: Sample, e: BaseException, timeout: float) -> Sample:
     sample.metadata["failure"] = reason[:MAX_FAILURE_CHARS]
     sample.metadata.pop("rid", None)
     return sample
-
-
-async def _log_wait(reason: str) -> None:
-    log.warning("%s", reason)
 
 
 def _engine_down(e: BaseException) -> str | None:

@@ -47,6 +47,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def StopAsyncRollout(self, request, context):
         return _async_response(await self.async_rollouts.stop(validate_run_id(request.run_id)))
 
+    async def GetWaiting(self, request, context):
+        return rollout_pb2.Waiting(reasons=self.manager.waits.current())
+
     async def ListEngines(self, request, context):
         states = await self.pool.states()
         return rollout_pb2.ListEnginesResponse(

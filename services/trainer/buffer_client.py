@@ -16,6 +16,7 @@ from rlmesh.common import errors
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.retry import OutageTooLong, retry
 from rlmesh.common.run_config import StalePolicy
+from rlmesh.common.waits import Waits
 from rlmesh.trainer.config import Settings
 from rlmesh.v1 import buffer_pb2
 from rlmesh.v1.buffer_pb2_grpc import BufferStub
@@ -30,6 +31,7 @@ class BufferClient:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._channel: grpc.aio.Channel | None = None
+        self.waits = Waits()  # (the trainer's status tells them)
 
     def _stub(self) -> BufferStub:
         if not self.settings.buffer_address:
@@ -172,18 +174,17 @@ class BufferClient:
                 if not (missing_run_ok and e.code() == grpc.StatusCode.NOT_FOUND):
                     raise
 
-        async def waiting(reason: str) -> None:
-            log.warning("%s", reason)
-
         try:
             await retry(
                 call,
                 service=f"the buffer at {self.settings.buffer_address} ({method})",
                 budget_seconds=self.settings.buffer_outage_seconds,
-                on_wait=waiting,
+                on_wait=self.waits.on_wait("the buffer"),
             )
         except grpc.aio.AioRpcError as e:
             raise errors.upstream_error(f"buffer ({method})", self.settings.buffer_address, e) from None
+        finally:
+            self.waits.over("the buffer")
 
     async def close(self) -> None:
         if self._channel is not None:

@@ -29,6 +29,7 @@ def _status(status: RunStatus) -> trainer_pb2.TrainerStatus:
         resumed_step=status.resumed_step,
         step_in_flight=status.step_in_flight,
         unacknowledged_step=status.unacknowledged_step,
+        waiting_for=status.waiting_for,
     )
 
 

@@ -69,6 +69,7 @@ class RunStatus:
     resumed_step: int = 0  # step of the checkpoint the run resumed from; 0 = a fresh start
     step_in_flight: bool = False  # a TrainStep leases, trains or acknowledges now
     unacknowledged_step: int = 0  # a trained step whose acknowledgment has not landed (retried until it does)
+    waiting_for: list[str] = field(default_factory=list)  # what the trainer waits for now (its buffer)
 
 
 @dataclass
@@ -195,7 +196,9 @@ class Trainer:
             return run.status()
 
     def status(self, run_id: str) -> RunStatus:
-        return self._get(run_id).status()
+        status = self._get(run_id).status()
+        status.waiting_for = self._buffer.waits.current()
+        return status
 
     def held_status(self) -> RunStatus:
         """The status of whichever run this trainer holds (all empty: none)."""

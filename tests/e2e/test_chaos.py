@@ -304,12 +304,16 @@ def test_a_learning_run_survives_losing_every_process_in_turn(chaos, tiny_model_
         chaos.ensure_finished(run_id)
 
 
-FROZEN = [("engine", "generation"), ("engine", "weight_push"), ("reward", "generation")]
+FROZEN = [("engine", "generation"), ("engine", "weight_push"), ("reward", "generation"), ("trainer", "generation")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("victim", "moment"), FROZEN, ids=[f"{v}-{m}" for v, m in FROZEN])
 def test_a_frozen_peer_is_noticed_within_its_deadline(chaos, tmp_path, tiny_model_dir, victim, moment):
+    """A SIGSTOPped process is noticed, and the run's waiting_for names the wait within a
+    minute wherever it is absorbed: by the rollout service (its engine or reward service
+    frozen), the trainer (an engine frozen in a push), or the coordinator (the trainer
+    frozen: it does not answer the question of what it waits for)."""
     if moment == "weight_push":
         chaos.hold("trainer.before_push")
     run_id = chaos.start_run(chaos_config(chaos.stack, tiny_model_dir))
@@ -325,20 +329,33 @@ def test_a_frozen_peer_is_noticed_within_its_deadline(chaos, tmp_path, tiny_mode
     # generating or scoring, the coordinator (relaying the trainer) while weights are pushed.
     logs = [chaos.stack.log_file(name) for name in ("rollout", "coordinator")]
     seen = [len(log.read_text()) for log in logs]
-    what = ("the inference engines", "engines not answering") if victim == "engine" else ("reward service",)
+    what = {
+        "engine": ("the inference engines", "engines not answering"),
+        "reward": ("reward service",),
+        "trainer": ("does not answer",),
+    }[victim]
+    said: list[str] = []
 
     def noticed() -> bool:
+        try:
+            waiting_for = chaos.api.get(f"/runs/{run_id}").json().get("waiting_for", "")
+        except httpx.HTTPError:
+            waiting_for = ""
+        if waiting_for:
+            said.append(waiting_for)
         news = [log.read_text()[start:] for log, start in zip(logs, seen)]
-        return any("waiting" in text and any(w in text for w in what) for text in news)
+        logged = any("waiting" in text and any(w in text for w in what) for text in news)
+        return bool(said) and (logged or any(w in waiting_for for w in what))
 
     frozen = chaos.process(victim)
     frozen.send_signal(signal.SIGSTOP)
     chaos.release("trainer.before_push")  # (the push starts with the engine frozen)
     try:
         # Deadlines of 5 s (10 s for a weight push) set for the stack: the caller says what it waits for soon after.
-        eventually(noticed, f"the frozen {victim} being noticed", timeout=60)
+        eventually(noticed, f"the frozen {victim} being noticed and named in waiting_for", timeout=60)
     finally:
         frozen.send_signal(signal.SIGCONT)
+    print(f"\nfrozen {victim} ({moment}): waiting_for said {said[-1]!r}")
     try:
         run = chaos.run(run_id)
         assert run["status"] == "completed", run["error"]

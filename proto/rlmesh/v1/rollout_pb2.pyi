@@ -162,6 +162,16 @@ class ListEnginesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class GetWaitingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Waiting(_message.Message):
+    __slots__ = ("reasons",)
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class EngineInfo(_message.Message):
     __slots__ = ("url", "tp_size", "weight_version", "healthy", "model_path", "weight_delta_format")
     URL_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class RolloutStub:
                 request_serializer=rlmesh_dot_v1_dot_rollout__pb2.ListEnginesRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_rollout__pb2.ListEnginesResponse.FromString,
                 _registered_method=True)
+        self.GetWaiting = channel.unary_unary(
+                '/rlmesh.v1.Rollout/GetWaiting',
+                request_serializer=rlmesh_dot_v1_dot_rollout__pb2.GetWaitingRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_rollout__pb2.Waiting.FromString,
+                _registered_method=True)
         self.PauseGeneration = channel.unary_unary(
                 '/rlmesh.v1.Rollout/PauseGeneration',
                 request_serializer=rlmesh_dot_v1_dot_rollout__pb2.PauseGenerationRequest.SerializeToString,
@@ -144,6 +149,14 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetWaiting(self, request, context):
+        """What the service waits for right now (engines or the reward service down, restarting
+        or frozen, retried within its outage budget): a caller holding a long call says so.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PauseGeneration(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -216,6 +229,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.ListEngines,
                     request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.ListEnginesRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_rollout__pb2.ListEnginesResponse.SerializeToString,
+            ),
+            'GetWaiting': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWaiting,
+                    request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.GetWaitingRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_rollout__pb2.Waiting.SerializeToString,
             ),
             'PauseGeneration': grpc.unary_unary_rpc_method_handler(
                     servicer.PauseGeneration,
@@ -410,6 +428,33 @@ class Rollout:
             '/rlmesh.v1.Rollout/ListEngines',
             rlmesh_dot_v1_dot_rollout__pb2.ListEnginesRequest.SerializeToString,
             rlmesh_dot_v1_dot_rollout__pb2.ListEnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWaiting(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Rollout/GetWaiting',
+            rlmesh_dot_v1_dot_rollout__pb2.GetWaitingRequest.SerializeToString,
+            rlmesh_dot_v1_dot_rollout__pb2.Waiting.FromString,
             options,
             channel_credentials,
             insecure,

@@ -102,7 +102,7 @@ class EndRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("run_id", "step", "weight_version", "model_path", "resumed_step", "step_in_flight", "unacknowledged_step")
+    __slots__ = ("run_id", "step", "weight_version", "model_path", "resumed_step", "step_in_flight", "unacknowledged_step", "waiting_for")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class TrainerStatus(_message.Message):
     RESUMED_STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     UNACKNOWLEDGED_STEP_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     weight_version: int
@@ -117,7 +118,8 @@ class TrainerStatus(_message.Message):
     resumed_step: int
     step_in_flight: bool
     unacknowledged_step: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ..., resumed_step: _Optional[int] = ..., step_in_flight: _Optional[bool] = ..., unacknowledged_step: _Optional[int] = ...) -> None: ...
+    waiting_for: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ..., resumed_step: _Optional[int] = ..., step_in_flight: _Optional[bool] = ..., unacknowledged_step: _Optional[int] = ..., waiting_for: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("run_id", "checkpoint_dir")
