@@ -40,6 +40,11 @@ redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
 return ''
 """
 
+# RPUSH, unless the list already ends with this element (a retried call that had succeeded).
+_APPEND_ONCE = (
+    "if redis.call('LINDEX', KEYS[1], -1) == ARGV[1] then return 0 end return redis.call('RPUSH', KEYS[1], ARGV[1])"
+)
+
 # Compare-and-delete: release the active-run claim only if this run holds it.
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
@@ -181,7 +186,9 @@ class RunStore:
         return s.decode()
 
     async def append_metrics(self, run_id: str, record: dict) -> None:
-        await self.redis.rpush(self._key(run_id) + ":metrics", json.dumps(record))
+        """Appended once, even when the client sends it again after a lost reply (the record
+        carries its time, so the same bytes at the end of the list are this very record)."""
+        await self.redis.eval(_APPEND_ONCE, 1, self._key(run_id) + ":metrics", json.dumps(record))
 
     async def metrics_since(self, run_id: str, since: int, limit: int) -> tuple[list[dict], int]:
         """Up to `limit` metric records from position `since` (0 = the first ever written),

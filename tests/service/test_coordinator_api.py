@@ -5,6 +5,7 @@ drive are a socket that accepts connections and never answers, so a run stays ac
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 
@@ -18,6 +19,7 @@ from rlmesh.buffer.server import start as start_buffer
 from rlmesh.common.auth import client_headers
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.run_config import RunConfig
+from rlmesh.coordinator.app import patient_redis_client
 from rlmesh.coordinator.app import start as start_coordinator
 from rlmesh.coordinator.calls import Clients
 from rlmesh.coordinator.config import Settings
@@ -188,3 +190,57 @@ def test_a_runs_metric_history_is_returned_bounded(api, redis_url):
     run = api.get(f"/runs/{run_id}", params={"metrics_last": 0}).json()
     assert run["metrics"] == [] and run["latest_metrics"] == {"rollout_id": 1200}
     assert api.get(f"/runs/{run_id}", params={"metrics_last": 10**6}).status_code == 422
+
+
+def test_a_metric_record_whose_reply_was_lost_is_kept_once(redis_url):
+    """The coordinator's Redis client sends a command again when its connection breaks: a
+    connection cut after Redis took the append, before its reply came back, wrote the
+    iteration's record twice (every curve and count after it off by one)."""
+    target = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
+    cut = {"done": False}
+
+    async def scenario() -> list[dict]:
+        async def relay(reader, writer, upstream_reader, upstream_writer):
+            # client -> Redis; the first command that touches the metrics list goes through
+            # and the connection is then cut before Redis's reply is relayed.
+            while data := await reader.read(65536):
+                cutting = b":metrics" in data and not cut["done"]
+                cut["done"] = cut["done"] or cutting  # (from now on this connection relays no reply)
+                upstream_writer.write(data)
+                await upstream_writer.drain()
+                if cutting:
+                    await asyncio.sleep(0.2)  # (Redis has it)
+                    writer.close()
+                    upstream_writer.close()
+                    return
+
+        async def handle(reader, writer):
+            up_reader, up_writer = await asyncio.open_connection(target["host"], target["port"])
+
+            before = cut["done"]
+
+            async def back():
+                while data := await up_reader.read(65536):
+                    if cut["done"] != before:
+                        return  # the reply to the cut command is lost
+                    writer.write(data)
+                    await writer.drain()
+
+            back_task = asyncio.create_task(back())
+            await relay(reader, writer, up_reader, up_writer)
+            back_task.cancel()
+
+        proxy = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = proxy.sockets[0].getsockname()[1]
+        url = redis_url.replace(f"{target['host']}:{target['port']}", f"127.0.0.1:{port}")
+        client = patient_redis_client(url, 10)
+        store = RunStore(client, "lost-reply")
+        try:
+            async with proxy:
+                await store.append_metrics("r1", {"rollout_id": 1, "time": 1.5})
+                return await store.metrics("r1")
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(scenario()) == [{"rollout_id": 1, "time": 1.5}]
+    assert cut["done"]
