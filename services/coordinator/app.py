@@ -41,6 +41,16 @@ log = logging.getLogger(__name__)
 REDIS_RETRY_CAP_SECONDS = 2.0
 
 
+def api_redis_client(settings: Settings) -> aioredis.Redis:
+    """The API's client: at most redis_max_connections connections, for which requests queue
+    (a pool that refused requests past its size answered a burst of readers 503). A Redis
+    outage is answered 503 (the run loop has its own client, which rides it out)."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_max_connections, timeout=settings.redis_pool_wait_seconds
+    )
+    return aioredis.Redis.from_pool(pool)  # (closes the pool when closed)
+
+
 def patient_redis_client(url: str, outage_seconds: float) -> aioredis.Redis:
     """A client whose commands are retried (backoff with jitter, up to 2 s apart) while Redis
     is down or restarting, for about outage_seconds."""
@@ -59,7 +69,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        redis = aioredis.Redis.from_url(settings.redis_url)  # the API's: a Redis outage answers 503 at once
+        redis = api_redis_client(settings)
         patient_redis = patient_redis_client(settings.redis_url, settings.redis_outage_seconds)
         channels = {
             name: aio_channel(address, settings.max_message_bytes)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import grpc
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 
 from rlmesh.common.run_config import RunConfig, limit_violations
@@ -33,6 +33,13 @@ from rlmesh.coordinator.store import RunStore
 from rlmesh.v1 import buffer_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
+
+# Lean answers by default (a reader's request costs what it shows, not the run's whole
+# history: 1,000 embedded metric records were 355 KB); more is paged.
+METRICS_LAST = 10  # metric records GET /runs/{id} embeds
+METRICS_PAGE = 100  # records GET /runs/{id}/metrics returns
+METRICS_PAGE_MAX = 10_000
+RUNS_PAGE = 1000  # runs GET /runs returns, at most
 
 
 async def _check_runnable(driver: RunDriver, config: RunConfig, settings: Settings) -> None:
@@ -76,24 +83,42 @@ def runs_router(settings: Settings) -> APIRouter:
         return RunCreated(id=run_id, status="pending")
 
     @router.get("/runs", response_model=list[RunSummary])
-    async def list_runs(request: Request):
-        """Every kept run, oldest first (max_finished_runs finished ones, and the active one)."""
-        return [run_summary(r) for r in await request.app.state.store.list()]
+    async def list_runs(
+        request: Request,
+        response: Response,
+        offset: int = Query(0, ge=0, le=10**9, description="Runs to skip, oldest first."),
+        limit: int = Query(RUNS_PAGE, ge=1, le=RUNS_PAGE, description="Runs to return at most."),
+    ):
+        """The kept runs, oldest first (max_finished_runs finished ones, and the active one), a
+        page of them: header `X-Total-Count` says how many there are."""
+        records, total = await request.app.state.store.page(offset, limit)
+        response.headers["X-Total-Count"] = str(total)
+        return [run_summary(r) for r in records]
 
     @router.get("/runs/{run_id}", response_model=RunDetail, responses=error_responses(404))
     async def get_run(
         request: Request,
         run_id: str = RUN_ID,
         metrics_last: int = Query(
-            1000, ge=0, le=100_000, description="How many of the newest metric records to return."
+            METRICS_LAST,
+            ge=0,
+            le=METRICS_PAGE_MAX,
+            description="How many of the newest metric records to return (GET "
+            "/runs/{id}/metrics pages through all of them).",
         ),
     ):
-        """A run: status, phase, progress, eval before/after, and its newest metric records."""
+        """A run: status, phase, progress, eval before/after, its newest metric record
+        (`latest_metrics`) and the `metrics_last` newest ones."""
         store: RunStore = request.app.state.store
         rec = await store.get(run_id)
-        metrics = await store.metrics(run_id, metrics_last)
-        latest = metrics[-1] if metrics else (await store.metrics(run_id, 1) or [{}])[-1]
-        return {**rec, **run_summary(rec), "metrics": metrics, "latest_metrics": latest}
+        metrics = await store.metrics(run_id, max(metrics_last, 1))
+        latest = metrics[-1] if metrics else {}
+        return {
+            **rec,
+            **run_summary(rec),
+            "metrics": metrics[-metrics_last:] if metrics_last else [],
+            "latest_metrics": latest,
+        }
 
     @router.post("/runs/{run_id}/stop", response_model=RunCreated, responses=error_responses(404))
     async def stop_run(request: Request, run_id: str = RUN_ID):
@@ -126,7 +151,7 @@ def runs_router(settings: Settings) -> APIRouter:
             description="Position of the first record to "
             "return: 0, or the `next` of the previous call (to poll for new ones).",
         ),
-        limit: int = Query(1000, ge=1, le=10_000, description="Records to return at most."),
+        limit: int = Query(METRICS_PAGE, ge=1, le=METRICS_PAGE_MAX, description="Records to return at most."),
         fields: list[MetricField] = Query(
             [],
             max_length=100,

@@ -5,6 +5,7 @@ drive are a socket that accepts connections and never answers, so a run stays ac
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 
@@ -15,6 +16,7 @@ import redis.asyncio as aioredis
 
 from rlmesh.buffer.config import Settings as BufferSettings
 from rlmesh.buffer.server import start as start_buffer
+from rlmesh.cli.demo import run_metrics
 from rlmesh.common.auth import client_headers
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.run_config import RunConfig
@@ -183,8 +185,53 @@ def test_a_runs_metric_history_is_returned_bounded(api, redis_url):
     run_id = api.post("/runs", json=body()).json()["id"]
     store = redis.Redis.from_url(redis_url)
     store.rpush(f"rlmesh:coord:run:{run_id}:metrics", *(json.dumps({"rollout_id": i}) for i in range(1, 1201)))
+    # lean by default: the newest few records (the whole history was 355 KB for a small run)
     run = api.get(f"/runs/{run_id}").json()
-    assert len(run["metrics"]) == 1000 and run["metrics"][-1] == run["latest_metrics"] == {"rollout_id": 1200}
+    assert run["metrics"] == [{"rollout_id": i} for i in range(1191, 1201)]
+    assert run["latest_metrics"] == {"rollout_id": 1200}
+    run = api.get(f"/runs/{run_id}", params={"metrics_last": 1000}).json()
+    assert len(run["metrics"]) == 1000 and run["metrics"][-1] == {"rollout_id": 1200}
     run = api.get(f"/runs/{run_id}", params={"metrics_last": 0}).json()
     assert run["metrics"] == [] and run["latest_metrics"] == {"rollout_id": 1200}
     assert api.get(f"/runs/{run_id}", params={"metrics_last": 10**6}).status_code == 422
+    # all of it, a page at a time, from the metrics route
+    page = api.get(f"/runs/{run_id}/metrics").json()
+    assert page["records"] == [{"rollout_id": i} for i in range(1, 101)] and page["total"] == 1200
+    assert run_metrics(api, run_id, page=500) == [{"rollout_id": i} for i in range(1, 1201)]
+
+
+def test_runs_are_listed_a_page_at_a_time(api, redis_url):
+    store = redis.Redis.from_url(redis_url)
+    ids = []
+    for _ in range(5):
+        ids.append(api.post("/runs", json=body()).json()["id"])
+        store.hset(f"rlmesh:coord:run:{ids[-1]}", "status", "completed")
+        store.delete("rlmesh:coord:active")
+    r = api.get("/runs")
+    assert [run["id"] for run in r.json()] == ids and r.headers["x-total-count"] == "5"
+    r = api.get("/runs", params={"offset": 1, "limit": 2})
+    assert [run["id"] for run in r.json()] == ids[1:3] and r.headers["x-total-count"] == "5"
+    assert api.get("/runs", params={"offset": 5}).json() == []
+    for bad in ({"limit": 0}, {"limit": 1001}, {"offset": -1}):
+        assert api.get("/runs", params=bad).status_code == 422, bad
+
+
+def test_a_burst_of_readers_waits_for_a_small_redis_pool_instead_of_failing(start_in_loop, redis_url, silent_address):
+    # 200 requests at once on a pool of 2 connections: each waits its turn. (A pool that
+    # refused requests past its size answered such a burst 503: 135 of 200.)
+    services = {f"{name}_address": silent_address for name in ("buffer", "rollout", "reward", "trainer")}
+    _, port = start_in_loop(
+        lambda: start_coordinator(Settings(port=0, redis_url=redis_url, redis_max_connections=2, **services))
+    )
+    base = f"http://127.0.0.1:{port}"
+    with httpx.Client(base_url=base, timeout=30, headers=client_headers()) as client:
+        run_id = client.post("/runs", json=body()).json()["id"]
+
+    async def burst() -> list[int]:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=base, timeout=60, headers=client_headers(), limits=limits) as client:
+            paths = [f"/runs/{run_id}", "/runs", f"/runs/{run_id}/metrics"] * 67
+            answers = await asyncio.gather(*(client.get(path) for path in paths[:200]))
+        return [r.status_code for r in answers]
+
+    assert asyncio.run(burst()) == [200] * 200
