@@ -6,7 +6,10 @@ drive are a socket that accepts connections and never answers, so a run stays ac
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
+import re
 import threading
 
 import httpx
@@ -235,3 +238,34 @@ def test_a_burst_of_readers_waits_for_a_small_redis_pool_instead_of_failing(star
         return [r.status_code for r in answers]
 
     assert asyncio.run(burst()) == [200] * 200
+
+
+def test_the_api_docs_load_from_this_machine(api):
+    r = api.get("/docs", headers={"authorization": ""})  # (no token needed)
+    assert r.status_code == 200
+    html = r.text
+    urls = re.findall(r'(?:src|href)="([^"]+)"', html)
+    assert urls and all(u.startswith("/docs/assets/") for u in urls), urls
+    for url in urls:
+        asset = api.get(url, headers={"authorization": ""})
+        assert asset.status_code == 200 and len(asset.content) > 100, url
+    # its policy lets its own scripts run (the files, and the inline set-up by its hash), nothing else
+    csp = r.headers["content-security-policy"]
+    (setup,) = re.findall(r"<script>(.*?)</script>", html, re.DOTALL)
+    digest = base64.b64encode(hashlib.sha256(setup.encode()).digest()).decode()
+    assert f"script-src 'self' 'sha256-{digest}';" in csp and "default-src 'none'" in csp
+    assert "'/openapi.json'" in setup
+    assert api.get("/redoc").status_code in (401, 404)  # (ReDoc came from a CDN: gone)
+
+
+def test_the_spec_declares_the_bearer_token(api):
+    spec = api.get("/openapi.json").json()
+    assert spec["components"]["securitySchemes"]["bearer"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "The stack's token (RLMESH_TOKEN).",
+    }
+    for path in ("/runs", "/runs/{run_id}", "/runs/{run_id}/metrics", "/reward-services"):
+        for method, operation in spec["paths"][path].items():
+            assert operation["security"] == [{"bearer": []}], (path, method)
+    assert "security" not in spec["paths"]["/health"]["get"]
