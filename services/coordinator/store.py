@@ -231,12 +231,17 @@ class RunStore:
     async def metrics_since(self, run_id: str, since: int, limit: int) -> tuple[list[dict], int]:
         """Up to `limit` metric records from position `since` (0 = the first ever written),
         and how many records the run has: the next call's `since` is since + len(records)."""
+        raw, total = await self.raw_metrics_since(run_id, since, limit)
+        return [json.loads(r) for r in raw], total
+
+    async def raw_metrics_since(self, run_id: str, since: int, limit: int) -> tuple[list[bytes], int]:
+        """metrics_since's records as they are stored: each a JSON object (json.dumps's)."""
         key = self._key(run_id) + ":metrics"
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.lrange(key, since, since + limit - 1)
             pipe.llen(key)
             raw, total = await pipe.execute()
-        return [json.loads(r) for r in raw], total
+        return raw, total
 
     async def metrics(self, run_id: str, last: int | None = None) -> list[dict]:
         """The run's metric records, oldest first; only the newest `last` when given."""

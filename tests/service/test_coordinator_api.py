@@ -201,6 +201,14 @@ def test_a_runs_metric_history_is_returned_bounded(api, redis_url):
     page = api.get(f"/runs/{run_id}/metrics").json()
     assert page["records"] == [{"rollout_id": i} for i in range(1, 101)] and page["total"] == 1200
     assert run_metrics(api, run_id, page=500) == [{"rollout_id": i} for i in range(1, 1201)]
+    # a non-finite value (json.dumps writes NaN, which is not JSON) is answered as null
+    store.rpush(f"rlmesh:coord:run:{run_id}:metrics", json.dumps({"rollout_id": 1201, "train/loss": float("nan")}))
+    page = api.get(f"/runs/{run_id}/metrics", params={"since": 1200})
+    assert json.loads(page.text, parse_constant=lambda c: pytest.fail(f"{c} in {page.text}")) == {
+        "records": [{"rollout_id": 1201, "train/loss": None}],
+        "next": 1201,
+        "total": 1201,
+    }
 
 
 def test_runs_are_listed_a_page_at_a_time(api, redis_url):
