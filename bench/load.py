@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.report import print_table
 from rlmesh.cli.demo import demo_config, write_task
 from rlmesh.cli.launcher import datasets_dir, start_stack
 from rlmesh.cli.tiny_model import build_tiny_model
@@ -166,12 +167,15 @@ class Iterations:
     def __init__(self, client: httpx.AsyncClient, run_id: str) -> None:
         self.client, self.run_id, self.since = client, run_id, 0
         self.pending: list[float] = []
+        self.failed = 0  # the bench's own requests that the API failed
 
     async def _poll(self) -> None:
         r = await self.client.get(
             f"/runs/{self.run_id}/metrics", params={"since": self.since, "fields": "iteration/seconds"}
         )
-        r.raise_for_status()
+        if r.status_code != 200:  # (an API that fails under the load: asked again)
+            self.failed += 1
+            return
         page = r.json()
         self.since = page["next"]
         self.pending += [rec["iteration/seconds"] for rec in page["records"] if "iteration/seconds" in rec]
@@ -186,7 +190,8 @@ class Iterations:
         while len(self.pending) < n:
             await self._poll()
             if len(self.pending) < n:
-                status = (await self.client.get(f"/runs/{self.run_id}", params={"metrics_last": 0})).json()
+                r = await self.client.get(f"/runs/{self.run_id}", params={"metrics_last": 0})
+                status = r.json() if r.status_code == 200 else {"status": "unknown"}
                 if status["status"] in ("completed", "failed", "stopped"):
                     raise SystemExit(f"the run ended ({status['status']}: {status['error']}) before the bench did")
                 await asyncio.sleep(0.1)
@@ -226,6 +231,7 @@ async def measure(url: str, config: dict, args) -> dict:
         "statuses": dict(sorted(load.statuses.items())),
         "status_5xx": sum(n for s, n in load.statuses.items() if s.startswith("5")),
         "client_errors": sum(n for s, n in load.statuses.items() if not s.isdigit()),
+        "monitor_failures": iterations.failed,
         "p50_ms": round(1000 * statistics.median(latencies), 1),
         "p99_ms": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 1),
         "max_ms": round(1000 * latencies[-1], 1),
@@ -275,6 +281,23 @@ def main() -> None:
     print(
         f"run: {result['unloaded_iterations_per_s']} iterations/s unloaded, {result['loaded_iterations_per_s']} "
         f"loaded ({result['loaded_over_unloaded']:.0%})"
+    )
+    print_table(
+        [
+            {
+                "requests": result["requests"],
+                "5xx": result["status_5xx"],
+                "p50 ms": result["p50_ms"],
+                "p99 ms": result["p99_ms"],
+                "max ms": result["max_ms"],
+                "run iterations/s unloaded": result["unloaded_iterations_per_s"],
+                "loaded": result["loaded_iterations_per_s"],
+                "loaded / unloaded": f"{result['loaded_over_unloaded']:.0%}",
+            }
+        ],
+        f"python -m bench.load: {args.readers} readers, {args.writers} bad writers, {args.interval:g} s between "
+        f"a client's requests, {args.rounds} loaded windows of {args.steps} iterations between unloaded ones, "
+        f"{os.cpu_count()} CPUs",
     )
     print(json.dumps(result))
 
