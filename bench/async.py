@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from bench.report import print_table
-from rlmesh.cli.demo import demo_config, write_task
+from rlmesh.cli.demo import demo_config, run_metrics, write_task
 from rlmesh.cli.launcher import datasets_dir, start_stack
 from rlmesh.cli.tiny_model import build_tiny_model
 from rlmesh.common.auth import client_headers
@@ -47,7 +47,7 @@ def run_mode(api: httpx.Client, config: dict, mode: str) -> dict:
     r = api.post("/runs", json={**config, "mode": mode, "name": f"bench.async {mode} seed {config['seed']}"})
     r.raise_for_status()
     run_id = r.json()["id"]
-    while (run := api.get(f"/runs/{run_id}", params={"metrics_last": 100000}).json())["status"] not in (
+    while (run := api.get(f"/runs/{run_id}", params={"metrics_last": 0}).json())["status"] not in (
         "completed",
         "failed",
         "stopped",
@@ -55,7 +55,7 @@ def run_mode(api: httpx.Client, config: dict, mode: str) -> dict:
         time.sleep(0.5)
     if run["status"] != "completed":
         raise SystemExit(f"{mode} run {run['status']}: {run['error']}")
-    rl = [m for m in run["metrics"] if "iteration/seconds" in m]
+    rl = [m for m in run_metrics(api, run_id) if "iteration/seconds" in m]
     result = {
         "samples": sum(m.get("train/samples", 0.0) for m in rl),
         "seconds": rl[-1]["time"] - rl[0]["time"] + rl[0]["iteration/seconds"],  # first RL start to last RL end

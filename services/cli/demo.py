@@ -85,6 +85,19 @@ def _progress(run: dict, start: float) -> str:
     return f"{elapsed}  {phase}"
 
 
+def run_metrics(http: httpx.Client, run_id: str, page: int = 1000) -> list[dict]:
+    """Every metric record of a run, oldest first, a page at a time (GET /runs/{id} embeds
+    only the newest few)."""
+    records: list[dict] = []
+    while True:
+        r = http.get(f"/runs/{run_id}/metrics", params={"since": len(records), "limit": page})
+        r.raise_for_status()
+        got = r.json()
+        records += got["records"]
+        if not got["records"] or len(records) >= got["total"]:
+            return records
+
+
 def write_plot(history: list[dict], path: Path) -> None:
     """Reward curves as a small self-contained SVG (train reward and held-out eval by rollout)."""
     w, h, pad = 640, 320, 40
@@ -176,11 +189,12 @@ def run_demo(args) -> int:
                 if run["status"] in ("completed", "failed", "stopped"):
                     break
                 time.sleep(0.5)
+            history = run_metrics(http, run_id)
         if run["status"] != "completed":
             print(f"run {run['status']}: {run['error']}")
             return 1
         plot = demo_dir / f"reward-{args.task}.svg"
-        write_plot(run["metrics"], plot)
+        write_plot(history, plot)
         print(f"reward curves: {plot}; total {time.monotonic() - start:.0f} s")
         print(f"eval reward: before={_eval_reward(run['eval_before']):.2f} after={_eval_reward(run['eval_after']):.2f}")
         return 0

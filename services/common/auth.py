@@ -90,12 +90,24 @@ def client_headers() -> dict[str, str]:
 def add_http_token_check(app: Any, token: str, is_open: Callable[[str], bool], refusal: Callable[[str], dict]) -> None:
     """Make a FastAPI app answer 401 (with `refusal(why)` as the JSON body) to every request
     without `Authorization: Bearer <token>`, except paths for which `is_open(path)` holds."""
-    from fastapi.responses import JSONResponse
+    app.add_middleware(_HttpTokenCheck, token=token, is_open=is_open, refusal=refusal)
 
-    @app.middleware("http")
-    async def check_token(request, call_next):
-        header = request.headers.get(HEADER)
-        if is_open(request.url.path) or token_matches(token, header):
-            return await call_next(request)
+
+class _HttpTokenCheck:
+    """Plain ASGI middleware (Starlette's BaseHTTPMiddleware costs a task and a stream per
+    request, which a busy API pays on every one)."""
+
+    def __init__(self, app: Any, token: str, is_open: Callable[[str], bool], refusal: Callable[[str], dict]) -> None:
+        self.app, self.token, self.is_open, self.refusal = app, token, is_open, refusal
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == HEADER.encode()), None)
+        if self.is_open(scope["path"]) or token_matches(self.token, header):
+            return await self.app(scope, receive, send)
+        from fastapi.responses import JSONResponse
+
         why = "no bearer token" if not header else "a wrong bearer token"
-        return JSONResponse(status_code=401, content=refusal(why), headers={"WWW-Authenticate": "Bearer"})
+        refused = JSONResponse(status_code=401, content=self.refusal(why), headers={"WWW-Authenticate": "Bearer"})
+        await refused(scope, receive, send)

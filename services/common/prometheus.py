@@ -277,20 +277,39 @@ class HttpMetrics:
         )
 
     def install(self, app) -> None:
-        @app.middleware("http")
-        async def count_requests(request, call_next):
-            started = time.perf_counter()
-            status = 500
-            try:
-                response = await call_next(request)
-                status = response.status_code
-                return response
-            finally:
-                route = request.scope.get("route")
-                template = getattr(route, "path", None) or "unmatched"
-                method = request.method if request.method in _HTTP_METHODS else "other"
-                self.requests.labels(method, template, str(status)).inc()
-                self.seconds.labels(method, template).observe(time.perf_counter() - started)
+        app.add_middleware(_CountRequests, metrics=self)
+
+    def count(self, scope: dict, status: int, seconds: float) -> None:
+        template = getattr(scope.get("route"), "path", None) or "unmatched"
+        method = scope["method"] if scope["method"] in _HTTP_METHODS else "other"
+        self.requests.labels(method, template, str(status)).inc()
+        self.seconds.labels(method, template).observe(seconds)
+
+
+class _CountRequests:
+    """Plain ASGI middleware (Starlette's BaseHTTPMiddleware costs a task and a stream per
+    request, which a busy API pays on every one)."""
+
+    def __init__(self, app, metrics: HttpMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        status = 500  # (what the server answers for an exception that gets past the app)
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            # (the router set the matched route in the scope, which it shares with this one)
+            self.metrics.count(scope, status, time.perf_counter() - started)
 
 
 _HTTP_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"})

@@ -22,6 +22,7 @@ from rlmesh.common.errors import HTTP_STATUS_BY_GRPC_CODE, RlmeshError
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.http_guard import guard
 from rlmesh.common.prometheus import metrics_response
+from rlmesh.coordinator.api_docs import DOCS_PATH, declare_bearer, is_docs_asset, mount_api_docs
 from rlmesh.coordinator.calls import Clients
 from rlmesh.coordinator.config import Settings
 from rlmesh.coordinator.observe import CoordinatorMetrics
@@ -34,11 +35,26 @@ from rlmesh.coordinator.store import RunStore
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
 
 # Probes and the API's own description need no token; they reveal nothing about runs.
-OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", DOCS_PATH, "/openapi.json"})
+
+
+def is_open_path(path: str) -> bool:
+    return path in OPEN_PATHS or is_page_path(path) or is_docs_asset(path)
+
 
 log = logging.getLogger(__name__)
 
 REDIS_RETRY_CAP_SECONDS = 2.0
+
+
+def api_redis_client(settings: Settings) -> aioredis.Redis:
+    """The API's client: at most redis_max_connections connections, for which requests queue
+    (a pool that refused requests past its size answered a burst of readers 503). A Redis
+    outage is answered 503 (the run loop has its own client, which rides it out)."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_max_connections, timeout=settings.redis_pool_wait_seconds
+    )
+    return aioredis.Redis.from_pool(pool)  # (closes the pool when closed)
 
 
 def patient_redis_client(url: str, outage_seconds: float) -> aioredis.Redis:
@@ -59,7 +75,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        redis = aioredis.Redis.from_url(settings.redis_url)  # the API's: a Redis outage answers 503 at once
+        redis = api_redis_client(settings)
         patient_redis = patient_redis_client(settings.redis_url, settings.redis_outage_seconds)
         channels = {
             name: aio_channel(address, settings.max_message_bytes)
@@ -101,6 +117,8 @@ def create_app(settings: Settings) -> FastAPI:
         description="Start, stop and watch RL post-training runs. Every route except /health and "
         "the API docs needs `Authorization: Bearer <token>` (the stack's token).",
         responses={401: {"model": Problem, "description": "Missing or wrong bearer token."}},
+        docs_url=None,  # (mount_api_docs serves it from this machine)
+        redoc_url=None,
     )
     guard(app, settings.max_request_bytes)
     token = auth.required_token()
@@ -108,7 +126,7 @@ def create_app(settings: Settings) -> FastAPI:
         auth.add_http_token_check(
             app,
             token,
-            lambda path: path in OPEN_PATHS or is_page_path(path),
+            is_open_path,
             lambda why: {
                 "detail": f"this API needs the stack's token and the request carried {why}: send "
                 f"'Authorization: Bearer <token>' ({auth.TOKEN_ENV} of the stack)"
@@ -146,6 +164,8 @@ def create_app(settings: Settings) -> FastAPI:
         return {"status": "ok"}
 
     mount_page(app)
+    mount_api_docs(app)
+    declare_bearer(app, is_open_path, f"The stack's token ({auth.TOKEN_ENV}).")
 
     return app
 

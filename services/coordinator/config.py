@@ -19,6 +19,18 @@ class Settings(ServiceSettings):
     reward_address: str = Field("127.0.0.1:50053", description="host:port of the reward service.")
     trainer_address: str = Field("127.0.0.1:50054", description="host:port of the trainer service.")
     train_wait_seconds: float = Field(600.0, gt=0, description="How long a train step waits for its batch.")
+    redis_max_connections: int = Field(
+        50,
+        ge=1,
+        le=10_000,
+        description="Redis connections the REST API holds at most; a request that finds "
+        "them all busy waits for one (up to redis_pool_wait_seconds) instead of failing.",
+    )
+    redis_pool_wait_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="How long a request waits for a free Redis connection before it is answered 503 (retry later).",
+    )
     max_request_bytes: int = Field(
         1024 * 1024, ge=1024, description="Largest request body the REST API reads (larger ones get 413)."
     )

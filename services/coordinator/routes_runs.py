@@ -3,10 +3,12 @@ samples and checkpoints. Thin over RunStore and RunDriver (app.state.store, .dri
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 
 import grpc
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 
 from rlmesh.common.run_config import RunConfig, limit_violations
@@ -33,6 +35,16 @@ from rlmesh.coordinator.store import RunStore
 from rlmesh.v1 import buffer_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
+
+# Lean answers by default (a reader's request costs what it shows, not the run's whole
+# history: 1,000 embedded metric records were 355 KB); more is paged.
+METRICS_LAST = 10  # metric records GET /runs/{id} embeds
+METRICS_PAGE = 100  # records GET /runs/{id}/metrics returns
+METRICS_PAGE_MAX = 10_000
+RUNS_PAGE = 1000  # runs GET /runs returns, at most
+# What json.dumps writes for a non-finite float, which is not JSON: such records are parsed
+# and answered as the response model writes them (null).
+_NON_FINITE = re.compile(rb"NaN|Infinity")
 
 
 async def _check_runnable(driver: RunDriver, config: RunConfig, settings: Settings) -> None:
@@ -76,24 +88,42 @@ def runs_router(settings: Settings) -> APIRouter:
         return RunCreated(id=run_id, status="pending")
 
     @router.get("/runs", response_model=list[RunSummary])
-    async def list_runs(request: Request):
-        """Every kept run, oldest first (max_finished_runs finished ones, and the active one)."""
-        return [run_summary(r) for r in await request.app.state.store.list()]
+    async def list_runs(
+        request: Request,
+        response: Response,
+        offset: int = Query(0, ge=0, le=10**9, description="Runs to skip, oldest first."),
+        limit: int = Query(RUNS_PAGE, ge=1, le=RUNS_PAGE, description="Runs to return at most."),
+    ):
+        """The kept runs, oldest first (max_finished_runs finished ones, and the active one), a
+        page of them: header `X-Total-Count` says how many there are."""
+        records, total = await request.app.state.store.page(offset, limit)
+        response.headers["X-Total-Count"] = str(total)
+        return [run_summary(r) for r in records]
 
     @router.get("/runs/{run_id}", response_model=RunDetail, responses=error_responses(404))
     async def get_run(
         request: Request,
         run_id: str = RUN_ID,
         metrics_last: int = Query(
-            1000, ge=0, le=100_000, description="How many of the newest metric records to return."
+            METRICS_LAST,
+            ge=0,
+            le=METRICS_PAGE_MAX,
+            description="How many of the newest metric records to return (GET "
+            "/runs/{id}/metrics pages through all of them).",
         ),
     ):
-        """A run: status, phase, progress, eval before/after, and its newest metric records."""
+        """A run: status, phase, progress, eval before/after, its newest metric record
+        (`latest_metrics`) and the `metrics_last` newest ones."""
         store: RunStore = request.app.state.store
         rec = await store.get(run_id)
-        metrics = await store.metrics(run_id, metrics_last)
-        latest = metrics[-1] if metrics else (await store.metrics(run_id, 1) or [{}])[-1]
-        return {**rec, **run_summary(rec), "metrics": metrics, "latest_metrics": latest}
+        metrics = await store.metrics(run_id, max(metrics_last, 1))
+        latest = metrics[-1] if metrics else {}
+        return {
+            **rec,
+            **run_summary(rec),
+            "metrics": metrics[-metrics_last:] if metrics_last else [],
+            "latest_metrics": latest,
+        }
 
     @router.post("/runs/{run_id}/stop", response_model=RunCreated, responses=error_responses(404))
     async def stop_run(request: Request, run_id: str = RUN_ID):
@@ -126,7 +156,7 @@ def runs_router(settings: Settings) -> APIRouter:
             description="Position of the first record to "
             "return: 0, or the `next` of the previous call (to poll for new ones).",
         ),
-        limit: int = Query(1000, ge=1, le=10_000, description="Records to return at most."),
+        limit: int = Query(METRICS_PAGE, ge=1, le=METRICS_PAGE_MAX, description="Records to return at most."),
         fields: list[MetricField] = Query(
             [],
             max_length=100,
@@ -140,8 +170,13 @@ def runs_router(settings: Settings) -> APIRouter:
         """A run's metric records from a cursor, optionally only some fields: what a curve polls."""
         store: RunStore = request.app.state.store
         await store.get(run_id)  # 404 for an unknown run
-        records, total = await store.metrics_since(run_id, since, limit)
-        next_since = min(since, total) + len(records)  # (a cursor past the end answers the end)
+        raw, total = await store.raw_metrics_since(run_id, since, limit)
+        next_since = min(since, total) + len(raw)  # (a cursor past the end answers the end)
+        if not fields and not any(_NON_FINITE.search(r) for r in raw):
+            # The stored JSON as it is: parsing and writing it again was most of a page's cost.
+            body = b'{"records":[' + b",".join(raw) + b'],"next":%d,"total":%d}' % (next_since, total)
+            return Response(body, media_type="application/json")
+        records = [json.loads(r) for r in raw]
         if fields:
             records = [r for r in (pick_fields(rec, fields) for rec in records) if r is not None]
         return MetricRecords(records=records, next=next_since, total=total)

@@ -327,18 +327,17 @@ class RunDriver:
         if answered and (calls.trainer_reset or not step):
             calls.trainer_reset = False
             step, answered = (await calls.trainer_status()).step, False
-        before = (await self.store.get(run_id))["train_steps"]
-        steps = steps_after_train_step(before, step) if answered else steps_held(before, step)
-        if len(steps) < len(before):
+        # (the rule of steps_after_train_step / steps_held, applied in Redis to the run's list)
+        before, after = await self.store.realign(run_id, step, answered)
+        if after < before:
             log.warning(
                 "run %s: the trainer stands at step %d: the run's train steps from number %d on are taken "
                 "again (the groups they trained are handed out again)",
                 run_id,
                 step,
-                len(steps) + 1,
+                after + 1,
             )
-        await self.store.update(run_id, train_steps=steps)
-        return len(steps)
+        return after
 
     async def _end(self, run_id: str, mode: RunMode | None, trainer_ended: bool = False) -> None:
         if mode is not None:
@@ -356,9 +355,10 @@ class RunDriver:
         await self._prune()
 
 
-# The run record's train_steps: the trainer's step after each of the run's train steps
-# (SFT steps, then RL iterations), oldest first. Checkpoints are taken only between train
-# steps, so a trainer that resumed from one stands where one of them ended.
+# The run's train steps: the trainer's step after each of the run's train steps (SFT steps,
+# then RL iterations), oldest first, nondecreasing. Checkpoints are taken only between train
+# steps, so a trainer that resumed from one stands where one of them ended. The store keeps
+# them as a Redis list and applies these rules there (RunStore.realign); these are the rules.
 
 
 def steps_after_train_step(train_steps: list[int], step: int) -> list[int]:

@@ -1,6 +1,6 @@
 """The coordinator's run records in Redis, so that a restarted coordinator carries on: one
-hash per run, its metric history, an index by creation time, and the claim of the one run
-that may train."""
+hash per run, its metric history, its train steps, an index by creation time, and the claim
+of the one run that may train."""
 
 from __future__ import annotations
 
@@ -45,6 +45,35 @@ _APPEND_ONCE = (
     "if redis.call('LINDEX', KEYS[1], -1) == ARGV[1] then return 0 end return redis.call('RPUSH', KEYS[1], ARGV[1])"
 )
 
+# Record where the trainer stands after a train step (ARGV[2] = '1': it answered that it left
+# the trainer at step ARGV[1]) or when asked (ARGV[2] = '0'), on the run's train steps list
+# (KEYS[2]; KEYS[1] is its record): the list is nondecreasing, so keeping the steps at or
+# before ARGV[1] is trimming its tail, O(steps undone) instead of O(run) (see
+# runs.steps_after_train_step and steps_held, the same rule on a Python list). A record
+# written before the list existed keeps its steps as JSON in its hash: moved to the list
+# first. ARGV[3]: the time, the record's updated_at. Returns {length before, length after}.
+_REALIGN = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0} end
+local legacy = redis.call('HGET', KEYS[1], 'train_steps')
+if legacy then
+  redis.call('DEL', KEYS[2])
+  for _, s in ipairs(cjson.decode(legacy)) do redis.call('RPUSH', KEYS[2], s) end
+  redis.call('HDEL', KEYS[1], 'train_steps')
+end
+local step = tonumber(ARGV[1])
+local before = redis.call('LLEN', KEYS[2])
+local last = 0
+while true do
+  local tail = redis.call('LINDEX', KEYS[2], -1)
+  if not tail then break end
+  if tonumber(tail) <= step then last = tonumber(tail) break end
+  redis.call('RPOP', KEYS[2])
+end
+if ARGV[2] == '1' or step > last then redis.call('RPUSH', KEYS[2], ARGV[1]) end
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[3])
+return {before, redis.call('LLEN', KEYS[2])}
+"""
+
 # Compare-and-delete: release the active-run claim only if this run holds it.
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
@@ -74,8 +103,8 @@ return status
 
 
 class RunStore:
-    """Run records: hash <prefix>:coord:run:<id>, metric history list ...:metrics, an
-    index zset <prefix>:coord:runs (by creation time), and <prefix>:coord:active, the id of
+    """Run records: hash <prefix>:coord:run:<id>, metric history list ...:metrics, the
+    trainer's step after each of the run's train steps, list ...:train_steps, an index zset <prefix>:coord:runs (by creation time), and <prefix>:coord:active, the id of
     the one run that may train (claimed atomically, so concurrent submissions cannot both win)."""
 
     def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
@@ -107,7 +136,6 @@ class RunStore:
             "eval_before": "{}",
             "eval_after": "{}",
             "held": 0,
-            "train_steps": "[]",
         }
         fields = [item for pair in record.items() for item in pair]
         keys = (self._key(run_id), self.active_key, self.index_key)
@@ -149,24 +177,41 @@ class RunStore:
         return (holder, RunConfig.model_validate(rec["config"])) if rec["status"] in ACTIVE else None
 
     async def delete(self, run_id: str) -> None:
-        await self.redis.delete(self._key(run_id), self._key(run_id) + ":metrics")
+        key = self._key(run_id)
+        await self.redis.delete(key, key + ":metrics", key + ":train_steps")
         await self.redis.zrem(self.index_key, run_id)
 
     async def get(self, run_id: str) -> dict:
-        raw = await self.redis.hgetall(self._key(run_id))
+        """The run's record (NotFound for an unknown run): one round trip, whatever the
+        length of the run."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            self._read(pipe, run_id)
+            raw, steps = await pipe.execute()
         if not raw:
             raise NotFound(f"unknown run {run_id!r}")
-        rec = {k.decode(): v.decode() for k, v in raw.items()}
-        rec["weight_version"] = int(rec["weight_version"])
-        rec["held"] = rec.get("held", "0") == "1"  # (records written before pausing existed lack it)
-        for k in ("created_at", "updated_at"):
-            rec[k] = float(rec[k])
-        for k in ("config", "eval_before", "eval_after"):
-            rec[k] = json.loads(rec[k])
-        rec["train_steps"] = json.loads(rec.get("train_steps", "[]"))
-        # RL iterations the trainer's model holds (the train steps past the warm start's)
-        rec["rollout_id"] = max(len(rec["train_steps"]) - rec["config"]["sft_warmup"]["steps"], 0)
-        return rec
+        return _record(raw, steps)
+
+    def _read(self, pipe, run_id: str) -> None:
+        pipe.hgetall(self._key(run_id))
+        pipe.llen(self._key(run_id) + ":train_steps")
+
+    async def realign(self, run_id: str, step: int, answered: bool) -> tuple[int, int]:
+        """Record that the trainer stands at `step`: the answer of the run's latest train step
+        (`answered`, see runs.steps_after_train_step) or what it said when asked
+        (runs.steps_held). Returns how many train steps the run had before and has now."""
+        key = self._key(run_id)
+        before, after = await self.redis.eval(
+            _REALIGN, 2, key, key + ":train_steps", step, "1" if answered else "0", time.time()
+        )
+        return before, after
+
+    async def train_steps(self, run_id: str) -> list[int]:
+        """The trainer's step after each of the run's train steps, oldest first."""
+        key = self._key(run_id)
+        legacy = await self.redis.hget(key, "train_steps")
+        if legacy is not None:
+            return json.loads(legacy)
+        return [int(s) for s in await self.redis.lrange(key + ":train_steps", 0, -1)]
 
     async def update(self, run_id: str, **fields) -> None:
         fields = {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in fields.items()}
@@ -193,12 +238,17 @@ class RunStore:
     async def metrics_since(self, run_id: str, since: int, limit: int) -> tuple[list[dict], int]:
         """Up to `limit` metric records from position `since` (0 = the first ever written),
         and how many records the run has: the next call's `since` is since + len(records)."""
+        raw, total = await self.raw_metrics_since(run_id, since, limit)
+        return [json.loads(r) for r in raw], total
+
+    async def raw_metrics_since(self, run_id: str, since: int, limit: int) -> tuple[list[bytes], int]:
+        """metrics_since's records as they are stored: each a JSON object (json.dumps's)."""
         key = self._key(run_id) + ":metrics"
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.lrange(key, since, since + limit - 1)
             pipe.llen(key)
             raw, total = await pipe.execute()
-        return [json.loads(r) for r in raw], total
+        return raw, total
 
     async def metrics(self, run_id: str, last: int | None = None) -> list[dict]:
         """The run's metric records, oldest first; only the newest `last` when given."""
@@ -207,12 +257,36 @@ class RunStore:
             return []
         return [json.loads(r) for r in await self.redis.lrange(self._key(run_id) + ":metrics", start, -1)]
 
-    async def list(self) -> list[dict]:
-        ids = [r.decode() for r in await self.redis.zrange(self.index_key, 0, -1)]
-        records = []
-        for run_id in ids:
-            try:
-                records.append(await self.get(run_id))
-            except NotFound:  # deleted between the two reads
-                pass
-        return records
+    async def list(self, offset: int = 0, limit: int | None = None) -> list[dict]:
+        """The kept runs' records, oldest first; `limit` of them from the `offset`-th when given."""
+        return (await self.page(offset, limit))[0]
+
+    async def page(self, offset: int = 0, limit: int | None = None) -> tuple[list[dict], int]:
+        """Records as list() gives them, and how many runs are kept: two round trips."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zrange(self.index_key, offset, -1 if limit is None else offset + limit - 1)
+            pipe.zcard(self.index_key)
+            ids, total = await pipe.execute()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for run_id in ids:
+                self._read(pipe, run_id.decode())
+            replies = await pipe.execute()
+        # (a run deleted between the two reads is left out)
+        return [_record(raw, steps) for raw, steps in zip(replies[::2], replies[1::2], strict=True) if raw], total
+
+
+def _record(raw: dict[bytes, bytes], train_steps: int) -> dict:
+    """A run's record from its hash and the length of its train steps list."""
+    rec = {k.decode(): v.decode() for k, v in raw.items()}
+    rec["weight_version"] = int(rec["weight_version"])
+    rec["held"] = rec.get("held", "0") == "1"  # (records written before pausing existed lack it)
+    for k in ("created_at", "updated_at"):
+        rec[k] = float(rec[k])
+    for k in ("config", "eval_before", "eval_after"):
+        rec[k] = json.loads(rec[k])
+    legacy = rec.pop("train_steps", None)  # (written before the list existed: JSON in the hash)
+    if legacy is not None:
+        train_steps = len(json.loads(legacy))
+    # RL iterations the trainer's model holds (the train steps past the warm start's)
+    rec["rollout_id"] = max(train_steps - rec["config"]["sft_warmup"]["steps"], 0)
+    return rec

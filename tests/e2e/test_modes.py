@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlmesh.cli.demo import demo_config, write_task
+from rlmesh.cli.demo import demo_config, run_metrics, write_task
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
 from tests.helpers.runs import run_config
@@ -24,7 +24,7 @@ def test_each_mode_completes_within_its_staleness_bound(services, tmp_path, tiny
     assert r.status_code == 201, r.text
     run = wait_for_run(api, r.json()["id"])
     assert run["status"] == "completed", run["error"]
-    rl = [m for m in run["metrics"] if "iteration/seconds" in m]
+    rl = [m for m in run_metrics(api, run["id"]) if "iteration/seconds" in m]
     assert [m["rollout_id"] for m in rl] == [1, 2, 3, 4]
     assert all(m["train/samples"] == 6 for m in rl)  # a full batch every step
     assert max(m.get("train/staleness_max", 0.0) for m in rl) <= bound
@@ -69,7 +69,7 @@ def test_over_sampling_the_dynamic_filter_and_partial_rollout_work_in_each_mode(
     assert r.status_code == 201, r.text
     run = wait_for_run(stack.api, r.json()["id"])
     assert run["status"] == "completed", run["error"]
-    rl = [m for m in run["metrics"] if "iteration/seconds" in m]
+    rl = [m for m in run_metrics(stack.api, run["id"]) if "iteration/seconds" in m]
     assert [m["rollout_id"] for m in rl] == [1, 2, 3]
     assert all(m["train/samples"] == 6 for m in rl)  # a full batch of kept groups every step
     assert "eval/held_out/reward_mean" in run["eval_after"]
@@ -94,7 +94,7 @@ def test_fully_async_keeps_requests_in_flight_across_weight_pushes(services, tmp
     assert r.status_code == 201, r.text
     run = wait_for_run(api, r.json()["id"])
     assert run["status"] == "completed", run["error"]
-    rl = [m for m in run["metrics"] if "iteration/seconds" in m]
+    rl = [m for m in run_metrics(api, run["id"]) if "iteration/seconds" in m]
     assert [m["rollout_id"] for m in rl] == [1, 2, 3] and all(m["train/samples"] == 6 for m in rl)
     assert max(m.get("train/staleness_max", 0.0) for m in rl) <= 2
     s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run["id"]))

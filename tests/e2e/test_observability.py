@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from rlmesh.cli.demo import run_metrics
 from tests.helpers.prometheus import scrape, value
 from tests.helpers.run_logs import tensorboard_scalars, wandb_history
 from tests.helpers.runs import run_config
@@ -27,7 +28,7 @@ def test_a_run_shows_in_prometheus_tensorboard_and_wandb(
     run_id = r.json()["id"]
     run = wait_for_run(stack.api, run_id)
     assert run["status"] == "completed", run["error"]
-    records = run["metrics"]
+    records = run_metrics(stack.api, run["id"])
     rl = [m for m in records if "train/loss" in m]
 
     # TensorBoard: every number of every record, under its name, at its iteration (or SFT step).

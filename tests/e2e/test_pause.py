@@ -12,6 +12,7 @@ import httpx
 import pytest
 import redis
 
+from rlmesh.cli.demo import run_metrics
 from rlmesh.common.auth import client_headers
 from rlmesh.coordinator.app import API_TASK
 from rlmesh.coordinator.app import start as start_coordinator
@@ -54,7 +55,7 @@ def test_a_paused_run_rests_and_resumed_loses_nothing(services, tmp_path, tiny_m
     run = wait_for_run(api, run_id)
     assert run["status"] == "completed", run["error"]
     assert not run["held"]
-    rl = [m for m in run["metrics"] if "iteration/seconds" in m]
+    rl = [m for m in run_metrics(api, run["id"]) if "iteration/seconds" in m]
     assert [m["rollout_id"] for m in rl] == list(range(1, ROLLOUTS + 1))
     assert all(m["train/samples"] == 6 for m in rl)  # a full batch every step
     s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id))
@@ -104,7 +105,7 @@ def test_a_paused_run_stays_paused_across_a_coordinator_restart(
     api.post(f"/runs/{run_id}/resume")
     run = wait_for_run(api, run_id)
     assert run["status"] == "completed", run["error"]
-    rl = [m for m in run["metrics"] if "iteration/seconds" in m]
+    rl = [m for m in run_metrics(api, run["id"]) if "iteration/seconds" in m]
     assert [m["rollout_id"] for m in rl] == list(range(1, ROLLOUTS + 1))
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rlmesh.cli.demo import run_metrics
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import reward_pb2, reward_pb2_grpc
 from tests.helpers.stack import start_local_stack, wait_for_run
@@ -87,7 +88,7 @@ def test_a_run_rewarded_by_a_service_registered_by_url(stack, tmp_path, tiny_mod
     assert r.status_code == 201, r.text
     run = wait_for_run(api, r.json()["id"], finished)
     assert run["status"] == "completed", run["error"]
-    rollouts = [m for m in run["metrics"] if "rollout/reward_mean" in m]
+    rollouts = [m for m in run_metrics(api, run["id"]) if "rollout/reward_mean" in m]
     assert [m["rollout_id"] for m in rollouts] == [1, 2]
     assert all(m["rollout/failed_ratio"] == 0.0 for m in rollouts)
 
@@ -118,7 +119,7 @@ def test_the_run_goes_on_when_the_service_dies(stack, tmp_path, tiny_model_dir, 
         time.sleep(0.05)
     run = wait_for_run(api, run_id, finished)
     assert run["status"] == "completed", run["error"]
-    rollouts = [m for m in run["metrics"] if "rollout/failed_ratio" in m]
+    rollouts = [m for m in run_metrics(api, run["id"]) if "rollout/failed_ratio" in m]
     assert len(rollouts) == 8 and rollouts[0]["rollout/failed_ratio"] == 0.0
     assert rollouts[-1]["rollout/failed_ratio"] == 1.0 and rollouts[-1]["rollout/failed/reward"] == 6.0
     assert rollouts[-1]["train/failed_count"] == 6.0  # never scored 0 silently: left out of training

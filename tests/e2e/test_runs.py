@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from rlmesh.cli.demo import run_metrics
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.v1 import buffer_pb2, trainer_pb2
@@ -24,7 +25,7 @@ def test_run_completes_and_trains_every_group_exactly_once(services, tmp_path, t
     assert run["status"] == "completed", run["error"]
     assert run["rollout_id"] == 3 and run["phase"] == "done"
     assert "eval/held_out/reward_mean" in run["eval_before"] and "eval/held_out/reward_mean" in run["eval_after"]
-    rl = [m for m in run["metrics"] if "rollout/reward_mean" in m]
+    rl = [m for m in run_metrics(api, run["id"]) if "rollout/reward_mean" in m]
     assert [m["rollout_id"] for m in rl] == [1, 2, 3]
     # initial push + one after the warm start + one per rollout; the engine reports the last
     assert run["weight_version"] == 5

@@ -6,7 +6,10 @@ drive are a socket that accepts connections and never answers, so a run stays ac
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
+import re
 import threading
 
 import httpx
@@ -16,6 +19,7 @@ import redis.asyncio as aioredis
 
 from rlmesh.buffer.config import Settings as BufferSettings
 from rlmesh.buffer.server import start as start_buffer
+from rlmesh.cli.demo import run_metrics
 from rlmesh.common.auth import client_headers
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.run_config import RunConfig
@@ -185,11 +189,27 @@ def test_a_runs_metric_history_is_returned_bounded(api, redis_url):
     run_id = api.post("/runs", json=body()).json()["id"]
     store = redis.Redis.from_url(redis_url)
     store.rpush(f"rlmesh:coord:run:{run_id}:metrics", *(json.dumps({"rollout_id": i}) for i in range(1, 1201)))
+    # lean by default: the newest few records (the whole history was 355 KB for a small run)
     run = api.get(f"/runs/{run_id}").json()
-    assert len(run["metrics"]) == 1000 and run["metrics"][-1] == run["latest_metrics"] == {"rollout_id": 1200}
+    assert run["metrics"] == [{"rollout_id": i} for i in range(1191, 1201)]
+    assert run["latest_metrics"] == {"rollout_id": 1200}
+    run = api.get(f"/runs/{run_id}", params={"metrics_last": 1000}).json()
+    assert len(run["metrics"]) == 1000 and run["metrics"][-1] == {"rollout_id": 1200}
     run = api.get(f"/runs/{run_id}", params={"metrics_last": 0}).json()
     assert run["metrics"] == [] and run["latest_metrics"] == {"rollout_id": 1200}
     assert api.get(f"/runs/{run_id}", params={"metrics_last": 10**6}).status_code == 422
+    # all of it, a page at a time, from the metrics route
+    page = api.get(f"/runs/{run_id}/metrics").json()
+    assert page["records"] == [{"rollout_id": i} for i in range(1, 101)] and page["total"] == 1200
+    assert run_metrics(api, run_id, page=500) == [{"rollout_id": i} for i in range(1, 1201)]
+    # a non-finite value (json.dumps writes NaN, which is not JSON) is answered as null
+    store.rpush(f"rlmesh:coord:run:{run_id}:metrics", json.dumps({"rollout_id": 1201, "train/loss": float("nan")}))
+    page = api.get(f"/runs/{run_id}/metrics", params={"since": 1200})
+    assert json.loads(page.text, parse_constant=lambda c: pytest.fail(f"{c} in {page.text}")) == {
+        "records": [{"rollout_id": 1201, "train/loss": None}],
+        "next": 1201,
+        "total": 1201,
+    }
 
 
 def test_a_metric_record_whose_reply_was_lost_is_kept_once(redis_url):
@@ -244,3 +264,71 @@ def test_a_metric_record_whose_reply_was_lost_is_kept_once(redis_url):
 
     assert asyncio.run(scenario()) == [{"rollout_id": 1, "time": 1.5}]
     assert cut["done"]
+
+
+def test_runs_are_listed_a_page_at_a_time(api, redis_url):
+    store = redis.Redis.from_url(redis_url)
+    ids = []
+    for _ in range(5):
+        ids.append(api.post("/runs", json=body()).json()["id"])
+        store.hset(f"rlmesh:coord:run:{ids[-1]}", "status", "completed")
+        store.delete("rlmesh:coord:active")
+    r = api.get("/runs")
+    assert [run["id"] for run in r.json()] == ids and r.headers["x-total-count"] == "5"
+    r = api.get("/runs", params={"offset": 1, "limit": 2})
+    assert [run["id"] for run in r.json()] == ids[1:3] and r.headers["x-total-count"] == "5"
+    assert api.get("/runs", params={"offset": 5}).json() == []
+    for bad in ({"limit": 0}, {"limit": 1001}, {"offset": -1}):
+        assert api.get("/runs", params=bad).status_code == 422, bad
+
+
+def test_a_burst_of_readers_waits_for_a_small_redis_pool_instead_of_failing(start_in_loop, redis_url, silent_address):
+    # 200 requests at once on a pool of 2 connections: each waits its turn. (A pool that
+    # refused requests past its size answered such a burst 503: 135 of 200.)
+    services = {f"{name}_address": silent_address for name in ("buffer", "rollout", "reward", "trainer")}
+    _, port = start_in_loop(
+        lambda: start_coordinator(Settings(port=0, redis_url=redis_url, redis_max_connections=2, **services))
+    )
+    base = f"http://127.0.0.1:{port}"
+    with httpx.Client(base_url=base, timeout=30, headers=client_headers()) as client:
+        run_id = client.post("/runs", json=body()).json()["id"]
+
+    async def burst() -> list[int]:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=base, timeout=60, headers=client_headers(), limits=limits) as client:
+            paths = [f"/runs/{run_id}", "/runs", f"/runs/{run_id}/metrics"] * 67
+            answers = await asyncio.gather(*(client.get(path) for path in paths[:200]))
+        return [r.status_code for r in answers]
+
+    assert asyncio.run(burst()) == [200] * 200
+
+
+def test_the_api_docs_load_from_this_machine(api):
+    r = api.get("/docs", headers={"authorization": ""})  # (no token needed)
+    assert r.status_code == 200
+    html = r.text
+    urls = re.findall(r'(?:src|href)="([^"]+)"', html)
+    assert urls and all(u.startswith("/docs/assets/") for u in urls), urls
+    for url in urls:
+        asset = api.get(url, headers={"authorization": ""})
+        assert asset.status_code == 200 and len(asset.content) > 100, url
+    # its policy lets its own scripts run (the files, and the inline set-up by its hash), nothing else
+    csp = r.headers["content-security-policy"]
+    (setup,) = re.findall(r"<script>(.*?)</script>", html, re.DOTALL)
+    digest = base64.b64encode(hashlib.sha256(setup.encode()).digest()).decode()
+    assert f"script-src 'self' 'sha256-{digest}';" in csp and "default-src 'none'" in csp
+    assert "'/openapi.json'" in setup
+    assert api.get("/redoc").status_code in (401, 404)  # (ReDoc came from a CDN: gone)
+
+
+def test_the_spec_declares_the_bearer_token(api):
+    spec = api.get("/openapi.json").json()
+    assert spec["components"]["securitySchemes"]["bearer"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "The stack's token (RLMESH_TOKEN).",
+    }
+    for path in ("/runs", "/runs/{run_id}", "/runs/{run_id}/metrics", "/reward-services"):
+        for method, operation in spec["paths"][path].items():
+            assert operation["security"] == [{"bearer": []}], (path, method)
+    assert "security" not in spec["paths"]["/health"]["get"]

@@ -6,6 +6,7 @@ const TOKEN_KEY = "rlmesh.token";
 const DRAFT_KEY = "rlmesh.newRunConfig";
 const POLL_MS = 1500;
 const METRICS_PAGE = 1000;
+const RUNS_PAGE = 1000;
 const SAMPLES_PAGE = 10;
 const ACTIVE = ["pending", "running", "paused", "stopping"];
 const FINAL = ["completed", "stopped", "failed"];
@@ -417,7 +418,13 @@ $("#start-run").addEventListener("click", async () => {
 });
 
 async function refreshRuns() {
-  state.runs = await api("/runs");
+  const runs = [];
+  for (;;) {  // (the API answers a page of runs at a time)
+    const page = await api(`/runs?offset=${runs.length}&limit=${RUNS_PAGE}`);
+    runs.push(...page);
+    if (page.length < RUNS_PAGE) break;
+  }
+  state.runs = runs;
   renderRuns();
 }
 
@@ -458,7 +465,7 @@ async function tick() {
 async function start() {
   stopPolling();
   try {
-    await api("/runs");
+    await api("/runs?limit=1");
   } catch (e) {
     if (!(e instanceof ApiError && e.status === 401)) showLogin(`cannot reach the coordinator: ${describeError(e)}`);
     return;

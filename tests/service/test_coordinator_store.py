@@ -1,0 +1,64 @@
+"""The coordinator's run records on a real Redis: a run's train steps are a Redis list that
+each step trims and extends at its tail (they were a JSON list in the run's hash, parsed and
+rewritten whole at every step and read: O(n^2) over a run), by the same rules as
+rlmesh.coordinator.runs.steps_after_train_step and steps_held; records written before
+keep working."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import redis.asyncio as aioredis
+
+from rlmesh.common.run_config import RunConfig
+from rlmesh.coordinator.runs import steps_after_train_step, steps_held
+from rlmesh.coordinator.store import RunStore
+
+CONFIG = {"model_path": "/models/m", "datasets": [{"name": "d", "path": "d.jsonl"}], "sft_warmup": {"steps": 2}}
+
+
+def test_the_train_steps_list_follows_the_rules(loop_thread, redis_url):
+    rng = random.Random(7)
+
+    async def scenario() -> None:
+        redis = aioredis.Redis.from_url(redis_url)
+        store = RunStore(redis, "test")
+        run_id = await store.create(RunConfig.model_validate(CONFIG))
+        model: list[int] = []
+        trainer = 0
+        for _ in range(300):
+            # the trainer mostly moves on (or trains nothing); now and then it resumed from
+            # an older checkpoint, or the coordinator asks where it stands
+            trainer = rng.choice([trainer + 1, trainer + 1, trainer, max(trainer - rng.randint(1, 5), 0)])
+            answered = rng.random() < 0.8
+            want = steps_after_train_step(model, trainer) if answered else steps_held(model, trainer)
+            assert await store.realign(run_id, trainer, answered) == (len(model), len(want))
+            model = want
+            assert await store.train_steps(run_id) == model
+            assert (await store.get(run_id))["rollout_id"] == max(len(model) - 2, 0)
+        await store.delete(run_id)
+        assert not [k async for k in redis.scan_iter("test:coord:run:*")]
+        await redis.aclose()
+
+    loop_thread.run(scenario())
+
+
+def test_a_record_written_before_the_list_existed_is_read_and_carried_on(loop_thread, redis_url):
+    async def scenario() -> None:
+        redis = aioredis.Redis.from_url(redis_url)
+        store = RunStore(redis, "test")
+        run_id = await store.create(RunConfig.model_validate(CONFIG))
+        await redis.hset(f"test:coord:run:{run_id}", "train_steps", json.dumps([1, 2, 3, 4, 5]))
+        assert (await store.get(run_id))["rollout_id"] == 3
+        assert (await store.list())[0]["rollout_id"] == 3
+        assert await store.train_steps(run_id) == [1, 2, 3, 4, 5]
+        assert await store.realign(run_id, 3, answered=False) == (5, 3)  # resumed from step 3
+        assert not await redis.hexists(f"test:coord:run:{run_id}", "train_steps")  # moved to the list
+        assert await store.train_steps(run_id) == [1, 2, 3]
+        assert await store.realign(run_id, 4, answered=True) == (3, 4)
+        assert (await store.get(run_id))["rollout_id"] == 2
+        await store.delete(run_id)
+        await redis.aclose()
+
+    loop_thread.run(scenario())
