@@ -25,6 +25,7 @@ from rlmesh.common.prometheus import metrics_response
 from rlmesh.coordinator.api_docs import DOCS_PATH, declare_bearer, is_docs_asset, mount_api_docs
 from rlmesh.coordinator.calls import Clients
 from rlmesh.coordinator.config import Settings
+from rlmesh.coordinator.driver_thread import DriverThread, close_channels
 from rlmesh.coordinator.observe import CoordinatorMetrics
 from rlmesh.coordinator.page import is_page_path, mount_page
 from rlmesh.coordinator.routes_reward_services import reward_services_router
@@ -70,45 +71,58 @@ def patient_redis_client(url: str, outage_seconds: float) -> aioredis.Redis:
     )
 
 
+def service_channels(settings: Settings) -> dict[str, grpc.aio.Channel]:
+    """Channels to the four services (for the loop that calls this)."""
+    return {
+        name: aio_channel(getattr(settings, f"{name}_address"), settings.max_message_bytes)
+        for name in ("buffer", "rollout", "trainer", "reward")
+    }
+
+
+def stubs(channels: dict[str, grpc.aio.Channel]) -> Clients:
+    return Clients(
+        buffer=buffer_pb2_grpc.BufferStub(channels["buffer"]),
+        rollout=rollout_pb2_grpc.RolloutStub(channels["rollout"]),
+        trainer=trainer_pb2_grpc.TrainerStub(channels["trainer"]),
+    )
+
+
 def create_app(settings: Settings) -> FastAPI:
     metrics = CoordinatorMetrics(lambda: app.state.store.list())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         redis = api_redis_client(settings)
-        patient_redis = patient_redis_client(settings.redis_url, settings.redis_outage_seconds)
-        channels = {
-            name: aio_channel(address, settings.max_message_bytes)
-            for name, address in (
-                ("buffer", settings.buffer_address),
-                ("rollout", settings.rollout_address),
-                ("trainer", settings.trainer_address),
-                ("reward", settings.reward_address),
-            )
-        }
-        clients = Clients(
-            buffer=buffer_pb2_grpc.BufferStub(channels["buffer"]),
-            rollout=rollout_pb2_grpc.RolloutStub(channels["rollout"]),
-            trainer=trainer_pb2_grpc.TrainerStub(channels["trainer"]),
-        )
+        channels = service_channels(settings)
         app.state.store = RunStore(redis, settings.key_prefix)
-        # The loop's own client rides out a Redis restart instead of losing track of the run.
-        app.state.driver = RunDriver(
-            RunStore(patient_redis, settings.key_prefix),
-            clients,
-            settings.train_wait_seconds,
-            settings.max_finished_runs,
-            settings=settings,
-            metrics=metrics,
-        )
         app.state.reward = reward_pb2_grpc.RewardStub(channels["reward"])
-        await app.state.driver.resume_active()
+        driver_made: dict = {}
+
+        async def build_driver() -> RunDriver:
+            # (on the driver's own loop: its channels and Redis client belong to it)
+            driver_made["channels"] = service_channels(settings)
+            # The loop's own client rides out a Redis restart instead of losing track of the run.
+            driver_made["redis"] = patient_redis_client(settings.redis_url, settings.redis_outage_seconds)
+            return RunDriver(
+                RunStore(driver_made["redis"], settings.key_prefix),
+                stubs(driver_made["channels"]),
+                settings.train_wait_seconds,
+                settings.max_finished_runs,
+                settings=settings,
+                metrics=metrics,
+            )
+
+        async def close_driver_clients() -> None:
+            await close_channels(driver_made.get("channels", {}))
+            if "redis" in driver_made:
+                await driver_made["redis"].aclose()
+
+        app.state.driver = DriverThread(settings, stubs(channels), build_driver)
+        await app.state.driver.start()
         yield
-        await app.state.driver.close()
-        for channel in channels.values():
-            await channel.close()
+        await app.state.driver.close(after=close_driver_clients)
+        await close_channels(channels)
         await redis.aclose()
-        await patient_redis.aclose()
 
     app = FastAPI(
         title="rlmesh coordinator",
