@@ -71,6 +71,7 @@ bench: $(STAMP)
 
 compose-check:
 	MODEL_DIR=/tmp DATA_DIR=/tmp RLMESH_TOKEN=check REDIS_PASSWORD=check docker-compose -f deploy/docker-compose.yml config -q
+	MODEL_DIR=/tmp DATA_DIR=/tmp RLMESH_TOKEN=check REDIS_PASSWORD=check docker-compose -f deploy/docker-compose.yml -f deploy/docker-compose.colocated.yml config -q
 
 clean:
 	rm -rf $(VENV) .rlmesh
