@@ -52,6 +52,7 @@ def load_model(settings: Settings) -> tuple[torch.nn.Module, Any]:
         settings.model_path, dtype=dtype, attn_implementation=settings.attn_implementation, local_files_only=True
     )
     model.to(settings.device).eval()
+    log.info("model %s loaded on %s (%s)", settings.model_path, settings.device, next(model.parameters()).dtype)
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or settings.model_path, local_files_only=True)
     return model, tokenizer
 
