@@ -220,9 +220,9 @@ class Writer:
 
     def _open(self, header: bytes, size: int) -> None:
         self.close()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # (the weights: this user's, and the engines')
         tmp = self.path.with_name(self.path.name + ".new")
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.truncate(size)
             f.write(header)
         self._mapping = map_file(tmp, size, writable=True)

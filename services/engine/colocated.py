@@ -111,6 +111,7 @@ class WeightFiles:
     def tensors(self, raw_path: object) -> list[tuple[str, torch.Tensor]]:
         """The file's tensors, as views into its mapping; WeightUpdateError for a bad file."""
         path = self.resolve(raw_path)
+        self.prune()
         st = path.stat()
         key = (st.st_dev, st.st_ino, st.st_size)
         m = self._maps.get(path)
@@ -129,6 +130,17 @@ class WeightFiles:
             self._maps.pop(path, None)
             raise WeightUpdateError(f"weight file {raw_path!r}: {e}") from None
         return weight_file.views(m.data, entries)
+
+    def prune(self) -> None:
+        """Drop the mappings of files that were removed or replaced: a mapping keeps a removed
+        file's memory (the trainer removes a run's file when the run ends)."""
+        for path, m in list(self._maps.items()):
+            try:
+                st = path.stat()
+            except OSError:
+                st = None
+            if st is None or (st.st_dev, st.st_ino, st.st_size) != m.key:
+                del self._maps[path]
 
     def clear(self) -> None:
         self._maps.clear()

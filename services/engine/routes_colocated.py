@@ -24,6 +24,7 @@ def colocated_router(state: EngineState) -> APIRouter:
     async def release_memory_occupation(request: Request) -> JSONResponse:
         tags = parse_tags((await json_body(request)).get("tags"))
         async with state.weight_lock:
+            state.weight_files.prune()
             if engine.num_active():
                 # As SGLang: memory goes only from an idle engine (its requests would lose their cache).
                 raise WeightUpdateError(

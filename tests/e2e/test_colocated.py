@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlmesh.cli.demo import demo_config, write_task
 from rlmesh.common.auth import client_headers
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
@@ -63,3 +64,21 @@ def test_a_colocated_run_refuses_fully_async(services, tmp_path, tiny_model_dir)
     config = {**run_config(tmp_path, tiny_model_dir, 2), "mode": "fully_async", "weight_sync": {"method": "colocated"}}
     r = api.post("/runs", json=config)
     assert r.status_code == 422 and "fully_async" in r.text and "colocated" in r.text
+
+
+@pytest.mark.slow
+def test_a_colocated_run_learns_the_demo_task_as_the_default_layout_does(services, tmp_path, tiny_model_dir):
+    """The demo's task, sync, colocated: the held-out reward rises as in the default layout's
+    test (tests/e2e/test_modes.py, the same config and threshold). Runs are not compared
+    token for token: the engine samples from its own random state."""
+    api, _ = services
+    train, held_out = write_task(tmp_path)
+    config = demo_config(str(tiny_model_dir), train, held_out, rollouts=30).model_dump(mode="json")
+    config.update(mode="sync", eval={**config["eval"], "interval": 0}, weight_sync={"method": "colocated"})
+    config["algorithm"]["rollout_is_upper"] = 2.0
+    r = api.post("/runs", json=config)
+    assert r.status_code == 201, r.text
+    run = wait_for_run(api, r.json()["id"], timeout=600)
+    assert run["status"] == "completed", run["error"]
+    before, after = (run[k]["eval/held_out/reward_mean"] for k in ("eval_before", "eval_after"))
+    assert after >= before + 0.2, (before, after)
