@@ -213,6 +213,7 @@ class RunCalls:
             lambda: self.clients.buffer.CreateRun(request, timeout=self.settings.call_deadline_seconds),
         )
         status = await self.set_up_trainer()
+        await self.wake_engines()
         if (await self.store.get(self.run_id))["weight_version"] == 0:
             # The engines may hold another run's weights: start from the run's own.
             await self.publish()
@@ -421,6 +422,17 @@ class RunCalls:
         rollout = self.clients.rollout
         call = rollout.ResumeMemoryOccupation if resume else rollout.ReleaseMemoryOccupation
         await self.rollout_call(lambda: call(request, timeout=self.settings.call_deadline_seconds))
+
+    async def wake_engines(self) -> None:
+        """Best effort, one call: engines a colocated run left asleep (it failed, or its
+        coordinator died) generate nothing until resumed, whatever run comes next. An engine
+        without the route (SGLang without --enable-memory-saver) only costs a warning."""
+        try:
+            await self.clients.rollout.ResumeMemoryOccupation(
+                rollout_pb2.MemoryOccupationRequest(), timeout=self.settings.call_deadline_seconds
+            )
+        except grpc.aio.AioRpcError as e:
+            log.warning("run %s: could not resume the engines' memory: %s", self.run_id, e.details())
 
     async def rollout_call(self, call: Callable[[], Awaitable]):
         """A quick call to the rollout service, retried through its outage."""

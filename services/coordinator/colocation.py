@@ -14,16 +14,10 @@ then trains the older one. fully_async cannot be colocated (the run config refus
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
-
-import grpc
 
 from rlmesh.common.run_config import RunConfig
 from rlmesh.coordinator.modes import MODES, RunMode, iteration_record
-
-log = logging.getLogger(__name__)
 
 
 class ColocatedMode(RunMode):
@@ -50,12 +44,9 @@ class ColocatedMode(RunMode):
         await self.calls.memory_occupation(resume=True)
 
     async def _wake_after_failure(self) -> None:
-        """Best effort: the engines should not stay asleep because a train step failed (the next
-        iteration wakes them anyway)."""
-        try:
-            await asyncio.shield(self.wake())
-        except (grpc.aio.AioRpcError, asyncio.CancelledError, Exception) as e:
-            log.warning("run %s: could not resume the engines' memory: %s", self.calls.run_id, e)
+        """The engines should not stay asleep because a step failed or the run ended (the next
+        iteration, or the next run's setup, wakes them anyway)."""
+        await self.calls.wake_engines()
 
     async def on_no_batch(self) -> str:
         """Generating what is missing needs the engines awake; they sleep again for training."""
