@@ -183,10 +183,8 @@ class WeightSyncConfig(StrictModel):
     )
     method: Literal["distributed", "disk", "colocated"] = Field(
         "distributed",
-        description="Broadcast over a process group, or write a checkpoint the engines load, or 'colocated': "
-        "engines and trainer share the machine's accelerators, the engines release their memory while the "
-        "trainer trains and are updated in place from shared memory (CUDA IPC for SGLang); sync and "
-        "one_step_off only (docs/weight-sync.md).",
+        description="Broadcast over a process group; or write a checkpoint the engines load; or 'colocated': engines "
+        "on the trainer's accelerators sleep while it trains, then load its weights in place (sync, one_step_off).",
     )
     delta: bool = Field(
         False,
@@ -483,18 +481,15 @@ class RunConfig(TrainingConfig):
 
     @model_validator(mode="after")
     def _colocation_fits_the_mode(self):
-        if self.weight_sync.method != "colocated":
-            return self
-        if self.mode == "fully_async":
+        if self.weight_sync.method == "colocated" and self.mode == "fully_async":
             raise ValueError(
                 "weight_sync.method 'colocated' needs mode 'sync' or 'one_step_off': in fully_async the engines "
                 "generate while the trainer trains, so they cannot give it their accelerator memory"
             )
-        batches = 2 if self.mode == "one_step_off" else 1  # one_step_off queues the next batch before training
-        if self.max_queued_groups and self.max_queued_groups < batches * self.rollout.rollout_batch_size:
+        two = self.weight_sync.method == "colocated" and self.mode == "one_step_off"  # (the next batch queued too)
+        if two and 0 < self.max_queued_groups < 2 * self.rollout.rollout_batch_size:
             raise ValueError(
-                f"max_queued_groups ({self.max_queued_groups}) must be 0 or at least {batches} x rollout_batch_size "
-                "for a colocated run in this mode"
+                f"max_queued_groups must be 0 or at least 2 x rollout_batch_size for a colocated {self.mode}"
             )
         return self
 
