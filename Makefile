@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/rlmesh/v1/*.proto)
 
-.PHONY: demo demo-agent test lint format proto proto-check docs docs-check bench compose-check clean
+.PHONY: demo demo-agent test gpu-check lint format proto proto-check docs docs-check bench compose-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,15 @@ demo-agent: $(STAMP)
 test: $(STAMP) proto-check docs-check lint
 	$(BIN)/python -m pytest -q tests/unit tests/service
 	$(BIN)/python -m pytest -q tests/e2e
+
+# On a machine with a CUDA GPU (docs/gpu.md): the tests marked gpu (bf16 training, the engine on
+# CUDA, colocated updates over CUDA IPC, megatron-core without CPU shims, the demo on CUDA), then
+# bench.gpu. Without a GPU every test skips and bench.gpu says it needs one. PYTEST_ARGS adds options.
+# GPU_PYTHON: the interpreter with CUDA torch and the rlmesh wheels (.venv's when there is one).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	$(GPU_PYTHON) -m pytest -q -m gpu -rs tests/gpu $(PYTEST_ARGS)
+	$(GPU_PYTHON) -m bench.gpu
 
 # ruff (lint and format), and the service boundary (services share only rlmesh.common and
 # rlmesh.v1; see docs/architecture.md): a break fails here, before any test runs.
@@ -71,6 +80,7 @@ bench: $(STAMP)
 
 compose-check:
 	MODEL_DIR=/tmp DATA_DIR=/tmp RLMESH_TOKEN=check REDIS_PASSWORD=check docker-compose -f deploy/docker-compose.yml config -q
+	MODEL_DIR=/tmp DATA_DIR=/tmp RLMESH_TOKEN=check REDIS_PASSWORD=check docker-compose -f deploy/docker-compose.yml -f deploy/docker-compose.colocated.yml config -q
 
 clean:
 	rm -rf $(VENV) .rlmesh

@@ -14,6 +14,12 @@ weight_sync_dtype), over gloo on loopback.
 - full push: WeightPusher.push_distributed, delta off (every byte sent), of bfloat16
   parameters (a bf16 trainer's; push_gb_per_s) and of the float32 master weights
   converted on the way (push_from_fp32_gb_per_s).
+- colocated push (weight_sync.method "colocated"): the trainer writes the weights once
+  into an rlmesh weight file in /dev/shm, the engine maps it and copies them in
+  (UpdateWeightsFromTensor through the rollout service), no network copy; of the same
+  bfloat16 parameters (colocated_gb_per_s, against the distributed push of the same round:
+  colocated_vs_push) and from the float32 master weights. Then the engine's weights are
+  compared with what was pushed, bit for bit.
 - disk push: save safetensors, then UpdateWeightsFromDisk.
 - delta push: one AdamW step (lr 1e-6, a usual RL learning rate; random gradients) on the
   float32 master weights, then a push with delta on: only the elements whose bfloat16
@@ -31,6 +37,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -44,12 +51,14 @@ import torch
 import torch.distributed as dist
 
 from bench.report import print_table
+from rlmesh.common import weight_file
 from rlmesh.common.auth import client_headers, ensure_stack_token
 from rlmesh.common.net import free_port
 from rlmesh.common.run_config import WeightSyncConfig
 from rlmesh.common.weight_group import destroy_weight_group, init_weight_group, rendezvous_socket
 from rlmesh.rollout.config import Settings as RolloutSettings
 from rlmesh.rollout.server import start as start_rollout
+from rlmesh.trainer.colocated import ColocatedPusher
 from rlmesh.trainer.weight_sync import WeightPusher, plan_buckets
 
 GB = 1e9
@@ -110,7 +119,7 @@ def master_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def start_engine(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_engine(model_dir: Path, log_path: Path, weight_file_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [
         sys.executable,
@@ -130,6 +139,8 @@ def start_engine(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str
         "1",
         "--context-length",
         "64",
+        "--weight-file-dir",
+        str(weight_file_dir),
     ]
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -200,9 +211,11 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
     wire_bytes = sum(t.numel() for _, t in named) * wire.itemsize
     print(f"model: {len(named)} tensors, {wire_bytes / GB:.3f} GB as bfloat16", flush=True)
 
-    engine, url = start_engine(model_dir, work / "engine.log")
+    shm = weight_file.default_dir().parent / f"rlmesh-bench-{os.getpid()}"
+    engine, url = start_engine(model_dir, work / "engine.log", shm)
     rollout, port = await start_rollout(RolloutSettings(port=0, engine_urls=[url]))
     pusher = WeightPusher(f"127.0.0.1:{port}", "bench", timeout_seconds=600)
+    colocated = ColocatedPusher(f"127.0.0.1:{port}", "bench", shm, timeout_seconds=600)
     full = WeightSyncConfig(backend="gloo", load_format=args.load_format, bucket_bytes=args.bucket_mb * 2**20)
     sizes = [sum(t.numel() for _, t in b) * wire.itemsize for b in plan_buckets(named, full.bucket_bytes, wire)]
     raw = RawBroadcast(sizes, args.rounds)
@@ -214,20 +227,33 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         # A bf16 trainer (bf16 parameters, fp32 master weights in the optimizer) pushes its
         # parameters as they are; an fp32 one converts each bucket on the way.
         as_sent = [(n, t.to(wire)) for n, t in named]
-        push_s, cast_s, raw_s = [], [], []
+        version += 1
+        first_colocated = await colocated.push(as_sent, version, None, full.bucket_bytes)  # writes the file's pages
+        print(f"first colocated push (the weight file's pages written): {first_colocated.seconds:.2f} s", flush=True)
+        push_s, cast_s, raw_s, colo_s, colo_cast_s = [], [], [], [], []
         for _ in range(args.rounds):  # interleaved: a busy machine slows all alike
             raw_s.append(await asyncio.to_thread(raw.once))
             version += 1
             push_s.append((await pusher.push_distributed(as_sent, version, full)).seconds)
             version += 1
+            colo_s.append((await colocated.push(as_sent, version, None, full.bucket_bytes)).seconds)
+            version += 1
             cast_s.append((await pusher.push_distributed(named, version, full, wire)).seconds)
+            version += 1
+            colo_cast_s.append((await colocated.push(named, version, wire, full.bucket_bytes)).seconds)
             print(
-                f"raw broadcast {raw_s[-1]:.2f} s, push {push_s[-1]:.2f} s, push from fp32 {cast_s[-1]:.2f} s",
+                f"raw broadcast {raw_s[-1]:.2f} s, push {push_s[-1]:.2f} s, colocated {colo_s[-1]:.2f} s, "
+                f"push from fp32 {cast_s[-1]:.2f} s, colocated from fp32 {colo_cast_s[-1]:.2f} s",
                 flush=True,
             )
         raw.close()
+        # The engine now holds the colocated push of the fp32 weights converted to bf16: bit for bit?
+        colocated_exact = all(
+            torch.equal(engine_tensor(url, n, 64), t[:64].to(wire).float()) for n, t in named[: args.check_tensors]
+        )
         del as_sent
         push_time, cast_time, raw_time = (statistics.median(x) for x in (push_s, cast_s, raw_s))
+        colo_time, colo_cast_time = statistics.median(colo_s), statistics.median(colo_cast_s)
 
         def save(target: Path) -> Path:
             from safetensors.torch import save_file
@@ -258,6 +284,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         raise
     finally:
         await pusher.close()
+        await colocated.close()
+        shutil.rmtree(shm, ignore_errors=True)
         await rollout.stop(None)
         engine.terminate()
         engine.wait(timeout=60)
@@ -273,6 +301,13 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         "push_vs_raw": round(statistics.median(r / p for r, p in zip(raw_s, push_s)), 3),
         "push_from_fp32_gb_per_s": round(wire_bytes / cast_time / GB, 3),
         "dist_push_s": round(push_time, 3),
+        "colocated_gb_per_s": round(wire_bytes / colo_time / GB, 3),
+        "colocated_from_fp32_gb_per_s": round(wire_bytes / colo_cast_time / GB, 3),
+        "colocated_push_s": round(colo_time, 3),
+        # Paired as push_vs_raw: each round's colocated push against that round's distributed push.
+        "colocated_vs_push": round(statistics.median(p / c for p, c in zip(push_s, colo_s)), 2),
+        "colocated_vs_raw": round(statistics.median(r / c for r, c in zip(raw_s, colo_s)), 2),
+        "colocated_exact_on_checked_tensors": colocated_exact,
         "disk_push_s": round(disk.seconds, 3),
         "dist_vs_disk_speedup": round(disk.seconds / push_time, 2),
         "full_push_bytes": base.bytes,
@@ -317,6 +352,21 @@ def main() -> None:
                 "push": "same, from float32 weights converted on the way",
                 "GB/s": f"{results['push_from_fp32_gb_per_s']:.2f}",
             },
+            {
+                "push": "colocated (weight file in /dev/shm), same bf16 parameters",
+                "GB/s": f"{results['colocated_gb_per_s']:.2f}",
+                "seconds": f"{results['colocated_push_s']:.2f}",
+                "bytes sent": f"0 over the network (bit-exact: {results['colocated_exact_on_checked_tensors']})",
+            },
+            {
+                "push": "same, from float32 weights converted on the way",
+                "GB/s": f"{results['colocated_from_fp32_gb_per_s']:.2f}",
+            },
+            {
+                "push": "colocated / distributed push (median of paired rounds)",
+                "GB/s": f"{results['colocated_vs_push']:.2f}x",
+            },
+            {"push": "colocated / raw broadcast (paired)", "GB/s": f"{results['colocated_vs_raw']:.2f}x"},
             {"push": "raw torch.distributed broadcast (baseline)", "GB/s": f"{results['raw_broadcast_gb_per_s']:.2f}"},
             {"push": "push / raw broadcast (median of paired rounds)", "GB/s": f"{results['push_vs_raw']:.2f}"},
             {"push": "disk", "GB/s": f"{gb / results['disk_push_s']:.2f}", "seconds": f"{results['disk_push_s']:.2f}"},

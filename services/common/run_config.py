@@ -181,8 +181,10 @@ class WeightSyncConfig(StrictModel):
     load_format: Literal["", "flattened_bucket"] = Field(
         "", description="'flattened_bucket' sends each bucket as one flat tensor (fewer collectives)."
     )
-    method: Literal["distributed", "disk"] = Field(
-        "distributed", description="Broadcast over a process group, or write a checkpoint the engines load."
+    method: Literal["distributed", "disk", "colocated"] = Field(
+        "distributed",
+        description="Broadcast over a process group; or write a checkpoint the engines load; or 'colocated': engines "
+        "on the trainer's accelerators sleep while it trains, then load its weights in place (sync, one_step_off).",
     )
     delta: bool = Field(
         False,
@@ -474,6 +476,20 @@ class RunConfig(TrainingConfig):
             raise ValueError(
                 f"max_queued_groups ({self.max_queued_groups}) must be 0 (no cap) or at least a "
                 f"batch ({batch} groups: rollout_batch_size, sft_warmup.batch_groups)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _colocation_fits_the_mode(self):
+        if self.weight_sync.method == "colocated" and self.mode == "fully_async":
+            raise ValueError(
+                "weight_sync.method 'colocated' needs mode 'sync' or 'one_step_off': in fully_async the engines "
+                "generate while the trainer trains, so they cannot give it their accelerator memory"
+            )
+        two = self.weight_sync.method == "colocated" and self.mode == "one_step_off"  # (the next batch queued too)
+        if two and 0 < self.max_queued_groups < 2 * self.rollout.rollout_batch_size:
+            raise ValueError(
+                f"max_queued_groups must be 0 or at least 2 x rollout_batch_size for a colocated {self.mode}"
             )
         return self
 

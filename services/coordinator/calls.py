@@ -213,6 +213,7 @@ class RunCalls:
             lambda: self.clients.buffer.CreateRun(request, timeout=self.settings.call_deadline_seconds),
         )
         status = await self.set_up_trainer()
+        await self.wake_engines()
         if (await self.store.get(self.run_id))["weight_version"] == 0:
             # The engines may hold another run's weights: start from the run's own.
             await self.publish()
@@ -240,6 +241,9 @@ class RunCalls:
 
     async def _publish_once(self) -> dict:
         version = (await self.store.get(self.run_id))["weight_version"] + 1
+        if self.cfg.weight_sync.method == "colocated":
+            # In place: the engines' weights must hold memory (they may be released for training).
+            await self.memory_occupation(resume=True, tags=["weights"])
         r = await self.watched(
             self.clients.trainer.PublishWeights(
                 trainer_pb2.PublishWeightsRequest(run_id=self.run_id, version=version),
@@ -396,20 +400,39 @@ class RunCalls:
 
         return await self.patiently(self.service("rollout"), attempt)
 
-    async def generate_batch(self) -> tuple[dict, float]:
-        """Generate what the next RL batch misses; its metrics and how long it took."""
+    async def generate_batch(self, batches: int = 1) -> tuple[dict, float]:
+        """Generate what the next RL batch misses (or, batches=2, the next two: colocated
+        one_step_off); its metrics and how long it took."""
         t0 = time.monotonic()
         cfg = self.cfg
         # The trainer leases this batch with the same bound; one_step_off trains it one version
         # later than the weights it is generated with.
         ahead = int(cfg.mode == "one_step_off")
         g = await self.generate(
-            cfg.rollout.rollout_batch_size,
+            cfg.rollout.rollout_batch_size * batches,
             lambda missing, version: requests.rollout_request(
                 self.run_id, cfg, missing, oldest_weight_version(version, cfg.staleness_bound, ahead=ahead), version
             ),
         )
         return dict(g.metrics), time.monotonic() - t0
+
+    async def memory_occupation(self, resume: bool, tags: list[str] | None = None) -> None:
+        """Colocated runs: every engine releases (or resumes) the tagged memory (none: all)."""
+        request = rollout_pb2.MemoryOccupationRequest(tags=tags or [])
+        rollout = self.clients.rollout
+        call = rollout.ResumeMemoryOccupation if resume else rollout.ReleaseMemoryOccupation
+        await self.rollout_call(lambda: call(request, timeout=self.settings.call_deadline_seconds))
+
+    async def wake_engines(self) -> None:
+        """Best effort, one call: engines a colocated run left asleep (it failed, or its
+        coordinator died) generate nothing until resumed, whatever run comes next. An engine
+        without the route (SGLang without --enable-memory-saver) only costs a warning."""
+        try:
+            await self.clients.rollout.ResumeMemoryOccupation(
+                rollout_pb2.MemoryOccupationRequest(), timeout=self.settings.call_deadline_seconds
+            )
+        except grpc.aio.AioRpcError as e:
+            log.warning("run %s: could not resume the engines' memory: %s", self.run_id, e.details())
 
     async def rollout_call(self, call: Callable[[], Awaitable]):
         """A quick call to the rollout service, retried through its outage."""

@@ -18,8 +18,9 @@ from rlmesh.common.retry import Backoff, OutageTooLong
 from rlmesh.common.run_config import RunConfig
 from rlmesh.coordinator import requests
 from rlmesh.coordinator.calls import Clients, RunCalls, StopRequested
+from rlmesh.coordinator.colocation import mode_class
 from rlmesh.coordinator.config import Settings
-from rlmesh.coordinator.modes import MODES, RunMode
+from rlmesh.coordinator.modes import RunMode
 from rlmesh.coordinator.observe import CoordinatorMetrics, RunLoggers
 from rlmesh.coordinator.store import ACTIVE, FINAL, RunStore
 from rlmesh.v1 import buffer_pb2, trainer_pb2
@@ -156,7 +157,7 @@ class RunDriver:
                 run_id, cfg, self.store, self.clients, self.settings, self.backoff, self.train_wait_seconds
             )
             # (before anything can fail: its end stops what a previous coordinator left running)
-            mode = MODES[cfg.mode](calls, self.settings.async_heartbeat_seconds)
+            mode = mode_class(cfg)(calls, self.settings.async_heartbeat_seconds)
             if rec["status"] == "stopping":  # stopped while the coordinator was down
                 raise StopRequested
             await self.store.transition(run_id, ("pending",), "running")  # (a paused run stays paused)

@@ -73,6 +73,12 @@ class Settings(ServiceSettings):
         "names (sglang:num_running_reqs, sglang:num_queue_reqs, sglang:gen_throughput, sglang:prompt_tokens_total, "
         "sglang:generation_tokens_total; label model_name), open like SGLang's.",
     )
+    weight_file_dir: str = Field(
+        "",
+        description="Colocated mode: the only directory whose rlmesh weight files /update_weights_from_tensor "
+        "maps (shared with the trainer on this machine); empty means /dev/shm/rlmesh (or <tmp>/rlmesh without "
+        "/dev/shm). Paths outside it are refused.",
+    )
     reported_version: str = Field(
         "0.5.23", description="SGLang version reported by /get_server_info (the API level this engine mimics)."
     )

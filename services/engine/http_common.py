@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from rlmesh.common import safe_json
+from rlmesh.common import safe_json, weight_file
+from rlmesh.engine.colocated import ModelMemory, WeightFiles
 from rlmesh.engine.config import Settings
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.protocol import GenerationRequest, build_response
@@ -45,7 +47,20 @@ class EngineState:
         self.weight_lock = asyncio.Lock()
         self.unpaused = asyncio.Event()
         self.unpaused.set()
+        # Colocated mode: cleared while memory is released (rlmesh.engine.colocated).
+        self.awake = asyncio.Event()
+        self.awake.set()
+        self.memory = ModelMemory(model)
+        self.weight_files = WeightFiles(
+            Path(settings.weight_file_dir) if settings.weight_file_dir else weight_file.default_dir()
+        )
         self.closing = False
+
+    async def ready_to_generate(self) -> None:
+        """Until generation is neither paused nor released."""
+        while not (self.unpaused.is_set() and self.awake.is_set()):
+            await self.unpaused.wait()
+            await self.awake.wait()
 
     def refuse_if_closing(self) -> None:
         if self.closing:

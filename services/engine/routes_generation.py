@@ -25,7 +25,7 @@ def generation_router(state: EngineState) -> APIRouter:
     async def generate(request: Request) -> Response:
         body = await json_body(request)
         reqs, is_batch = parse_generate_body(body, tokenizer, engine.vocab_size)
-        await state.unpaused.wait()  # new requests wait while generation is paused
+        await state.ready_to_generate()  # new requests wait while generation is paused or memory released
         state.refuse_if_closing()
         if reqs[0].stream:
             return _stream(engine, tokenizer, reqs, is_batch)

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from rlmesh.common import weight_file
 from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, request_listener, set_once
@@ -42,7 +43,7 @@ def info_router(state: EngineState) -> APIRouter:
         probe.listener = request_listener(loop, tokenizer, lambda r, _f: set_once(future, r), stream=False)
 
         async def run_probe() -> None:
-            await state.unpaused.wait()
+            await state.ready_to_generate()
             engine.submit([probe])
             await future
 
@@ -86,6 +87,7 @@ def info_router(state: EngineState) -> APIRouter:
             "version": settings.reported_version,
             "engine": "rlmesh-reference",
             "rlmesh_weight_delta": WEIGHT_DELTA_FORMAT if settings.weight_delta else None,
+            "rlmesh_weight_file": weight_file.FORMAT,
             "weight_version": engine.weight_version,
             "internal_states": [{"max_total_num_tokens": max_tokens, "last_gen_throughput": 0.0}],
         }

@@ -91,6 +91,7 @@ def weights_router(state: EngineState) -> APIRouter:
             named = checkpoint_for_model(model, tensors)
 
             def apply() -> None:
+                state.memory.check_resident()
                 load_into_model(model, named)
                 state.set_weight_version(body.get("weight_version"))
 
@@ -185,6 +186,7 @@ async def _receive_full(
     check_against_model(model, named)
 
     def apply() -> None:
+        state.memory.check_resident()
         if load_format is None:
             install_into_model(model, named, pool)
         else:
@@ -204,6 +206,7 @@ async def _receive_delta(
     check_delta_targets(model, specs)
 
     def apply() -> None:
+        state.memory.check_resident()
         apply_delta(model, received, engine.weight_version)
         state.set_weight_version(body.get("weight_version"))
 

@@ -28,6 +28,7 @@ from rlmesh.engine.config import Settings
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, ServerClosing, error_response, result_response
 from rlmesh.engine.metrics import engine_metrics
+from rlmesh.engine.routes_colocated import colocated_router
 from rlmesh.engine.routes_control import control_router
 from rlmesh.engine.routes_generation import generation_router
 from rlmesh.engine.routes_info import info_router
@@ -51,6 +52,7 @@ def load_model(settings: Settings) -> tuple[torch.nn.Module, Any]:
         settings.model_path, dtype=dtype, attn_implementation=settings.attn_implementation, local_files_only=True
     )
     model.to(settings.device).eval()
+    log.info("model %s loaded on %s (%s)", settings.model_path, settings.device, next(model.parameters()).dtype)
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or settings.model_path, local_files_only=True)
     return model, tokenizer
 
@@ -104,7 +106,13 @@ def create_app(settings: Settings) -> FastAPI:
         log.exception("unhandled error in %s", request.url.path)
         return error_response(500, f"internal error in {request.url.path}: {type(e).__name__}: {e}")
 
-    for router in (generation_router(state), control_router(state), info_router(state), weights_router(state)):
+    for router in (
+        generation_router(state),
+        control_router(state),
+        info_router(state),
+        weights_router(state),
+        colocated_router(state),
+    ):
         app.include_router(router)
     if settings.enable_metrics:
         metrics = engine_metrics(state.engine, settings.served_model_name or settings.model_path)
@@ -138,6 +146,7 @@ class EngineServer(uvicorn.Server):
         state.closing = True
         state.engine.abort(abort_all=True, message="The server is shutting down.")
         state.unpaused.set()  # let waiting /generate calls reach the engine's refusal
+        state.awake.set()
         await super().shutdown(sockets)
 
     async def stop(self) -> None:

@@ -29,6 +29,7 @@ class EngineState:
     model_path: str = ""
     tokenizer_path: str = ""
     weight_delta_format: str = ""  # the rlmesh delta-update format it accepts; "" = none (SGLang)
+    weight_file_format: str = ""  # the rlmesh weight-file format it maps (colocated); "" = none (SGLang)
 
 
 class EngineError(Unavailable):
@@ -409,6 +410,7 @@ class EnginePool:
                 model_path=info.get("model_path", ""),
                 tokenizer_path=info.get("tokenizer_path", "") or info.get("model_path", ""),
                 weight_delta_format=e.weight_delta_format,
+                weight_file_format=str(server.get("rlmesh_weight_file") or ""),
             )
 
         return list(await asyncio.gather(*(one(e) for e in self.engines)))
@@ -418,7 +420,7 @@ class EnginePool:
 
     # ---- control and weight updates: every engine, at once ------------------------------
 
-    async def _each_answering(self, call: Callable[[SGLangClient], Awaitable[object]]) -> None:
+    async def each_answering(self, call: Callable[[SGLangClient], Awaitable[object]]) -> None:
         """A control call to every engine (one thought down may still be finishing requests);
         one that does not answer leaves the pool (a dead engine generates nothing, so it
         needs no pausing). Fails only when no engine answered."""
@@ -435,10 +437,10 @@ class EnginePool:
     async def pause(self, mode: str) -> None:
         if mode not in PAUSE_MODES:
             raise InvalidArgument(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-        await self._each_answering(lambda e: e.pause(mode))
+        await self.each_answering(lambda e: e.pause(mode))
 
     async def resume(self) -> None:
-        await self._each_answering(lambda e: e.resume())
+        await self.each_answering(lambda e: e.resume())
 
     async def init_weight_group(
         self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str
@@ -538,9 +540,9 @@ class EnginePool:
 
         await asyncio.gather(*(one(e) for e in members))
         if weight_version:  # the last bucket: these engines hold the new weights
-            self._updated(members, weight_version)
+            self.mark_updated(members, weight_version)
 
-    def _updated(self, engines: list[SGLangClient], weight_version: str) -> None:
+    def mark_updated(self, engines: list[SGLangClient], weight_version: str) -> None:
         self._current = _version_number(weight_version)
         for e in engines:
             self._set_up(e, weight_version)
@@ -568,7 +570,7 @@ class EnginePool:
                 for e in members
             )
         )
-        self._updated(members, weight_version)
+        self.mark_updated(members, weight_version)
 
     async def close(self) -> None:
         await asyncio.gather(*(http.aclose() for http in (self.http, *self.generate_http)))

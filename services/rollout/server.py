@@ -11,6 +11,7 @@ from rlmesh.common.grpc_server import Service, ServiceBinding, aio_channel, star
 from rlmesh.common.paths import validate_run_id
 from rlmesh.common.prometheus import ServiceMetrics
 from rlmesh.common.sampling import sampling_to_sglang
+from rlmesh.rollout import colocated
 from rlmesh.rollout.agents.openai_server import close_shared_endpoint
 from rlmesh.rollout.async_rollout import AsyncRollouts, AsyncStatus
 from rlmesh.rollout.config import Settings
@@ -61,6 +62,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     healthy=s.healthy,
                     model_path=s.model_path,
                     weight_delta_format=s.weight_delta_format,
+                    weight_file_format=s.weight_file_format,
                 )
                 for s in states
             ],
@@ -106,6 +108,24 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def UpdateWeightsFromDisk(self, request, context):
         await self.pool.update_weights_from_disk(request.model_path, request.weight_version)
         return self._done(f"loaded {request.model_path}")
+
+    async def ReleaseMemoryOccupation(self, request, context):
+        tags = await colocated.release_memory(self.pool, list(request.tags))
+        return self._done(f"released {', '.join(tags)}")
+
+    async def ResumeMemoryOccupation(self, request, context):
+        tags = await colocated.resume_memory(self.pool, list(request.tags))
+        return self._done(f"resumed {', '.join(tags)}")
+
+    async def UpdateWeightsFromTensor(self, request, context):
+        await colocated.update_weights_from_tensor(
+            self.pool,
+            list(request.serialized_named_tensors),
+            request.load_format,
+            request.weight_version,
+            request.flush_cache,
+        )
+        return self._done(f"updated in place at version {request.weight_version or '(unchanged)'}")
 
     def _done(self, message: str) -> rollout_pb2.EngineCallResponse:
         return rollout_pb2.EngineCallResponse(engines=[e.url for e in self.pool.engines], message=message)

@@ -57,6 +57,12 @@ class Settings(GrpcServiceSettings):
     weight_sync_dtype: str = Field(
         "", description="Dtype weights are sent in: float32, bfloat16, float16 ('' = the parameters' own)."
     )
+    weight_file_dir: Path | None = Field(
+        None,
+        description="Colocated pushes (weight_sync.method 'colocated'): where the run's rlmesh weight file is "
+        "written, shared with the engines on this machine (their weight_file_dir); empty means /dev/shm/rlmesh "
+        "(or <tmp>/rlmesh without /dev/shm).",
+    )
     weight_sync_timeout_seconds: float = Field(
         300.0, gt=0, description="Deadline of each weight-update call and of the weight group's collectives."
     )

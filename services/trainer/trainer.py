@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from rlmesh.common import errors
+from rlmesh.common import errors, weight_file
 from rlmesh.common.faults import fault_point
 from rlmesh.common.limits import at_most, seconds
 from rlmesh.common.paths import resolve_roots, resolve_under, validate_run_id
@@ -39,6 +39,7 @@ from rlmesh.trainer.checkpoints import (
     newest_checkpoint,
     write_in_background,
 )
+from rlmesh.trainer.colocated import ColocatedPusher
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.ranks import open_backend
 from rlmesh.trainer.weight_sync import PushResult, WeightPusher
@@ -47,7 +48,7 @@ from rlmesh.v1 import sample_pb2
 log = logging.getLogger(__name__)
 
 LOSSES = ("", "sft")
-PUBLISH_METHODS = ("distributed", "disk")
+PUBLISH_METHODS = ("distributed", "disk", "colocated")
 
 
 def parse_run_config(config_json: str) -> TrainerRunConfig:
@@ -90,6 +91,7 @@ class _Run:
     backend: TorchBackend
     weight_version: int = 0
     pusher: WeightPusher | None = None
+    colocated: ColocatedPusher | None = None
     resumed_step: int = 0
     last_checkpoint_step: int = 0  # of the newest automatic checkpoint, or where the run started
     written_step: int = 0  # of the newest automatic checkpoint written to disk, or where the run started
@@ -241,6 +243,8 @@ class Trainer:
             status = run.status()
             if run.pusher is not None:
                 await run.pusher.close()
+            if run.colocated is not None:
+                await run.colocated.close()
             await asyncio.to_thread(run.backend.close)
             if self._run is run:
                 self._run = None
@@ -436,13 +440,13 @@ class Trainer:
                     self.settings.weight_sync_timeout_seconds,
                     self.settings.weight_sync_bind_address,
                 )
+            wire_dtype = getattr(torch, self.settings.weight_sync_dtype) if self.settings.weight_sync_dtype else None
             if method == "distributed":
-                wire_dtype = (
-                    getattr(torch, self.settings.weight_sync_dtype) if self.settings.weight_sync_dtype else None
-                )
                 result = await run.pusher.push_distributed(
                     list(run.backend.state_dict_for_sync()), version, run.config.weight_sync, wire_dtype
                 )
+            elif method == "colocated":
+                result = await self._push_colocated(run, version, wire_dtype)
             else:
                 directory = self.settings.work_dir / run.run_id / "weights"
                 result = await run.pusher.push_from_disk(run.backend.save_weights, directory, version)
@@ -458,6 +462,18 @@ class Trainer:
                 result.seconds,
             )
             return result
+
+    async def _push_colocated(self, run: _Run, version: int, wire_dtype: torch.dtype | None) -> PushResult:
+        if run.colocated is None:
+            run.colocated = ColocatedPusher(
+                self.settings.rollout_address,
+                run.run_id,
+                self.settings.weight_file_dir or weight_file.default_dir(),
+                self.settings.weight_sync_timeout_seconds,
+            )
+        return await run.colocated.push(
+            list(run.backend.state_dict_for_sync()), version, wire_dtype, run.config.weight_sync.bucket_bytes
+        )
 
     async def save_checkpoint(self, run_id: str, path: str = "") -> Path:
         """Save to `path`, or by default <checkpoint_dir or <run>/checkpoints>/step_<n>, all

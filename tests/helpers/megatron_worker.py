@@ -80,7 +80,7 @@ def script(backend) -> dict:
     mb = collate(samples, backend.pad_token_id, backend.device)
     width = mb.response_width
     old = backend._old_pass(backend.policy, samples, width)[0]
-    rewards = torch.tensor([s.reward for s in samples])
+    rewards = torch.tensor([s.reward for s in samples], device=backend.device)  # (on CUDA too: tests/gpu)
     advantages = algo.compute_advantages(backend.algorithm, rewards, batch.group_sizes, mb.mask, None)
     fixed = FixedTokens(old, old, advantages, None)
     num_seqs, num_tokens = torch.tensor(float(len(samples))), mb.mask.sum()

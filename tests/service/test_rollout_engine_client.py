@@ -219,3 +219,42 @@ def test_an_engine_on_older_weights_than_the_request_needs_takes_none_of_its_sam
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_colocated_calls_reach_every_engine_in_sglangs_shapes():
+    """Release and resume (SGLang's tags; none = null, all of them) and the in-place update
+    (/update_weights_from_tensor, inside a weight-update session) go to every engine; a tag
+    SGLang does not have, or too many serialized entries, are refused before any engine is asked."""
+    from rlmesh.rollout import colocated
+
+    async def scenario():
+        (a, port_a, seen_a), (b, port_b, seen_b) = await flaky_engine(0), await flaky_engine(0)
+        async with a, b:
+            pool = EnginePool([f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"], "", 5, 5)
+            try:
+                with pytest.raises(InvalidArgument, match="unknown memory tag"):
+                    await colocated.release_memory(pool, ["gpu"])
+                with pytest.raises(InvalidArgument, match="1 to 64 entries"):
+                    await colocated.update_weights_from_tensor(pool, ["p"] * 65, "rlmesh_weight_file", "3", True)
+                assert await colocated.release_memory(pool, []) == ["all"]
+                assert await colocated.resume_memory(pool, ["weights", "weights"]) == ["weights"]
+                await colocated.update_weights_from_tensor(
+                    pool, ["/dev/shm/rlmesh/r.rlmw"], "rlmesh_weight_file", "3", True
+                )
+                assert [e.url for e in pool.in_rotation()] == [e.url for e in pool.engines]
+            finally:
+                await pool.close()
+        return seen_a, seen_b
+
+    for seen in asyncio.run(scenario()):
+        calls = [(s["path"], s.get("tags", "-")) for s in seen if "memory" in s["path"]]
+        assert calls == [("/release_memory_occupation", None), ("/resume_memory_occupation", ["weights"])]
+        paths = [s["path"] for s in seen if "weight" in s["path"]]
+        assert paths == ["/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"]
+        update = next(s for s in seen if s["path"] == "/update_weights_from_tensor")
+        assert update["serialized_named_tensors"] == ["/dev/shm/rlmesh/r.rlmw"]
+        assert (update["load_format"], update["weight_version"], update["flush_cache"]) == (
+            "rlmesh_weight_file",
+            "3",
+            True,
+        )

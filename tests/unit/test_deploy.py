@@ -284,3 +284,47 @@ def test_only_the_coordinator_is_reachable_from_outside_and_redis_only_from_its_
         assert others == [{"key": "app.kubernetes.io/name", "operator": "NotIn", "values": ["redis"]}]
         egress = policies["rlmesh-egress"]["spec"]["egress"][0]["to"]
         assert "169.254.0.0/16" in egress[0]["ipBlock"]["except"]  # the cloud's metadata service
+
+
+# ---------------------------------------------------------------- the colocated layout
+
+
+def test_the_colocated_k8s_layout_holds_trainer_and_engine_in_one_pod_on_the_same_gpus():
+    import kubernetes_validate
+
+    objects = render(K8S / "overlays" / "colocated")
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    workloads = {**by_kind(objects, "Deployment"), **by_kind(objects, "StatefulSet")}
+    assert "engine" not in workloads  # no engine of its own: it lives in the trainer's pod
+    pod = workloads["trainer"]["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    trainer, engine = containers["trainer"], containers["engine"]
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in engine["env"]  # the trainer's GPUs too
+    assert "--enable-memory-saver" in engine["args"]  # SGLang releases and resumes its memory only with it
+    shm = {v["name"]: v for v in pod["volumes"]}["shm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    for c in (trainer, engine):
+        assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        assert c["readinessProbe"] and c["resources"]["limits"]["memory"]
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert trainer["args"][trainer["args"].index("--weight-file-dir") + 1].startswith("/dev/shm/")
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    service = by_kind(objects, "Service")["engine"]
+    assert service["spec"]["selector"]["app.kubernetes.io/name"] == "trainer"
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= {p["name"] for p in engine["ports"]}
+
+
+def test_the_colocated_compose_layout_shares_gpu_ipc_and_shm_between_trainer_and_engine():
+    spec = yaml.safe_load((DEPLOY / "docker-compose.colocated.yml").read_text())
+    sglang, trainer = spec["services"]["sglang"], spec["services"]["trainer"]
+    assert sglang["ipc"] == "shareable" and trainer["ipc"] == "service:sglang" and trainer["pid"] == "service:sglang"
+    gpus = [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for s in (sglang, trainer)]
+    assert gpus[0] == gpus[1]  # the same GPU
+    assert "--enable-memory-saver" in sglang["command"]
+    assert "colocated-shm:/dev/shm" in sglang["volumes"] and "colocated-shm:/dev/shm" in trainer["volumes"]
+    assert spec["volumes"]["colocated-shm"]["driver_opts"]["type"] == "tmpfs"
+    assert "--weight-file-dir" in trainer["command"]
+    # The override changes no security default of the base file (its services keep its settings).
+    assert not any(s.get("ports") or s.get("network_mode") for s in spec["services"].values())

@@ -173,20 +173,22 @@ class Waiting(_message.Message):
     def __init__(self, reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("url", "tp_size", "weight_version", "healthy", "model_path", "weight_delta_format")
+    __slots__ = ("url", "tp_size", "weight_version", "healthy", "model_path", "weight_delta_format", "weight_file_format")
     URL_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DELTA_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FILE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     url: str
     tp_size: int
     weight_version: str
     healthy: bool
     model_path: str
     weight_delta_format: str
-    def __init__(self, url: _Optional[str] = ..., tp_size: _Optional[int] = ..., weight_version: _Optional[str] = ..., healthy: _Optional[bool] = ..., model_path: _Optional[str] = ..., weight_delta_format: _Optional[str] = ...) -> None: ...
+    weight_file_format: str
+    def __init__(self, url: _Optional[str] = ..., tp_size: _Optional[int] = ..., weight_version: _Optional[str] = ..., healthy: _Optional[bool] = ..., model_path: _Optional[str] = ..., weight_delta_format: _Optional[str] = ..., weight_file_format: _Optional[str] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
     __slots__ = ("engines", "weight_group_world_size")
@@ -269,6 +271,24 @@ class UpdateWeightsFromDiskRequest(_message.Message):
     model_path: str
     weight_version: str
     def __init__(self, model_path: _Optional[str] = ..., weight_version: _Optional[str] = ...) -> None: ...
+
+class MemoryOccupationRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UpdateWeightsFromTensorRequest(_message.Message):
+    __slots__ = ("serialized_named_tensors", "load_format", "weight_version", "flush_cache")
+    SERIALIZED_NAMED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_CACHE_FIELD_NUMBER: _ClassVar[int]
+    serialized_named_tensors: _containers.RepeatedScalarFieldContainer[str]
+    load_format: str
+    weight_version: str
+    flush_cache: bool
+    def __init__(self, serialized_named_tensors: _Optional[_Iterable[str]] = ..., load_format: _Optional[str] = ..., weight_version: _Optional[str] = ..., flush_cache: _Optional[bool] = ...) -> None: ...
 
 class EngineCallResponse(_message.Message):
     __slots__ = ("engines", "message")

@@ -99,6 +99,21 @@ class RolloutStub:
                 request_serializer=rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_rollout__pb2.EngineCallResponse.FromString,
                 _registered_method=True)
+        self.ReleaseMemoryOccupation = channel.unary_unary(
+                '/rlmesh.v1.Rollout/ReleaseMemoryOccupation',
+                request_serializer=rlmesh_dot_v1_dot_rollout__pb2.MemoryOccupationRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_rollout__pb2.EngineCallResponse.FromString,
+                _registered_method=True)
+        self.ResumeMemoryOccupation = channel.unary_unary(
+                '/rlmesh.v1.Rollout/ResumeMemoryOccupation',
+                request_serializer=rlmesh_dot_v1_dot_rollout__pb2.MemoryOccupationRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_rollout__pb2.EngineCallResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromTensor = channel.unary_unary(
+                '/rlmesh.v1.Rollout/UpdateWeightsFromTensor',
+                request_serializer=rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsFromTensorRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_rollout__pb2.EngineCallResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -197,6 +212,29 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseMemoryOccupation(self, request, context):
+        """Colocated mode (docs/weight-sync.md): engines and trainer share the accelerators. Every
+        engine gives its memory back (SGLang's /release_memory_occupation) while the trainer
+        trains, takes it back (/resume_memory_occupation), and is updated in place from the
+        trainer's memory (/update_weights_from_tensor: an rlmesh weight file in shared memory,
+        or SGLang's CUDA IPC handles), with no network copy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeMemoryOccupation(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromTensor(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +301,21 @@ def add_RolloutServicer_to_server(servicer, server):
             'UpdateWeightsFromDisk': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeightsFromDisk,
                     request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsFromDiskRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_rollout__pb2.EngineCallResponse.SerializeToString,
+            ),
+            'ReleaseMemoryOccupation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseMemoryOccupation,
+                    request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.MemoryOccupationRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_rollout__pb2.EngineCallResponse.SerializeToString,
+            ),
+            'ResumeMemoryOccupation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeMemoryOccupation,
+                    request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.MemoryOccupationRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_rollout__pb2.EngineCallResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromTensor': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromTensor,
+                    request_deserializer=rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsFromTensorRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_rollout__pb2.EngineCallResponse.SerializeToString,
             ),
     }
@@ -616,6 +669,87 @@ class Rollout:
             target,
             '/rlmesh.v1.Rollout/UpdateWeightsFromDisk',
             rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
+            rlmesh_dot_v1_dot_rollout__pb2.EngineCallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseMemoryOccupation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Rollout/ReleaseMemoryOccupation',
+            rlmesh_dot_v1_dot_rollout__pb2.MemoryOccupationRequest.SerializeToString,
+            rlmesh_dot_v1_dot_rollout__pb2.EngineCallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeMemoryOccupation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Rollout/ResumeMemoryOccupation',
+            rlmesh_dot_v1_dot_rollout__pb2.MemoryOccupationRequest.SerializeToString,
+            rlmesh_dot_v1_dot_rollout__pb2.EngineCallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromTensor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Rollout/UpdateWeightsFromTensor',
+            rlmesh_dot_v1_dot_rollout__pb2.UpdateWeightsFromTensorRequest.SerializeToString,
             rlmesh_dot_v1_dot_rollout__pb2.EngineCallResponse.FromString,
             options,
             channel_credentials,

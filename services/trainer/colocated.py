@@ -1,0 +1,137 @@
+"""Colocated weight pushes: the trainer and the engines share this machine (and its
+accelerators), so weights cross without a network copy (docs/weight-sync.md).
+
+- Engines that map rlmesh weight files (the reference engine: ListEngines says
+  weight_file_format "rlmesh-weights-v1"): the trainer writes every tensor once, in the wire
+  dtype, into one file in shared memory (rlmesh.common.weight_file; rewritten in place from
+  push to push) and the rollout service tells each engine to load it
+  (/update_weights_from_tensor, load_format "rlmesh_weight_file"). No pickle.
+- SGLang engines: SGLang's own /update_weights_from_tensor format, CUDA tensors passed as
+  CUDA IPC handles (the engine maps the trainer's GPU memory and copies from it). That
+  format is SGLang's: a base64 ForkingPickler dump of the [(name, tensor)] list per TP rank,
+  which SGLang unpickles with its allowlist. It needs the weights on a CUDA device; the
+  trainer writes it and never reads one. Buckets of bucket_bytes bound the extra memory of
+  converting to the wire dtype.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+from collections.abc import Sequence
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import grpc
+import torch
+import torch.multiprocessing
+from torch import Tensor
+
+from rlmesh.common import errors, weight_file
+from rlmesh.common.grpc_server import aio_channel
+from rlmesh.trainer.weight_sync import PushResult, plan_buckets
+from rlmesh.v1 import rollout_pb2
+from rlmesh.v1.rollout_pb2_grpc import RolloutStub
+
+
+def sglang_payload(named: Sequence[tuple[str, Tensor]], tp_size: int) -> list[str]:
+    """SGLang's serialized_named_tensors for one call: the same [(name, tensor)] list for
+    each of the engine's TP ranks (each rank takes its own shard from the full tensors)."""
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump([(name, t) for name, t in named])
+    encoded = base64.b64encode(buf.getvalue()).decode()
+    return [encoded] * tp_size
+
+
+class ColocatedPusher:
+    """A run's colocated pushes: its weight file and its channel to the rollout service."""
+
+    def __init__(self, rollout_address: str, run_id: str, directory: Path, timeout_seconds: float) -> None:
+        if not rollout_address:
+            raise errors.FailedPrecondition(
+                "this trainer has no rollout_address (RLMESH_TRAINER_ROLLOUT_ADDRESS): it cannot push weights"
+            )
+        self.rollout_address = rollout_address
+        self.timeout = timeout_seconds
+        self.writer = weight_file.Writer(directory / f"{run_id}.rlmw")
+        self._channel: grpc.aio.Channel | None = None
+
+    @property
+    def _stub(self) -> RolloutStub:
+        if self._channel is None:
+            self._channel = aio_channel(self.rollout_address)
+        return RolloutStub(self._channel)
+
+    async def _call(self, what: str, call):
+        try:
+            return await call
+        except grpc.aio.AioRpcError as e:
+            raise errors.upstream_error(f"rollout service ({what})", self.rollout_address, e) from None
+
+    async def push(
+        self, named: list[tuple[str, Tensor]], version: int, wire_dtype: torch.dtype | None, bucket_bytes: int
+    ) -> PushResult:
+        start = time.monotonic()
+        engines = await self._call(
+            "ListEngines", self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout)
+        )
+        healthy = [e for e in engines.engines if e.healthy]
+        if not healthy:
+            raise errors.Unavailable("no engine answers: the weights cannot be pushed")
+        formats = {e.weight_file_format for e in healthy}
+        if formats == {weight_file.FORMAT}:
+            nbytes, calls = await self._push_file(named, version, wire_dtype), 1
+        elif formats == {""}:
+            nbytes, calls = await self._push_cuda_ipc(named, version, wire_dtype, bucket_bytes, healthy)
+        else:
+            raise errors.FailedPrecondition(
+                "the engines mix rlmesh weight files and SGLang's CUDA IPC tensors: a colocated push needs one kind"
+            )
+        return PushResult(seconds=time.monotonic() - start, bytes=nbytes, buckets=calls)
+
+    async def _push_file(self, named: list[tuple[str, Tensor]], version: int, wire_dtype: torch.dtype | None) -> int:
+        nbytes = await asyncio.to_thread(self.writer.write, named, wire_dtype)
+        await self._update([str(self.writer.path)], weight_file.LOAD_FORMAT, str(version))
+        return nbytes
+
+    async def _push_cuda_ipc(
+        self,
+        named: list[tuple[str, Tensor]],
+        version: int,
+        wire_dtype: torch.dtype | None,
+        bucket_bytes: int,
+        engines: Sequence[rollout_pb2.EngineInfo],
+    ) -> tuple[int, int]:
+        if any(t.device.type != "cuda" for _, t in named):
+            raise errors.FailedPrecondition(
+                "SGLang engines take colocated updates as CUDA IPC handles only: this trainer's weights are not on a "
+                "CUDA device (use weight_sync.method 'distributed' or 'disk')"
+            )
+        tp_size = max(e.tp_size for e in engines) or 1
+        buckets = plan_buckets(named, bucket_bytes, wire_dtype)
+        nbytes = 0
+        for i, bucket in enumerate(buckets):
+            sent = [(n, t.detach().to(wire_dtype) if wire_dtype else t.detach()) for n, t in bucket]
+            torch.cuda.synchronize()  # the engine reads the memory as soon as it has the handles
+            last = i == len(buckets) - 1
+            await self._update(sglang_payload(sent, tp_size), "", str(version) if last else "")
+            nbytes += sum(t.numel() * t.element_size() for _, t in sent)
+            del sent  # (kept alive until the engines answered: they copied from it)
+        return nbytes, len(buckets)
+
+    async def _update(self, serialized: list[str], load_format: str, version: str) -> None:
+        request = rollout_pb2.UpdateWeightsFromTensorRequest(
+            serialized_named_tensors=serialized,
+            load_format=load_format,
+            weight_version=version,
+            flush_cache=bool(version),
+        )
+        await self._call("UpdateWeightsFromTensor", self._stub.UpdateWeightsFromTensor(request, timeout=self.timeout))
+
+    async def close(self, remove: bool = True) -> None:
+        self.writer.close(remove=remove)
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
