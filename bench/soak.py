@@ -9,24 +9,24 @@ trained but not acknowledged, a checkpoint written but not in place, a weight pu
 start, an evaluation's prompts fetched, EndRun begun. Some faults hit two processes a
 moment apart. After each run:
 
-- it completed, with its final evaluation;
+- it completed, with its final evaluation, and the engine holds the run's last weights (that
+  evaluation was taken with them: every fault came before the run's end);
 - the buffer's accounting balances and the final model's record of its groups lists each
   acknowledged group exactly once (tests.helpers.chaos.accounting_problems);
 - every prompt group it drew is in exactly one state in the buffer (trained, dropped,
   stored, waiting to resume or handed out): none lost (tests.helpers.chaos.prompt_problems);
 - nothing stays leased or provisional, nothing queued (fully_async leaves what it generated
   past its last step queued, by design);
-- a new run can be started afterwards (the next run; at the end, an unfaulted run per mode,
-  which is also the baseline of the evaluation).
+- a new run can be started afterwards (the next run; unfaulted runs of each mode before and
+  after the faulted ones, which are also the evaluation's baseline).
 
 Recorded per fault: the seconds from its end (the kill, the SIGCONT) until the run makes
-progress again (a group written or acknowledged, a weight version, an iteration, a phase).
-Recorded per run: each period of more than 60 s without progress, and whether the run's
-`waiting_for` (GET /runs/{id}) said what it waited for within its first 60 s. The final
-evaluation of each faulted run is compared with the unfaulted run of its mode: greedy on
-the same prompts, so only what the run trained differs; a difference past
-EVAL_TOLERANCE is reported, not counted as a violation (a run that retook steps on other
-groups may land elsewhere).
+progress again (a group written or acknowledged, a weight version, an iteration, a phase,
+the next fault's moment). Recorded per run: each period of more than 60 s without progress,
+and whether the run's `waiting_for` (GET /runs/{id}) said what it waited for within its
+first 60 s. Each faulted run's evaluations are compared with its mode's unfaulted runs
+(EVAL_BEFORE_TOLERANCE, EVAL_TOLERANCE): a difference is reported, not counted as a
+violation (RL's sampled steps spread the final evaluation between unfaulted runs too).
 
     python -m bench.soak --faults 30 [--modes sync,one_step_off,fully_async] [--seed 0]
 
@@ -322,7 +322,7 @@ class Soak:
 
     def hold_again(self, point: str, killed: bool) -> None:
         """Hold `point` again once the process let go from it has left (a killed one has)."""
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 3
         while not killed and self.chaos.is_held(point) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.chaos.hold(point)
@@ -368,7 +368,7 @@ class Soak:
 
 
 def _rounded(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+    return "-" if value is None else f"{value:.2f}"  # (for the progress lines)
 
 
 def _cont(process) -> None:

@@ -38,15 +38,19 @@ def _reach(name: str) -> tuple[Path, Path] | None:
 async def fault_point(name: str) -> None:
     if (held := _reach(name)) is None:
         return
-    while held[0].exists():
-        await asyncio.sleep(POLL_SECONDS)
-    held[1].unlink(missing_ok=True)
+    try:
+        while held[0].exists():
+            await asyncio.sleep(POLL_SECONDS)
+    finally:  # (also a call cancelled while held: its caller died)
+        held[1].unlink(missing_ok=True)
 
 
 def blocking_fault_point(name: str) -> None:
     """fault_point for code on a worker thread."""
     if (held := _reach(name)) is None:
         return
-    while held[0].exists():
-        time.sleep(POLL_SECONDS)
-    held[1].unlink(missing_ok=True)
+    try:
+        while held[0].exists():
+            time.sleep(POLL_SECONDS)
+    finally:
+        held[1].unlink(missing_ok=True)
