@@ -473,6 +473,7 @@ class BufferStore:
             raise NotFound(
                 f"lease {lease_id!r} of run {run_id!r} is unknown or has expired (its groups were redelivered)"
             )
+        await fault_point("buffer.after_ack")  # (acknowledged in Redis; the reply is not sent yet)
         return n
 
     async def commit_acks(self, run_id: str, through_step: int) -> int:

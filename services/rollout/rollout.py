@@ -17,6 +17,7 @@ import grpc
 from pydantic import ValidationError
 
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable, validation_problems
+from rlmesh.common.faults import fault_point
 from rlmesh.common.limits import within
 from rlmesh.common.plugins import load_plugin
 from rlmesh.common.retry import retry
@@ -518,6 +519,7 @@ class RolloutManager:
             ),
             timeout=self.settings.buffer_timeout_seconds,
         )
+        await fault_point("rollout.evaluate")  # (the prompts fetched, nothing generated yet)
         sem = asyncio.Semaphore(self.settings.max_concurrency)
         groups = await asyncio.gather(
             *(

@@ -224,6 +224,8 @@ class Trainer:
         fails, the run stays set up and EndRun may be called again."""
         run = self._get(run_id)
         async with self._holding(run):
+            if not shutting_down:
+                await fault_point("trainer.end_run")  # (nothing of the run's end done yet)
             if shutting_down and run.unacknowledged is not None:
                 # (a restarted trainer gets the lease released; its groups come back acknowledged)
                 run.unacknowledged[1].cancel()

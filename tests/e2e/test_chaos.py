@@ -10,172 +10,28 @@ timing is asserted."""
 
 from __future__ import annotations
 
-import json
 import signal
-import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 
-import httpx
 import pytest
 
 from rlmesh.cli.demo import demo_config, write_task
-from rlmesh.cli.launcher import Stack, datasets_dir, start_stack, supervise
-from rlmesh.common.auth import client_headers
-from rlmesh.common.faults import FAULTS_DIR_ENV
-from rlmesh.common.grpc_server import sync_channel
-from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from tests.helpers.runs import run_config
-from tests.helpers.stack import wait_for_run
-
-PROCESSES = ("engine", "reward", "buffer", "rollout", "trainer", "coordinator", "redis")
-RECOVERY_TIMEOUT = 180.0
-
-
-def eventually(condition: Callable[[], bool], what: str, timeout: float = RECOVERY_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f} s"
-        time.sleep(0.05)
-
-
-class Chaos:
-    """The supervised stack, and the means to kill its processes at fault points."""
-
-    def __init__(self, stack: Stack, faults: Path) -> None:
-        self.stack, self.faults = stack, faults
-        self.api = httpx.Client(base_url=stack.coordinator_url, timeout=30, headers=client_headers())
-        self.buffer = buffer_pb2_grpc.BufferStub(sync_channel(stack.address("buffer")))
-
-    def process(self, name: str):
-        return self.stack.redis.process if name == "redis" else self.stack.processes[name]
-
-    def kill(self, name: str) -> None:
-        """SIGKILL, then wait until the supervisor has it running again."""
-        victim = self.process(name)
-        victim.send_signal(signal.SIGKILL)
-        victim.wait(timeout=30)
-        eventually(lambda: self.process(name) is not victim, f"{name} restarted")
-
-    def hold(self, point: str) -> None:
-        (self.faults / f"{point}.reached").unlink(missing_ok=True)
-        (self.faults / f"{point}.hold").touch()
-
-    def wait_reached(self, point: str) -> None:
-        eventually(lambda: (self.faults / f"{point}.reached").exists(), f"fault point {point} reached")
-
-    def release(self, point: str) -> None:
-        (self.faults / f"{point}.hold").unlink(missing_ok=True)
-
-    def stats(self, run_id: str) -> buffer_pb2.BufferStats:
-        return self.buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id), timeout=30)
-
-    def wait_rollout(self, run_id: str, done: int = 1) -> None:
-        """Until the run has done this many rollouts (the next generation is starting)."""
-
-        def past() -> bool:
-            try:
-                run = self.api.get(f"/runs/{run_id}").json()
-            except httpx.HTTPError:  # the coordinator restarting
-                return False
-            if "status" not in run:  # 503 while a dependency restarts
-                return False
-            assert run["status"] in ("pending", "running"), run["error"]
-            return run["rollout_id"] >= done
-
-        eventually(past, f"rollout {done}")
-
-    def start_run(self, config: dict) -> str:
-        r = self.api.post("/runs", json=config)
-        assert r.status_code == 201, r.text
-        return r.json()["id"]
-
-    def ensure_finished(self, run_id: str) -> None:
-        """A scenario that failed must not leave its run active for the next one."""
-        try:
-            if self.api.get(f"/runs/{run_id}").json()["status"] not in ("completed", "failed", "stopped"):
-                self.api.post(f"/runs/{run_id}/stop")
-                wait_for_run(self.api, run_id, timeout=RECOVERY_TIMEOUT)
-        except (httpx.HTTPError, AssertionError):
-            pass
-
-    def run(self, run_id: str) -> dict:
-        # The coordinator (or its Redis: 503) may be restarting: ask again until it answers.
-        def answer():
-            try:
-                return wait_for_run(self.api, run_id, timeout=RECOVERY_TIMEOUT * 2)
-            except (httpx.HTTPError, KeyError, ValueError):
-                return None
-
-        for _ in range(int(RECOVERY_TIMEOUT)):
-            if (run := answer()) is not None:
-                return run
-            time.sleep(1)
-        raise AssertionError("the coordinator never answered again")
-
-
-TRAINER_BUFFER_TIMEOUT, TRAINER_BUFFER_OUTAGE = 3, 6
+from rlmesh.cli.launcher import datasets_dir
+from tests.helpers.chaos import (
+    PROCESSES,
+    TRAINER_BUFFER_OUTAGE,
+    TRAINER_BUFFER_TIMEOUT,
+    chaos_config,
+    check_accounting,
+    eventually,
+    supervised_stack,
+)
 
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory, tiny_model_dir):
-    root = tmp_path_factory.mktemp("chaos")
-    faults = root / "faults"
-    faults.mkdir()
-    patch = pytest.MonkeyPatch()
-    # The children inherit these: fault points on, quick retries, one thread each (2 cores).
-    patch.setenv(FAULTS_DIR_ENV, str(faults))
-    patch.setenv("RLMESH_COORDINATOR_RETRY_BACKOFF_MAX_SECONDS", "1")
-    patch.setenv("RLMESH_ROLLOUT_REWARD_TIMEOUT_SECONDS", "5")
-    patch.setenv("RLMESH_ROLLOUT_REQUEST_TIMEOUT_SECONDS", "5")
-    patch.setenv("RLMESH_ROLLOUT_GENERATE_TIMEOUT_SECONDS", "5")
-    # A weight push's deadlines too (a frozen engine in the middle of one is noticed at them):
-    # pushes of the tiny model take hundredths of a second.
-    patch.setenv("RLMESH_ROLLOUT_WEIGHT_UPDATE_TIMEOUT_SECONDS", "10")
-    patch.setenv("RLMESH_TRAINER_WEIGHT_SYNC_TIMEOUT_SECONDS", "10")
-    patch.setenv("OMP_NUM_THREADS", "1")
-    # The trainer gives up waiting for the buffer soon (a step's acknowledgment then lands later).
-    patch.setenv("RLMESH_TRAINER_BUFFER_TIMEOUT_SECONDS", str(TRAINER_BUFFER_TIMEOUT))
-    patch.setenv("RLMESH_TRAINER_BUFFER_OUTAGE_SECONDS", str(TRAINER_BUFFER_OUTAGE))
-    stack = start_stack(root / "stack", str(tiny_model_dir), echo=lambda _: None)
-    stop = threading.Event()
-    supervisor = threading.Thread(
-        target=supervise, args=(stack, stop), kwargs={"interval": 0.1, "echo": lambda _: None}
-    )
-    supervisor.start()
-    try:
-        yield Chaos(stack, faults)
-    finally:
-        stop.set()
-        supervisor.join(timeout=120)
-        patch.undo()
-
-
-def chaos_config(stack: Stack, model_dir: Path) -> dict:
-    datasets = datasets_dir(stack.data_dir)  # where the stack's buffer may read
-    datasets.mkdir(parents=True, exist_ok=True)
-    config = run_config(datasets, model_dir, num_rollouts=3)
-    config.update(checkpoint_interval=1, keep_last=1, max_outage_seconds=300)
-    config["sft_warmup"] = {"steps": 0}
-    return config
-
-
-def trained_record(stack: Stack, run_id: str) -> list[str]:
-    """Group ids in the final model's record (the newest checkpoint), one per training."""
-    checkpoints = sorted((stack.data_dir / "trainer" / run_id / "checkpoints").glob("step-*"))
-    state = json.loads((checkpoints[-1] / "trainer_state.json").read_text())
-    return [gid for ids in state["trained_groups"].values() for gid in ids]
-
-
-def check_accounting(chaos: Chaos, run_id: str) -> buffer_pb2.BufferStats:
-    s = chaos.stats(run_id)
-    # (>= 4: after a trainer restart an iteration may train the groups handed out again)
-    assert s.groups_written == s.acknowledged_groups >= 4
-    assert (s.queued_groups, s.leased_groups, s.provisional_groups) == (0, 0, 0)
-    trained = trained_record(chaos.stack, run_id)
-    assert len(trained) == len(set(trained)) == s.acknowledged_groups  # each group exactly once
-    return s
+    with supervised_stack(tmp_path_factory.mktemp("chaos"), tiny_model_dir) as chaos:
+        yield chaos
 
 
 MOMENTS = ("generation", "before_ack")
