@@ -107,8 +107,9 @@ class TrainingConfig(StrictModel):
     num_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout batch.")
     lora: LoraConfig | None = Field(
         None,
-        description="Train LoRA adapters instead of the whole model (torch backend); the KL reference is then "
-        "the base model with the adapters disabled, and checkpoints hold the adapters. Not with backend 'megatron'.",
+        description="Train LoRA adapters instead of the whole model (torch backend); a KL reference of the "
+        "model the run began from is then the base model with the adapters disabled, checkpoints hold the "
+        "adapters, and the final model the merged weights (and the adapters). Not with backend 'megatron'.",
     )
     data_parallel: Literal["none", "fsdp2"] = Field(
         "none",

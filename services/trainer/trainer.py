@@ -250,7 +250,7 @@ class Trainer:
             else:
                 await self._acknowledged(run)
             await run.saved()  # the last automatic checkpoint lands before the model goes
-            if run.acks_wait_for_checkpoints:
+            if run.acks_wait_for_checkpoints and run.backend.step:  # (step 0: nothing was ever acknowledged)
                 if run.backend.step > run.written_step:
                     await self._checkpoint(run)
                     await run.saved()
