@@ -109,8 +109,9 @@ class Stack:
         )
 
     def model_roots(self) -> list[str]:
-        """Where the stack's runs may load models and tokenizers: ./models, and the engine's model."""
-        roots = [str(Path("models").resolve())]
+        """Where the stack's runs may load models and tokenizers: ./models, the stack's data
+        directory (its tiny models, the demo's), and the engine's model."""
+        roots = [str(Path("models").resolve()), str(self.data_dir.resolve())]
         return roots + [str(Path(self.model_path).resolve())] if self.model_path else roots
 
     def env(self) -> dict[str, str]:
