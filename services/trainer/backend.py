@@ -31,15 +31,14 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from rlmesh.common import errors
-from rlmesh.common.run_config import OptimizerConfig, TrainerRunConfig
+from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import SampleGroup
 from rlmesh.trainer import algorithms as algo
 from rlmesh.trainer import lora
@@ -72,48 +71,9 @@ from rlmesh.trainer.checkpoints import (
 )
 from rlmesh.trainer.critic import VALUE_HEAD_FILE, build_value_head
 from rlmesh.trainer.fsdp import DataParallel
+from rlmesh.trainer.loading import Optimizer, build_optimizer, load_model
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise errors.InvalidArgument("device: 'cuda' was asked for but this trainer has no CUDA device")
-    return torch.device(requested)
-
-
-# --------------------------------------------------------------------------------------
-# The backend
-# --------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Optimizer:
-    config: OptimizerConfig
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-
-
-def _build_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) -> _Optimizer:
-    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    warmup = config.warmup_steps
-    # Linear warmup: step k (0-based) runs at lr * (k + 1) / warmup until warmup is reached.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: min(1.0, (k + 1) / warmup) if warmup > 0 else 1.0
-    )
-    return _Optimizer(config, optimizer, scheduler)
-
-
-def _load_model(path: str, device: torch.device, what: str = "model_path") -> PreTrainedModel:
-    if not Path(path).is_dir():
-        raise errors.InvalidArgument(f"{what}: {path!r} is not a directory (a local Hugging Face checkpoint)")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise errors.InvalidArgument(f"{what}: cannot load a causal LM from {path!r}: {e}") from None
-    return model.to(device).eval()
 
 
 class TorchBackend:
@@ -188,13 +148,13 @@ class TorchBackend:
         self._params = params
         # The warm start's optimizer is its own (settings and AdamW state): RL starts fresh.
         self._optimizers = {
-            "rl": _build_optimizer(params, config.optimizer),
-            "sft": _build_optimizer(params, config.sft_optimizer),
+            "rl": build_optimizer(params, config.optimizer),
+            "sft": build_optimizer(params, config.sft_optimizer),
         }
         self.resumed_state: dict = self._resume(source, saved_state) if saved_state else {}
 
     def _load_model(self, path: str, what: str) -> PreTrainedModel:
-        return _load_model(path, self.device, what)
+        return load_model(path, self.device, what)
 
     def _token_space(self) -> tuple[int, int]:
         """(pad token id, vocabulary size): token ids must be below the rows of the input
@@ -347,7 +307,7 @@ class TorchBackend:
         (over every shard, with data parallelism)."""
         return self.dp.to_float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
 
-    def _optimizer_step(self, opt: _Optimizer, totals: Totals) -> None:
+    def _optimizer_step(self, opt: Optimizer, totals: Totals) -> None:
         grad_norm = self._clip_grad_norm(opt.config.grad_clip)
         totals.lr = opt.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
@@ -603,7 +563,7 @@ class TorchBackend:
             modules["critic"] = self.critic
         return torch.nn.ModuleDict(modules)
 
-    def _distinct_optimizers(self) -> dict[str, _Optimizer]:
+    def _distinct_optimizers(self) -> dict[str, Optimizer]:
         if self._optimizers["sft"] is self._optimizers["rl"]:
             return {"rl": self._optimizers["rl"]}
         return dict(self._optimizers)

@@ -25,7 +25,7 @@ from rlmesh.common.limits import at_most, seconds
 from rlmesh.common.paths import validate_run_id
 from rlmesh.common.run_config import TrainerRunConfig, oldest_weight_version
 from rlmesh.common.sample import SampleGroup
-from rlmesh.trainer.backend import TorchBackend, resolve_device
+from rlmesh.trainer.backend import TorchBackend
 from rlmesh.trainer.batches import staleness_metrics, trainable_groups
 from rlmesh.trainer.buffer_client import BufferClient
 from rlmesh.trainer.checkpoints import (
@@ -45,6 +45,7 @@ from rlmesh.trainer.final_model import (
     final_model_info,
     write_final_model,
 )
+from rlmesh.trainer.loading import resolve_device
 from rlmesh.trainer.ranks import open_backend
 from rlmesh.trainer.run_paths import RunPaths, model_paths
 from rlmesh.trainer.weight_sync import PushResult, WeightPusher
