@@ -45,10 +45,14 @@ def pytest_collection_modifyitems(config, items):
 def buffer_files_under_pytest_tmp(tmp_path_factory):
     """Every buffer the tests start (in-process or as a process) reads datasets and
     writes exports under pytest's temporary directory, where each test's tmp_path lies:
-    its data_roots and export_dir, by environment. Tests of the roots set their own."""
+    its data_roots, model_roots and export_dir, by environment; every trainer its model_roots.
+    Tests of the roots set their own."""
     base = str(tmp_path_factory.getbasetemp())
     os.environ["RLMESH_BUFFER_DATA_ROOTS"] = json.dumps([base])
     os.environ["RLMESH_BUFFER_EXPORT_DIR"] = base
+    # (and load models and tokenizers from there: tiny_model_dir and each test's own)
+    os.environ["RLMESH_BUFFER_MODEL_ROOTS"] = json.dumps([base])
+    os.environ["RLMESH_TRAINER_MODEL_ROOTS"] = json.dumps([base])
 
 
 @pytest.fixture(scope="session")

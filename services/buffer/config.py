@@ -51,6 +51,13 @@ class Settings(GrpcServiceSettings):
         description="Directories dataset files may be read from (a run's dataset path must lie under one; a "
         "relative path is taken under the first). Relative roots are from the working directory.",
     )
+    model_roots: list[Path] = Field(
+        [Path("models")],
+        min_length=1,
+        description="Directories tokenizers may be loaded from (a dataset's tokenizer_path, or the run's model "
+        "when a dataset templates or measures prompts): a path elsewhere is refused, with the same answer whether "
+        "or not it exists. A relative path is taken under the first; relative roots are from the working directory.",
+    )
     dataset_max_files: int = Field(
         10_000,
         ge=1,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from rlmesh.buffer.sources import DataFiles, read_rows
+from rlmesh.buffer.sources import DataFiles, needs_tokenizer, read_rows
 from rlmesh.common.errors import InvalidArgument
 from rlmesh.common.run_config import DatasetConfig
 from rlmesh.common.sample import Sample, Status
@@ -35,8 +35,11 @@ def load_dataset(opts: DatasetConfig, files: DataFiles) -> LoadedDataset:
     records = [_record(opts, i, row) for i, row in enumerate(rows, 1)]
     if not records:
         raise InvalidArgument(f"dataset {opts.name!r}: {opts.path} has no records")
-    needs_tokenizer = opts.tokenizer_path and (opts.apply_chat_template or opts.max_prompt_length > 0)
-    tokenizer = load_tokenizer(opts.tokenizer_path) if needs_tokenizer else None
+    tokenizer = None
+    if needs_tokenizer(opts):
+        tokenizer = load_tokenizer(
+            str(files.tokenizer_dir(opts.tokenizer_path, f"dataset {opts.name!r}: tokenizer_path"))
+        )
     if opts.apply_chat_template:
         if tokenizer is None:
             raise InvalidArgument(f"dataset {opts.name!r}: apply_chat_template needs a tokenizer_path")

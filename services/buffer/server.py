@@ -23,7 +23,7 @@ from rlmesh.common.dataset_spec import dataset_from_proto
 from rlmesh.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from rlmesh.common.grpc_server import Service, ServiceBinding, start_service
 from rlmesh.common.limits import MAX_DATASETS, Limits, at_most, seconds, within
-from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
+from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, check_pb2
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,22 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             request.run_id, datasets, request.n_samples_per_prompt, request.max_queued_groups, request.vocab_size
         )
         return buffer_pb2.CreateRunResponse(created=created)
+
+    async def CheckDatasets(self, request, context):
+        within([(len(request.datasets), MAX_DATASETS, "datasets of a run", "")])
+        problems = []
+        for i, spec in enumerate(request.datasets):
+            try:
+                dataset = dataset_from_proto(spec, request)
+            except InvalidArgument as e:
+                problems.append(check_pb2.FieldProblem(field=f"datasets.{i}", message=str(e)))
+                continue
+            # (a tokenizer the dataset does not name is the run's model)
+            tokenizer_field = "tokenizer_path" if spec.tokenizer_path else "model_path"
+            for name, message in self.store.prompts.data_files.check(dataset, tokenizer_field):
+                field = f"datasets.{i}.{name}" if name == "path" or spec.tokenizer_path else "model_path"
+                problems.append(check_pb2.FieldProblem(field=field, message=message))
+        return check_pb2.CheckResponse(problems=problems)
 
     async def DeleteRun(self, request, context):
         return buffer_pb2.DeleteRunResponse(keys_deleted=await self.store.delete_run(request.run_id))
@@ -269,7 +285,9 @@ def make_store(settings: Settings) -> BufferStore:
         filter_window=settings.filter_window,
         rate_window_seconds=settings.rate_window_seconds,
         cache_bytes=settings.cache_megabytes * 1024 * 1024,
-        data_files=DataFiles.of(settings.data_roots, settings.dataset_max_files, settings.dataset_max_bytes),
+        data_files=DataFiles.of(
+            settings.data_roots, settings.dataset_max_files, settings.dataset_max_bytes, settings.model_roots
+        ),
         max_deliveries=settings.max_deliveries,
         recent_groups=settings.recent_groups,
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rlmesh.common.errors import InvalidArgument
 from rlmesh.common.paths import resolve_roots, resolve_under
+from rlmesh.common.run_config import DatasetConfig
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,45 @@ class DataFiles:
     roots: tuple[Path, ...]
     max_files: int
     max_bytes: int
+    model_roots: tuple[Path, ...] = ()  # where tokenizers load from (the buffer's model_roots)
 
     @classmethod
-    def of(cls, roots, max_files: int, max_bytes: int) -> DataFiles:
-        return cls(resolve_roots(roots), max_files, max_bytes)
+    def of(cls, roots, max_files: int, max_bytes: int, model_roots=()) -> DataFiles:
+        return cls(resolve_roots(roots), max_files, max_bytes, resolve_roots(model_roots))
+
+    def tokenizer_dir(self, path: str, what: str) -> Path:
+        """A tokenizer (or model) directory under the model roots, resolved; the same refusal
+        whether a path outside them exists or not."""
+        resolved = resolve_under(path, self.model_roots, what, "the buffer's model_roots")
+        if not resolved.is_dir():
+            raise InvalidArgument(f"{what} {path!r}: no tokenizer directory there (under the buffer's model_roots)")
+        return resolved
+
+    def check(self, dataset: DatasetConfig, tokenizer_field: str) -> list[tuple[str, str]]:
+        """What loading `dataset` would refuse before reading a byte, as (field, message):
+        its path outside the data roots or with nothing there, its tokenizer outside the
+        model roots (checked when it is used: templating, or a max_prompt_length)."""
+        problems = []
+        try:
+            if not _Reader(dataset.name, self).inside(dataset.path).exists():
+                problems.append(
+                    (
+                        "path",
+                        f"dataset {dataset.name!r}: path {dataset.path!r}: nothing there (under the buffer's data_roots)",
+                    )
+                )
+        except InvalidArgument as e:
+            problems.append(("path", str(e)))
+        if needs_tokenizer(dataset):
+            try:
+                self.tokenizer_dir(dataset.tokenizer_path, f"dataset {dataset.name!r}: {tokenizer_field}")
+            except InvalidArgument as e:
+                problems.append(("tokenizer_path", str(e)))
+        return problems
+
+
+def needs_tokenizer(dataset: DatasetConfig) -> bool:
+    return bool(dataset.tokenizer_path) and (dataset.apply_chat_template or dataset.max_prompt_length > 0)
 
 
 class _Reader:
@@ -86,7 +122,7 @@ def read_rows(name: str, path: str, columns: list[str], split: str, files: DataF
     reader = _Reader(name, files)
     p = reader.inside(path)
     if not p.exists():
-        raise reader.error(f"file not found: {path} (paths are read under the buffer's data_roots, on its machine)")
+        raise reader.error(f"file not found: {path!r} (paths are read under the buffer's data_roots, on its machine)")
     if p.is_dir():
         return _read_directory(reader, p, columns, split)
     if p.suffix in (".jsonl", ".json"):

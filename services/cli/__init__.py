@@ -127,6 +127,13 @@ def main(argv: list[str] | None = None) -> None:
     h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     t = sub.add_parser("build-tiny-model", help="write the tiny model and tokenizer to a directory")
     t.add_argument("out_dir")
+    e = sub.add_parser(
+        "export",
+        help="write a checkpoint (automatic, saved, or a final model) as a Hugging Face model directory that "
+        "transformers and SGLang load: no trainer state; LoRA adapters merged, and kept under OUT/adapter",
+    )
+    e.add_argument("checkpoint", help="the checkpoint's directory (on the trainer's machine)")
+    e.add_argument("out", help="a new directory")
 
     if argv[:1] == ["serve"] and len(argv) >= 2 and argv[1] in SERVICE_PACKAGES:
         _serve(argv[1], argv[2:])
@@ -148,6 +155,20 @@ def main(argv: list[str] | None = None) -> None:
         from rlmesh.cli.tiny_model import build_tiny_model
 
         print(build_tiny_model(args.out_dir))
+    elif args.command == "export":
+        sys.exit(_export(args.checkpoint, args.out))
+
+
+def _export(checkpoint: str, out: str) -> int:
+    from rlmesh.common.errors import RlmeshError
+    from rlmesh.trainer.final_model import export_checkpoint
+
+    try:
+        print(export_checkpoint(Path(checkpoint), Path(out)))
+    except RlmeshError as e:
+        print(f"rlmesh export: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

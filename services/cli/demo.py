@@ -57,6 +57,7 @@ def demo_config(model_path: str, train: Path, held_out: Path, sft_steps: int = 3
             "algorithm": {"advantage_estimator": "grpo"},
             # A 137k-parameter model wants a far larger step than a real LLM.
             "optimizer": {"lr": 3e-3, "grad_clip": 1.0},
+            "sft_optimizer": {"lr": 3e-3, "grad_clip": 1.0},
             "micro_batch_size": 128,
             "sft_warmup": {"steps": sft_steps, "batch_groups": 32},
             "eval": {"interval": 10, "sampling": {"max_new_tokens": 8, "temperature": 0.0}},

@@ -70,6 +70,8 @@ class Stack:
                 "buffer": [
                     "--data-roots",
                     json.dumps([str(Path("data").resolve()), str(datasets_dir(self.data_dir))]),
+                    "--model-roots",
+                    json.dumps(self.model_roots()),
                     "--export-dir",
                     str(self.data_dir / "buffer" / "exports"),
                 ],
@@ -88,6 +90,8 @@ class Stack:
                     a("rollout"),
                     "--work-dir",
                     str(self.data_dir / "trainer"),
+                    "--model-roots",
+                    json.dumps(self.model_roots()),
                 ],
                 "coordinator": [
                     "--buffer-address",
@@ -103,6 +107,12 @@ class Stack:
                 ],
             }[name]
         )
+
+    def model_roots(self) -> list[str]:
+        """Where the stack's runs may load models and tokenizers: ./models, the stack's data
+        directory (its tiny models, the demo's), and the engine's model."""
+        roots = [str(Path("models").resolve()), str(self.data_dir.resolve())]
+        return roots + [str(Path(self.model_path).resolve())] if self.model_path else roots
 
     def env(self) -> dict[str, str]:
         """Secrets reach the services by environment (flags show in `ps`): the Redis URL, which

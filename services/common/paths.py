@@ -37,11 +37,11 @@ def resolve_roots(roots: Sequence[str | Path]) -> tuple[Path, ...]:
 
 def resolve_under(path: str | Path, roots: Sequence[Path], what: str, setting: str) -> Path:
     """`path` resolved, if it lies under one of `roots` (already resolved, see resolve_roots);
-    InvalidArgument naming the roots and `setting` (where an operator configures them)
-    otherwise. `what` names the path in messages, e.g. "dataset 'train': path"."""
+    InvalidArgument naming `setting` (where an operator configures them, never the server's
+    directories themselves) otherwise. `what` names the path in messages, e.g. "dataset 'train': path"."""
     text = str(path)
     if not text:
-        raise InvalidArgument(f"{what} is required (a path under {setting}: {_listed(roots)})")
+        raise InvalidArgument(f"{what} is required (a path under {setting})")
     if not roots:
         raise InvalidArgument(f"{what} {text!r} cannot be used: {setting} names no directory")
     candidate = Path(text)
@@ -54,11 +54,8 @@ def resolve_under(path: str | Path, roots: Sequence[Path], what: str, setting: s
         resolved = None
     if resolved is not None and any(resolved.is_relative_to(root) for root in roots):
         return resolved
+    # (the roots themselves are the server's business: the message names the setting only)
     raise InvalidArgument(
-        f"{what} {text!r} is not under {setting} ({_listed(roots)}); relative paths are taken under "
-        f"{str(roots[0])!r}, and neither '..' nor a symlink may lead out of them"
+        f"{what} {text!r} is not under {setting}; relative paths are taken under the first of them, and "
+        "neither '..' nor a symlink may lead out of them"
     )
-
-
-def _listed(roots: Sequence[Path]) -> str:
-    return ", ".join(repr(str(r)) for r in roots) or "none"

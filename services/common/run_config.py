@@ -5,44 +5,41 @@ once here. The coordinator hands each service its section (the trainer gets
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import Field, model_validator
 
-from rlmesh.common.algorithm import AlgorithmConfig
 from rlmesh.common.limits import INT32_MAX, INT64_MAX, MAX_DATASETS, Limits
+from rlmesh.common.strict_model import Key, StrictModel, TokenId
+from rlmesh.common.training_config import (
+    LoraConfig,
+    OptimizerConfig,
+    StalePolicy,
+    TrainerRunConfig,
+    TrainingConfig,
+    WeightSyncConfig,
+)
 
-Key = Annotated[str, StringConstraints(min_length=1, max_length=128)]
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-
-
-class StrictModel(BaseModel):
-    """Refuses unknown fields, NaN and infinities, text that is not valid Unicode (lone
-    surrogates cannot be stored or sent on) and text longer than 4096 characters."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, str_max_length=4096)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        _refuse_surrogates(data, ())
-        return data
-
-
-def _refuse_surrogates(value: Any, where: tuple) -> None:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            at = ".".join(map(str, where)) or "a text"
-            raise ValueError(f"{at} is not valid Unicode (it holds a lone surrogate)") from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _refuse_surrogates(k, where)
-            _refuse_surrogates(v, (*where, k))
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _refuse_surrogates(v, (*where, i))
+# (the trainer's part lives in training_config.py; its names are this module's too)
+__all__ = [
+    "DEFAULT_MAX_STALENESS",
+    "DatasetConfig",
+    "EvalConfig",
+    "GenerateConfig",
+    "Key",
+    "LoraConfig",
+    "OptimizerConfig",
+    "RunConfig",
+    "SamplingConfig",
+    "StalePolicy",
+    "StrictModel",
+    "TokenId",
+    "TrainerRunConfig",
+    "TrainingConfig",
+    "WeightSyncConfig",
+    "limit_violations",
+    "oldest_weight_version",
+]
 
 
 class DatasetConfig(StrictModel):
@@ -161,167 +158,7 @@ class RewardConfig(StrictModel):
     reward_key: str = Field("", max_length=128, description="Entry to use when a reward function returns a dict.")
 
 
-class OptimizerConfig(StrictModel):
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
-        (0.9, 0.999), description="AdamW betas."
-    )
-    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
-    warmup_steps: int = Field(
-        0, ge=0, le=INT32_MAX, description="Linear learning-rate warm-up over this many optimizer steps."
-    )
-
-
-class WeightSyncConfig(StrictModel):
-    bucket_bytes: int = Field(
-        64 * 1024 * 1024, ge=1, le=2**40, description="Parameters per broadcast bucket, in bytes."
-    )
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on GPU, gloo on CPU.")
-    load_format: Literal["", "flattened_bucket"] = Field(
-        "", description="'flattened_bucket' sends each bucket as one flat tensor (fewer collectives)."
-    )
-    method: Literal["distributed", "disk", "colocated"] = Field(
-        "distributed",
-        description="Broadcast over a process group; or write a checkpoint the engines load; or 'colocated': engines "
-        "on the trainer's accelerators sleep while it trains, then load its weights in place (sync, one_step_off).",
-    )
-    delta: bool = Field(
-        False,
-        description="Distributed pushes send only the elements whose bits changed since the last push "
-        "(indices and values per bucket) to engines that accept rlmesh delta updates (the reference engine; "
-        "SGLang gets full pushes). The trainer keeps a copy of what it last pushed, as sent (set the trainer's "
-        "weight_sync_dtype to the engines' dtype, e.g. bfloat16, for small deltas).",
-    )
-    delta_max_changed_fraction: float = Field(
-        0.25,
-        ge=0,
-        le=1,
-        description="A bucket in which more than this fraction of elements changed is sent "
-        "whole (a delta element costs its index too: 4 bytes more).",
-    )
-
-
-ModuleName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$", max_length=128)]
-
-
-class LoraConfig(StrictModel):
-    """LoRA adapters (PEFT) on the policy: only they train; the engines get merged weights."""
-
-    rank: int = Field(8, ge=1, le=1024, description="Rank r of each adapter's B A.")
-    alpha: float = Field(16.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B A.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input, in training passes only.")
-    target_modules: Literal["all-linear"] | list[ModuleName] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        min_length=1,
-        max_length=64,
-        description="Names (or name suffixes) of the linear layers to adapt, or 'all-linear' (all but the "
-        "output head); checked against the model when the run starts.",
-    )
-
-
-class TrainingConfig(StrictModel):
-    """The trainer's part of a run, declared once: `POST /runs` has these fields at its top
-    level and the trainer receives them unchanged (in TrainerRunConfig)."""
-
-    model_path: str = Field(
-        min_length=1, description="Local Hugging Face checkpoint directory of the policy (and its tokenizer)."
-    )
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages, loss and KL.")
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer of RL steps.")
-    sft_optimizer: OptimizerConfig | None = Field(None, description="Optimizer for SFT steps; default `optimizer`.")
-    micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward (gradient accumulation).")
-    num_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout batch.")
-    lora: LoraConfig | None = Field(
-        None,
-        description="Train LoRA adapters instead of the whole model (torch backend); the KL reference is then "
-        "the base model with the adapters disabled, and checkpoints hold the adapters. Not with backend 'megatron'.",
-    )
-    data_parallel: Literal["none", "fsdp2"] = Field(
-        "none",
-        description="'fsdp2': shard the model with FSDP2 across the processes of a torchrun job, each "
-        "training its share of every mini-batch (torch backend only; not with lora; see docs/trainer.md).",
-    )
-    weight_sync: WeightSyncConfig = Field(
-        default_factory=WeightSyncConfig, description="How new weights reach the engines."
-    )
-    checkpoint_dir: str = Field(
-        "",
-        description="Where the trainer saves checkpoints, under the trainer's work_dir (relative to it; "
-        "default <work_dir>/<run>/checkpoints).",
-    )
-    checkpoint_interval: int = Field(
-        0,
-        ge=0,
-        le=INT32_MAX,
-        description="Save a checkpoint (model, optimizer, scheduler, RNG, step) to "
-        "checkpoint_dir/step-NNNNNN every this many optimizer steps, written in the background; a trainer "
-        "restarted with the same run resumes from the newest one. 0 = off (each checkpoint is the model plus "
-        "twice its size in optimizer state).",
-    )
-    keep_last: int = Field(
-        2,
-        ge=1,
-        le=INT32_MAX,
-        description="How many of the newest automatic checkpoints to keep; older ones "
-        "rlmesh wrote are deleted (SaveCheckpoint's are never deleted).",
-    )
-    seed: int = Field(0, ge=0, le=INT64_MAX, description="Seed of the trainer's random state.")
-    backend: Literal["torch", "megatron"] = Field(
-        "torch",
-        description="How the trainer holds the model: 'torch' (a transformers model on one device, or "
-        "sharded over torchrun's ranks with data_parallel 'fsdp2') or "
-        "'megatron' (a megatron-core GPTModel with tensor/pipeline parallelism; Llama and Qwen2 families; needs the "
-        "`megatron` extra, and a trainer started under torchrun with TP x PP processes, see docs/trainer.md). Megatron trains "
-        "the whole model: no lora, no data_parallel, no estimator with a critic ('gae').",
-    )
-    tensor_parallel_size: int = Field(
-        1, ge=1, le=64, description="TP: ranks each layer is split over (backend 'megatron')."
-    )
-    pipeline_parallel_size: int = Field(
-        1, ge=1, le=64, description="PP: pipeline stages the layers are cut into (backend 'megatron')."
-    )
-
-    @model_validator(mode="after")
-    def _parallel_sizes_need_megatron(self):
-        if self.backend == "torch" and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
-            raise ValueError("tensor_parallel_size and pipeline_parallel_size above 1 need backend 'megatron'")
-        return self
-
-    @model_validator(mode="after")
-    def _megatron_trains_the_whole_model(self):
-        # The megatron backend shards the model itself (TP/PP) and has no LoRA adapters,
-        # no FSDP2 and no value head: refused here rather than silently ignored.
-        if self.backend != "megatron":
-            return self
-        unsupported = [
-            name
-            for name, used in (
-                ("lora", self.lora is not None),
-                (f"data_parallel {self.data_parallel!r}", self.data_parallel != "none"),
-                (f"advantage_estimator {self.algorithm.advantage_estimator!r} (a critic)", self.algorithm.needs_critic),
-            )
-            if used
-        ]
-        if unsupported:
-            raise ValueError(
-                f"backend 'megatron' does not support {', '.join(unsupported)}; use backend 'torch' "
-                "for these (FSDP2 with data_parallel 'fsdp2')"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _lora_not_sharded(self):
-        if self.lora is not None and self.data_parallel != "none":
-            raise ValueError(
-                "lora with data_parallel 'fsdp2' is not supported: LoRA's adapters are small enough to "
-                "train unsharded; use one or the other"
-            )
-        return self
-
-
 TrainingMode = Literal["sync", "one_step_off", "fully_async"]
-StalePolicy = Literal["drop", "keep"]
 # The staleness bound when a run does not set max_staleness (sync is on-policy by construction).
 DEFAULT_MAX_STALENESS = {"sync": None, "one_step_off": 1, "fully_async": 2}
 
@@ -330,24 +167,6 @@ def oldest_weight_version(version: int, bound: int | None, ahead: int = 0) -> in
     """The oldest weight version a group may be generated with to be trained at weight
     version `version` + `ahead` under the staleness bound `bound` (None: no bound)."""
     return 0 if bound is None else max(version + ahead - bound, 0)
-
-
-class TrainerRunConfig(TrainingConfig):
-    """What the trainer needs for a run (sent as JSON in Trainer.InitRun)."""
-
-    reference_model_path: str = Field("", description="Frozen reference for KL; default model_path when KL is on.")
-    rollout_temperature: float = Field(
-        1.0, gt=0, description="The engines' sampling temperature: log-probs are taken of logits / temperature."
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = the trainer service's setting.")
-    staleness_bound: int | None = Field(
-        None,
-        ge=0,
-        le=INT32_MAX,
-        description="Lease only groups generated with weights at most this many versions "
-        "older than the trainer's (None = no bound): the run's max_staleness, or its mode's default.",
-    )
-    stale_policy: StalePolicy = Field("drop", description="The run's stale_policy.")
 
 
 class EvalConfig(StrictModel):

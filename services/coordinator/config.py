@@ -45,6 +45,13 @@ class Settings(ServiceSettings):
     call_deadline_seconds: float = Field(
         60.0, gt=0, description="Deadline of a quick call (buffer stats, CreateRun, EndRun, DeleteRun)."
     )
+    check_deadline_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="Deadline of the checks each service makes of a new run at POST /runs (datasets, models, "
+        "reward components, generate function); a service that does not answer in time is not held against the "
+        "run: it is accepted and checked at setup.",
+    )
     setup_deadline_seconds: float = Field(
         900.0, gt=0, description="Deadline of InitRun (loads the model) and PublishWeights (pushes it to every engine)."
     )

@@ -35,6 +35,10 @@ def init_run_request(run_id: str, cfg: RunConfig) -> trainer_pb2.InitRunRequest:
     return trainer_pb2.InitRunRequest(run_id=run_id, config_json=cfg.trainer_config().model_dump_json())
 
 
+def check_run_request(cfg: RunConfig) -> trainer_pb2.CheckRunRequest:
+    return trainer_pb2.CheckRunRequest(config_json=cfg.trainer_config().model_dump_json())
+
+
 def rollout_request(
     run_id: str, cfg: RunConfig, num_groups: int, min_weight_version: int = 0, weight_version: int = 0
 ) -> rollout_pb2.GenerateRolloutRequest:

@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 
 from rlmesh.common.run_config import RunConfig, limit_violations
 from rlmesh.coordinator.config import Settings
+from rlmesh.coordinator.door import door_problems
 from rlmesh.coordinator.page import group_for_people
-from rlmesh.coordinator.requests import generate_function_spec
 from rlmesh.coordinator.runs import RunDriver
 from rlmesh.coordinator.schemas import (
     RELAYED,
@@ -47,34 +47,16 @@ RUNS_PAGE = 1000  # runs GET /runs returns, at most
 _NON_FINITE = re.compile(rb"NaN|Infinity")
 
 
-async def _check_runnable(driver: RunDriver, config: RunConfig, settings: Settings) -> None:
-    """422 for a run config past the operator's limits, or whose generate function the rollout
-    service refuses."""
+async def _check_runnable(request: Request, config: RunConfig, settings: Settings) -> None:
+    """422 for a run config past the operator's limits, or that a service finds it cannot run
+    (door.py: each service asked about its own part)."""
     violations = limit_violations(config, settings.limits)
     if violations:
         raise RequestValidationError([{"loc": ("body", *loc), "msg": msg, "type": "limit"} for loc, msg in violations])
-    if config.rollout.generate.name:
-        await _check_generate_function(driver, config)
-
-
-async def _check_generate_function(driver: RunDriver, config: RunConfig) -> None:
-    """A generate function the rollout service lacks, or options it refuses, are the
-    request's fault (422 naming them); a rollout service that does not answer now is not:
-    the run starts and its first rollout checks again."""
-    try:
-        await driver.clients.rollout.CheckGenerateFunction(
-            generate_function_spec(config), timeout=driver.settings.call_deadline_seconds
-        )
-    except grpc.aio.AioRpcError as e:
-        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            raise RequestValidationError(
-                [{"loc": ("body", "rollout", "generate"), "msg": e.details(), "type": "generate_function"}]
-            ) from None
-        log.warning(
-            "could not check the generate function with the rollout service (%s); the run starts "
-            "and its first rollout checks it",
-            e.code().name,
-        )
+    driver: RunDriver = request.app.state.driver
+    problems = await door_problems(driver.clients, request.app.state.reward, config, settings.check_deadline_seconds)
+    if problems:
+        raise RequestValidationError(problems)
 
 
 def runs_router(settings: Settings) -> APIRouter:
@@ -83,7 +65,7 @@ def runs_router(settings: Settings) -> APIRouter:
     @router.post("/runs", status_code=201, response_model=RunCreated, responses=error_responses(400, 409, 413))
     async def create_run(config: RunConfig, request: Request):
         """Start a run; 409 while another run is active (one run trains at a time)."""
-        await _check_runnable(request.app.state.driver, config, settings)
+        await _check_runnable(request, config, settings)
         run_id = await request.app.state.driver.submit(config)
         return RunCreated(id=run_id, status="pending")
 
@@ -218,6 +200,7 @@ def runs_router(settings: Settings) -> APIRouter:
                 automatic=c.automatic,
                 weight_version=c.weight_version,
                 written_at=c.written_at,
+                final=c.final,
             )
             for c in reply.checkpoints
         ]

@@ -183,7 +183,13 @@ class RunDriver:
     async def _record_end(self, run_id: str, mode: RunMode | None, **fields) -> None:
         """The run's end recorded, even through a Redis outage longer than the store's own
         retries (a driver that gave up here left the run 'running' with its claim held until
-        the coordinator restarted), then the trainer freed for the next run (_end)."""
+        the coordinator restarted), then the trainer freed for the next run (_end). The trainer
+        ends the run first, so a run that reads stopped (or failed) names its final model."""
+        if mode is not None:
+            await mode.close()
+        final_model = await self._end_in_trainer(run_id)
+        if final_model:
+            fields["final_model"] = final_model
         while True:
             try:
                 await self.store.update(run_id, **fields)
@@ -191,7 +197,7 @@ class RunDriver:
             except RedisError as e:
                 log.error("run %s: its end (%s) cannot be recorded yet, Redis fails: %s", run_id, fields["status"], e)
                 await asyncio.sleep(self.backoff.max_seconds)
-        await self._end(run_id, mode)
+        await self._end(run_id, None, trainer_ended=True)
 
     async def _train(self, calls: RunCalls, mode: RunMode, phase: str) -> None:
         """The run's train steps in order: the SFT warm start's, the evaluation before RL, then
@@ -312,6 +318,8 @@ class RunDriver:
         the trainer held then. Fewer than all when it restarted from an older checkpoint since
         the last step: it is set up again (from that checkpoint) to take the rest."""
         status = await calls.end_run()
+        if status.final_model:
+            await self.store.update(calls.run_id, final_model=status.final_model)
         done = await self._realign(calls, status.step, answered=False)
         if done < calls.cfg.sft_warmup.steps + calls.cfg.num_rollouts:
             await calls.set_up_trainer()
@@ -340,16 +348,23 @@ class RunDriver:
             )
         return after
 
+    async def _end_in_trainer(self, run_id: str) -> str:
+        """EndRun (the trainer writes the final model and lets the run go); the final model's
+        path relative to the trainer's work_dir, "" when it was not written."""
+        try:
+            status = await self.clients.trainer.EndRun(
+                trainer_pb2.EndRunRequest(run_id=run_id), timeout=self.settings.setup_deadline_seconds
+            )
+        except grpc.aio.AioRpcError as e:
+            log.warning("EndRun for %s: %s", run_id, e.details())
+            return ""
+        return status.final_model
+
     async def _end(self, run_id: str, mode: RunMode | None, trainer_ended: bool = False) -> None:
         if mode is not None:
             await mode.close()
         if not trainer_ended:
-            try:
-                await self.clients.trainer.EndRun(
-                    trainer_pb2.EndRunRequest(run_id=run_id), timeout=self.settings.setup_deadline_seconds
-                )
-            except grpc.aio.AioRpcError as e:
-                log.warning("EndRun for %s: %s", run_id, e.details())
+            await self._end_in_trainer(run_id)
         await self._close_in_buffer(run_id)
         await self.store.release(run_id)
         await self.run_logs.close(run_id)

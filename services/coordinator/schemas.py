@@ -81,6 +81,12 @@ def run_summary(rec: dict) -> dict:
 
 class RunDetail(RunSummary):
     config: dict
+    final_model: str = Field(
+        "",
+        description="Once the run has completed or stopped: its final policy, a Hugging Face model directory "
+        "(transformers' from_pretrained, SGLang's --model-path) on the trainer's machine, relative to the "
+        "trainer's work_dir; also in GET /runs/{id}/checkpoints (final: true).",
+    )
     eval_before: dict
     eval_after: dict
     latest_metrics: dict
@@ -127,6 +133,7 @@ class CheckpointInfo(BaseModel):
     )
     weight_version: int
     written_at: float = Field(description="Unix seconds.")
+    final: bool = Field(False, description="The run's final model: a model directory, not a checkpoint to resume.")
 
 
 class RewardServiceRegistration(RemoteServiceSpec):

@@ -217,6 +217,24 @@ class Scorer:
         self._check_weights(weights, "spec", callers, allow_group)
         return weights
 
+    async def check_spec(self, spec: RewardSpec) -> list[tuple[str, str]]:
+        """What scoring groups with `spec` would refuse, as (field, message): each unknown
+        component (or bad weight) as "components.<name>", no components at all as "components"."""
+        callers = await self._callers()
+        if not spec.components:
+            try:
+                self._base_weights(spec, True, callers)
+            except errors.InvalidArgument as e:
+                return [("components", str(e))]
+            return []
+        problems = []
+        for name, weight in spec.components.items():
+            try:
+                self._check_weights({name: weight}, "reward.components", callers)
+            except errors.InvalidArgument as e:
+                problems.append((f"components.{name}", str(e)))
+        return problems
+
     def _sample_weights(
         self, sample: Sample, base: dict[str, float], allow_group: bool, callers: dict[str, RemoteCaller]
     ) -> dict[str, float]:

@@ -22,7 +22,7 @@ from rlmesh.reward.scoring import RewardSpec, Scorer
 from rlmesh.reward.url_policy import UrlPolicy
 from rlmesh.reward.verifiers import VERIFIERS
 from rlmesh.reward.workers import VerifierPool
-from rlmesh.v1 import reward_pb2, reward_pb2_grpc
+from rlmesh.v1 import check_pb2, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,10 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         if not request.name:
             raise InvalidArgument("UnregisterServiceRequest has no name")
         return reward_pb2.UnregisterServiceResponse(removed=await self.registry.unregister(request.name))
+
+    async def CheckSpec(self, request, context):
+        problems = await self.scorer.check_spec(spec_from_proto(request))
+        return check_pb2.CheckResponse(problems=[check_pb2.FieldProblem(field=f, message=m) for f, m in problems])
 
     async def GetStats(self, request, context):
         await self.registry.callers()  # counters for services registered through another replica too

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -27,6 +26,7 @@ from rlmesh.rollout.agents.tools import ToolBox
 from rlmesh.rollout.config import BUILTIN_GENERATE_FUNCTIONS, Settings
 from rlmesh.rollout.engine_client import EngineBehind, EngineError, EnginePool, EnginesBehind
 from rlmesh.rollout.generation import GenerateContext, sft_sample
+from rlmesh.rollout.group_metrics import keep_group, rollout_metrics
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -106,40 +106,6 @@ class EvalRequest:
     apply_chat_template: bool = False
     generate: GenerateChoice = GenerateChoice()
     weight_version: int = 0  # as RolloutRequest's
-
-
-def keep_group(group: SampleGroup, group_filter: str) -> bool:
-    if group_filter == "nonzero_std":
-        rewards = [s.reward for s in group.samples if s.status != Status.FAILED]
-        return len(rewards) > 1 and max(rewards) != min(rewards)
-    return True
-
-
-def rollout_metrics(groups: list[SampleGroup], prefix: str) -> dict[str, float]:
-    samples = [s for g in groups for s in g.samples]
-    if not samples:
-        return {}
-    scored = [s.reward for s in samples if s.status != Status.FAILED]
-    out = {
-        f"{prefix}reward_mean": statistics.fmean(scored) if scored else 0.0,
-        f"{prefix}response_length_mean": statistics.fmean(s.response_length for s in samples),
-        f"{prefix}truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
-        f"{prefix}failed_ratio": sum(s.status == Status.FAILED for s in samples) / len(samples),
-        f"{prefix}samples": float(len(samples)),
-    }
-    for s in samples:  # failed samples counted by what failed (a few fixed names: the keys stay bounded)
-        if s.status == Status.FAILED:
-            key = f"{prefix}failed/{_failure_kind(s)}"
-            out[key] = out.get(key, 0.0) + 1.0
-    return out
-
-
-def _failure_kind(sample: Sample) -> str:
-    """'generation' (the engine, a generate function or its time limit: metadata['failure']),
-    'reward' (scoring: metadata['reward_error']) or 'other'."""
-    if "failure" in sample.metadata:
-        return "generation"
-    return "reward" if "reward_error" in sample.metadata else "other"
 
 
 ENGINES = "the inference engines"

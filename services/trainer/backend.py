@@ -27,18 +27,18 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from rlmesh.common import errors
-from rlmesh.common.run_config import OptimizerConfig, TrainerRunConfig
+from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import SampleGroup
 from rlmesh.trainer import algorithms as algo
 from rlmesh.trainer import lora
@@ -71,48 +71,9 @@ from rlmesh.trainer.checkpoints import (
 )
 from rlmesh.trainer.critic import VALUE_HEAD_FILE, build_value_head
 from rlmesh.trainer.fsdp import DataParallel
+from rlmesh.trainer.loading import Optimizer, build_optimizer, load_model
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise errors.InvalidArgument("device: 'cuda' was asked for but this trainer has no CUDA device")
-    return torch.device(requested)
-
-
-# --------------------------------------------------------------------------------------
-# The backend
-# --------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Optimizer:
-    config: OptimizerConfig
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-
-
-def _build_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) -> _Optimizer:
-    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    warmup = config.warmup_steps
-    # Linear warmup: step k (0-based) runs at lr * (k + 1) / warmup until warmup is reached.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: min(1.0, (k + 1) / warmup) if warmup > 0 else 1.0
-    )
-    return _Optimizer(config, optimizer, scheduler)
-
-
-def _load_model(path: str, device: torch.device, what: str = "model_path") -> PreTrainedModel:
-    if not Path(path).is_dir():
-        raise errors.InvalidArgument(f"{what}: {path!r} is not a directory (a local Hugging Face checkpoint)")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise errors.InvalidArgument(f"{what}: cannot load a causal LM from {path!r}: {e}") from None
-    return model.to(device).eval()
 
 
 class TorchBackend:
@@ -154,11 +115,18 @@ class TorchBackend:
             self.policy = lora.wrap(self.policy, config.lora, adapters_from=source if lora_base else None)
         self.pad_token_id, self.vocab_size = self._token_space()
 
-        # Starting from one of our checkpoints resumes it (see _resume); its reference
-        # is still the model the run began from, not the checkpoint.
+        # The KL reference (kl_reference): a named model; else the model the run began from,
+        # replaced by the policy as RL begins when a warm start came first
+        # ('after_warm_start', _rebase_reference). Starting from one of our checkpoints
+        # resumes it (see _resume) with the reference it had, not the checkpoint.
         self.reference_path = (
-            config.reference_model_path or saved_state.get("reference_model_path") or config.model_path
+            config.kl_reference_path
+            or saved_state.get("reference_model_path")
+            or config.reference_model_path
+            or config.model_path
         )
+        self.sft_steps = int(saved_state.get("sft_steps", 0))
+        self.reference_rebased = bool(saved_state.get("reference_rebased", False))
         self.reference: PreTrainedModel | None = None
         # With LoRA, the reference is the base model: the policy with its adapters disabled.
         self.reference_is_base = config.lora is not None and self.reference_path in (config.model_path, lora_base)
@@ -178,14 +146,15 @@ class TorchBackend:
         if self.critic is not None:
             params += list(self.critic.parameters())
         self._params = params
-        self._optimizers = {"rl": _build_optimizer(params, config.optimizer)}
-        self._optimizers["sft"] = (
-            _build_optimizer(params, config.sft_optimizer) if config.sft_optimizer else self._optimizers["rl"]
-        )
+        # The warm start's optimizer is its own (settings and AdamW state): RL starts fresh.
+        self._optimizers = {
+            "rl": build_optimizer(params, config.optimizer),
+            "sft": build_optimizer(params, config.sft_optimizer),
+        }
         self.resumed_state: dict = self._resume(source, saved_state) if saved_state else {}
 
     def _load_model(self, path: str, what: str) -> PreTrainedModel:
-        return _load_model(path, self.device, what)
+        return load_model(path, self.device, what)
 
     def _token_space(self) -> tuple[int, int]:
         """(pad token id, vocabulary size): token ids must be below the rows of the input
@@ -197,6 +166,42 @@ class TorchBackend:
     def needs_reference(self) -> bool:
         a = self.algorithm
         return a.kl_loss_coef > 0 or a.kl_coef > 0
+
+    @property
+    def reference_due(self) -> bool:
+        """kl_reference 'after_warm_start', a warm start taken, RL's first step next."""
+        return (
+            self.config.kl_reference == "after_warm_start"
+            and self.needs_reference
+            and self.sft_steps > 0
+            and not self.reference_rebased
+        )
+
+    def _rebase_reference(self) -> None:
+        """The KL reference becomes the policy as it stands (RL begins after the warm start):
+        written as a model directory (kl_reference_dir, which the run's checkpoints name, so
+        a resumed run has the same reference) and loaded from there, by every backend's own
+        load (collective under torchrun: every rank helps write, rank 0 writes, all load)."""
+        path = Path(self.config.kl_reference_dir)
+        if not self.config.kl_reference_dir:
+            raise errors.FailedPrecondition("kl_reference 'after_warm_start' needs the trainer's kl_reference_dir")
+        self.save_weights(path)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (the ranks of one torchrun job; rank 0 wrote)
+            torch.distributed.barrier()
+        self.reference = None  # (freed before the new one loads)
+        self.reference = self._load_model(str(path), "the KL reference after the warm start")
+        self.reference.requires_grad_(False)
+        self.reference_is_base = False
+        self.reference_path, self.reference_rebased = str(path), True
+        log.info("the KL reference is now the policy after %d warm-start steps (%s)", self.sft_steps, path)
+
+    def reference_state(self) -> dict:
+        """What a checkpoint records of the KL reference and the warm start."""
+        return {
+            "reference_model_path": self.reference_path,
+            "reference_rebased": self.reference_rebased,
+            "sft_steps": self.sft_steps,
+        }
 
     @property
     def has_reference(self) -> bool:
@@ -302,7 +307,7 @@ class TorchBackend:
         (over every shard, with data parallelism)."""
         return self.dp.to_float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
 
-    def _optimizer_step(self, opt: _Optimizer, totals: Totals) -> None:
+    def _optimizer_step(self, opt: Optimizer, totals: Totals) -> None:
         grad_norm = self._clip_grad_norm(opt.config.grad_clip)
         totals.lr = opt.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
@@ -320,6 +325,8 @@ class TorchBackend:
 
     def train_step(self, groups: Sequence[SampleGroup]) -> dict[str, float]:
         with self._lock:
+            if self.reference_due:
+                self._rebase_reference()
             return self._train_rl(prepare_batch(groups, self.vocab_size))
 
     def _train_rl(self, batch: PreparedBatch) -> dict[str, float]:
@@ -470,6 +477,7 @@ class TorchBackend:
                     self.policy, mb, functools.partial(self._sft_loss, mb=mb, num_tokens=num_tokens, totals=totals)
                 )
             self._optimizer_step(self._optimizers["sft"], totals)
+            self.sft_steps += 1
             metrics.update(self.dp.reduce_totals(totals).metrics())
             if "loss" in metrics:  # not on a pipeline stage before the last (the loss is taken there)
                 metrics["sft_nll"] = metrics["loss"]
@@ -519,7 +527,7 @@ class TorchBackend:
                 }
                 for name, o in self._distinct_optimizers().items()
             }
-            state = {"step": self.step, "reference_model_path": self.reference_path}
+            state = {"step": self.step, **self.reference_state()}
             if self.dp.mode != "none":
                 state[OPTIMIZER_FORMAT_KEY] = FQN_OPTIMIZER_FORMAT
             tensor_files, text_files = {}, {}
@@ -555,7 +563,7 @@ class TorchBackend:
             modules["critic"] = self.critic
         return torch.nn.ModuleDict(modules)
 
-    def _distinct_optimizers(self) -> dict[str, _Optimizer]:
+    def _distinct_optimizers(self) -> dict[str, Optimizer]:
         if self._optimizers["sft"] is self._optimizers["rl"]:
             return {"rl": self._optimizers["rl"]}
         return dict(self._optimizers)

@@ -13,7 +13,8 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from rlmesh.common import errors
-from rlmesh.common.sample import SampleGroup, Status, validate_arrays
+from rlmesh.common.sample import ConversionError, SampleGroup, Status, group_from_proto, validate_arrays
+from rlmesh.v1 import sample_pb2
 
 
 @dataclass
@@ -217,3 +218,26 @@ class Totals:
         if self.skipped_steps:
             out["skipped_steps_nonfinite_grad"] = float(self.skipped_steps)
         return out
+
+
+def trainable_groups(leased: list[sample_pb2.SampleGroup], vocab_size: int) -> tuple[list[SampleGroup], dict[str, str]]:
+    """The leased groups that can be trained, and why each other one cannot (by group id)."""
+    groups, rejected = [], {}
+    for msg in leased:
+        try:
+            group = group_from_proto(msg)
+            check_group(group, vocab_size)
+        except (ConversionError, errors.InvalidArgument) as e:
+            rejected[msg.group_id] = f"the trainer cannot train on it: {e}"
+            continue
+        groups.append(group)
+    return groups, rejected
+
+
+def staleness_metrics(groups: list[SampleGroup], trainer_version: int) -> dict[str, float]:
+    """How many weight versions behind the trainer's the oldest tokens of each trained
+    sample were generated (samples that record no version are left out)."""
+    lags = [trainer_version - min(s.weight_versions) for g in groups for s in g.samples if s.weight_versions]
+    if not lags:
+        return {}
+    return {"staleness_max": float(max(lags)), "staleness_mean": sum(lags) / len(lags)}

@@ -227,6 +227,7 @@ class CheckpointInfo:
     automatic: bool  # written at checkpoint_interval (pruned to keep_last); else SaveCheckpoint's
     weight_version: int
     written_at: float  # unix seconds: when the checkpoint was marked complete
+    final: bool = False  # the run's final model (final_model.py): a model, not a checkpoint to resume
 
 
 def list_checkpoints(directory: Path, run_id: str) -> list[CheckpointInfo]:

@@ -26,6 +26,14 @@ class Settings(GrpcServiceSettings):
         "are taken under it). A save replaces only a checkpoint rlmesh wrote; a run resumes only from a "
         "checkpoint under it.",
     )
+    model_roots: list[Path] = Field(
+        [Path("models")],
+        min_length=1,
+        description="Directories a run may load models from (model_path, kl_reference, reference_model_path), "
+        "besides work_dir (checkpoints and final models of earlier runs): a path elsewhere is refused, with the "
+        "same answer whether or not it exists. A relative path is taken under the first; relative roots are "
+        "from the working directory.",
+    )
     # Plain str (checked below), not Literal: the CLI flag helper parses non-scalar types as JSON.
     device: str = Field("auto", description="Device when the run config says 'auto': auto, cpu or cuda.")
     mixed_precision: bool = Field(

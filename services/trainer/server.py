@@ -15,7 +15,7 @@ from rlmesh.trainer import ranks
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.metrics import TrainerMetrics
 from rlmesh.trainer.trainer import RunStatus, Trainer, parse_run_config
-from rlmesh.v1 import trainer_pb2, trainer_pb2_grpc
+from rlmesh.v1 import check_pb2, trainer_pb2, trainer_pb2_grpc
 
 SERVICE_NAME = "rlmesh.v1.Trainer"
 
@@ -30,6 +30,7 @@ def _status(status: RunStatus) -> trainer_pb2.TrainerStatus:
         step_in_flight=status.step_in_flight,
         unacknowledged_step=status.unacknowledged_step,
         waiting_for=status.waiting_for,
+        final_model=status.final_model,
     )
 
 
@@ -87,9 +88,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                     automatic=c.automatic,
                     weight_version=c.weight_version,
                     written_at=c.written_at,
+                    final=c.final,
                 )
                 for c in found
             ]
+        )
+
+    async def CheckRun(self, request, context):
+        problems = self.trainer.paths.check_run(parse_run_config(request.config_json))
+        return check_pb2.CheckResponse(
+            problems=[check_pb2.FieldProblem(field=name, message=message) for name, message in problems]
         )
 
 

@@ -22,16 +22,14 @@ from pydantic import ValidationError
 from rlmesh.common import errors, weight_file
 from rlmesh.common.faults import fault_point
 from rlmesh.common.limits import at_most, seconds
-from rlmesh.common.paths import resolve_roots, resolve_under, validate_run_id
+from rlmesh.common.paths import validate_run_id
 from rlmesh.common.run_config import TrainerRunConfig, oldest_weight_version
-from rlmesh.common.sample import ConversionError, SampleGroup, group_from_proto
-from rlmesh.trainer.backend import TorchBackend, resolve_device
-from rlmesh.trainer.batches import check_group
+from rlmesh.common.sample import SampleGroup
+from rlmesh.trainer.backend import TorchBackend
+from rlmesh.trainer.batches import staleness_metrics, trainable_groups
 from rlmesh.trainer.buffer_client import BufferClient
 from rlmesh.trainer.checkpoints import (
     CHECKPOINT,
-    OPTIMIZER_FILE,
-    STATE_FILE,
     CheckpointInfo,
     checkpoint_extra,
     commit_checkpoint,
@@ -41,9 +39,17 @@ from rlmesh.trainer.checkpoints import (
 )
 from rlmesh.trainer.colocated import ColocatedPusher
 from rlmesh.trainer.config import Settings
+from rlmesh.trainer.final_model import (
+    FINAL_MODEL_DIR,
+    KL_REFERENCE_DIR,
+    final_model_entry,
+    final_model_info,
+    write_final_model,
+)
+from rlmesh.trainer.loading import resolve_device
 from rlmesh.trainer.ranks import open_backend
+from rlmesh.trainer.run_paths import RunPaths, model_paths
 from rlmesh.trainer.weight_sync import PushResult, WeightPusher
-from rlmesh.v1 import sample_pb2
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +77,7 @@ class RunStatus:
     step_in_flight: bool = False  # a TrainStep leases, trains or acknowledges now
     unacknowledged_step: int = 0  # a trained step whose acknowledgment has not landed (retried until it does)
     waiting_for: list[str] = field(default_factory=list)  # what the trainer waits for now (its buffer)
+    final_model: str = ""  # EndRun: where the run's final model was written, relative to work_dir
 
 
 @dataclass
@@ -95,6 +102,7 @@ class _Run:
     resumed_step: int = 0
     last_checkpoint_step: int = 0  # of the newest automatic checkpoint, or where the run started
     written_step: int = 0  # of the newest automatic checkpoint written to disk, or where the run started
+    last_checkpoint_time: float = 0.0  # (Trainer.clock) of the newest automatic checkpoint, or the start
     saving: asyncio.Task | None = None  # the automatic checkpoint being written (at most one)
     # Which groups each step trained (step -> group ids), as far as the model holds them:
     # saved in every checkpoint, so after a resume it lists exactly what the model learned from.
@@ -120,7 +128,7 @@ class _Run:
         """With checkpoints on, an acknowledgment is final only once a checkpoint holding its
         step is written: a trainer that dies before then loses those steps, and the buffer
         hands their groups out again (each group trained into the final model exactly once)."""
-        return self.config.checkpoint_interval > 0
+        return self.config.checkpoints_on
 
     def status(self) -> RunStatus:
         return RunStatus(
@@ -143,10 +151,11 @@ class _Run:
 
 
 class Trainer:
+    clock = staticmethod(time.monotonic)  # of checkpoint_interval_seconds
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        # work_dir resolved: the one directory the trainer writes under (and resumes from).
-        self._roots = resolve_roots([settings.work_dir])
+        self.paths = RunPaths(settings)
         self._run: _Run | None = None
         self._lock = asyncio.Lock()  # one user of the model at a time (steps, pushes, saves)
         self._buffer = BufferClient(settings)
@@ -165,8 +174,19 @@ class Trainer:
         """Load the run's model, or resume the newest complete checkpoint of the run in its
         checkpoint_dir (a restarted trainer, or the run set up again)."""
         validate_run_id(run_id)
-        checkpoints = self._checkpoint_dir(run_id, config)  # refused now rather than at the first save
-        self._check_resume(config)
+        problems = self.paths.check_run(config)
+        if problems:
+            raise errors.InvalidArgument("; ".join(message for _, message in problems))
+        checkpoints = self.paths.checkpoint_dir(run_id, config)  # refused now rather than at the first save
+        self.paths.check_resume(self.paths.model_dir(config.model_path, "model_path"))
+        # (the config the backend gets: model paths resolved under model_roots, and where an
+        # 'after_warm_start' KL reference goes)
+        loaded = config.model_copy(
+            update={
+                **{name: str(self.paths.model_dir(value, name)) for name, value in model_paths(config)},
+                "kl_reference_dir": str(checkpoints / KL_REFERENCE_DIR),
+            }
+        )
         async with self._lock:
             if self._run is not None:
                 if self._run.run_id == run_id and self._run.config == config:
@@ -178,7 +198,7 @@ class Trainer:
                 )
             device = resolve_device(config.device if config.device != "auto" else self.settings.device)
             resume = await asyncio.to_thread(newest_checkpoint, checkpoints, run_id)
-            backend = await asyncio.to_thread(open_backend, config, device, self.settings.mixed_precision, resume)
+            backend = await asyncio.to_thread(open_backend, loaded, device, self.settings.mixed_precision, resume)
             run = _Run(
                 run_id,
                 config,
@@ -187,6 +207,7 @@ class Trainer:
                 resumed_step=backend.step if backend.resumed_state else 0,
                 last_checkpoint_step=backend.step,
                 written_step=backend.step,
+                last_checkpoint_time=self.clock(),
                 trained={int(step): ids for step, ids in backend.resumed_state.get("trained_groups", {}).items()},
             )
             self._run = run
@@ -220,8 +241,10 @@ class Trainer:
         steps since the last checkpoint are written to one and their acknowledgments made
         final before this returns (retried through a buffer outage, except when the trainer
         is `shutting_down`: then a restarted trainer's rollback makes them final): a caller
-        that sees it answer knows every acknowledged group is in a checkpoint. If that
-        fails, the run stays set up and EndRun may be called again."""
+        that sees it answer knows every acknowledged group is in a checkpoint. Then, unless
+        `shutting_down` (the run is not over: a restarted trainer carries it on), the final
+        model is written (final_model.py; status.final_model names it). If either fails, the
+        run stays set up and EndRun may be called again."""
         run = self._get(run_id)
         async with self._holding(run):
             if not shutting_down:
@@ -232,7 +255,7 @@ class Trainer:
             else:
                 await self._acknowledged(run)
             await run.saved()  # the last automatic checkpoint lands before the model goes
-            if run.acks_wait_for_checkpoints:
+            if run.acks_wait_for_checkpoints and run.backend.step:  # (step 0: nothing was ever acknowledged)
                 if run.backend.step > run.written_step:
                     await self._checkpoint(run)
                     await run.saved()
@@ -243,6 +266,8 @@ class Trainer:
                         )
                 await self._buffer.commit_acks(run.run_id, run.written_step, patiently=not shutting_down)
             status = run.status()
+            if not shutting_down:
+                status.final_model = await self._write_final_model(run)
             if run.pusher is not None:
                 await run.pusher.close()
             if run.colocated is not None:
@@ -315,7 +340,7 @@ class Trainer:
                     f"buffer had only 0 of {num_groups} groups for run {run.run_id!r} after waiting {wait_seconds:g} s"
                     + (f" ({lease.stale_groups_dropped} stale groups dropped)" if lease.stale_groups_dropped else "")
                 )
-            groups, rejected = _trainable(list(lease.groups), run.backend.vocab_size)
+            groups, rejected = trainable_groups(list(lease.groups), run.backend.vocab_size)
             repeated = [g for g in groups if g.group_id in run.trained_ids]
             groups = [g for g in groups if g.group_id not in run.trained_ids]
             if repeated:
@@ -354,7 +379,7 @@ class Trainer:
             repeated_groups=float(len(repeated)),
             stale_groups_dropped=float(lease.stale_groups_dropped),
             stale_groups_kept=float(lease.stale_groups),
-            **_staleness(groups, run.weight_version),
+            **staleness_metrics(groups, run.weight_version),
         )
         await self._checkpoint_if_due(run)
         return result
@@ -483,9 +508,9 @@ class Trainer:
         replaced only if it is a checkpoint this trainer wrote."""
         run = self._get(run_id)
         async with self._holding(run):
-            target = self._checkpoint_dir(run.run_id, run.config) / f"step_{run.backend.step}"
+            target = self.paths.checkpoint_dir(run.run_id, run.config) / f"step_{run.backend.step}"
             if path:
-                target = self._under_work_dir(path, "path")
+                target = self.paths.under_work_dir(path, "path")
             await run.saved()  # one writer at a time, were it the same directory
             try:
                 snapshot = await asyncio.to_thread(run.backend.snapshot)
@@ -493,7 +518,7 @@ class Trainer:
                 written = await asyncio.to_thread(commit_checkpoint, snapshot, target, extra)
             except OSError as e:
                 raise errors.FailedPrecondition(f"cannot write checkpoint to {str(target)!r}: {e}") from None
-            resumable = written.parent == self._checkpoint_dir(run.run_id, run.config) and CHECKPOINT.fullmatch(
+            resumable = written.parent == self.paths.checkpoint_dir(run.run_id, run.config) and CHECKPOINT.fullmatch(
                 written.name
             )
             if run.acks_wait_for_checkpoints and resumable:
@@ -505,9 +530,11 @@ class Trainer:
         checkpoint_interval, copy the state to CPU memory now and write it in the
         background. A step never fails for a checkpoint: a failure is logged."""
         interval, step = run.config.checkpoint_interval, run.backend.step
-        if not interval or step // interval <= run.last_checkpoint_step // interval:
-            return
-        await self._checkpoint(run)
+        by_steps = interval and step // interval > run.last_checkpoint_step // interval
+        seconds = run.config.checkpoint_interval_seconds
+        by_time = seconds and step > run.last_checkpoint_step and self.clock() - run.last_checkpoint_time >= seconds
+        if by_steps or by_time:
+            await self._checkpoint(run)
 
     async def _checkpoint(self, run: _Run) -> None:
         """An automatic checkpoint of the current step: the state copied to CPU memory now,
@@ -524,7 +551,7 @@ class Trainer:
         except Exception:
             log.exception("run %s: no checkpoint at step %d: copying the state failed", run.run_id, step)
             return
-        run.last_checkpoint_step = step
+        run.last_checkpoint_step, run.last_checkpoint_time = step, self.clock()
 
         async def written() -> None:
             run.written_step = max(run.written_step, step)
@@ -534,58 +561,40 @@ class Trainer:
             write_in_background(
                 run.run_id,
                 snapshot,
-                self._checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}",
+                self.paths.checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}",
                 checkpoint_extra(run.run_id, run.weight_version, run.trained),
                 run.config.keep_last,
                 on_written=written,
             )
         )
 
-    def _under_work_dir(self, path: str | Path, what: str) -> Path:
-        return resolve_under(path, self._roots, what, "the trainer's work_dir")
-
-    def _checkpoint_dir(self, run_id: str, config: TrainerRunConfig) -> Path:
-        return self._checkpoints_at(run_id, config.checkpoint_dir)
-
-    def _checkpoints_at(self, run_id: str, checkpoint_dir: str) -> Path:
-        if checkpoint_dir:
-            return self._under_work_dir(checkpoint_dir, "checkpoint_dir")
-        return self._under_work_dir(self._roots[0] / validate_run_id(run_id) / "checkpoints", "checkpoint_dir")
+    async def _write_final_model(self, run: _Run) -> str:
+        """The run's final policy as a model directory <checkpoint_dir>/final; its path
+        relative to work_dir (what a person names it by; the server's own directories stay
+        its own)."""
+        target = self.paths.checkpoint_dir(run.run_id, run.config) / FINAL_MODEL_DIR
+        info = final_model_info(run.run_id, run.backend.step, run.weight_version)
+        try:
+            await asyncio.to_thread(write_final_model, run.backend, target, info)
+        except errors.FailedPrecondition as e:  # another run's there: no retry would change that
+            log.error("run %s: no final model: %s", run.run_id, e)
+            return ""
+        except (OSError, errors.RlmeshError) as e:
+            log.error("run %s: the final model could not be written to %s: %s", run.run_id, target, e)
+            raise errors.FailedPrecondition(
+                f"run {run.run_id!r}: its final model could not be written under checkpoint_dir (the trainer's log "
+                "says why); the run stays set up: EndRun again to retry"
+            ) from None
+        log.info("run %s: final model (step %d) written to %s", run.run_id, run.backend.step, target)
+        return self.paths.relative_to_work_dir(target)
 
     async def list_checkpoints(self, run_id: str, checkpoint_dir: str = "") -> list[CheckpointInfo]:
         """The complete checkpoints of `run_id` in its checkpoint directory (the run config's
         checkpoint_dir, "" = the default), oldest step first; the run need not be set up here."""
-        return await asyncio.to_thread(list_checkpoints, self._checkpoints_at(run_id, checkpoint_dir), run_id)
-
-    def _check_resume(self, config: TrainerRunConfig) -> None:
-        """A model_path that is one of our checkpoints resumes it (optimizer state, step):
-        only checkpoints under work_dir, where this trainer writes them, are resumed."""
-        model = Path(config.model_path).absolute()
-        if (model / STATE_FILE).exists() and (model / OPTIMIZER_FILE).exists():
-            self._under_work_dir(model, "model_path (a checkpoint to resume)")
-
-
-def _trainable(leased: list[sample_pb2.SampleGroup], vocab_size: int) -> tuple[list[SampleGroup], dict[str, str]]:
-    """The leased groups that can be trained, and why each other one cannot (by group id)."""
-    groups, rejected = [], {}
-    for msg in leased:
-        try:
-            group = group_from_proto(msg)
-            check_group(group, vocab_size)
-        except (ConversionError, errors.InvalidArgument) as e:
-            rejected[msg.group_id] = f"the trainer cannot train on it: {e}"
-            continue
-        groups.append(group)
-    return groups, rejected
-
-
-def _staleness(groups: list[SampleGroup], trainer_version: int) -> dict[str, float]:
-    """How many weight versions behind the trainer's the oldest tokens of each trained
-    sample were generated (samples that record no version are left out)."""
-    lags = [trainer_version - min(s.weight_versions) for g in groups for s in g.samples if s.weight_versions]
-    if not lags:
-        return {}
-    return {"staleness_max": float(max(lags)), "staleness_mean": sum(lags) / len(lags)}
+        directory = self.paths.checkpoints_at(run_id, checkpoint_dir)
+        found = await asyncio.to_thread(list_checkpoints, directory, run_id)
+        final = await asyncio.to_thread(final_model_entry, directory, run_id)
+        return [*found, final] if final is not None else found
 
 
 def _check_loss(loss: str) -> None:

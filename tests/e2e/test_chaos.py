@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import time
 
+import httpx
 import pytest
 
 from rlmesh.cli.demo import demo_config, write_task
@@ -25,6 +26,7 @@ from tests.helpers.chaos import (
     check_accounting,
     eventually,
     supervised_stack,
+    trained_record,
 )
 
 

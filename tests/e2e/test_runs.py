@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from transformers import AutoModelForCausalLM
 
 from rlmesh.cli.demo import run_metrics
 from rlmesh.common.grpc_server import sync_channel
@@ -13,6 +14,17 @@ from rlmesh.v1 import buffer_pb2, trainer_pb2
 from rlmesh.v1.trainer_pb2_grpc import TrainerStub
 from tests.helpers.runs import run_config
 from tests.helpers.stack import start_local_stack, wait_for_run
+
+
+def assert_final_model(api, run: dict, tmp_path, step: int | None) -> None:
+    """The run (completed or stopped, with checkpoints left at their defaults) names its final
+    model relative to the trainer's work_dir, and transformers loads it; it is listed too."""
+    assert run["final_model"] == f"{run['id']}/checkpoints/final"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "trainer" / run["final_model"])
+    assert model.config.vocab_size > 0
+    listed = api.get(f"/runs/{run['id']}/checkpoints").json()
+    finals = [c["step"] for c in listed if c["final"]]
+    assert len(finals) == 1 and (step is None or finals[0] == step)
 
 
 @pytest.mark.slow
@@ -36,6 +48,9 @@ def test_run_completes_and_trains_every_group_exactly_once(services, tmp_path, t
     assert stats.groups_written == stats.acknowledged_groups == 8
     assert (stats.queued_groups, stats.leased_groups, stats.redelivered_groups) == (0, 0, 0)
     assert [s["id"] for s in api.get("/runs").json()] == [run_id]
+    # eval records each reward component beside the weighted total
+    assert run["eval_after"]["eval/held_out/reward/exact_match_mean"] == run["eval_after"]["eval/held_out/reward_mean"]
+    assert_final_model(api, run, tmp_path, step=4)  # 1 SFT step + 3 RL steps
 
 
 @pytest.mark.slow
@@ -49,6 +64,7 @@ def test_a_run_can_be_stopped_and_deleted(services, tmp_path, tiny_model_dir):
     assert api.post(f"/runs/{run_id}/stop").json()["status"] == "stopping"
     run = wait_for_run(api, run_id)
     assert run["status"] == "stopped" and run["rollout_id"] < 1000
+    assert_final_model(api, run, tmp_path, step=None)
     assert api.delete(f"/runs/{run_id}").json() == {"id": run_id, "deleted": True}
     assert api.get(f"/runs/{run_id}").status_code == 404
     with pytest.raises(grpc.RpcError) as e:  # its samples and prompts are gone from the buffer too

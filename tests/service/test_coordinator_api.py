@@ -45,6 +45,7 @@ def api(start_in_loop, redis_url, silent_address):
                 trainer_address=silent_address,
                 max_request_bytes=64 * 1024,
                 limits={"max_groups_per_call": 100},
+                check_deadline_seconds=0.5,  # (services that never answer: the door's checks give up)
             )
         )
     )

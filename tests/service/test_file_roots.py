@@ -78,7 +78,7 @@ def test_dataset_paths_outside_data_roots_are_refused_alike(buffer, places, tmp_
     answers = {}
     for path in attempts:
         details = refusal(lambda: create(stub, path))  # noqa: B023
-        assert "data_roots" in details and str(data.resolve()) in details
+        assert "data_roots" in details and str(data.resolve()) not in details.replace(repr(path), "")
         answers[path] = details.replace(repr(path), "PATH")
     # An existing file and a missing one get the same answer.
     assert answers["../outside/secret.json"] == answers["../outside/missing.json"]
@@ -136,7 +136,7 @@ def test_export_and_import_stay_in_export_dir_and_never_overwrite(buffer, places
     (exports / "link.jsonl").symlink_to(victim)
     for path in ("../outside/victim.jsonl", str(victim), "link.jsonl", f"{exports}/../outside/victim.jsonl"):
         details = refusal(lambda: export(path))  # noqa: B023
-        assert "export_dir" in details and str(exports.resolve()) in details
+        assert "export_dir" in details and str(exports.resolve()) not in details.replace(repr(path), "")
     assert victim.read_text() == "precious\n"
 
     mine = exports / "mine.jsonl"
@@ -192,7 +192,7 @@ def test_checkpoints_stay_under_work_dir(trainer, tiny_model_dir, tmp_path):
     save = lambda path: stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id="r1", path=path))  # noqa: E731
     for path in (str(precious), "../precious", "link", f"{work}/../precious", "/"):
         details = refusal(lambda: save(path))  # noqa: B023
-        assert "work_dir" in details and str(work.resolve()) in details
+        assert "work_dir" in details and str(work.resolve()) not in details.replace(repr(path), "")
     assert (precious / "keep.txt").read_text() == "precious"
     assert [p.name for p in precious.iterdir()] == ["keep.txt"]
 

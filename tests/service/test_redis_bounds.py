@@ -169,6 +169,7 @@ def test_a_run_that_ends_leaves_no_dataset_copy_in_redis_and_no_task(
                 trainer_address=silent_address,
                 call_deadline_seconds=1.0,
                 setup_deadline_seconds=1.0,
+                check_deadline_seconds=0.5,
             )
         )
     )

@@ -210,7 +210,13 @@ def test_checkpoint_round_trip(tiny_model_dir, tmp_path):
     path = backend.save_checkpoint(tmp_path / "ckpt", {"weight_version": 7})
     assert (path / "model.safetensors").exists() and (path / "tokenizer.json").exists()
     state = json.loads((path / "trainer_state.json").read_text())
-    assert state == {"step": 2, "weight_version": 7, "reference_model_path": str(tiny_model_dir)}
+    assert state == {
+        "step": 2,
+        "weight_version": 7,
+        "reference_model_path": str(tiny_model_dir),
+        "reference_rebased": False,
+        "sft_steps": 1,
+    }
 
     resumed = TorchBackend(config(path, sft_optimizer={"lr": 1e-4}), CPU)
     assert resumed.step == 2 and resumed.resumed_state["weight_version"] == 7
@@ -285,7 +291,7 @@ def test_trainer_holds_one_run(tiny_model_dir, tmp_path):
 def test_missing_model_is_invalid_argument(tmp_path):
     async def scenario():
         trainer = Trainer(Settings())
-        with pytest.raises(errors.InvalidArgument, match="model_path: .* is not a directory"):
+        with pytest.raises(errors.InvalidArgument, match="model_path .*: no model directory there"):
             await trainer.init_run("r1", config(tmp_path / "nope"))
 
     asyncio.run(scenario())
@@ -333,7 +339,9 @@ def test_train_step_leases_from_the_buffer_and_acknowledges_after_the_step(
     assert (result.step, result.groups_trained, result.samples_trained) == (1, 2, 4)
     assert {"loss", "pg_loss", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr"} <= set(result.metrics)
     stats = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r1"))
-    assert (stats.acknowledged_groups, stats.queued_groups, stats.leased_groups) == (2, 0, 0)
+    # (checkpoints are on by default, by time: an acknowledgment is provisional until a
+    # checkpoint holds its step, and EndRun writes that checkpoint)
+    assert (stats.provisional_groups, stats.queued_groups, stats.leased_groups) == (2, 0, 0)
 
     with pytest.raises(grpc.RpcError) as e:  # everything was consumed
         stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="r1", num_groups=1, wait_seconds=0.05))
@@ -341,6 +349,8 @@ def test_train_step_leases_from_the_buffer_and_acknowledges_after_the_step(
     assert "buffer had only 0 of 1 groups for run 'r1'" in e.value.details()
 
     stub.EndRun(trainer_pb2.EndRunRequest(run_id="r1"))
+    stats = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r1"))
+    assert (stats.acknowledged_groups, stats.provisional_groups) == (2, 0)
     stub.InitRun(trainer_pb2.InitRunRequest(run_id="r2", config_json=config(tiny_model_dir).model_dump_json()))
     with pytest.raises(grpc.RpcError) as e:  # the trainer knows r2, the buffer does not
         stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="r2", num_groups=1))

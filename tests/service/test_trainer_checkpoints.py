@@ -72,7 +72,15 @@ def test_a_checkpoint_every_interval_and_only_the_newest_of_rlmeshs_own_kept(tin
     manual = asyncio.run(scenario())
     # Saved at 2, 4 and 6, and at 7 as the run ended (its acknowledgments become final only in
     # a checkpoint); keep_last=2 deleted steps 2 and 4; nothing else was touched.
-    assert names(checkpoints) == ["step-000000", "step-000001", "step-000003", "step-000006", "step-000007", "step_3"]
+    assert names(checkpoints) == [
+        "final",
+        "step-000000",
+        "step-000001",
+        "step-000003",
+        "step-000006",
+        "step-000007",
+        "step_3",
+    ]
     assert manual == checkpoints / "step_3"
     for directory in (theirs, hf, other_run):
         assert "keep.txt" in names(directory)
@@ -85,12 +93,13 @@ def test_a_checkpoint_every_interval_and_only_the_newest_of_rlmeshs_own_kept(tin
     # (another run's and other tools' directories are not its); only under work_dir.
     trainer = Trainer(Settings(work_dir=tmp_path))
     listed = asyncio.run(trainer.list_checkpoints("r1"))
-    assert [(c.step, c.path, c.automatic) for c in listed] == [
-        (3, manual, False),
-        (6, checkpoints / "step-000006", True),
-        (7, newest, True),
+    assert [(c.step, c.path, c.automatic, c.final) for c in listed] == [
+        (3, manual, False, False),
+        (6, checkpoints / "step-000006", True, False),
+        (7, newest, True, False),
+        (7, checkpoints / "final", False, True),  # the run's final model, written as it ended
     ]
-    assert listed[-1].written_at == (newest / COMPLETE_FILE).stat().st_mtime
+    assert listed[-2].written_at == (newest / COMPLETE_FILE).stat().st_mtime
     assert asyncio.run(trainer.list_checkpoints("r1", str(checkpoints))) == listed
     assert asyncio.run(trainer.list_checkpoints("r2")) == []
     with pytest.raises(errors.InvalidArgument, match="work_dir"):
@@ -121,7 +130,7 @@ def test_a_save_cut_short_is_ignored_and_cleaned_and_an_unmarked_one_never_loade
 
     # Resumed from step 4, the newest complete one; the scratch directory is gone.
     assert asyncio.run(train(Trainer(Settings(work_dir=tmp_path)), 2)) == 4
-    assert names(checkpoints) == ["step-000004", "step-000006", "step-000008"]
+    assert names(checkpoints) == ["final", "step-000004", "step-000006", "step-000008"]
     assert json.loads((checkpoints / "step-000006" / "trainer_state.json").read_text())["step"] == 6
 
 
@@ -151,7 +160,7 @@ def test_a_run_ends_only_once_its_last_step_is_in_a_checkpoint(tiny_model_dir, t
         return await trainer.end_run("r1")
 
     assert asyncio.run(scenario()).step == 3
-    assert names(checkpoints) == ["step-000003"]
+    assert names(checkpoints) == ["final", "step-000003"]
 
 
 def test_writing_a_checkpoint_does_not_hold_up_the_next_step(tiny_model_dir, tmp_path, monkeypatch):
@@ -187,7 +196,7 @@ def test_writing_a_checkpoint_does_not_hold_up_the_next_step(tiny_model_dir, tmp
         await trainer.end_run("r1")
 
     asyncio.run(scenario())
-    assert names(checkpoints) == ["step-000002", "step-000004"]
+    assert names(checkpoints) == ["final", "step-000002", "step-000004"]
     assert most_at_once[0] == 1  # one save in flight at a time
     # The checkpoint holds the state of step 2 (copied then), not of the steps taken while it was written.
     reference = TorchBackend(config(tiny_model_dir), CPU)

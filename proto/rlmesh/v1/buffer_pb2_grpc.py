@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from rlmesh.v1 import buffer_pb2 as rlmesh_dot_v1_dot_buffer__pb2
+from rlmesh.v1 import check_pb2 as rlmesh_dot_v1_dot_check__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -38,6 +39,11 @@ class BufferStub:
                 '/rlmesh.v1.Buffer/CreateRun',
                 request_serializer=rlmesh_dot_v1_dot_buffer__pb2.CreateRunRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_buffer__pb2.CreateRunResponse.FromString,
+                _registered_method=True)
+        self.CheckDatasets = channel.unary_unary(
+                '/rlmesh.v1.Buffer/CheckDatasets',
+                request_serializer=rlmesh_dot_v1_dot_buffer__pb2.CreateRunRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_check__pb2.CheckResponse.FromString,
                 _registered_method=True)
         self.DeleteRun = channel.unary_unary(
                 '/rlmesh.v1.Buffer/DeleteRun',
@@ -132,6 +138,15 @@ class BufferServicer:
     def CreateRun(self, request, context):
         """Register a run's datasets and limits. Idempotent: the same run_id with the same
         spec is a no-op; a different spec for an existing run is FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckDatasets(self, request, context):
+        """What CreateRun would refuse of these datasets without reading them: paths outside the
+        data_roots or with nothing there, tokenizer paths outside the model_roots or with no
+        directory there; field by field (run_id is not needed). The coordinator asks first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -282,6 +297,11 @@ def add_BufferServicer_to_server(servicer, server):
                     request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.CreateRunRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_buffer__pb2.CreateRunResponse.SerializeToString,
             ),
+            'CheckDatasets': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckDatasets,
+                    request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.CreateRunRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_check__pb2.CheckResponse.SerializeToString,
+            ),
             'DeleteRun': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteRun,
                     request_deserializer=rlmesh_dot_v1_dot_buffer__pb2.DeleteRunRequest.FromString,
@@ -395,6 +415,33 @@ class Buffer:
             '/rlmesh.v1.Buffer/CreateRun',
             rlmesh_dot_v1_dot_buffer__pb2.CreateRunRequest.SerializeToString,
             rlmesh_dot_v1_dot_buffer__pb2.CreateRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckDatasets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Buffer/CheckDatasets',
+            rlmesh_dot_v1_dot_buffer__pb2.CreateRunRequest.SerializeToString,
+            rlmesh_dot_v1_dot_check__pb2.CheckResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from rlmesh.v1 import check_pb2 as rlmesh_dot_v1_dot_check__pb2
 from rlmesh.v1 import sample_pb2 as rlmesh_dot_v1_dot_sample__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/reward.proto\x12\trlmesh.v1\x1a\x16rlmesh/v1/sample.proto\"\x8e\x01\n\nRewardSpec\x12\x39\n\ncomponents\x18\x01 \x03(\x0b\x32%.rlmesh.v1.RewardSpec.ComponentsEntry\x12\x12\n\nreward_key\x18\x02 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"W\n\x0cScoreRequest\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.rlmesh.v1.Sample\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.rlmesh.v1.RewardSpec\"3\n\rScoreResponse\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.rlmesh.v1.Sample\"a\n\x12ScoreGroupsRequest\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.rlmesh.v1.RewardSpec\"=\n\x13ScoreGroupsResponse\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\"\xac\x01\n\rRemoteService\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fmax_concurrency\x18\x05 \x01(\x05\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\x05\x12\x14\n\x0c\x62\x65\x61rer_token\x18\x08 \x01(\t\"T\n\x16RegisterServiceRequest\x12)\n\x07service\x18\x01 \x01(\x0b\x32\x18.rlmesh.v1.RemoteService\x12\x0f\n\x07replace\x18\x02 \x01(\x08\"\x15\n\x13ListServicesRequest\"B\n\x14ListServicesResponse\x12*\n\x08services\x18\x01 \x03(\x0b\x32\x18.rlmesh.v1.RemoteService\"(\n\x18UnregisterServiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\",\n\x19UnregisterServiceResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\x17\n\x15GetRewardStatsRequest\"\x90\x02\n\x12RemoteServiceStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x15\n\rbreaker_state\x18\x03 \x01(\t\x12\r\n\x05\x63\x61lls\x18\x04 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x05 \x01(\x03\x12\x0f\n\x07retries\x18\x06 \x01(\x03\x12\x1c\n\x14\x63onsecutive_failures\x18\x07 \x01(\x03\x12\x16\n\x0esamples_scored\x18\x08 \x01(\x03\x12\x16\n\x0esamples_failed\x18\t \x01(\x03\x12\x12\n\nlast_error\x18\n \x01(\t\x12\x1c\n\x14mean_latency_seconds\x18\x0b \x01(\x01\x12\x16\n\x0e\x62reaker_opened\x18\x0c \x01(\x03\"\xfa\x01\n\x0bRewardStats\x12\x16\n\x0esamples_scored\x18\x01 \x01(\x03\x12\x16\n\x0esamples_failed\x18\x02 \x01(\x03\x12N\n\x15\x66\x61ilures_by_component\x18\x03 \x03(\x0b\x32/.rlmesh.v1.RewardStats.FailuresByComponentEntry\x12/\n\x08services\x18\x04 \x03(\x0b\x32\x1d.rlmesh.v1.RemoteServiceStats\x1a:\n\x18\x46\x61iluresByComponentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xd9\x03\n\x06Reward\x12:\n\x05Score\x12\x17.rlmesh.v1.ScoreRequest\x1a\x18.rlmesh.v1.ScoreResponse\x12L\n\x0bScoreGroups\x12\x1d.rlmesh.v1.ScoreGroupsRequest\x1a\x1e.rlmesh.v1.ScoreGroupsResponse\x12N\n\x0fRegisterService\x12!.rlmesh.v1.RegisterServiceRequest\x1a\x18.rlmesh.v1.RemoteService\x12O\n\x0cListServices\x12\x1e.rlmesh.v1.ListServicesRequest\x1a\x1f.rlmesh.v1.ListServicesResponse\x12^\n\x11UnregisterService\x12#.rlmesh.v1.UnregisterServiceRequest\x1a$.rlmesh.v1.UnregisterServiceResponse\x12\x44\n\x08GetStats\x12 .rlmesh.v1.GetRewardStatsRequest\x1a\x16.rlmesh.v1.RewardStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rlmesh/v1/reward.proto\x12\trlmesh.v1\x1a\x15rlmesh/v1/check.proto\x1a\x16rlmesh/v1/sample.proto\"\x8e\x01\n\nRewardSpec\x12\x39\n\ncomponents\x18\x01 \x03(\x0b\x32%.rlmesh.v1.RewardSpec.ComponentsEntry\x12\x12\n\nreward_key\x18\x02 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"W\n\x0cScoreRequest\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.rlmesh.v1.Sample\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.rlmesh.v1.RewardSpec\"3\n\rScoreResponse\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.rlmesh.v1.Sample\"a\n\x12ScoreGroupsRequest\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.rlmesh.v1.RewardSpec\"=\n\x13ScoreGroupsResponse\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.rlmesh.v1.SampleGroup\"\xac\x01\n\rRemoteService\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fmax_concurrency\x18\x05 \x01(\x05\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\x05\x12\x14\n\x0c\x62\x65\x61rer_token\x18\x08 \x01(\t\"T\n\x16RegisterServiceRequest\x12)\n\x07service\x18\x01 \x01(\x0b\x32\x18.rlmesh.v1.RemoteService\x12\x0f\n\x07replace\x18\x02 \x01(\x08\"\x15\n\x13ListServicesRequest\"B\n\x14ListServicesResponse\x12*\n\x08services\x18\x01 \x03(\x0b\x32\x18.rlmesh.v1.RemoteService\"(\n\x18UnregisterServiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\",\n\x19UnregisterServiceResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"\x17\n\x15GetRewardStatsRequest\"\x90\x02\n\x12RemoteServiceStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x15\n\rbreaker_state\x18\x03 \x01(\t\x12\r\n\x05\x63\x61lls\x18\x04 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x05 \x01(\x03\x12\x0f\n\x07retries\x18\x06 \x01(\x03\x12\x1c\n\x14\x63onsecutive_failures\x18\x07 \x01(\x03\x12\x16\n\x0esamples_scored\x18\x08 \x01(\x03\x12\x16\n\x0esamples_failed\x18\t \x01(\x03\x12\x12\n\nlast_error\x18\n \x01(\t\x12\x1c\n\x14mean_latency_seconds\x18\x0b \x01(\x01\x12\x16\n\x0e\x62reaker_opened\x18\x0c \x01(\x03\"\xfa\x01\n\x0bRewardStats\x12\x16\n\x0esamples_scored\x18\x01 \x01(\x03\x12\x16\n\x0esamples_failed\x18\x02 \x01(\x03\x12N\n\x15\x66\x61ilures_by_component\x18\x03 \x03(\x0b\x32/.rlmesh.v1.RewardStats.FailuresByComponentEntry\x12/\n\x08services\x18\x04 \x03(\x0b\x32\x1d.rlmesh.v1.RemoteServiceStats\x1a:\n\x18\x46\x61iluresByComponentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x97\x04\n\x06Reward\x12:\n\x05Score\x12\x17.rlmesh.v1.ScoreRequest\x1a\x18.rlmesh.v1.ScoreResponse\x12L\n\x0bScoreGroups\x12\x1d.rlmesh.v1.ScoreGroupsRequest\x1a\x1e.rlmesh.v1.ScoreGroupsResponse\x12N\n\x0fRegisterService\x12!.rlmesh.v1.RegisterServiceRequest\x1a\x18.rlmesh.v1.RemoteService\x12O\n\x0cListServices\x12\x1e.rlmesh.v1.ListServicesRequest\x1a\x1f.rlmesh.v1.ListServicesResponse\x12^\n\x11UnregisterService\x12#.rlmesh.v1.UnregisterServiceRequest\x1a$.rlmesh.v1.UnregisterServiceResponse\x12\x44\n\x08GetStats\x12 .rlmesh.v1.GetRewardStatsRequest\x1a\x16.rlmesh.v1.RewardStats\x12<\n\tCheckSpec\x12\x15.rlmesh.v1.RewardSpec\x1a\x18.rlmesh.v1.CheckResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,38 +37,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REWARDSPEC_COMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_REWARDSTATS_FAILURESBYCOMPONENTENTRY']._loaded_options = None
   _globals['_REWARDSTATS_FAILURESBYCOMPONENTENTRY']._serialized_options = b'8\001'
-  _globals['_REWARDSPEC']._serialized_start=62
-  _globals['_REWARDSPEC']._serialized_end=204
-  _globals['_REWARDSPEC_COMPONENTSENTRY']._serialized_start=155
-  _globals['_REWARDSPEC_COMPONENTSENTRY']._serialized_end=204
-  _globals['_SCOREREQUEST']._serialized_start=206
-  _globals['_SCOREREQUEST']._serialized_end=293
-  _globals['_SCORERESPONSE']._serialized_start=295
-  _globals['_SCORERESPONSE']._serialized_end=346
-  _globals['_SCOREGROUPSREQUEST']._serialized_start=348
-  _globals['_SCOREGROUPSREQUEST']._serialized_end=445
-  _globals['_SCOREGROUPSRESPONSE']._serialized_start=447
-  _globals['_SCOREGROUPSRESPONSE']._serialized_end=508
-  _globals['_REMOTESERVICE']._serialized_start=511
-  _globals['_REMOTESERVICE']._serialized_end=683
-  _globals['_REGISTERSERVICEREQUEST']._serialized_start=685
-  _globals['_REGISTERSERVICEREQUEST']._serialized_end=769
-  _globals['_LISTSERVICESREQUEST']._serialized_start=771
-  _globals['_LISTSERVICESREQUEST']._serialized_end=792
-  _globals['_LISTSERVICESRESPONSE']._serialized_start=794
-  _globals['_LISTSERVICESRESPONSE']._serialized_end=860
-  _globals['_UNREGISTERSERVICEREQUEST']._serialized_start=862
-  _globals['_UNREGISTERSERVICEREQUEST']._serialized_end=902
-  _globals['_UNREGISTERSERVICERESPONSE']._serialized_start=904
-  _globals['_UNREGISTERSERVICERESPONSE']._serialized_end=948
-  _globals['_GETREWARDSTATSREQUEST']._serialized_start=950
-  _globals['_GETREWARDSTATSREQUEST']._serialized_end=973
-  _globals['_REMOTESERVICESTATS']._serialized_start=976
-  _globals['_REMOTESERVICESTATS']._serialized_end=1248
-  _globals['_REWARDSTATS']._serialized_start=1251
-  _globals['_REWARDSTATS']._serialized_end=1501
-  _globals['_REWARDSTATS_FAILURESBYCOMPONENTENTRY']._serialized_start=1443
-  _globals['_REWARDSTATS_FAILURESBYCOMPONENTENTRY']._serialized_end=1501
-  _globals['_REWARD']._serialized_start=1504
-  _globals['_REWARD']._serialized_end=1977
+  _globals['_REWARDSPEC']._serialized_start=85
+  _globals['_REWARDSPEC']._serialized_end=227
+  _globals['_REWARDSPEC_COMPONENTSENTRY']._serialized_start=178
+  _globals['_REWARDSPEC_COMPONENTSENTRY']._serialized_end=227
+  _globals['_SCOREREQUEST']._serialized_start=229
+  _globals['_SCOREREQUEST']._serialized_end=316
+  _globals['_SCORERESPONSE']._serialized_start=318
+  _globals['_SCORERESPONSE']._serialized_end=369
+  _globals['_SCOREGROUPSREQUEST']._serialized_start=371
+  _globals['_SCOREGROUPSREQUEST']._serialized_end=468
+  _globals['_SCOREGROUPSRESPONSE']._serialized_start=470
+  _globals['_SCOREGROUPSRESPONSE']._serialized_end=531
+  _globals['_REMOTESERVICE']._serialized_start=534
+  _globals['_REMOTESERVICE']._serialized_end=706
+  _globals['_REGISTERSERVICEREQUEST']._serialized_start=708
+  _globals['_REGISTERSERVICEREQUEST']._serialized_end=792
+  _globals['_LISTSERVICESREQUEST']._serialized_start=794
+  _globals['_LISTSERVICESREQUEST']._serialized_end=815
+  _globals['_LISTSERVICESRESPONSE']._serialized_start=817
+  _globals['_LISTSERVICESRESPONSE']._serialized_end=883
+  _globals['_UNREGISTERSERVICEREQUEST']._serialized_start=885
+  _globals['_UNREGISTERSERVICEREQUEST']._serialized_end=925
+  _globals['_UNREGISTERSERVICERESPONSE']._serialized_start=927
+  _globals['_UNREGISTERSERVICERESPONSE']._serialized_end=971
+  _globals['_GETREWARDSTATSREQUEST']._serialized_start=973
+  _globals['_GETREWARDSTATSREQUEST']._serialized_end=996
+  _globals['_REMOTESERVICESTATS']._serialized_start=999
+  _globals['_REMOTESERVICESTATS']._serialized_end=1271
+  _globals['_REWARDSTATS']._serialized_start=1274
+  _globals['_REWARDSTATS']._serialized_end=1524
+  _globals['_REWARDSTATS_FAILURESBYCOMPONENTENTRY']._serialized_start=1466
+  _globals['_REWARDSTATS_FAILURESBYCOMPONENTENTRY']._serialized_end=1524
+  _globals['_REWARD']._serialized_start=1527
+  _globals['_REWARD']._serialized_end=2062
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from rlmesh.v1 import check_pb2 as _check_pb2
 from rlmesh.v1 import sample_pb2 as _sample_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor

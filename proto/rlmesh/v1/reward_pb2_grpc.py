@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from rlmesh.v1 import check_pb2 as rlmesh_dot_v1_dot_check__pb2
 from rlmesh.v1 import reward_pb2 as rlmesh_dot_v1_dot_reward__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -64,6 +65,11 @@ class RewardStub:
                 request_serializer=rlmesh_dot_v1_dot_reward__pb2.GetRewardStatsRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_reward__pb2.RewardStats.FromString,
                 _registered_method=True)
+        self.CheckSpec = channel.unary_unary(
+                '/rlmesh.v1.Reward/CheckSpec',
+                request_serializer=rlmesh_dot_v1_dot_reward__pb2.RewardSpec.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_check__pb2.CheckResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServicer:
@@ -114,6 +120,15 @@ class RewardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckSpec(self, request, context):
+        """What scoring with this spec would refuse: component names this service does not know
+        (built-in verifiers, custom and group functions, registered remote services) and bad
+        weights, each as field "components.<name>". The coordinator asks before a run starts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RewardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +161,11 @@ def add_RewardServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=rlmesh_dot_v1_dot_reward__pb2.GetRewardStatsRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_reward__pb2.RewardStats.SerializeToString,
+            ),
+            'CheckSpec': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckSpec,
+                    request_deserializer=rlmesh_dot_v1_dot_reward__pb2.RewardSpec.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_check__pb2.CheckResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +330,33 @@ class Reward:
             '/rlmesh.v1.Reward/GetStats',
             rlmesh_dot_v1_dot_reward__pb2.GetRewardStatsRequest.SerializeToString,
             rlmesh_dot_v1_dot_reward__pb2.RewardStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckSpec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Reward/CheckSpec',
+            rlmesh_dot_v1_dot_reward__pb2.RewardSpec.SerializeToString,
+            rlmesh_dot_v1_dot_check__pb2.CheckResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,3 +1,4 @@
+from rlmesh.v1 import check_pb2 as _check_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -102,7 +103,7 @@ class EndRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("run_id", "step", "weight_version", "model_path", "resumed_step", "step_in_flight", "unacknowledged_step", "waiting_for")
+    __slots__ = ("run_id", "step", "weight_version", "model_path", "resumed_step", "step_in_flight", "unacknowledged_step", "waiting_for", "final_model")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +112,7 @@ class TrainerStatus(_message.Message):
     STEP_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     UNACKNOWLEDGED_STEP_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    FINAL_MODEL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     weight_version: int
@@ -119,7 +121,8 @@ class TrainerStatus(_message.Message):
     step_in_flight: bool
     unacknowledged_step: int
     waiting_for: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ..., resumed_step: _Optional[int] = ..., step_in_flight: _Optional[bool] = ..., unacknowledged_step: _Optional[int] = ..., waiting_for: _Optional[_Iterable[str]] = ...) -> None: ...
+    final_model: str
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ..., resumed_step: _Optional[int] = ..., step_in_flight: _Optional[bool] = ..., unacknowledged_step: _Optional[int] = ..., waiting_for: _Optional[_Iterable[str]] = ..., final_model: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("run_id", "checkpoint_dir")
@@ -130,18 +133,26 @@ class ListCheckpointsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("step", "path", "automatic", "weight_version", "written_at")
+    __slots__ = ("step", "path", "automatic", "weight_version", "written_at", "final")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_AT_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     step: int
     path: str
     automatic: bool
     weight_version: int
     written_at: float
-    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., automatic: _Optional[bool] = ..., weight_version: _Optional[int] = ..., written_at: _Optional[float] = ...) -> None: ...
+    final: bool
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., automatic: _Optional[bool] = ..., weight_version: _Optional[int] = ..., written_at: _Optional[float] = ..., final: _Optional[bool] = ...) -> None: ...
+
+class CheckRunRequest(_message.Message):
+    __slots__ = ("config_json",)
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    def __init__(self, config_json: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints",)

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from rlmesh.v1 import check_pb2 as rlmesh_dot_v1_dot_check__pb2
 from rlmesh.v1 import trainer_pb2 as rlmesh_dot_v1_dot_trainer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -69,6 +70,11 @@ class TrainerStub:
                 request_serializer=rlmesh_dot_v1_dot_trainer__pb2.ListCheckpointsRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_trainer__pb2.ListCheckpointsResponse.FromString,
                 _registered_method=True)
+        self.CheckRun = channel.unary_unary(
+                '/rlmesh.v1.Trainer/CheckRun',
+                request_serializer=rlmesh_dot_v1_dot_trainer__pb2.CheckRunRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_check__pb2.CheckResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -113,7 +119,9 @@ class TrainerServicer:
 
     def EndRun(self, request, context):
         """Let the run's model go. With checkpoints on, the steps since the last checkpoint are
-        written to one and their acknowledgments made final first; the status says the step.
+        written to one and their acknowledgments made final first; then the run's final model
+        is written (<checkpoint_dir>/final, a Hugging Face model directory); the status says
+        the step and final_model.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +130,15 @@ class TrainerServicer:
     def ListCheckpoints(self, request, context):
         """The complete checkpoints of a run in its checkpoint directory, oldest first; the run
         need not be set up on this trainer (a finished run's checkpoints stay on disk).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckRun(self, request, context):
+        """What in a run's trainer config this trainer cannot use (model paths outside its
+        model_roots or holding no model, a checkpoint_dir outside its work_dir), field by
+        field; nothing is loaded. The coordinator asks before it starts a run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -164,6 +181,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.ListCheckpoints,
                     request_deserializer=rlmesh_dot_v1_dot_trainer__pb2.ListCheckpointsRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_trainer__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'CheckRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckRun,
+                    request_deserializer=rlmesh_dot_v1_dot_trainer__pb2.CheckRunRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_check__pb2.CheckResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +377,33 @@ class Trainer:
             '/rlmesh.v1.Trainer/ListCheckpoints',
             rlmesh_dot_v1_dot_trainer__pb2.ListCheckpointsRequest.SerializeToString,
             rlmesh_dot_v1_dot_trainer__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Trainer/CheckRun',
+            rlmesh_dot_v1_dot_trainer__pb2.CheckRunRequest.SerializeToString,
+            rlmesh_dot_v1_dot_check__pb2.CheckResponse.FromString,
             options,
             channel_credentials,
             insecure,

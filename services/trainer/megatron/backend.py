@@ -274,7 +274,7 @@ class MegatronBackend(TorchBackend):
                 weights=weights,
                 optimizers=cpu_copy(optimizers, {}),
                 rng=rng_state(self.device),
-                state={"step": self.step, "reference_model_path": self.reference_path, "backend": "megatron"},
+                state={"step": self.step, **self.reference_state(), "backend": "megatron"},
                 extras_from=Path(self.config.model_path),
             )
 

@@ -1,0 +1,48 @@
+"""What a backend is built from: the device, the model loaded from a local Hugging Face
+directory (never a download), and an AdamW optimizer with its linear warm-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rlmesh.common import errors
+from rlmesh.common.run_config import OptimizerConfig
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise errors.InvalidArgument("device: 'cuda' was asked for but this trainer has no CUDA device")
+    return torch.device(requested)
+
+
+@dataclass
+class Optimizer:
+    config: OptimizerConfig
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+
+
+def build_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) -> Optimizer:
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    warmup = config.warmup_steps
+    # Linear warmup: step k (0-based) runs at lr * (k + 1) / warmup until warmup is reached.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: min(1.0, (k + 1) / warmup) if warmup > 0 else 1.0
+    )
+    return Optimizer(config, optimizer, scheduler)
+
+
+def load_model(path: str, device: torch.device, what: str = "model_path") -> PreTrainedModel:
+    if not Path(path).is_dir():
+        raise errors.InvalidArgument(f"{what}: {path!r} is not a directory (a local Hugging Face checkpoint)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise errors.InvalidArgument(f"{what}: cannot load a causal LM from {path!r}: {e}") from None
+    return model.to(device).eval()
