@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 FRESH_SECONDS = 30.0
 MOST_WAITS = 8  # reasons told at once (one per service waited for)
 MOST_REASON_CHARS = 500
+LOG_EVERY_SECONDS = 5.0
 
 
 class Waits:
@@ -23,13 +24,19 @@ class Waits:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._waits: dict[str, tuple[str, float]] = {}  # what it waits for -> (why, when last said)
+        self._logged: dict[str, float] = {}  # what it waits for -> when a wait for it was last logged
 
     def on_wait(self, what: str) -> Callable[[str], Awaitable[None]]:
         """A retry's on_wait: logs the reason and keeps it as the wait for `what`."""
 
         async def waiting(reason: str) -> None:
-            log.warning("%s", reason)
-            self._waits[what] = (reason[:MOST_REASON_CHARS], self._clock())
+            now = self._clock()
+            # Logged once a while per thing waited for: every sample of a rollout retries on
+            # its own, and 2,000 lines in 30 s for one engine restart said nothing more.
+            if now - self._logged.get(what, -LOG_EVERY_SECONDS) >= LOG_EVERY_SECONDS:
+                self._logged[what] = now
+                log.warning("%s", reason)
+            self._waits[what] = (reason[:MOST_REASON_CHARS], now)
 
         return waiting
 

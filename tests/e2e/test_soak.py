@@ -19,8 +19,7 @@ import pytest
 from bench.soak import MODES, SOAK_ENV, Fault, Hit, Soak, soak_mode, summarize
 from tests.helpers.chaos import supervised_stack
 
-# (the seed's plans: every process hit, seven moments, two double faults; no engine is
-# SIGKILLed: see the xfail below)
+# (the seed's plans: every process hit, seven moments, two double faults)
 SEED = 52
 
 
@@ -42,12 +41,11 @@ def test_runs_keep_their_invariants_through_random_faults(soak, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="a restarted engine (the stack's only one) takes back generation on its base weights before the "
-    "trainer's next push: an evaluation it finishes reports the base model (held-out reward 0.00 instead of "
-    "~0.3), and after EndRun no push comes",
-)
 def test_an_evaluation_is_taken_with_the_runs_weights_after_its_engine_restarts(soak):
+    """Before, a restarted engine (the stack's only one) took generation back on its base
+    weights: the evaluation it finished reported the base model (held-out reward 0.00
+    instead of ~0.3), and after EndRun no push came. Now the evaluation asks for the run's
+    weight version, and the engine gets the weights first."""
     # Held at EndRun first, so that the next hold (the evaluation's) is in place for the one after it.
     short = Soak(soak.chaos, soak.model_dir, rollouts=2)
     report = short.run("sync", [Fault("end_run", [Hit("reward", "stop", 0.5)]), Fault("eval", [Hit("engine", "kill")])])

@@ -250,16 +250,32 @@ def check_accounting(chaos: Chaos, run_id: str, min_groups: int = 4) -> buffer_p
     return s
 
 
+def _closed_run_prompt_problems(stats: dict[bytes, bytes], drawn: int) -> list[str]:
+    """A run that ended (CloseRun dropped its per-group sets): by the counts, every prompt
+    group drawn was written once, or dropped by the filter before it was."""
+    counts = {k.decode(): int(v) for k, v in stats.items()}
+    filtered = sum(n for k, n in counts.items() if k.startswith("dropped:") and k != "dropped:stale")
+    accounted = counts.get("groups_written", 0) + filtered
+    if accounted < drawn:
+        return [f"{drawn - accounted} of {drawn} prompt groups drawn were neither written nor dropped by the filter"]
+    if accounted > drawn:
+        return [f"{accounted} groups written or filtered, but only {drawn} prompt groups drawn (counted twice)"]
+    return []
+
+
 def prompt_problems(redis_url: str, run_id: str, key_prefix: str = "rlmesh") -> tuple[list[str], int]:
     """Whether every prompt group the run drew (ids g0 .. g<next-1>) is somewhere in the
     buffer's Redis (the keys are described in rlmesh.buffer.store): trained (`acked`),
     dropped with a reason (`discarded`), stored, waiting to resume (`partial_groups`) or
-    handed out under a lease (`prompts`): exactly one of them. Also how many are still
-    handed out (a rollout killed while holding them: they come back when their lease expires)."""
+    handed out under a lease (`prompts`): exactly one of them (by the counts, once the run
+    ended: see _closed_run_prompt_problems). Also how many are still handed out (a rollout
+    killed while holding them: they come back when their lease expires)."""
     base = f"{key_prefix}:run:{run_id}:"
     client = redis.Redis.from_url(redis_url)
     try:
         drawn = int(client.hget(base + "cursor", "__groups__") or 0)
+        if client.exists(base + "closed"):
+            return _closed_run_prompt_problems(client.hgetall(base + "stats"), drawn), 0
         states = {
             "trained": {m.decode() for m in client.smembers(base + "acked")},
             "dropped": {m.decode() for m in client.smembers(base + "discarded")},
