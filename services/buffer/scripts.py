@@ -535,3 +535,14 @@ redis.call('HINCRBY', KEYS[4], 'dropped_groups', #ARGV - 1)
 redis.call('HINCRBY', KEYS[4], 'dropped:' .. ARGV[1], #ARGV - 1)
 return #ARGV - 1
 """
+
+# A run ends: mark it closed, counting the prompt groups it left unfinished (handed out, or
+# partial) as stats 'unfinished_at_close' (they are deleted next). Once: a repeated call
+# changes nothing. KEYS: closed prompts partial_groups stats. ARGV: now.
+CLOSE_RUN = r"""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local n = redis.call('HLEN', KEYS[2]) + redis.call('HLEN', KEYS[3])
+redis.call('HINCRBY', KEYS[4], 'unfinished_at_close', n)
+redis.call('SET', KEYS[1], ARGV[1])
+return n
+"""

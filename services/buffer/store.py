@@ -107,6 +107,7 @@ class BufferStore:
         self.max_deliveries = max_deliveries
         self.recent_groups = recent_groups
         self._put = redis.register_script(scripts.PUT_GROUPS)
+        self._close = redis.register_script(scripts.CLOSE_RUN)
         self._lease_fifo = redis.register_script(scripts.LEASE_FIFO)
         self._lease_chosen = redis.register_script(scripts.LEASE_CHOSEN)
         self._requeue = redis.register_script(scripts.REQUEUE_EXPIRED)
@@ -180,10 +181,12 @@ class BufferStore:
         deletes pass even when Redis is at its maxmemory); returns how many keys went."""
         k = self.keys(run_id)
         spec = await self._spec(run_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(k.closed, time.time())
-            pipe.unlink(*(k.data(d["name"]) for d in spec["datasets"]), *(getattr(k, n) for n in CLOSED_RUN_DROPS))
-            return (await pipe.execute())[1]
+        # (first: the prompts still handed out or partial when it ended are counted, as
+        # `unfinished_at_close`, before they go; a repeated CloseRun counts nothing)
+        await self._close(keys=[k.closed, k.prompts, k.partial_groups, k.stats], args=[time.time()])
+        return await self.redis.unlink(
+            *(k.data(d["name"]) for d in spec["datasets"]), *(getattr(k, n) for n in CLOSED_RUN_DROPS)
+        )
 
     async def delete_run(self, run_id: str) -> int:
         base = self.keys(run_id).base

@@ -252,10 +252,12 @@ def check_accounting(chaos: Chaos, run_id: str, min_groups: int = 4) -> buffer_p
 
 def _closed_run_prompt_problems(stats: dict[bytes, bytes], drawn: int) -> list[str]:
     """A run that ended (CloseRun dropped its per-group sets): by the counts, every prompt
-    group drawn was written once, or dropped by the filter before it was."""
-    counts = {k.decode(): int(v) for k, v in stats.items()}
+    group drawn was written once, dropped by the filter before it was, or left unfinished
+    when the run ended."""
+    counts = {k.decode(): int(float(v)) for k, v in stats.items()}
     filtered = sum(n for k, n in counts.items() if k.startswith("dropped:") and k != "dropped:stale")
-    accounted = counts.get("groups_written", 0) + filtered
+    # (fully_async's loop hands its unfinished prompts back as the run ends: counted at close)
+    accounted = counts.get("groups_written", 0) + filtered + counts.get("unfinished_at_close", 0)
     if accounted < drawn:
         return [f"{drawn - accounted} of {drawn} prompt groups drawn were neither written nor dropped by the filter"]
     if accounted > drawn:
