@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 from rlmesh.common.algorithm import AlgorithmConfig
 from rlmesh.common.limits import INT32_MAX, INT64_MAX, MAX_DATASETS, Limits
+from rlmesh.common.off_policy import OffPolicyCorrection, check_one_correction, resolve
 
 Key = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -226,6 +227,11 @@ class TrainingConfig(StrictModel):
         min_length=1, description="Local Hugging Face checkpoint directory of the policy (and its tokenizer)."
     )
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages, loss and KL.")
+    off_policy: OffPolicyCorrection | None = Field(
+        None,
+        description="Correction for samples of older weights (see docs/training-modes.md); default: "
+        "one_step_off and fully_async tis (cap 2), sync none.",
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer of RL steps.")
     sft_optimizer: OptimizerConfig | None = Field(None, description="Optimizer for SFT steps; default `optimizer`.")
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward (gradient accumulation).")
@@ -279,6 +285,11 @@ class TrainingConfig(StrictModel):
     pipeline_parallel_size: int = Field(
         1, ge=1, le=64, description="PP: pipeline stages the layers are cut into (backend 'megatron')."
     )
+
+    @model_validator(mode="after")
+    def _one_off_policy_correction(self):
+        check_one_correction(self.off_policy, self.algorithm.rollout_is_upper is not None)
+        return self
 
     @model_validator(mode="after")
     def _parallel_sizes_need_megatron(self):
@@ -505,6 +516,8 @@ class RunConfig(TrainingConfig):
             rollout_temperature=self.rollout.sampling.temperature or 1.0,
             staleness_bound=self.staleness_bound,
             stale_policy=self.stale_policy,
+        ).model_copy(
+            update={"off_policy": resolve(self.off_policy, self.mode, self.algorithm.rollout_is_upper is not None)}
         )
 
 
