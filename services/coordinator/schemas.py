@@ -81,6 +81,11 @@ def run_summary(rec: dict) -> dict:
 
 class RunDetail(RunSummary):
     config: dict
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="What the run's metrics say may go wrong (say, samples of older weights far off the "
+        "trainer's, a collapse's early sign), oldest first; see docs/training-modes.md#off-policy-correction.",
+    )
     eval_before: dict
     eval_after: dict
     latest_metrics: dict

@@ -159,6 +159,7 @@ class RunStore:
         for k in ("config", "eval_before", "eval_after"):
             rec[k] = json.loads(rec[k])
         rec["train_steps"] = json.loads(rec.get("train_steps", "[]"))
+        rec["warnings"] = json.loads(rec.get("warnings", "[]"))
         # RL iterations the trainer's model holds (the train steps past the warm start's)
         rec["rollout_id"] = max(len(rec["train_steps"]) - rec["config"]["sft_warmup"]["steps"], 0)
         return rec
