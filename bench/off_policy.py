@@ -1,5 +1,5 @@
 """Off-policy corrections compared: the demo's task (as `bench.async` runs it) in
-`fully_async` at a staleness bound, once per correction and seed, one run after the other
+`fully_async` at a staleness bound (or in `one_step_off`), once per correction and seed, one run after the other
 on one `rlmesh up` stack, with `sync` (no correction: on-policy) as the baseline measured
 in the same invocation.
 
@@ -7,7 +7,7 @@ Per correction: each seed's final held-out eval (greedy), their mean, the gap to
 mean, the number of collapsed seeds (final eval below half of sync's mean), and the mean of
 the run's smallest ESS and largest trainer/engine log-prob gap.
 
-    python -m bench.off_policy [--seeds 5] [--rollouts 80] [--max-staleness 2] [--only tis,m2po]
+    python -m bench.off_policy [--seeds 5] [--rollouts 80] [--max-staleness 2] [--mode one_step_off] [--only tis,m2po]
 
 It ends with the table as markdown (the form docs/training-modes.md keeps), then one line:
 a JSON object with the results.
@@ -69,6 +69,7 @@ def main() -> None:
         help="prompts per SFT step (the demo's 32; fewer: a cheaper warm start)",
     )
     parser.add_argument("--max-staleness", type=int, default=2, help="fully_async's staleness bound")
+    parser.add_argument("--mode", default="fully_async", choices=("fully_async", "one_step_off"))
     parser.add_argument("--only", default="", help="comma-separated prefixes of the candidates to run")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -83,7 +84,7 @@ def main() -> None:
         config["sft_warmup"]["batch_groups"] = args.sft_batch_groups
         config["pause_mode"] = "in_place"
         config["rollout"]["partial_rollout"] = True
-        config["max_staleness"] = args.max_staleness
+        config["max_staleness"] = args.max_staleness if args.mode == "fully_async" else None
         stack = start_stack(data_dir, str(model))
         runs: dict[str, list[dict]] = {"sync (baseline)": [], **{n: [] for n in names}}
         try:
@@ -92,7 +93,7 @@ def main() -> None:
                     seeded = {**config, "seed": seed, "datasets": [{**d, "seed": seed} for d in config["datasets"]]}
                     runs["sync (baseline)"].append(run_one(api, {**seeded, "max_staleness": None}, "sync", None))
                     for name in names:
-                        runs[name].append(run_one(api, seeded, "fully_async", CANDIDATES[name]))
+                        runs[name].append(run_one(api, seeded, args.mode, CANDIDATES[name]))
         finally:
             stack.stop()
 
@@ -123,11 +124,20 @@ def main() -> None:
         )
     print_table(
         rows,
-        f"python -m bench.off_policy: fully_async, max_staleness {args.max_staleness}, {args.seeds} seeds x "
+        f"python -m bench.off_policy: {args.mode}, max_staleness {config['max_staleness'] or 1}, {args.seeds} seeds x "
         f"{args.rollouts} rollouts, {args.sft_steps} SFT steps of {args.sft_batch_groups} prompts, "
         f"lr {config['optimizer']['lr']:g}, {os.cpu_count()} CPUs",
     )
-    print(json.dumps({"max_staleness": args.max_staleness, "rollouts": args.rollouts, "results": results}))
+    print(
+        json.dumps(
+            {
+                "mode": args.mode,
+                "max_staleness": config["max_staleness"] or 1,
+                "rollouts": args.rollouts,
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
