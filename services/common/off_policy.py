@@ -87,9 +87,10 @@ class OffPolicyCorrection(BaseModel):
 
 
 # What one_step_off and fully_async get when the run sets no `off_policy`: of the
-# candidates measured (docs/training-modes.md), IcePop's band ended closest to sync and kept
-# the highest ESS and the smallest trainer/engine gap.
-ASYNC_DEFAULT = OffPolicyCorrection(method="icepop")
+# candidates measured (docs/training-modes.md), truncated IS with VCPO's step scaling was
+# the one near sync in both modes (IcePop's band, level with it in fully_async, collapsed a
+# one_step_off seed).
+ASYNC_DEFAULT = OffPolicyCorrection(method="tis", ess_step_scaling=True)
 
 
 def resolve(config: OffPolicyCorrection | None, mode: str, rollout_is_set: bool) -> OffPolicyCorrection | None:

@@ -230,7 +230,7 @@ class TrainingConfig(StrictModel):
     off_policy: OffPolicyCorrection | None = Field(
         None,
         description="Correction for samples of older weights (see docs/training-modes.md); default: "
-        "one_step_off and fully_async icepop (band [0.5, 2]), sync none.",
+        "one_step_off and fully_async tis (cap 2) with ess_step_scaling (VCPO), sync none.",
     )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer of RL steps.")
     sft_optimizer: OptimizerConfig | None = Field(None, description="Optimizer for SFT steps; default `optimizer`.")

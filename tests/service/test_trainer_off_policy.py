@@ -59,10 +59,11 @@ def test_async_default_correction_weighs_the_loss(tiny_model_dir):
     fully_async = TorchBackend(mode_config(tiny_model_dir, "fully_async"), CPU)
     a = sync.train_step(off_engine_groups(tiny_model_dir))
     b = fully_async.train_step(off_engine_groups(tiny_model_dir))
-    assert fully_async.config.off_policy.method == "icepop"
-    # rho = e^-1.5 and e^1.5, both outside the band [0.5, 2]: every token masked
-    assert b["is_truncated_masked_fraction"] == 1.0 and b["is_weight_max"] == 0.0
-    assert b["pg_loss"] == 0.0 != a["pg_loss"]
+    assert fully_async.config.off_policy.method == "tis" and fully_async.config.off_policy.ess_step_scaling
+    # rho = e^-1.5 and e^1.5: every other token truncated at 2
+    assert b["is_truncated_masked_fraction"] > 0 and b["is_weight_max"] <= 2.0 + 1e-6
+    assert b["off_policy_lr_scale"] < 1.0
+    assert a["pg_loss"] != b["pg_loss"]
 
 
 def test_ess_step_scaling_shrinks_the_step(tiny_model_dir):
