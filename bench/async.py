@@ -7,15 +7,19 @@ torch thread (OMP_NUM_THREADS=1, the engine's --num-threads 1), so generation an
 can overlap only as far as two cores allow; buffer, reward, rollout and coordinator are
 light Python processes beside them.
 
-Figures, per mode: RL samples trained per second of RL wall time (SFT warm start and
-evaluations excluded), and the final held-out eval reward (greedy). One 80-rollout run's
-final eval swings by 0.1 from seed to seed, so each mode runs with several seeds (the
-trainer's random state and the data order), the modes interleaved seed by seed, and the evals are averaged. The
-baseline is the sync run, measured in the same invocation: `ideal_speedup` = (generation +
-training time) / max(generation, training time) from the sync runs' own phase times, and
-`fully_async_fraction_of_ideal` = (fully_async samples/s / sync samples/s) / ideal_speedup.
+Every mode runs with the run config's defaults (in one_step_off and fully_async that
+includes their default off-policy correction; `--tis-cap` adds the older rollout_is_upper
+correction instead). Figures, per mode: RL samples trained per second of RL wall time (SFT
+warm start and evaluations excluded), each seed's final held-out eval reward (greedy),
+their mean, the gap to sync's mean, and the number of collapsed seeds (final eval below half
+of sync's mean). One 80-rollout run's final eval swings by 0.1 from seed to seed, so each
+mode runs with several seeds (the trainer's random state and the data order), the modes
+interleaved seed by seed. The baseline is the sync run, measured in the same invocation:
+`ideal_speedup` = (generation + training time) / max(generation, training time) from the
+sync runs' own phase times, and `fully_async_fraction_of_ideal` = (fully_async samples/s /
+sync samples/s) / ideal_speedup.
 
-    python -m bench.async [--rollouts 80] [--seeds 3]
+    python -m bench.async [--rollouts 80] [--seeds 5]
 
 It ends with its summary as markdown tables (the form docs/benchmarks.md keeps), then one
 line: a JSON object with the results.
@@ -38,6 +42,7 @@ from rlmesh.cli.demo import demo_config, run_metrics, write_task
 from rlmesh.cli.launcher import datasets_dir, start_stack
 from rlmesh.cli.tiny_model import build_tiny_model
 from rlmesh.common.auth import client_headers
+from rlmesh.common.off_policy import ASYNC_DEFAULT
 from rlmesh.common.run_config import DEFAULT_MAX_STALENESS
 
 MODES = ("sync", "one_step_off", "fully_async")
@@ -57,6 +62,7 @@ def run_mode(api: httpx.Client, config: dict, mode: str) -> dict:
         raise SystemExit(f"{mode} run {run['status']}: {run['error']}")
     rl = [m for m in run_metrics(api, run_id) if "iteration/seconds" in m]
     result = {
+        "run_id": run_id,
         "samples": sum(m.get("train/samples", 0.0) for m in rl),
         "seconds": rl[-1]["time"] - rl[0]["time"] + rl[0]["iteration/seconds"],  # first RL start to last RL end
         "generate_seconds": sum(m.get("phase/generate_seconds", 0.0) for m in rl),
@@ -92,7 +98,7 @@ def summarize(runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rollouts", type=int, default=80, help="RL iterations per run")
-    parser.add_argument("--seeds", type=int, default=3, help="runs per mode (seeds 0..N-1)")
+    parser.add_argument("--seeds", type=int, default=5, help="runs per mode (seeds 0..N-1)")
     # (the demo's 35 steps leave some seeds' models near 0 held-out reward: runs that start
     # there swing from 0 to 1 and drown the modes' difference in seed noise)
     parser.add_argument("--sft-steps", type=int, default=60, help="SFT warm-start steps per run")
@@ -112,8 +118,9 @@ def main() -> None:
     parser.add_argument(
         "--tis-cap",
         type=float,
-        default=2.0,
-        help="truncated importance sampling against the engines' log-probs (every mode; 0 = off)",
+        default=0.0,
+        help="the older rollout_is_upper correction in every mode, instead of the modes' default "
+        "off_policy correction (0 = the run config's defaults)",
     )
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per torch process (engine, trainer)
@@ -154,6 +161,9 @@ def main() -> None:
         )
 
     sync = results["sync"]
+    for r in results.values():  # (a collapsed seed ends below half of sync's mean)
+        r["gap"] = r["eval_after"] - sync["eval_after"]
+        r["collapsed"] = sum(e < sync["eval_after"] / 2 for e in r["evals"])
     g, t = sync["generate_seconds"], sync["train_seconds"]
     ideal = (g + t) / max(g, t)
     speedup = results["fully_async"]["samples_per_s"] / sync["samples_per_s"]
@@ -173,6 +183,8 @@ def main() -> None:
                 "mode": f"`{mode}`",
                 "samples/s": f"{r['samples_per_s']:.1f}",
                 f"held-out eval after (seeds {seeds})": f"{r['eval_after']:.2f} ({', '.join(f'{e:.2f}' for e in r['evals'])})",
+                "gap to sync": f"{r['gap']:+.2f}",
+                "collapsed seeds": f"{r['collapsed']}/{len(r['evals'])}",
             }
             for mode, r in results.items()
         ],
@@ -203,10 +215,12 @@ def main() -> None:
                 **{
                     f"{mode}_evals": [round(e, 3) for e in r["evals"]] for mode, r in results.items()
                 },  # (the seed noise)
-                "fully_async_eval_gap": round(results["fully_async"]["eval_after"] - sync["eval_after"], 3),
+                **{f"{mode}_eval_gap": round(r["gap"], 3) for mode, r in results.items() if mode != "sync"},
+                **{f"{mode}_collapsed_seeds": r["collapsed"] for mode, r in results.items()},
                 **{f"{mode}_staleness_max": r["staleness_max"] for mode, r in results.items()},
                 "pause_mode": args.pause_mode,
                 "tis_cap": args.tis_cap,
+                "async_off_policy": None if args.tis_cap else ASYNC_DEFAULT.model_dump(),
                 "lr": config["optimizer"]["lr"],
                 "fully_async_max_staleness": args.max_staleness or DEFAULT_MAX_STALENESS["fully_async"],
                 "sft_steps": args.sft_steps,

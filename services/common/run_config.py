@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from rlmesh.common.limits import INT32_MAX, INT64_MAX, MAX_DATASETS, Limits
+from rlmesh.common.off_policy import resolve
 from rlmesh.common.strict_model import Key, StrictModel, TokenId
 from rlmesh.common.training_config import (
     LoraConfig,
@@ -340,6 +341,8 @@ class RunConfig(TrainingConfig):
             rollout_temperature=self.rollout.sampling.temperature or 1.0,
             staleness_bound=self.staleness_bound,
             stale_policy=self.stale_policy,
+        ).model_copy(
+            update={"off_policy": resolve(self.off_policy, self.mode, self.algorithm.rollout_is_upper is not None)}
         )
 
 

@@ -11,6 +11,7 @@ from pydantic import Field, StringConstraints, model_validator
 
 from rlmesh.common.algorithm import AlgorithmConfig
 from rlmesh.common.limits import INT32_MAX, INT64_MAX
+from rlmesh.common.off_policy import OffPolicyCorrection, check_one_correction
 from rlmesh.common.strict_model import StrictModel
 
 StalePolicy = Literal["drop", "keep"]
@@ -90,6 +91,11 @@ class TrainingConfig(StrictModel):
         min_length=1, description="Local Hugging Face checkpoint directory of the policy (and its tokenizer)."
     )
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages, loss and KL.")
+    off_policy: OffPolicyCorrection | None = Field(
+        None,
+        description="Correction for samples of older weights (see docs/training-modes.md); default: "
+        "one_step_off and fully_async tis (cap 2) with ess_step_scaling (VCPO), sync none.",
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer of RL steps.")
     sft_optimizer: OptimizerConfig = Field(
         default_factory=lambda: OptimizerConfig(lr=DEFAULT_SFT_LR),
@@ -166,6 +172,11 @@ class TrainingConfig(StrictModel):
     pipeline_parallel_size: int = Field(
         1, ge=1, le=64, description="PP: pipeline stages the layers are cut into (backend 'megatron')."
     )
+
+    @model_validator(mode="after")
+    def _one_off_policy_correction(self):
+        check_one_correction(self.off_policy, self.algorithm.rollout_is_upper is not None)
+        return self
 
     @model_validator(mode="after")
     def _parallel_sizes_need_megatron(self):

@@ -22,6 +22,7 @@ from rlmesh.coordinator.colocation import mode_class
 from rlmesh.coordinator.config import Settings
 from rlmesh.coordinator.modes import RunMode
 from rlmesh.coordinator.observe import CoordinatorMetrics, RunLoggers
+from rlmesh.coordinator.off_policy_watch import record_warnings
 from rlmesh.coordinator.store import ACTIVE, FINAL, RunStore
 from rlmesh.v1 import buffer_pb2, trainer_pb2
 
@@ -270,6 +271,7 @@ class RunDriver:
         if cfg.eval.interval and (rollout_id + 1) % cfg.eval.interval == 0 and rollout_id + 1 < cfg.num_rollouts:
             record.update(await calls.evaluate())
         await self._append(calls.run_id, cfg, record)
+        await record_warnings(self.store, calls.run_id)
         done = await self._realign(calls, record["step"])
         if self.metrics is not None:
             self.metrics.iteration(cfg.mode, record)

@@ -87,6 +87,11 @@ class RunDetail(RunSummary):
         "(transformers' from_pretrained, SGLang's --model-path) on the trainer's machine, relative to the "
         "trainer's work_dir; also in GET /runs/{id}/checkpoints (final: true).",
     )
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="What the run's metrics say may go wrong (say, samples of older weights far off the "
+        "trainer's, a collapse's early sign), oldest first; see docs/training-modes.md#off-policy-correction.",
+    )
     eval_before: dict
     eval_after: dict
     latest_metrics: dict

@@ -284,6 +284,7 @@ def _record(raw: dict[bytes, bytes], train_steps: int) -> dict:
         rec[k] = float(rec[k])
     for k in ("config", "eval_before", "eval_after"):
         rec[k] = json.loads(rec[k])
+    rec["warnings"] = json.loads(rec.get("warnings", "[]"))
     legacy = rec.pop("train_steps", None)  # (written before the list existed: JSON in the hash)
     if legacy is not None:
         train_steps = len(json.loads(legacy))

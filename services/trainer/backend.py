@@ -41,7 +41,7 @@ from rlmesh.common import errors
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import SampleGroup
 from rlmesh.trainer import algorithms as algo
-from rlmesh.trainer import lora
+from rlmesh.trainer import lora, off_policy
 from rlmesh.trainer import loss_terms as terms
 from rlmesh.trainer.batches import (
     FixedTokens,
@@ -307,10 +307,12 @@ class TorchBackend:
         (over every shard, with data parallelism)."""
         return self.dp.to_float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
 
-    def _optimizer_step(self, opt: Optimizer, totals: Totals) -> None:
+    def _optimizer_step(self, opt: Optimizer, totals: Totals, lr_scale: float = 1.0) -> None:
         grad_norm = self._clip_grad_norm(opt.config.grad_clip)
         totals.lr = opt.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
+            for group in opt.optimizer.param_groups:  # (the scheduler's step below sets lr afresh)
+                group["lr"] *= lr_scale
             opt.optimizer.step()
             totals.grad_norms.append(grad_norm)
         else:  # a NaN/inf gradient would poison the weights: drop this step's update
@@ -376,6 +378,11 @@ class TorchBackend:
             metrics["value_mean"] = float(terms.masked_mean(values, masks))
             metrics["return_mean"] = float(terms.masked_mean(returns, masks))
             metrics["explained_variance"] = float(terms.explained_variance(values, returns, masks))
+        # The run's correction for samples of older weights (off_policy.py), beside any rollout_is_* weight.
+        correction = off_policy.correct(self.config.off_policy, old, rollout, masks, has_rollout, advantages)
+        metrics.update(correction.metrics)
+        if correction.weights is not None:
+            is_weights = correction.weights if is_weights is None else is_weights * correction.weights
         fixed = FixedTokens(old, ref, advantages, is_weights, values, returns)
 
         # 3. One optimizer step per mini-batch.
@@ -396,7 +403,7 @@ class TorchBackend:
                         ),
                         values=self.critic is not None,
                     )
-            self._optimizer_step(opt, totals)
+            self._optimizer_step(opt, totals, correction.lr_scale)
 
         metrics.update(self.dp.reduce_totals(totals).metrics())
         return metrics

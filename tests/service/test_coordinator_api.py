@@ -333,3 +333,22 @@ def test_the_spec_declares_the_bearer_token(api):
         for method, operation in spec["paths"][path].items():
             assert operation["security"] == [{"bearer": []}], (path, method)
     assert "security" not in spec["paths"]["/health"]["get"]
+
+
+def test_off_policy_warnings_are_shown_with_the_run(api, redis_url, loop_thread):
+    from rlmesh.coordinator.off_policy_watch import record_warnings
+
+    run_id = api.post("/runs", json=body(mode="fully_async")).json()["id"]
+    assert api.get(f"/runs/{run_id}").json()["warnings"] == []
+
+    async def two_far_off_iterations():
+        redis_client = aioredis.from_url(redis_url)
+        store = RunStore(redis_client, "rlmesh")
+        for i in (1, 2):
+            await store.append_metrics(run_id, {"rollout_id": i, "train/is_ess": 0.2})
+            await record_warnings(store, run_id)
+        await redis_client.aclose()
+
+    loop_thread.run(two_far_off_iterations())
+    warnings = api.get(f"/runs/{run_id}").json()["warnings"]
+    assert len(warnings) == 1 and warnings[0].startswith("train/is_ess < 0.5 for 2 iterations")

@@ -33,6 +33,10 @@ const CHARTS = [
     ["iteration/seconds", "phase/generate_seconds", "phase/train_seconds", "weights/seconds", "phase/pause_seconds"]],
   ["Buffer depth (groups)", ["buffer/queued_groups", "buffer/leased_groups", "buffer/partial_groups"]],
   ["Staleness (weight versions)", ["train/staleness_mean", "train/staleness_max"]],
+  // Samples of older weights: the trainer/engine log-prob gap and the importance weights (docs/metrics.md).
+  ["Off-policy: log-prob gap, importance weights, ESS",
+    ["train/train_rollout_logprob_abs_diff", "train/is_weight_mean", "train/is_weight_max",
+      "train/is_truncated_masked_fraction", "train/is_ess", "train/staleness_mean"]],
   ["Failed, rejected and dropped",
     ["rollout/failed_ratio", /^rollout\/failed\//, "train/failed_count", "train/rejected_groups", "rollout/groups_aborted",
       "rollout/groups_filtered", "buffer/dead_letter_groups", "buffer/stale_groups_dropped", /^buffer\/dropped\//]],
@@ -227,6 +231,10 @@ function renderRun() {
   $("#run-progress").textContent = `rollout ${r.rollout_id} / ${r.num_rollouts}, weights v${r.weight_version}`;
   $("#run-waiting").textContent = r.waiting_for ? `waiting for ${r.waiting_for}` : "";
   $("#run-error").textContent = r.error || "";
+  const warnings = r.warnings || [];
+  if ($("#run-warnings").childElementCount !== warnings.length) {
+    $("#run-warnings").replaceChildren(...warnings.map((w) => el("li", "", w)));
+  }
   $("#pause").disabled = !["pending", "running"].includes(r.status);
   $("#resume").disabled = r.status !== "paused";
   $("#stop").disabled = !ACTIVE.includes(r.status) || r.status === "stopping";

@@ -1,0 +1,69 @@
+"""Warnings a run raises when its samples of older weights drift far from the trainer: read
+from the trainer's off-policy metrics of the last iterations (docs/training-modes.md says
+what each means and what to change). The run driver calls record_warnings after each
+iteration; the warnings are kept with the run (`warnings` in GET /runs/{id})."""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable
+
+from rlmesh.coordinator.store import RunStore
+
+log = logging.getLogger(__name__)
+
+# How many consecutive RL iterations a metric must be past its threshold: one bad batch is
+# noise, two in a row is a trend (in the collapses measured, the gap grew over several).
+WINDOW = 2
+MAX_WARNINGS = 16
+
+# (metric, comparison, threshold, what it means)
+CHECKS: tuple[tuple[str, Callable[[float, float], bool], float, str], ...] = (
+    (
+        "train/is_ess",
+        operator.lt,
+        0.5,
+        "a few samples of older weights dominate the batch's importance weights",
+    ),
+    (
+        "train/train_rollout_logprob_abs_diff",
+        operator.gt,
+        0.2,
+        "the trainer's and the engines' log-probs of the trained tokens are far apart (nats per token)",
+    ),
+    (
+        "train/is_truncated_masked_fraction",
+        operator.gt,
+        0.2,
+        "the off-policy correction truncates or masks a large share of the trained tokens",
+    ),
+)
+
+
+def new_warnings(records: list[dict], raised: list[str]) -> list[str]:
+    """Warnings for the checks whose metric was past its threshold in each of the last WINDOW
+    iteration records of `records` (oldest first), each raised once per run (`raised`: the
+    run's warnings so far)."""
+    out: list[str] = []
+    for name, crossed, threshold, meaning in CHECKS:
+        values = [r[name] for r in records if isinstance(r.get(name), (int, float))][-WINDOW:]
+        if len(values) < WINDOW or not all(crossed(v, threshold) for v in values):
+            continue
+        if any(w.startswith(name + " ") for w in raised) or len(raised) + len(out) >= MAX_WARNINGS:
+            continue
+        where = records[-1].get("rollout_id", "?")
+        sign = "<" if crossed is operator.lt else ">"
+        out.append(
+            f"{name} {sign} {threshold:g} for {WINDOW} iterations (last {values[-1]:.3g}, at rollout {where}): "
+            f"{meaning}; a run may collapse next (see docs/training-modes.md#off-policy-correction)"
+        )
+    return out
+
+
+async def record_warnings(store: RunStore, run_id: str) -> None:
+    """Add to the run the warnings its newest iteration records call for."""
+    raised = (await store.get(run_id))["warnings"]
+    if added := new_warnings(await store.metrics(run_id, WINDOW), raised):
+        log.warning("run %s: %s", run_id, "; ".join(added))
+        await store.update(run_id, warnings=raised + added)
