@@ -99,8 +99,9 @@ class TrainingConfig(StrictModel):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer of RL steps.")
     sft_optimizer: OptimizerConfig = Field(
         default_factory=lambda: OptimizerConfig(lr=DEFAULT_SFT_LR),
-        description="Optimizer of the SFT warm start's steps: its own settings and its own AdamW state, never "
-        "`optimizer`'s (setting optimizer.lr leaves the warm start's learning rate alone).",
+        description="Settings of the SFT warm start's steps (learning rate, its warm-up, betas, weight decay, "
+        "grad_clip), never `optimizer`'s (setting optimizer.lr leaves the warm start's learning rate alone). "
+        "The AdamW state is one: RL goes on from the moments the warm start built.",
     )
     kl_reference: str = Field(
         "after_warm_start",

@@ -26,6 +26,7 @@ class Optimizer:
     config: OptimizerConfig
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    taken: int = 0  # steps taken with these settings (in this process)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) -> Optimizer:
