@@ -71,7 +71,7 @@ from rlmesh.trainer.checkpoints import (
 )
 from rlmesh.trainer.critic import VALUE_HEAD_FILE, build_value_head
 from rlmesh.trainer.fsdp import DataParallel
-from rlmesh.trainer.loading import Optimizer, build_optimizer, load_model
+from rlmesh.trainer.loading import Optimizer, build_optimizers, load_model
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +146,7 @@ class TorchBackend:
         if self.critic is not None:
             params += list(self.critic.parameters())
         self._params = params
-        # The warm start's own settings on the RL optimizer's AdamW state: RL goes on from the
-        # moments the warm start built (a fresh AdamW at the demo's learning rate moved every
-        # weight by the full step at once, and the policy collapsed).
-        rl = build_optimizer(params, config.optimizer)
-        self._optimizers = {"rl": rl, "sft": Optimizer(config.sft_optimizer, rl.optimizer, rl.scheduler)}
+        self._optimizers = build_optimizers(params, config)
         self.resumed_state: dict = self._resume(source, saved_state) if saved_state else {}
 
     def _load_model(self, path: str, what: str) -> PreTrainedModel:
@@ -309,15 +305,10 @@ class TorchBackend:
 
     def _optimizer_step(self, opt: Optimizer, totals: Totals, lr_scale: float = 1.0) -> None:
         grad_norm = self._clip_grad_norm(opt.config.grad_clip)
-        for group in opt.optimizer.param_groups:  # (the scheduler's step below sets lr afresh)
-            if opt is not self._optimizers["rl"]:  # the warm start's settings on the shared state
-                warmup = opt.config.warmup_steps
-                group["lr"] = opt.config.lr * (min(1.0, (opt.taken + 1) / warmup) if warmup else 1.0)
-            group.update(betas=opt.config.betas, weight_decay=opt.config.weight_decay)
+        opt.apply_settings()
         totals.lr = opt.optimizer.param_groups[0]["lr"]
-        opt.taken += 1
         if math.isfinite(grad_norm):
-            for group in opt.optimizer.param_groups:
+            for group in opt.optimizer.param_groups:  # (the scheduler's step below sets lr afresh)
                 group["lr"] *= lr_scale
             opt.optimizer.step()
             totals.grad_norms.append(grad_norm)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlmesh.common import errors
-from rlmesh.common.run_config import OptimizerConfig
+from rlmesh.common.run_config import OptimizerConfig, TrainerRunConfig
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -26,7 +26,26 @@ class Optimizer:
     config: OptimizerConfig
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduled: bool = True  # its scheduler sets its learning rate (else: its config and warm-up, each step)
     taken: int = 0  # steps taken with these settings (in this process)
+
+    def apply_settings(self) -> None:
+        """Its settings on the AdamW parameter groups, before a step (the state may be shared)."""
+        warmup = self.config.warmup_steps
+        for group in self.optimizer.param_groups:
+            if not self.scheduled:
+                group["lr"] = self.config.lr * (min(1.0, (self.taken + 1) / warmup) if warmup else 1.0)
+            group.update(betas=self.config.betas, weight_decay=self.config.weight_decay)
+        self.taken += 1
+
+
+def build_optimizers(params: list[torch.nn.Parameter], config: TrainerRunConfig) -> dict[str, Optimizer]:
+    """RL's optimizer ("rl"), and the warm start's ("sft"): its own settings on the RL
+    optimizer's AdamW state, so RL goes on from the moments the warm start built (a fresh
+    AdamW at the demo's learning rate moved every weight by the full step at once, and the
+    policy collapsed)."""
+    rl = build_optimizer(params, config.optimizer)
+    return {"rl": rl, "sft": Optimizer(config.sft_optimizer, rl.optimizer, rl.scheduler, scheduled=False)}
 
 
 def build_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) -> Optimizer:

@@ -14,7 +14,8 @@ from rlmesh.common.prometheus import ServiceMetrics
 from rlmesh.trainer import ranks
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.metrics import TrainerMetrics
-from rlmesh.trainer.trainer import RunStatus, Trainer, parse_run_config
+from rlmesh.trainer.results import RunStatus, parse_run_config
+from rlmesh.trainer.trainer import Trainer
 from rlmesh.v1 import check_pb2, trainer_pb2, trainer_pb2_grpc
 
 SERVICE_NAME = "rlmesh.v1.Trainer"

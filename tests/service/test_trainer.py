@@ -22,7 +22,8 @@ from rlmesh.rollout.config import Settings as RolloutSettings
 from rlmesh.rollout.server import start as start_rollout
 from rlmesh.trainer.backend import TorchBackend
 from rlmesh.trainer.config import Settings
-from rlmesh.trainer.trainer import Trainer, parse_run_config
+from rlmesh.trainer.results import parse_run_config
+from rlmesh.trainer.trainer import Trainer
 from rlmesh.trainer.weight_sync import WeightPusher, plan_buckets
 from rlmesh.v1 import buffer_pb2, trainer_pb2
 from tests.helpers.trainer import (
