@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +80,8 @@ def two_ranks(tiny_model_dir, tmp_path_factory) -> Path:
         warnings.warn(
             "an FSDP rank aborted (SIGABRT) without a Python error: running the two ranks again", stacklevel=1
         )
+        shutil.rmtree(out)  # (from scratch: the aborted run may have written a checkpoint already)
+        out.mkdir()
         run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return out
