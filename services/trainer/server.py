@@ -32,6 +32,7 @@ def _status(status: RunStatus) -> trainer_pb2.TrainerStatus:
         unacknowledged_step=status.unacknowledged_step,
         waiting_for=status.waiting_for,
         final_model=status.final_model,
+        vocab_size=status.vocab_size,
     )
 
 

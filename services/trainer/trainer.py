@@ -107,6 +107,7 @@ class _Run:
             unacknowledged_step=self.unacknowledged[0]
             if self.unacknowledged and not self.unacknowledged[1].done()
             else 0,
+            vocab_size=self.backend.vocab_size,
         )
 
     async def saved(self) -> None:

@@ -103,7 +103,7 @@ class EndRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("run_id", "step", "weight_version", "model_path", "resumed_step", "step_in_flight", "unacknowledged_step", "waiting_for", "final_model")
+    __slots__ = ("run_id", "step", "weight_version", "model_path", "resumed_step", "step_in_flight", "unacknowledged_step", "waiting_for", "final_model", "vocab_size")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class TrainerStatus(_message.Message):
     UNACKNOWLEDGED_STEP_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     FINAL_MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     weight_version: int
@@ -122,7 +123,8 @@ class TrainerStatus(_message.Message):
     unacknowledged_step: int
     waiting_for: _containers.RepeatedScalarFieldContainer[str]
     final_model: str
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ..., resumed_step: _Optional[int] = ..., step_in_flight: _Optional[bool] = ..., unacknowledged_step: _Optional[int] = ..., waiting_for: _Optional[_Iterable[str]] = ..., final_model: _Optional[str] = ...) -> None: ...
+    vocab_size: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ..., resumed_step: _Optional[int] = ..., step_in_flight: _Optional[bool] = ..., unacknowledged_step: _Optional[int] = ..., waiting_for: _Optional[_Iterable[str]] = ..., final_model: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("run_id", "checkpoint_dir")
