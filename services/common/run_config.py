@@ -25,6 +25,7 @@ from rlmesh.common.training_config import (
 __all__ = [
     "DEFAULT_MAX_STALENESS",
     "DatasetConfig",
+    "EnvironmentsConfig",
     "EvalConfig",
     "GenerateConfig",
     "Key",
@@ -224,6 +225,25 @@ class LoggingConfig(StrictModel):
     wandb: WandbConfig | None = Field(None, description="Log to Weights & Biases (<log_dir>/<run id>/wandb).")
 
 
+class EnvironmentsConfig(StrictModel):
+    """A run fed from outside (source: environments): Atropos-compatible environments post
+    scored groups to the coordinator's trajectory API (docs/environments.md)."""
+
+    max_token_length: int = Field(
+        4096,
+        ge=2,
+        le=INT32_MAX,
+        description="Most tokens (prompt + response) a posted sequence may have; environments read it "
+        "from /info (max_token_len) and skip longer groups themselves.",
+    )
+    max_groups_per_post: int = Field(
+        64, ge=1, le=4096, description="Most groups one scored_data_list post may carry (a longer one is refused)."
+    )
+    max_environments: int = Field(
+        64, ge=1, le=4096, description="Most environments that may register with the run (register-env)."
+    )
+
+
 class RunConfig(TrainingConfig):
     """The body of `POST /runs`: the run's own fields, the services' sections, and the
     trainer's fields (TrainingConfig) at the top level."""
@@ -279,6 +299,17 @@ class RunConfig(TrainingConfig):
         default_factory=LoggingConfig,
         description="TensorBoard and W&B logging of the run's metrics (optional: pip install 'rlmesh[logging]').",
     )
+    source: Literal["datasets", "environments"] = Field(
+        "datasets",
+        description="Where training samples come from. 'datasets': the rollout service generates them from "
+        "the training datasets. 'environments': Atropos-compatible environments generate and score them and "
+        "post them to the run's trajectory API (GET /runs/{id}: trajectory_api); the coordinator generates "
+        "nothing for training (the eval datasets are still evaluated). Needs mode 'fully_async' and no warm "
+        "start.",
+    )
+    environments: EnvironmentsConfig = Field(
+        default_factory=EnvironmentsConfig, description="Bounds of a run fed by environments (source: environments)."
+    )
 
     @model_validator(mode="after")
     def _has_training_data(self):
@@ -311,6 +342,19 @@ class RunConfig(TrainingConfig):
             raise ValueError(
                 f"max_queued_groups must be 0 or at least 2 x rollout_batch_size for a colocated {self.mode}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _environments_fit(self):
+        if self.source != "environments":
+            return self
+        if self.mode != "fully_async":
+            raise ValueError(
+                "source 'environments' needs mode 'fully_async': environments generate continuously, on "
+                "whatever weights the engines hold when they ask"
+            )
+        if self.sft_warmup.steps:
+            raise ValueError("source 'environments' takes no SFT warm start (sft_warmup.steps must be 0)")
         return self
 
     def buffer_datasets(self) -> list[DatasetConfig]:
@@ -406,6 +450,13 @@ def limit_violations(config: RunConfig, limits: Limits) -> list[tuple[tuple[str,
             ev.sampling.max_new_tokens,
             limits.max_new_tokens,
             "max_new_tokens",
+            "",
+        ),
+        (
+            ("environments", "max_groups_per_post"),
+            config.environments.max_groups_per_post,
+            limits.max_groups_per_call,
+            "max_groups_per_call",
             "",
         ),
         (("num_rollouts",), config.num_rollouts, limits.max_num_rollouts, "max_num_rollouts", ""),

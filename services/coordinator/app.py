@@ -33,6 +33,7 @@ from rlmesh.coordinator.routes_runs import runs_router
 from rlmesh.coordinator.runs import RunDriver
 from rlmesh.coordinator.schemas import Problem
 from rlmesh.coordinator.store import RunStore
+from rlmesh.coordinator.trajectory_api import GzipBody, is_trajectory_path, trajectory_router
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc, trainer_pb2_grpc
 
 # Probes and the API's own description need no token; they reveal nothing about runs.
@@ -40,7 +41,8 @@ OPEN_PATHS = frozenset({"/health", DOCS_PATH, "/openapi.json"})
 
 
 def is_open_path(path: str) -> bool:
-    return path in OPEN_PATHS or is_page_path(path) or is_docs_asset(path)
+    # (the trajectory API checks the run's capability in its path instead: Atropos clients send no token)
+    return path in OPEN_PATHS or is_page_path(path) or is_docs_asset(path) or is_trajectory_path(path)
 
 
 log = logging.getLogger(__name__)
@@ -134,6 +136,7 @@ def create_app(settings: Settings) -> FastAPI:
         docs_url=None,  # (mount_api_docs serves it from this machine)
         redoc_url=None,
     )
+    app.add_middleware(GzipBody, max_bytes=settings.max_request_bytes)  # (inside guard's size check)
     guard(app, settings.max_request_bytes)
     token = auth.required_token()
     if token:
@@ -172,6 +175,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app.include_router(runs_router(settings))
     app.include_router(reward_services_router(settings))
+    app.include_router(trajectory_router(settings))
 
     @app.get("/health")
     async def health():

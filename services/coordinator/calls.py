@@ -213,6 +213,8 @@ class RunCalls:
             lambda: self.clients.buffer.CreateRun(request, timeout=self.settings.call_deadline_seconds),
         )
         status = await self.set_up_trainer()
+        if self.cfg.source == "environments":  # (the trajectory API refuses ids past it)
+            await self.store.update(self.run_id, vocab_size=status.vocab_size)
         await self.wake_engines()
         if (await self.store.get(self.run_id))["weight_version"] == 0:
             # The engines may hold another run's weights: start from the run's own.

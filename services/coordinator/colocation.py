@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from rlmesh.common.run_config import RunConfig
-from rlmesh.coordinator.modes import MODES, RunMode, iteration_record
+from rlmesh.coordinator.modes import MODES, EnvironmentsMode, RunMode, iteration_record
 
 
 class ColocatedMode(RunMode):
@@ -65,4 +65,6 @@ class ColocatedMode(RunMode):
 
 def mode_class(cfg: RunConfig) -> type[RunMode]:
     """The RunMode that drives a run of this config."""
+    if cfg.source == "environments":
+        return EnvironmentsMode
     return ColocatedMode if cfg.weight_sync.method == "colocated" else MODES[cfg.mode]

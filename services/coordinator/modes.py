@@ -273,6 +273,33 @@ class FullyAsyncMode(RunMode):
         self.heartbeat, self.loop_may_run = None, False
 
 
+class EnvironmentsMode(FullyAsyncMode):
+    """source: environments. Atropos-compatible environments generate on the engines and
+    post scored groups to the trajectory API, which writes them to the buffer; nothing here
+    generates. Each iteration trains the next full batch and pushes the new weights with the
+    engines paused (pause_mode), as fully_async does."""
+
+    async def iteration(self, rollout_id: int) -> dict:
+        t0 = time.monotonic()
+        t, train_seconds = await self.calls.train_batch(self.on_no_batch)
+        t1 = time.monotonic()
+        w = await self._push_weights()
+        return iteration_record(rollout_id, {}, t, w, {"train": train_seconds, "pause": time.monotonic() - t1}, t0)
+
+    async def on_no_batch(self) -> str:
+        found = await super().on_no_batch()
+        return found or "scored groups from the environments (posted to the run's trajectory API)"
+
+    async def settle(self, keep_metrics: bool = False) -> None:
+        """Nothing of rlmesh's generates for the run (environments keep posting; their groups queue)."""
+
+    async def close(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
 MODES: dict[str, type[RunMode]] = {
     "sync": SyncMode,
     "one_step_off": OneStepOffMode,

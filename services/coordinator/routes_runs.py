@@ -32,6 +32,7 @@ from rlmesh.coordinator.schemas import (
     run_summary,
 )
 from rlmesh.coordinator.store import RunStore
+from rlmesh.coordinator.trajectory import api_path
 from rlmesh.v1 import buffer_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ def runs_router(settings: Settings) -> APIRouter:
             **run_summary(rec),
             "metrics": metrics[-metrics_last:] if metrics_last else [],
             "latest_metrics": latest,
+            "trajectory_api": api_path(rec.get("capability", "")),
         }
 
     @router.post("/runs/{run_id}/stop", response_model=RunCreated, responses=error_responses(404))

@@ -92,6 +92,17 @@ class RunDetail(RunSummary):
         description="What the run's metrics say may go wrong (say, samples of older weights far off the "
         "trainer's, a collapse's early sign), oldest first; see docs/training-modes.md#off-policy-correction.",
     )
+    trajectory_api: str = Field(
+        "",
+        description="A run fed by environments (source: environments): the path of its Atropos-compatible "
+        "trajectory API on this coordinator, a per-run capability in it; an environment's rollout_server_url "
+        "is this coordinator's address followed by it (docs/environments.md). '' for other runs.",
+    )
+    environment_groups_received: int = Field(0, description="Groups environments posted that went to the buffer.")
+    environment_groups_refused: int = Field(
+        0, description="Groups environments posted that were refused (422), the run going on."
+    )
+    environment_refusal: str = Field("", description="Why the latest refused post was refused.")
     eval_before: dict
     eval_after: dict
     latest_metrics: dict

@@ -5,6 +5,7 @@ of the one run that may train."""
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
 
@@ -136,6 +137,8 @@ class RunStore:
             "eval_before": "{}",
             "eval_after": "{}",
             "held": 0,
+            # The trajectory API's per-run capability: whoever holds its URL may post groups.
+            "capability": secrets.token_urlsafe(24) if config.source == "environments" else "",
         }
         fields = [item for pair in record.items() for item in pair]
         keys = (self._key(run_id), self.active_key, self.index_key)
@@ -175,6 +178,18 @@ class RunStore:
         except NotFound:
             return None
         return (holder, RunConfig.model_validate(rec["config"])) if rec["status"] in ACTIVE else None
+
+    async def active_record(self) -> dict | None:
+        """The record of the run holding the claim (None: no run does)."""
+        holder = (await self.redis.get(self.active_key) or b"").decode()
+        try:
+            return await self.get(holder) if holder else None
+        except NotFound:
+            return None
+
+    async def count(self, run_id: str, name: str, n: int = 1) -> None:
+        """Add n to the run record's counter `name`."""
+        await self.redis.hincrby(self._key(run_id), name, n)
 
     async def delete(self, run_id: str) -> None:
         key = self._key(run_id)

@@ -1,0 +1,99 @@
+"""A run fed from outside: an environment written against the real atroposlib (BaseEnv in
+`serve` mode, its SGLang client on rlmesh's engine) is pointed at the run's trajectory API
+by its rollout_server_url alone, and the run trains on what it posts; malformed posts are
+refused with a 422 that names what is wrong, counted, and the run goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+
+import httpx
+import pytest
+
+from rlmesh.common.auth import required_token
+from rlmesh.v1 import buffer_pb2
+from tests.helpers.runs import run_config
+from tests.helpers.stack import wait_for_run
+
+pytest.importorskip("atroposlib")
+
+from tests.helpers.atropos_env import ReverseEnv
+
+ROLLOUTS = 3
+
+
+def environments_config(tmp_path, tiny_model_dir) -> dict:
+    config = run_config(tmp_path, tiny_model_dir, num_rollouts=ROLLOUTS)
+    config.update(source="environments", mode="fully_async", sft_warmup={"steps": 0}, pause_mode="in_place")
+    config["rollout"] = {"rollout_batch_size": 2, "n_samples_per_prompt": 4}
+    config["environments"] = {"max_token_length": 64}
+    return config
+
+
+def run_env_in_thread(env: ReverseEnv) -> threading.Thread:
+    """The environment's own loop (env_manager: register, then post until the run's steps
+    are covered), as `python env.py serve` runs it."""
+
+    def main() -> None:
+        try:
+            asyncio.run(asyncio.wait_for(env.env_manager(), timeout=120))
+        except TimeoutError:
+            pass
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+def test_an_atropos_environment_trains_a_run(services, tmp_path, tiny_model_dir, engine_url):
+    api, buffer = services
+    r = api.post("/runs", json=environments_config(tmp_path, tiny_model_dir))
+    assert r.status_code == 201, r.text
+    run_id = r.json()["id"]
+    run = wait_for_run(api, run_id, lambda run: run["phase"] == "rl" or run["status"] == "failed", timeout=60)
+    assert run["status"] != "failed", run["error"]
+    base = str(api.base_url).rstrip("/")
+    url = base + run["trajectory_api"]
+    assert run["trajectory_api"].startswith("/atropos/")
+
+    # No token header (an Atropos client sends none): the path's capability is the credential.
+    plain = httpx.Client(timeout=30)
+    assert plain.get(f"{base}/atropos/not-the-capability/info").status_code == 404
+    info = plain.get(f"{url}/info").json()
+    assert info == {"batch_size": 8, "max_token_len": 64}
+
+    bad_masks = {"tokens": [[5, 6, 7]] * 4, "masks": [[-100, 6]] * 4, "scores": [0.0, 1.0, 0.0, 1.0]}
+    r = plain.post(f"{url}/scored_data", json=bad_masks)
+    assert r.status_code == 422 and "masks[0] has 2 entries" in r.json()["detail"], r.text
+    nan_score = {"tokens": [[5, 6, 7]] * 4, "masks": [[-100, 6, 7]] * 4, "scores": [0.0, math.nan, 0.0, 1.0]}
+    r = plain.post(f"{url}/scored_data", content=json.dumps(nan_score), headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "scores[1] is nan" in r.json()["detail"], r.text
+    out_of_vocab = {"tokens": [[5, 6, 10**6]] * 4, "masks": [[-100, 6, 7]] * 4, "scores": [0.0, 1.0, 0.0, 1.0]}
+    r = plain.post(f"{url}/scored_data_list", json=[out_of_vocab])
+    assert r.status_code == 422 and "outside [0," in r.json()["detail"], r.text
+    advantages = {**bad_masks, "masks": [[-100, 6, 7]] * 4, "advantages": [[1.0, 1.0, 1.0]] * 4}
+    r = plain.post(f"{url}/scored_data", json=advantages)
+    assert r.status_code == 422 and "advantages" in r.json()["detail"], r.text
+
+    # The environment, unmodified but for its rollout_server_url.
+    env = ReverseEnv.make(url, engine_url, str(tiny_model_dir), required_token(), group_size=4, steps=ROLLOUTS)
+    thread = run_env_in_thread(env)
+    run = wait_for_run(api, run_id, timeout=150)
+    assert run["status"] == "completed", run["error"]
+    thread.join(timeout=30)
+
+    assert run["environment_groups_refused"] == 4
+    assert "advantages" in run["environment_refusal"]
+    assert run["environment_groups_received"] >= 2 * ROLLOUTS
+    rl = [m for m in api.get(f"/runs/{run_id}/metrics").json()["records"] if "iteration/seconds" in m]
+    assert [m["rollout_id"] for m in rl] == list(range(1, ROLLOUTS + 1))
+    assert all(m["train/samples"] == 8 for m in rl)  # full batches of the environment's groups
+    s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id))
+    assert s.acknowledged_groups == 2 * ROLLOUTS and s.dead_letter_groups == 0
+    samples = api.get(f"/runs/{run_id}/samples").json()
+    assert samples["groups"][0]["dataset"] == "reverse_0"
+    assert samples["groups"][0]["samples"][0]["messages"][0]["content"].startswith("rev ")

@@ -1,0 +1,66 @@
+"""A posted Atropos group becomes an ordinary SampleGroup, or is refused naming what is wrong."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rlmesh.coordinator.trajectory import BadGroup, Environments, RegisterEnv, RunView, ScoredData, scored_group
+
+RUN = RunView(vocab_size=100, max_token_length=16, max_group_size=8, weight_version=3)
+
+
+def env(group_size: int = 2):
+    envs = Environments("run", limit=2)
+    return envs, envs.register(
+        RegisterEnv(max_token_length=16, desired_name="gsm 8k", weight=1.0, group_size=group_size), 8
+    )
+
+
+def test_prompt_response_and_masks_map_to_a_sample():
+    _, e = env()
+    data = ScoredData(
+        tokens=[[1, 2, 3, 4, 5], [1, 2, 6, 7, 8]],
+        masks=[[-100, -100, 3, -100, 5], [-100, -100, 6, 7, 8]],  # a tool output untrained mid-response
+        scores=[1.0, 0.0],
+        inference_logprobs=[[1.0, 1.0, -0.1, -0.2, -0.3], [-0.5, -0.6, -0.7]],
+        messages=[[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]] * 2,
+    )
+    g = scored_group(data, RUN, e)
+    s = g.samples[0]
+    assert g.dataset == "gsm_8k_0" and [x.reward for x in g.samples] == [1.0, 0.0]
+    assert s.response_length == 3 and s.loss_mask == [1, 0, 1] and s.prompt_tokens == [1, 2]
+    assert s.rollout_log_probs == pytest.approx([-0.1, -0.2, -0.3])
+    assert g.samples[1].rollout_log_probs == pytest.approx([-0.5, -0.6, -0.7])
+    assert s.weight_versions == [3] and s.response == "a"
+    assert scored_group(data, RUN, e).group_id == g.group_id  # a retried post is the same group
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"masks": [[-100, 2], [-100, 2, 3]]}, "masks[0] has 2 entries"),
+        ({"scores": [math.nan, 1.0]}, "scores[0] is nan"),
+        ({"tokens": [[1, 2, 300], [1, 2, 3]]}, "id 300 at position 2, outside [0, 99]"),
+        ({"masks": [[-100] * 3, [-100, 2, 3]]}, "masks[0] marks no token"),
+        ({"advantages": [[1.0] * 3] * 2}, "advantages"),
+        ({"tokens": [[1, 2, 3]] * 3, "masks": [[-100, 2, 3]] * 3, "scores": [0.0] * 3}, "registered group_size 2"),
+        ({"inference_logprobs": [[-1.0], [-1.0]]}, "inference_logprobs[0] has 1 entries"),
+    ],
+)
+def test_bad_groups_are_refused_naming_the_problem(change, says):
+    _, e = env()
+    data = {"tokens": [[1, 2, 3]] * 2, "masks": [[-100, 2, 3]] * 2, "scores": [0.0, 1.0], **change}
+    with pytest.raises(BadGroup, match=None) as refused:
+        scored_group(ScoredData(**data), RUN, e)
+    assert says in str(refused.value)
+
+
+def test_registration_is_bounded_and_status_counts_the_queue_in_groups():
+    envs, first = env(group_size=4)
+    envs.register(RegisterEnv(max_token_length=16, desired_name="gsm 8k", weight=3.0, group_size=2), 8)
+    with pytest.raises(BadGroup, match="already has 2 registered"):
+        envs.register(RegisterEnv(max_token_length=16, desired_name="x", weight=1.0, group_size=2), 8)
+    status = envs.status(first.env_id, step=5, queued_samples=12)
+    assert status["queue_size"] == 3 and status["current_step"] == 5 and status["env_weight"] == pytest.approx(0.25)
