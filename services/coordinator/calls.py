@@ -386,10 +386,11 @@ class RunCalls:
         and are counted; prompts it held are handed back (or their lease expires)."""
 
         async def attempt():
-            missing = await self.missing_groups(batch)
+            # (both reads at once: one round trip's wait, not two)
+            missing, run = await asyncio.gather(self.missing_groups(batch), self.store.get(self.run_id))
             if not missing:
                 return rollout_pb2.GenerateRolloutResponse()
-            req = request(missing, (await self.store.get(self.run_id))["weight_version"])
+            req = request(missing, run["weight_version"])
             return await self.on_current_engines(
                 lambda: self.watched(
                     self.clients.rollout.GenerateRollout(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from rlmesh.common.run_config import RunConfig
-from rlmesh.coordinator.modes import MODES, EnvironmentsMode, RunMode, iteration_record
+from rlmesh.coordinator.modes import MODES, EnvironmentsMode, RunMode, iteration_record, publish_and_buffer_metrics
 
 
 class ColocatedMode(RunMode):
@@ -35,10 +35,11 @@ class ColocatedMode(RunMode):
             await self._wake_after_failure()
             raise
         t1 = time.monotonic()
-        w = await calls.publish()  # (resumes the weights first)
+        # (resumes the weights first; the buffer's figures are read meanwhile)
+        w, buffer = await publish_and_buffer_metrics(calls)
         await self.wake()
         phases = {"generate": generate_seconds, "train": train_seconds, "update": time.monotonic() - t1}
-        return iteration_record(rollout_id, generation, t, w, phases, t0)
+        return {**iteration_record(rollout_id, generation, t, w, phases, t0, phases), **buffer}
 
     async def wake(self) -> None:
         await self.calls.memory_occupation(resume=True)

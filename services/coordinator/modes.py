@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import grpc
 
@@ -27,9 +29,15 @@ from rlmesh.coordinator.calls import RunCalls, StopRequested
 from rlmesh.v1 import rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+U = TypeVar("U")
 
 # one_step_off: how often to look whether the train step has leased its batch.
 LEASE_POLL_SECONDS = 0.05
+
+
+# The parts of a step's time the split names (docs/metrics.md); the run driver adds "other".
+SPLIT = ("generate", "reward", "train", "update")
 
 
 def iteration_record(
@@ -39,8 +47,12 @@ def iteration_record(
     weights: dict,
     phases: dict[str, float],
     started: float,
+    waited: dict[str, float],
 ) -> dict:
-    return {
+    """`waited`: how long the iteration waited on each part of SPLIT, for the step's time
+    split. Unless given, reward is taken out of generate: the rollout's wait for rewards
+    (rollout/reward_seconds) is part of its generate call, other groups generating meanwhile."""
+    record = {
         "rollout_id": rollout_id + 1,
         "time": time.time(),
         "step": train.step,
@@ -50,6 +62,43 @@ def iteration_record(
         **{f"phase/{k}_seconds": v for k, v in phases.items()},
         "iteration/seconds": time.monotonic() - started,
     }
+    generate = waited.get("generate", 0.0)
+    reward = waited.get("reward", min(float(generation.get("rollout/reward_seconds", 0.0)), generate))
+    split = {"generate": generate - reward, "reward": reward, "train": waited.get("train", 0.0)}
+    split["update"] = waited.get("update", 0.0)
+    record.update({f"split/{k}_seconds": split[k] for k in SPLIT})
+    return record
+
+
+async def alongside(main: Awaitable[T], side: Awaitable[U]) -> tuple[T, U]:
+    """Both at once (two round trips that need not wait for each other); if main fails,
+    side is cancelled."""
+    task = asyncio.ensure_future(side)
+    try:
+        result = await main
+    except BaseException:
+        task.cancel()
+        raise
+    return result, await task
+
+
+async def publish_and_buffer_metrics(calls: RunCalls) -> tuple[dict, dict]:
+    """The push, and the buffer's figures for the record read meanwhile: nothing generates
+    during a push in these modes, so the buffer stands as it will after it."""
+    return await alongside(calls.publish(), calls.buffer_metrics())
+
+
+def step_split(record: dict, step_seconds: float, eval_seconds: float) -> dict:
+    """The rest of a step's time split: its wall time (from where the step before it ended),
+    an evaluation taken in it, and "other": the time in none of the parts (the calls and
+    bookkeeping between them)."""
+    parts = sum(record.get(f"split/{k}_seconds", 0.0) for k in SPLIT) + eval_seconds
+    other = max(step_seconds - parts, 0.0)
+    out = {"split/step_seconds": step_seconds, "split/other_seconds": other}
+    out["split/other_fraction"] = other / step_seconds if step_seconds > 0 else 0.0
+    if eval_seconds:
+        out["split/eval_seconds"] = eval_seconds
+    return out
 
 
 class RunMode:
@@ -92,10 +141,11 @@ class SyncMode(RunMode):
         t0 = time.monotonic()
         generation, generate_seconds = await self.calls.generate_batch()
         t, train_seconds = await self.calls.train_batch(self.on_no_batch)
-        w = await self.calls.publish()
-        return iteration_record(
-            rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds}, t0
-        )
+        t1 = time.monotonic()
+        w, buffer = await publish_and_buffer_metrics(self.calls)
+        phases = {"generate": generate_seconds, "train": train_seconds}
+        waited = {**phases, "update": time.monotonic() - t1}
+        return {**iteration_record(rollout_id, generation, t, w, phases, t0, waited), **buffer}
 
 
 class OneStepOffMode(RunMode):
@@ -109,6 +159,7 @@ class OneStepOffMode(RunMode):
         t0 = time.monotonic()
         generating, self.upcoming = self.upcoming, None
         generation, generate_seconds = await generating if generating else await self.calls.generate_batch()
+        waited_generate = time.monotonic() - t0  # (what of the batch's generation the step waited for)
         training = asyncio.create_task(self.calls.train_batch(self.on_no_batch))
         upcoming = None
         try:
@@ -116,18 +167,21 @@ class OneStepOffMode(RunMode):
                 await self._leased_or_done(training)
                 upcoming = asyncio.create_task(self.calls.generate_batch())
             t, train_seconds = await training
+            t1 = time.monotonic()
             if upcoming is not None:
                 await asyncio.wait([upcoming])  # weights change only when nothing is generating
+            waited_generate += time.monotonic() - t1
         except BaseException:
             for task in (training, upcoming):
                 if task is not None:
                     task.cancel()
             raise
         self.upcoming = upcoming
-        w = await self.calls.publish()
-        return iteration_record(
-            rollout_id, generation, t, w, {"generate": generate_seconds, "train": train_seconds}, t0
-        )
+        t2 = time.monotonic()
+        w, buffer = await publish_and_buffer_metrics(self.calls)
+        waited = {"generate": waited_generate, "train": train_seconds, "update": time.monotonic() - t2}
+        phases = {"generate": generate_seconds, "train": train_seconds}
+        return {**iteration_record(rollout_id, generation, t, w, phases, t0, waited), **buffer}
 
     async def _leased_or_done(self, training: asyncio.Task) -> None:
         """Until the train step holds its batch (or has finished)."""
@@ -167,14 +221,19 @@ class FullyAsyncMode(RunMode):
         await self._start_generation()
         t, train_seconds = await calls.train_batch(self.on_no_batch)
         t1 = time.monotonic()
-        w = await self._push_weights()
+        w, update_seconds = await self._push_weights()
         generation, self.generation_metrics = self.generation_metrics, {}
+        # The generation runs beside the step: what the step waits for is a full batch, inside
+        # its train call (the trainer's own step time is train/seconds).
+        compute = min(float(t.metrics.get("seconds", train_seconds)), train_seconds)
+        waited = {"generate": train_seconds - compute, "reward": 0.0, "train": compute, "update": update_seconds}
         return iteration_record(
-            rollout_id, generation, t, w, {"train": train_seconds, "pause": time.monotonic() - t1}, t0
+            rollout_id, generation, t, w, {"train": train_seconds, "pause": time.monotonic() - t1}, t0, waited
         )
 
-    async def _push_weights(self) -> dict:
-        """The trainer's weights to the engines, paused meanwhile (pause_mode); its metrics."""
+    async def _push_weights(self) -> tuple[dict, float]:
+        """The trainer's weights to the engines, paused meanwhile (pause_mode); its metrics
+        and how long the push itself took (the pause and the continue around it not counted)."""
         calls = self.calls
         deadline = calls.settings.call_deadline_seconds
         await calls.rollout_call(
@@ -182,8 +241,9 @@ class FullyAsyncMode(RunMode):
                 rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode), timeout=deadline
             )
         )
+        t0 = time.monotonic()
         try:
-            return await calls.publish()
+            return await calls.publish(), time.monotonic() - t0
         finally:
             await calls.rollout_call(
                 lambda: calls.clients.rollout.ContinueGeneration(

@@ -20,7 +20,7 @@ from rlmesh.coordinator import requests
 from rlmesh.coordinator.calls import Clients, RunCalls, StopRequested
 from rlmesh.coordinator.colocation import mode_class
 from rlmesh.coordinator.config import Settings
-from rlmesh.coordinator.modes import RunMode
+from rlmesh.coordinator.modes import RunMode, alongside, step_split
 from rlmesh.coordinator.observe import CoordinatorMetrics, RunLoggers
 from rlmesh.coordinator.off_policy_watch import record_warnings
 from rlmesh.coordinator.store import ACTIVE, FINAL, RunStore
@@ -209,6 +209,7 @@ class RunDriver:
         cfg = calls.cfg
         sft_steps, total = cfg.sft_warmup.steps, cfg.sft_warmup.steps + cfg.num_rollouts
         done = await self._realign(calls, await calls.setup(), answered=False)
+        step_start = None  # when the RL step under way began: where the one before it ended
         while True:
             if done < sft_steps:
                 await mode.settle()  # (RL groups must not reach the warm start's steps)
@@ -226,8 +227,10 @@ class RunDriver:
                 if done == total:
                     return
             else:
-                await self._step_boundary(calls, mode)
-                done = await self._rl_iteration(calls, mode, done - sft_steps)
+                step_start = step_start or time.monotonic()
+                if await self._step_boundary(calls, mode):
+                    step_start = time.monotonic()  # (the time paused is no step's)
+                done, step_start = await self._rl_iteration(calls, mode, done - sft_steps, step_start)
 
     async def _evaluate_after(self, calls: RunCalls) -> tuple[dict, str]:
         """The evaluation after RL, and what went wrong with it: every step is trained and in a
@@ -239,17 +242,18 @@ class RunDriver:
             log.error("run %s: the evaluation after RL failed: %s", calls.run_id, reason)
             return {}, f"the evaluation after RL failed (the run trained every step): {reason}"
 
-    async def _step_boundary(self, calls: RunCalls, mode: RunMode) -> None:
+    async def _step_boundary(self, calls: RunCalls, mode: RunMode) -> bool:
         """Between steps, where nothing of the run is in flight: stop when asked; while paused,
         hold here (held=1 tells the API the run has come to rest). The mode's background work
         is settled first (fully_async: the continuous generation stops, its unfinished prompts
-        go back to the buffer and its finished groups stay queued; it restarts on resume)."""
+        go back to the buffer and its finished groups stay queued; it restarts on resume).
+        Returns whether the run was paused here."""
         run_id = calls.run_id
         status = await self.store.status(run_id)
         if status == "stopping":
             raise StopRequested
         if status != "paused":
-            return
+            return False
         log.info("run %s paused", run_id)
         await mode.settle(keep_metrics=True)
         await self.store.update(run_id, held=1)
@@ -259,23 +263,32 @@ class RunDriver:
         if status == "stopping":
             raise StopRequested
         log.info("run %s resumed", run_id)
+        return True
 
-    async def _rl_iteration(self, calls: RunCalls, mode: RunMode, rollout_id: int) -> int:
+    async def _rl_iteration(
+        self, calls: RunCalls, mode: RunMode, rollout_id: int, step_start: float
+    ) -> tuple[int, float]:
         """RL iteration `rollout_id` (0-based), recorded; how many of the run's train steps the
-        trainer holds after it."""
+        trainer holds after it, and when its record was complete (where the next step's time
+        begins: the bookkeeping after a record counts in the next step's split)."""
         cfg = calls.cfg
         record = await mode.iteration(rollout_id)
-        record.update(await calls.buffer_metrics())
+        if "buffer/queued_groups" not in record:  # (a mode may have read them during its push)
+            record.update(await calls.buffer_metrics())
         if record.get("iteration/seconds"):
             record["iteration/samples_per_second"] = record.get("train/samples", 0.0) / record["iteration/seconds"]
+        eval_seconds = 0.0
         if cfg.eval.interval and (rollout_id + 1) % cfg.eval.interval == 0 and rollout_id + 1 < cfg.num_rollouts:
+            evaluating = time.monotonic()
             record.update(await calls.evaluate())
+            eval_seconds = time.monotonic() - evaluating
+        end = time.monotonic()
+        record.update(step_split(record, end - step_start, eval_seconds))
         await self._append(calls.run_id, cfg, record)
-        await record_warnings(self.store, calls.run_id)
-        done = await self._realign(calls, record["step"])
+        done, _ = await alongside(self._realign(calls, record["step"]), record_warnings(self.store, calls.run_id))
         if self.metrics is not None:
             self.metrics.iteration(cfg.mode, record)
-        return done
+        return done, end
 
     async def _sft_step(self, calls: RunCalls, mode: RunMode, step: int) -> int:
         """The warm start's step `step` (0-based); the trainer's step after it."""

@@ -36,6 +36,13 @@ class Settings(ServiceSettings):
         "two threads on two cores shared with the rollout and trainer spent 17x the CPU "
         "(bench.async); raise it for a large model on many cores.",
     )
+    prefix_cache_mb: float = Field(
+        256.0,
+        ge=0,
+        description="Memory (MiB) of the prefix cache: the KV of prompts and finished sequences, so that requests "
+        "sharing a prefix (a GRPO group's samples, an agent's turns) compute it once; least recently used first "
+        "out. 0 turns it off. Emptied by every weight update.",
+    )
     weight_version: str = Field("default", description="Weight version reported until the first weight update.")
     seed: int | None = Field(None, description="Seed of the sampling random generator; empty means random.")
     weight_delta: bool = Field(

@@ -42,6 +42,7 @@ class EngineState:
             context_length=settings.context_length,
             weight_version=settings.weight_version,
             seed=settings.seed,
+            prefix_cache_bytes=int(settings.prefix_cache_mb * 1024 * 1024),
         )
         self.groups = WeightGroups(self.engine.device, settings.weight_group_timeout_s)
         self.weight_lock = asyncio.Lock()
@@ -66,9 +67,9 @@ class EngineState:
         if self.closing:
             raise ServerClosing("the engine server is shutting down")
 
-    async def in_engine(self, fn: Callable[[], Any]) -> Any:
+    async def in_engine(self, fn: Callable[[], Any], changes_weights: bool = True) -> Any:
         """Run fn in the engine thread between decode steps and wait for its result."""
-        return await asyncio.wrap_future(self.engine.run_between_steps(fn))
+        return await asyncio.wrap_future(self.engine.run_between_steps(fn, changes_weights))
 
     def set_weight_version(self, version: Any) -> None:
         if version not in (None, ""):  # an update's earlier buckets leave the version as it is

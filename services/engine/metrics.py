@@ -39,6 +39,11 @@ class EngineCollector(Collector):
         for name, help_text, value in [
             ("sglang:prompt_tokens", "Number of prefill tokens processed.", self.engine.prompt_tokens_total),
             ("sglang:generation_tokens", "Number of generation tokens processed.", self.engine.generation_tokens_total),
+            (
+                "sglang:cached_tokens",
+                "Number of prompt tokens reused from the prefix cache.",
+                self.engine.cached_tokens_total,
+            ),
         ]:
             family = CounterMetricFamily(name, help_text, labels=labels)
             family.add_metric(values, float(value))

@@ -44,6 +44,8 @@ class GenerationRequest:
     abort_message: str | None = None
     max_new_tokens: int = 0  # after the context-length cap
     created: float = field(default_factory=time.monotonic)
+    cached_tokens: int = 0  # prompt tokens whose KV was reused, not computed (prefix sharing)
+    kv_epoch: int = -1  # the prefix cache's epoch (weights) when this request's KV was computed
     weight_version: str = ""
 
     @property
@@ -204,7 +206,7 @@ def build_response(req: GenerationRequest, tokenizer: Any) -> dict[str, Any]:
         "prompt_tokens": len(req.prompt_ids),
         "weight_version": req.weight_version,
         "completion_tokens": len(req.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": req.cached_tokens,
         "e2e_latency": time.monotonic() - req.created,
     }
     if req.return_logprob:

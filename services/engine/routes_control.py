@@ -47,7 +47,10 @@ def control_router(state: EngineState) -> APIRouter:
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
-        # No prefix cache to flush; like SGLang, refuse while requests are in flight.
-        return PlainTextResponse(_FLUSH_MESSAGE, status_code=200 if engine.num_active() == 0 else 400)
+        # Like SGLang, refuse while requests are in flight (their KV would go into the cache).
+        if engine.num_active():
+            return PlainTextResponse(_FLUSH_MESSAGE, status_code=400)
+        await state.in_engine(lambda: None)  # (a task that may change weights empties the cache)
+        return PlainTextResponse(_FLUSH_MESSAGE, status_code=200)
 
     return router

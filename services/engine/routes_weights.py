@@ -116,7 +116,7 @@ def weights_router(state: EngineState) -> APIRouter:
         if not isinstance(name, str) or not isinstance(truncate, int) or truncate < 0:
             raise RequestError("name (string) is required; truncate_size must be a non-negative integer")
         try:
-            values = await state.in_engine(lambda: weights_by_name(model, name, truncate))
+            values = await state.in_engine(lambda: weights_by_name(model, name, truncate), changes_weights=False)
         except WeightUpdateError as e:
             return error_response(400, str(e))
         return JSONResponse(values)

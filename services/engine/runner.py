@@ -30,8 +30,9 @@ import torch
 
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.finishing import FinishChecker
+from rlmesh.engine.prefix_cache import PrefixCache, batch_past, plan_prefill, reuse_limit
 from rlmesh.engine.protocol import GenerationRequest
-from rlmesh.engine.running_batch import RunningBatch, prefill_forward
+from rlmesh.engine.running_batch import RunningBatch, prefill_forward, row_kv
 from rlmesh.engine.sampler import Choice, record_input_logprobs, sample_next
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class Engine:
         context_length: int = 0,
         weight_version: str = "default",
         seed: int | None = None,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -66,7 +68,7 @@ class Engine:
         self._cv = threading.Condition()
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._active: dict[str, GenerationRequest] = {}
-        self._tasks: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self._tasks: collections.deque[tuple[Callable[[], Any], Future, bool]] = collections.deque()
         self._paused = False
         self._retract = False
         self._wake = False
@@ -77,6 +79,8 @@ class Engine:
         self.last_step_time = time.monotonic()
         # Totals for the metrics (SGLang's prompt_tokens_total, generation_tokens_total).
         self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.generation_tokens_total = 0
 
     # -- thread-safe API ---------------------------------------------------
@@ -159,14 +163,15 @@ class Engine:
             self._paused = False
             self._cv.notify_all()
 
-    def run_between_steps(self, fn: Callable[[], Any]) -> Future:
-        """Run fn in the worker thread between decode iterations (also while paused)."""
+    def run_between_steps(self, fn: Callable[[], Any], changes_weights: bool = True) -> Future:
+        """Run fn in the worker thread between decode iterations (also while paused). One
+        that changes_weights also empties the prefix cache (its KV came from the old weights)."""
         future: Future = Future()
         with self._cv:
             if self._stopping:
                 future.set_exception(RuntimeError("the engine is shutting down"))
                 return future
-            self._tasks.append((fn, future))
+            self._tasks.append((fn, future, changes_weights))
             self._cv.notify_all()
         return future
 
@@ -185,7 +190,9 @@ class Engine:
                     self._wake = False
                     retract, self._retract = self._retract, False
                     paused = self._paused
-                for fn, future in tasks:
+                for fn, future, changes_weights in tasks:
+                    if changes_weights:
+                        self.prefix_cache.flush()  # (also when fn fails: it may have changed some)
                     if future.set_running_or_notify_cancel():
                         try:
                             future.set_result(fn())
@@ -264,7 +271,7 @@ class Engine:
             self._waiting.clear()
             tasks = list(self._tasks)
             self._tasks.clear()
-        for _, future in tasks:
+        for _, future, _ in tasks:
             if future.set_running_or_notify_cancel():
                 future.set_exception(RuntimeError("the engine is shutting down"))
         for req in [*(self._batch.rows if self._batch else []), *waiting]:
@@ -305,24 +312,46 @@ class Engine:
 
     def _prefill(self, reqs: list[GenerationRequest]) -> RunningBatch | None:
         """Run prompt (+ output so far, for retracted requests) through the model, choose
-        each row's next token; returns the rows still generating."""
+        each row's next token; returns the rows still generating. Rows with the same tokens
+        are computed once and forked; each row computes only what the prefix cache lacks."""
         sequences = [r.prompt_ids + r.output_ids for r in reqs]
         self.prompt_tokens_total += sum(len(r.prompt_ids) for r in reqs if not r.output_ids)
+        limits = [
+            reuse_limit(s, len(r.prompt_ids), r.return_logprob, r.logprob_start_len) for s, r in zip(sequences, reqs)
+        ]
+        plan = plan_prefill(self.prefix_cache, sequences, limits)
+        suffixes = [seq[n:] for seq, n in zip(plan.unique, plan.cached)]
         want_inputs = any(r.return_logprob and not r.output_ids for r in reqs)
-        logits, cache, mask = prefill_forward(self.model, sequences, self.pad_id, self.device, all_logits=want_inputs)
-        width = mask.shape[1]
-        if want_inputs:
-            for i, req in enumerate(reqs):
-                if req.return_logprob and not req.output_ids:
-                    record_input_logprobs(req, logits[i, width - len(req.prompt_ids) :])
-        choices = sample_next(logits[:, -1], reqs, self.eos_ids, self._generator)
-        batch = RunningBatch(
-            rows=list(reqs),
-            cache=cache,
-            mask=mask,
-            positions=mask.sum(-1),
-            pending=torch.tensor([c.token for c in choices]),
+        logits, cache, mask = prefill_forward(
+            self.model,
+            suffixes,
+            self.pad_id,
+            self.device,
+            all_logits=want_inputs,
+            past=batch_past(plan.past, plan.cached),
         )
+        width = logits.shape[1]
+        forked: set[int] = set()
+        for req, u in zip(reqs, plan.row_of):
+            req.kv_epoch = self.prefix_cache.epoch
+            if not req.output_ids:
+                # Forks of a row computed in this prefill reuse the whole prompt.
+                req.cached_tokens = len(req.prompt_ids) if u in forked else min(plan.cached[u], len(req.prompt_ids))
+                self.cached_tokens_total += req.cached_tokens
+                if req.return_logprob:
+                    record_input_logprobs(req, logits[u, width - len(suffixes[u]) :], offset=plan.cached[u])
+            forked.add(u)
+        for u, seq in enumerate(plan.unique):
+            self.prefix_cache.insert(seq, lambda a, b, u=u: row_kv(cache, mask, u, a, b))
+        unique = len(plan.unique)
+        batch = RunningBatch(
+            rows=reqs[:unique], cache=cache, mask=mask, positions=mask.sum(-1), pending=torch.zeros(unique)
+        )
+        if unique < len(reqs):
+            batch.keep(plan.row_of)  # (a repeated index forks a row)
+        batch.rows = list(reqs)
+        choices = sample_next(logits[plan.row_of, -1], reqs, self.eos_ids, self._generator)
+        batch.pending = torch.tensor([c.token for c in choices])
         keep = [i for i, (req, c) in enumerate(zip(reqs, choices)) if not self._append(req, c)]
         if not keep:
             return None
@@ -337,7 +366,19 @@ class Engine:
         choices = sample_next(logits, batch.rows, self.eos_ids, self._generator)
         batch.pending = torch.tensor([c.token for c in choices])
         keep = [i for i, (req, c) in enumerate(zip(batch.rows, choices)) if not self._append(req, c)]
+        if len(keep) < len(batch.rows):
+            self._cache_finished(batch, set(keep))
         self._keep_rows(keep)
+
+    def _cache_finished(self, batch: RunningBatch, running: set[int]) -> None:
+        """Finished sequences (prompt + output) go into the prefix cache: an agent's next turn
+        starts with them. Not those whose KV began under older weights."""
+        for i, req in enumerate(batch.rows):
+            if i in running or req.kv_epoch != self.prefix_cache.epoch or not self.prefix_cache.enabled:
+                continue
+            if (req.finish_reason or {}).get("type") in ("stop", "length"):
+                sequence = req.prompt_ids + req.output_ids[:-1]  # (the last token was never fed)
+                self.prefix_cache.insert(sequence, lambda a, b, i=i: row_kv(batch.cache, batch.mask, i, a, b))
 
     def _append(self, req: GenerationRequest, choice: Choice) -> bool:
         """Record a new token; finish the request if it is done. Returns True if finished."""

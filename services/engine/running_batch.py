@@ -93,23 +93,39 @@ def prefill_forward(
     pad_id: int,
     device: torch.device,
     all_logits: bool,
+    past: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
-    """Run left-padded sequences through the model into a fresh KV cache. Returns the
-    logits ([rows, width, vocab] with all_logits, else only the last position's), the
-    cache and the attention mask ([rows, width], 1 = real token)."""
+    """Run left-padded sequences through the model into a KV cache: a fresh one, or `past`
+    (per-layer KV of cached prefixes, left-padded, and their mask) that the sequences
+    continue. Returns the logits of the sequences' positions ([rows, width, vocab] with
+    all_logits, else only the last position's), the cache and the attention mask over it
+    ([rows, past width + width], 1 = real token; a row's padding may sit between its
+    cached prefix and its new tokens)."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, seq in enumerate(sequences):
         ids[i, width - len(seq) :] = torch.tensor(seq)
         mask[i, width - len(seq) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    if past is not None:
+        cache = _make_cache(past[0])
+        mask = torch.cat([past[1], mask], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, mask.shape[1] - width :]
     out = model(
         input_ids=ids.to(device),
         attention_mask=mask.to(device),
         position_ids=positions.to(device),
-        past_key_values=DynamicCache(),
+        past_key_values=cache,
         use_cache=True,
         logits_to_keep=0 if all_logits else 1,
     )
     return out.logits, out.past_key_values, mask
+
+
+def row_kv(
+    cache: DynamicCache, mask: torch.Tensor, row: int, start: int, end: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of one row's KV of its real tokens start..end ([1, heads, end - start, dim] per layer)."""
+    columns = mask[row].nonzero().squeeze(1)[start:end]
+    return [(k[row : row + 1, :, columns], v[row : row + 1, :, columns]) for k, v in _cache_tensors(cache)]

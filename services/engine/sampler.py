@@ -103,18 +103,19 @@ def sample_next(
     return choices
 
 
-def record_input_logprobs(req: GenerationRequest, logits: torch.Tensor) -> None:
+def record_input_logprobs(req: GenerationRequest, logits: torch.Tensor, offset: int = 0) -> None:
     """Log-probs of prompt tokens from logprob_start_len (SGLang's -1: the last one);
-    the first prompt token has none."""
+    the first prompt token has none. logits[j] are those of prompt position offset + j
+    (the positions before offset came from the prefix cache)."""
     prompt = req.prompt_ids
     start = len(prompt) - 1 if req.logprob_start_len < 0 else min(req.logprob_start_len, len(prompt) - 1)
     logprobs = torch.log_softmax(logits.float(), dim=-1).clamp(min=torch.finfo(torch.float32).min)
     for pos in range(start, len(prompt)):
-        value = None if pos == 0 else float(logprobs[pos - 1, prompt[pos]])
+        value = None if pos == 0 else float(logprobs[pos - 1 - offset, prompt[pos]])
         req.input_logprobs.append((value, prompt[pos]))
         if req.top_logprobs_num > 0:
             if pos == 0:
                 req.input_top_logprobs.append(None)
             else:
-                values, ids = logprobs[pos - 1].topk(min(req.top_logprobs_num, logprobs.shape[-1]))
+                values, ids = logprobs[pos - 1 - offset].topk(min(req.top_logprobs_num, logprobs.shape[-1]))
                 req.input_top_logprobs.append(list(zip(values.tolist(), ids.tolist())))

@@ -320,6 +320,7 @@ class RolloutManager:
         sem = asyncio.Semaphore(req.max_concurrency or self.settings.max_concurrency)
         written: list[SampleGroup] = []
         filtered = aborted = 0
+        reward_seconds = 0.0  # waiting for the reward service (other groups generate meanwhile)
         while len(written) < req.num_groups:
             if filtered > MAX_FILTERED_PER_GROUP * req.num_groups:
                 raise FailedPrecondition(
@@ -356,7 +357,10 @@ class RolloutManager:
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     finished = [t.result() for t in done]
                     keep, dropped = [], []
-                    for group in await self._score(finished, req.reward):
+                    scoring = time.monotonic()
+                    scored = await self._score(finished, req.reward)
+                    reward_seconds += time.monotonic() - scoring
+                    for group in scored:
                         if not keep_group(group, req.group_filter):
                             dropped.append(group.group_id)
                         elif len(written) + len(keep) < req.num_groups:
@@ -385,6 +389,7 @@ class RolloutManager:
         metrics.update(
             {
                 "rollout/seconds": time.monotonic() - start,
+                "rollout/reward_seconds": reward_seconds,
                 "rollout/groups_filtered": float(filtered),
                 "rollout/groups_aborted": float(aborted),
             }

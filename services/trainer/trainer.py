@@ -395,12 +395,14 @@ class Trainer:
         step = run.backend.sft_step if loss == "sft" else run.backend.train_step
         started = time.perf_counter()
         metrics = await asyncio.to_thread(step, groups)
+        seconds = time.perf_counter() - started
+        metrics["seconds"] = seconds  # (the step's own time, without the wait for its batch)
         return StepResult(
             step=run.backend.step,
             groups_trained=int(metrics["groups"]),
             samples_trained=int(metrics["samples"]),
             metrics=metrics,
-            seconds=time.perf_counter() - started,
+            seconds=seconds,
         )
 
     # ---------------------------------------------------------------- buffer

@@ -15,7 +15,7 @@ from rlmesh.cli.demo import demo_config, write_task
 from rlmesh.common.auth import client_headers
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from tests.helpers.runs import run_config
+from tests.helpers.runs import assert_time_split, run_config
 from tests.helpers.stack import start_local_stack, wait_for_run
 
 
@@ -36,6 +36,7 @@ def test_a_colocated_run_completes_with_the_engine_holding_the_trainers_weights(
     assert all(m["train/samples"] == 6 for m in rl)  # a full batch every step
     assert max(m.get("train/staleness_max", 0.0) for m in rl) <= bound
     assert all(m["phase/update_seconds"] > 0 and m["weights/bytes"] > 0 for m in rl)
+    assert_time_split(rl)
     assert "eval/held_out/reward_mean" in run["eval_after"]
 
     # The engine is awake and holds, bit for bit, the weights of the trainer's last step

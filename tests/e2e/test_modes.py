@@ -10,7 +10,7 @@ import pytest
 from rlmesh.cli.demo import demo_config, run_metrics, write_task
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
-from tests.helpers.runs import run_config
+from tests.helpers.runs import assert_time_split, run_config
 from tests.helpers.stack import start_local_stack, wait_for_run
 
 
@@ -31,6 +31,7 @@ def test_each_mode_completes_within_its_staleness_bound(services, tmp_path, tiny
     assert "eval/held_out/reward_mean" in run["eval_after"]
     if mode != "fully_async":
         assert all(m["phase/generate_seconds"] > 0 for m in rl)
+    assert_time_split(rl)
     s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run["id"]))
     assert s.leased_groups == 0
     assert s.acknowledged_groups == 2 + 4 * 2  # the SFT batch and four RL batches

@@ -95,6 +95,12 @@ def test_a_person_starts_watches_pauses_resumes_and_stops_a_run(
     wait_until(lambda: reward_points(page) >= 3, what="the reward curve's first points")
     first = reward_points(page)
     wait_until(lambda: reward_points(page) > first + 2, what="the reward curve to grow")
+    # Each step's time split is drawn stacked, every part of it (other included) named in the legend.
+    split = page.locator('figure.chart[data-title^="Step time split"]')
+    assert split.get_attribute("data-stacked") == "true" and int(split.get_attribute("data-points") or 0) > 0
+    legend = split.locator(".legend").inner_text()
+    for part in ("generate", "reward", "train", "update", "other"):
+        assert f"split/{part}_seconds" in legend
     shot("02-running")
 
     # Pause: the run comes to rest at a step boundary and makes no progress.

@@ -18,8 +18,8 @@ const TEMPLATE = {
   rollout: { rollout_batch_size: 8, n_samples_per_prompt: 4, sampling: { max_new_tokens: 256 } },
 };
 
-// Charts: a title, the metric names (or patterns) it draws, the x of a point. The names are
-// those the coordinator records (GET /runs/{id}/metrics).
+// Charts: a title, the metric names (or patterns) it draws, the x of a point, options. The
+// names are those the coordinator records (GET /runs/{id}/metrics).
 const CHARTS = [
   ["Reward: train and held-out", ["rollout/reward_mean", /^eval\/[^/]+\/reward_mean$/]],
   ["Response length (tokens)", ["rollout/response_length_mean", /^eval\/[^/]+\/response_length_mean$/]],
@@ -29,8 +29,10 @@ const CHARTS = [
   ["Gradient norm", ["train/grad_norm"]],
   ["Loss", ["train/loss", "train/pg_loss"]],
   ["Samples per second", ["iteration/samples_per_second"]],
-  ["Step time (s): generation, training, weight push",
-    ["iteration/seconds", "phase/generate_seconds", "phase/train_seconds", "weights/seconds", "phase/pause_seconds"]],
+  // Stacked: the bands add up to the step's wall time (docs/metrics.md, "A step's time split").
+  ["Step time split (s): generate, reward, train, weight update, other",
+    ["split/generate_seconds", "split/reward_seconds", "split/train_seconds", "split/update_seconds",
+      "split/eval_seconds", "split/other_seconds"], null, { stacked: true }],
   ["Buffer depth (groups)", ["buffer/queued_groups", "buffer/leased_groups", "buffer/partial_groups"]],
   ["Staleness (weight versions)", ["train/staleness_mean", "train/staleness_max"]],
   // Samples of older weights: the trainer/engine log-prob gap and the importance weights (docs/metrics.md).
@@ -155,7 +157,9 @@ function resetCharts() {
   state.since = 0;
   state.names = new Set();
   state.extra = new Map();
-  state.charts = CHARTS.map(([title, names, x]) => ({ names, x: x || "rollout_id", chart: new LineChart(title) }));
+  state.charts = CHARTS.map(([title, names, x, options]) => ({
+    names, x: x || "rollout_id", chart: new LineChart(title, options),
+  }));
   const box = $("#charts");
   box.replaceChildren(...state.charts.map((c) => c.chart.root));
   for (const c of state.charts) c.chart.draw();

@@ -1,5 +1,6 @@
 // A small line chart in SVG: several named series of (x, y) points, axes with a few
-// ticks, a legend with each series' latest value. No dependencies.
+// ticks, a legend with each series' latest value. Stacked, each series is drawn as a band
+// on top of the ones before it (parts of a whole: a step's time split). No dependencies.
 "use strict";
 
 const SVG_NS = "http://www.w3.org/2000/svg";
@@ -40,15 +41,35 @@ function thin(points) {
   return kept;
 }
 
+// Stacked: each series' points become [x, below, below + y], "below" being the sum of
+// the series before it at that x (a series without a point at an x adds nothing there).
+function stack(series) {
+  const below = new Map();
+  const out = new Map();
+  for (const [name, pts] of series) {
+    const byX = new Map(pts.map((p) => [p[0], p[1]]));
+    const xs = [...new Set([...below.keys(), ...byX.keys()])].sort((a, b) => a - b);
+    out.set(name, xs.map((x) => {
+      const lo = below.get(x) || 0;
+      const hi = lo + (byX.get(x) || 0);
+      below.set(x, hi);
+      return [x, lo, hi];
+    }));
+  }
+  return out;
+}
+
 class LineChart {
-  constructor(title, width = 420, height = 220) {
+  constructor(title, { width = 420, height = 220, stacked = false } = {}) {
     this.title = title;
+    this.stacked = stacked;
     this.width = width;
     this.height = height;
     this.series = new Map(); // name -> [[x, y], ...]
     this.root = document.createElement("figure");
     this.root.className = "chart";
     this.root.dataset.title = title;
+    if (stacked) this.root.dataset.stacked = "true";
     const caption = document.createElement("figcaption");
     caption.textContent = title;
     this.svg = svgElement("svg", { viewBox: `0 0 ${width} ${height}`, role: "img", "aria-label": title });
@@ -75,7 +96,10 @@ class LineChart {
     this.svg.replaceChildren();
     this.legend.replaceChildren();
     this.root.dataset.points = String(this.points());
-    const all = [...this.series.values()].flat();
+    const bands = this.stacked ? stack(this.series) : null;
+    const all = bands
+      ? [...bands.values()].flat().flatMap((p) => [[p[0], p[1]], [p[0], p[2]]])
+      : [...this.series.values()].flat();
     if (!all.length) {
       this.svg.append(svgElement("text", { x: width / 2, y: height / 2, "text-anchor": "middle", class: "empty" },
         "no points yet"));
@@ -106,9 +130,16 @@ class LineChart {
     let i = 0;
     for (const [name, pts] of this.series) {
       const color = COLORS[i++ % COLORS.length];
-      const sorted = thin([...pts].sort((a, b) => a[0] - b[0]));
+      if (bands) {
+        const band = thin(bands.get(name));
+        const top = band.map((p, k) => `${k ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[2]).toFixed(1)}`).join("");
+        const bottom = [...band].reverse().map((p) => `L${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join("");
+        this.svg.append(svgElement("path", { d: `${top}${bottom}Z`, fill: color, "fill-opacity": 0.45, stroke: color,
+          "stroke-width": 1 }));
+      }
+      const sorted = bands ? [] : thin([...pts].sort((a, b) => a[0] - b[0]));
       const d = sorted.map((p, k) => `${k ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join("");
-      this.svg.append(svgElement("path", { d, stroke: color, fill: "none", "stroke-width": 2 }));
+      if (d) this.svg.append(svgElement("path", { d, stroke: color, fill: "none", "stroke-width": 2 }));
       for (const p of sorted.length <= MAX_DOTS ? sorted : []) {
         const dot = svgElement("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2.5, fill: color });
         dot.append(svgElement("title", {}, `${name} @ ${p[0]}: ${formatNumber(p[1])}`));
