@@ -15,7 +15,7 @@ import pytest
 
 from rlmesh.common.auth import required_token
 from rlmesh.v1 import buffer_pb2
-from tests.helpers.runs import run_config
+from tests.helpers.runs import assert_time_split, run_config
 from tests.helpers.stack import wait_for_run
 
 pytest.importorskip("atroposlib")
@@ -92,6 +92,7 @@ def test_an_atropos_environment_trains_a_run(services, tmp_path, tiny_model_dir,
     rl = [m for m in api.get(f"/runs/{run_id}/metrics").json()["records"] if "iteration/seconds" in m]
     assert [m["rollout_id"] for m in rl] == list(range(1, ROLLOUTS + 1))
     assert all(m["train/samples"] == 8 for m in rl)  # full batches of the environment's groups
+    assert_time_split(rl)
     s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id))
     assert s.acknowledged_groups == 2 * ROLLOUTS and s.dead_letter_groups == 0
     samples = api.get(f"/runs/{run_id}/samples").json()

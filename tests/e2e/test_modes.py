@@ -107,15 +107,15 @@ def test_fully_async_keeps_requests_in_flight_across_weight_pushes(services, tmp
 def test_each_mode_learns_the_demo_task(services, tmp_path, tiny_model_dir, mode):
     api, _ = services
     train, held_out = write_task(tmp_path)
-    config = demo_config(str(tiny_model_dir), train, held_out, rollouts=30).model_dump(mode="json")
+    # 50 rollouts: at 30 a mode's held-out eval ended anywhere between 0.46 and 0.98 from
+    # the same seed (the engine's batching makes runs differ), too close to the bar.
+    config = demo_config(str(tiny_model_dir), train, held_out, rollouts=50).model_dump(mode="json")
     config.update(mode=mode, eval={**config["eval"], "interval": 0})
-    # Truncated importance sampling against the engines' log-probs, as bench.async runs every
-    # mode: without it one_step_off at this learning rate fell below where it started.
-    config["algorithm"]["rollout_is_upper"] = 2.0
+    # (each mode with the run config's defaults: the async modes' off-policy correction on)
     r = api.post("/runs", json=config)
     assert r.status_code == 201, r.text
     run = wait_for_run(api, r.json()["id"], timeout=600)
     assert run["status"] == "completed", run["error"]
     before, after = (run[k]["eval/held_out/reward_mean"] for k in ("eval_before", "eval_after"))
-    # (bench.async, 3 seeds x 80 rollouts: ~0.3 before, 0.8-0.9 after in every mode)
+    # (0.33 before; 0.86-1.00 after in 12 runs of the three modes at 50 rollouts)
     assert after >= before + 0.2, (mode, before, after)
