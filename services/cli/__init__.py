@@ -55,6 +55,11 @@ def _up(args: argparse.Namespace) -> None:
     if not args.model_path and not (Path(model_path) / "config.json").exists():
         print(f"building the tiny model in {model_path}")
         build_tiny_model(model_path)
+    from rlmesh.cli.demo import write_task
+    from rlmesh.cli.launcher import datasets_dir
+
+    # The toy task examples/reverse/run.yaml trains on (the demo's), under the buffer's data roots.
+    write_task(datasets_dir(data_dir) / "reverse")
     print("starting rlmesh:")
     stack = start_stack(data_dir, model_path, redis_url=args.redis_url, redis_settings=settings_from_args(args))
     print(f"rlmesh is up. REST API: {stack.coordinator_url} (docs: {stack.coordinator_url}/docs). Ctrl-C stops it.")
@@ -116,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="use running services (default: the ones `rlmesh up` started, else start them)",
     )
+    from rlmesh.cli.runs_cli import add_commands as add_run_commands
+
+    add_run_commands(sub)
     sub.add_parser(
         "reward",
         help="reward tools: `rlmesh reward check URL` runs the conformance suite against a remote reward service",
@@ -149,6 +157,10 @@ def main(argv: list[str] | None = None) -> None:
         from rlmesh.cli.demo import run_demo
 
         sys.exit(run_demo(args))
+    elif args.command in ("run", "runs"):
+        from rlmesh.cli.runs_cli import main as runs_main
+
+        sys.exit(runs_main(args))
     elif args.command == "health":
         sys.exit(_health(args.address, args.timeout))
     elif args.command == "build-tiny-model":
