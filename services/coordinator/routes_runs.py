@@ -225,7 +225,9 @@ def queue_router() -> APIRouter:
     """The run queue's own route (POST /runs queues a run; stop and DELETE /runs/{id} take one off it)."""
     router = APIRouter()
 
-    @router.post("/runs/{run_id}/queue-position", response_model=RunQueued, responses=error_responses(404, 409))
+    @router.post(
+        "/runs/{run_id}/queue-position", response_model=RunQueued, responses=error_responses(400, 404, 409, 413)
+    )
     async def move_run(body: QueuePosition, request: Request, run_id: str = RUN_ID):
         """Move a queued run to another place in the queue (1 = next to start; past the end =
         last); the others keep their order. 409 for a run that is not queued."""
