@@ -57,8 +57,9 @@ class RunDriver:
     async def submit(self, config: RunConfig) -> Created:
         """A new run, started at once when the trainer is free, else queued (Created says which)."""
         created = await self.store.create(config)
-        for run_id in (created.id if created.status == "pending" else "", created.promoted):
-            if run_id:
+        # (after a restart the queue's head may be promoted by this call, even this very run)
+        for run_id in {created.id if created.status == "pending" else "", created.promoted} - {""}:
+            if run_id not in self.tasks:
                 self.start(run_id)
         return created
 
