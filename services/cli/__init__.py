@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -47,23 +48,56 @@ def _serve(name: str, argv: list[str]) -> None:
 
 def _up(args: argparse.Namespace) -> None:
     from rlmesh.cli.embedded_redis import settings_from_args
-    from rlmesh.cli.launcher import start_stack, supervise
+    from rlmesh.cli.launcher import reload_config, start_stack, supervise
+    from rlmesh.cli.stack_config import StackConfigError, load_stack_config
     from rlmesh.cli.tiny_model import build_tiny_model
 
+    try:
+        service_config = load_stack_config(args.config) if args.config else {}
+    except StackConfigError as e:
+        print(f"rlmesh up: {e}", file=sys.stderr)
+        sys.exit(2)
     data_dir = Path(args.data_dir)
     model_path = args.model_path or str(data_dir / "tiny-model")
     if not args.model_path and not (Path(model_path) / "config.json").exists():
         print(f"building the tiny model in {model_path}")
         build_tiny_model(model_path)
+    from rlmesh.cli.demo import write_task
+    from rlmesh.cli.launcher import datasets_dir
+
+    # The toy task examples/reverse/run.yaml trains on (the demo's), under the buffer's data roots.
+    write_task(datasets_dir(data_dir) / "reverse")
     print("starting rlmesh:")
-    stack = start_stack(data_dir, model_path, redis_url=args.redis_url, redis_settings=settings_from_args(args))
+    stack = start_stack(
+        data_dir,
+        model_path,
+        redis_url=args.redis_url,
+        redis_settings=settings_from_args(args),
+        service_config=service_config,
+    )
     print(f"rlmesh is up. REST API: {stack.coordinator_url} (docs: {stack.coordinator_url}/docs). Ctrl-C stops it.")
     print(f"Every call needs 'Authorization: Bearer <token>'; the token is in {stack.token_file}.")
     print(f"A service that exits is started again on its port (logs: {data_dir / 'logs'}).")
-    stop = threading.Event()
+    stop, reload = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    supervise(stack, stop, echo=lambda message: print(message, flush=True))
+    echo = lambda message: print(message, flush=True)  # noqa: E731
+
+    def on_reload() -> None:
+        if not args.config:
+            echo("SIGHUP: no --config to read again")
+            return
+        try:
+            restarted = reload_config(stack, load_stack_config(args.config), echo=echo)
+        except StackConfigError as e:  # (the running services keep their settings)
+            echo(f"SIGHUP: {e}; nothing restarted")
+            return
+        echo(f"SIGHUP: {args.config} read again; restarted: {', '.join(restarted) or 'none (nothing changed)'}")
+
+    if args.config:
+        print(f"SIGHUP (kill -HUP {os.getpid()}) reads {args.config} again and restarts the services it changes.")
+    signal.signal(signal.SIGHUP, lambda *_: reload.set())
+    supervise(stack, stop, echo=echo, reload=reload, on_reload=on_reload)
 
 
 def _health(address: str, timeout: float) -> int:
@@ -101,6 +135,13 @@ def main(argv: list[str] | None = None) -> None:
             "or once a second (everysec); see docs/fault-tolerance.md",
         )
     u.add_argument(
+        "--config",
+        default="",
+        help="a YAML file with one section per service (engine, reward, buffer, rollout, trainer, coordinator), "
+        "each with the settings `rlmesh serve SERVICE --help` lists, plug-in registrations included; SIGHUP "
+        "reads it again and restarts the services whose section changed",
+    )
+    u.add_argument(
         "--model-path", default="", help="a local Hugging Face checkpoint directory (default: the tiny model)"
     )
     d.add_argument(
@@ -116,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="use running services (default: the ones `rlmesh up` started, else start them)",
     )
+    from rlmesh.cli.runs_cli import add_commands as add_run_commands
+
+    add_run_commands(sub)
     sub.add_parser(
         "reward",
         help="reward tools: `rlmesh reward check URL` runs the conformance suite against a remote reward service",
@@ -149,6 +193,10 @@ def main(argv: list[str] | None = None) -> None:
         from rlmesh.cli.demo import run_demo
 
         sys.exit(run_demo(args))
+    elif args.command in ("run", "runs"):
+        from rlmesh.cli.runs_cli import main as runs_main
+
+        sys.exit(runs_main(args))
     elif args.command == "health":
         sys.exit(_health(args.address, args.timeout))
     elif args.command == "build-tiny-model":

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from rlmesh.cli.client import follow, run_metrics
 from rlmesh.cli.embedded_redis import settings_from_args
 from rlmesh.common.auth import client_headers
 from rlmesh.common.run_config import RunConfig
@@ -68,35 +69,6 @@ def demo_config(model_path: str, train: Path, held_out: Path, sft_steps: int = 3
 
 def _eval_reward(metrics: dict) -> float | None:
     return metrics.get("eval/held_out/reward_mean")
-
-
-def _progress(run: dict, start: float) -> str:
-    m = run.get("latest_metrics") or {}
-    phase = run["phase"]
-    elapsed = f"{time.monotonic() - start:5.0f}s"
-    if phase == "sft":
-        return f"{elapsed}  warm start (SFT) step {m.get('sft_step', 0)}  loss {m.get('sft/loss', float('nan')):.3f}"
-    if phase == "rl" and "rollout/reward_mean" in m:
-        line = (
-            f"{elapsed}  RL rollout {run['rollout_id']:>3}/{run['num_rollouts']}  "
-            f"train reward {m['rollout/reward_mean']:.2f}  weights v{run['weight_version']}"
-        )
-        ev = _eval_reward(m)
-        return line + (f"  held-out eval {ev:.2f}" if ev is not None else "")
-    return f"{elapsed}  {phase}"
-
-
-def run_metrics(http: httpx.Client, run_id: str, page: int = 1000) -> list[dict]:
-    """Every metric record of a run, oldest first, a page at a time (GET /runs/{id} embeds
-    only the newest few)."""
-    records: list[dict] = []
-    while True:
-        r = http.get(f"/runs/{run_id}/metrics", params={"since": len(records), "limit": page})
-        r.raise_for_status()
-        got = r.json()
-        records += got["records"]
-        if not got["records"] or len(records) >= got["total"]:
-            return records
 
 
 def write_plot(history: list[dict], path: Path) -> None:
@@ -179,17 +151,7 @@ def run_demo(args) -> int:
                 return 1
             run_id = r.json()["id"]
             print(f"run {run_id} started: {config.name}; watch it at {url}/ui/ (the token is in {data_dir / 'token'})")
-            last = None
-            while True:
-                run = http.get(f"/runs/{run_id}").json()
-                m = run.get("latest_metrics") or {}
-                where = (run["phase"], run["rollout_id"], m.get("sft_step"))
-                if where != last:  # one line per SFT step / rollout
-                    print(_progress(run, start), flush=True)
-                    last = where
-                if run["status"] in ("completed", "failed", "stopped"):
-                    break
-                time.sleep(0.5)
+            run = follow(http, run_id, start, echo=lambda line: print(line, flush=True))
             history = run_metrics(http, run_id)
         if run["status"] != "completed":
             print(f"run {run['status']}: {run['error']}")

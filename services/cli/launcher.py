@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlmesh.cli import agent_demo
 from rlmesh.cli.embedded_redis import EmbeddedRedis, EmbeddedRedisSettings, start_redis
+from rlmesh.cli.stack_config import ADDED_LISTS, overridden, write_sections
 from rlmesh.common import auth
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.net import free_port, redacted
@@ -45,6 +46,9 @@ class Stack:
     model_path: str = ""
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     redis: EmbeddedRedis | None = None
+    # `rlmesh up --config`: service -> its section (stack_config.py), and the file each reads
+    service_config: dict[str, dict] = field(default_factory=dict)
+    config_files: dict[str, Path] = field(default_factory=dict)
 
     @property
     def coordinator_url(self) -> str:
@@ -57,6 +61,19 @@ class Stack:
         return self.data_dir / "logs" / f"{name}.log"
 
     def flags(self, name: str) -> list[str]:
+        """The service's command line: its --config (the stack config's section), then what the
+        launcher wires (which wins), with the section's data_roots and model_roots added."""
+        own = ["--config", str(self.config_files[name])] if name in self.config_files else []
+        wired = self.wired_flags(name)
+        section = self.service_config.get(name, {})
+        for key in ADDED_LISTS:
+            flag = "--" + key.replace("_", "-")
+            if section.get(key) and flag in wired:
+                i = wired.index(flag) + 1
+                wired[i] = json.dumps(json.loads(wired[i]) + [str(Path(r).resolve()) for r in section[key]])
+        return own + wired
+
+    def wired_flags(self, name: str) -> list[str]:
         a = self.address
         common = ["--host", "127.0.0.1", "--port", str(self.ports[name])]
         if name in METRICS_SERVICES:  # Prometheus /metrics of each gRPC service, on loopback
@@ -121,6 +138,8 @@ class Stack:
         redis = {f"RLMESH_{name.upper()}_REDIS_URL": self.redis_url for name in ("buffer", "reward", "coordinator")}
         # The agent demo's tool, unless the operator registers tools of their own.
         tools = {"RLMESH_ROLLOUT_TOOLS": json.dumps({agent_demo.TOOL_NAME: agent_demo.TOOL_IMPORT_PATH})}
+        if "tools" in self.service_config.get("rollout", {}):  # (the environment would win over the file)
+            tools = {}
         return {
             **tools,
             **os.environ,
@@ -239,6 +258,7 @@ def start_stack(
     timeout: float = 180.0,
     echo=print,
     redis_settings: EmbeddedRedisSettings | None = None,
+    service_config: dict[str, dict] | None = None,
 ) -> Stack:
     data_dir = Path(data_dir).resolve()
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -254,6 +274,11 @@ def start_stack(
         )
     ports = {n: free_port() for n in (*SERVICES, *(f"{m}_metrics" for m in METRICS_SERVICES))}
     stack = Stack(data_dir=data_dir, redis_url=redis_url, ports=ports, model_path=model_path, redis=redis)
+    if service_config:
+        stack.service_config = service_config
+        stack.config_files = write_sections(service_config, data_dir / "config", _write_private)
+        for setting in overridden(service_config, {n: wired_settings(stack.wired_flags(n)) for n in SERVICES}):
+            echo(f"  note: {setting} in the stack config is ignored: rlmesh up sets it")
     _write_private(stack.token_file, auth.ensure_stack_token())
     try:
         for name in SERVICES:
@@ -359,15 +384,44 @@ class Supervisor:
                 f.write(f"{datetime.now().isoformat(sep=' ', timespec='seconds')} rlmesh up: {message}\n")
 
 
-def supervise(stack: Stack, stop: threading.Event, interval: float = 0.5, echo=print) -> None:
-    """`rlmesh up`'s loop: restart what exits until `stop` is set, then stop the whole stack."""
+def supervise(
+    stack: Stack,
+    stop: threading.Event,
+    interval: float = 0.5,
+    echo=print,
+    reload: threading.Event | None = None,
+    on_reload: Callable[[], None] | None = None,
+) -> None:
+    """`rlmesh up`'s loop: restart what exits until `stop` is set, then stop the whole stack;
+    `on_reload` whenever `reload` is set (SIGHUP)."""
     supervisor = stack.supervisor(echo=echo)
     try:
         while not stop.is_set():
+            if reload is not None and reload.is_set() and on_reload is not None:
+                reload.clear()
+                on_reload()
             supervisor.check_once()
             stop.wait(interval)
     finally:
         stack.stop()
+
+
+def wired_settings(flags: list[str]) -> list[str]:
+    """The settings a command line sets ('--engine-urls' -> 'engine_urls')."""
+    return [f[2:].replace("-", "_") for f in flags if f.startswith("--")]
+
+
+def reload_config(stack: Stack, config: dict[str, dict], echo=print) -> list[str]:
+    """Take a new stack config: the services whose section changed get their file rewritten
+    and are stopped (SIGTERM); the Supervisor starts each again on its port, reading it. The
+    rest keep running. Returns the services restarted."""
+    changed = [n for n in SERVICES if config.get(n, {}) != stack.service_config.get(n, {})]
+    stack.service_config = config
+    stack.config_files = write_sections(config, stack.data_dir / "config", _write_private)
+    for name in changed:
+        echo(f"{name}: its settings changed; restarting it on its port")
+        stack.processes[name].send_signal(signal.SIGTERM)
+    return changed
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -29,7 +29,7 @@ from rlmesh.coordinator.driver_thread import DriverThread, close_channels
 from rlmesh.coordinator.observe import CoordinatorMetrics
 from rlmesh.coordinator.page import is_page_path, mount_page
 from rlmesh.coordinator.routes_reward_services import reward_services_router
-from rlmesh.coordinator.routes_runs import runs_router
+from rlmesh.coordinator.routes_runs import queue_router, runs_router
 from rlmesh.coordinator.runs import RunDriver
 from rlmesh.coordinator.schemas import Problem
 from rlmesh.coordinator.store import RunStore
@@ -96,7 +96,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI):
         redis = api_redis_client(settings)
         channels = service_channels(settings)
-        app.state.store = RunStore(redis, settings.key_prefix)
+        app.state.store = RunStore(redis, settings.key_prefix, settings.max_queued_runs)
         app.state.reward = reward_pb2_grpc.RewardStub(channels["reward"])
         driver_made: dict = {}
 
@@ -106,7 +106,7 @@ def create_app(settings: Settings) -> FastAPI:
             # The loop's own client rides out a Redis restart instead of losing track of the run.
             driver_made["redis"] = patient_redis_client(settings.redis_url, settings.redis_outage_seconds)
             return RunDriver(
-                RunStore(driver_made["redis"], settings.key_prefix),
+                RunStore(driver_made["redis"], settings.key_prefix, settings.max_queued_runs),
                 stubs(driver_made["channels"]),
                 settings.train_wait_seconds,
                 settings.max_finished_runs,
@@ -174,6 +174,7 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse(status_code=status, content={"detail": exc.details(), "code": exc.code().name})
 
     app.include_router(runs_router(settings))
+    app.include_router(queue_router())
     app.include_router(reward_services_router(settings))
     app.include_router(trajectory_router(settings))
 

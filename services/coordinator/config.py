@@ -34,6 +34,13 @@ class Settings(ServiceSettings):
     max_request_bytes: int = Field(
         1024 * 1024, ge=1024, description="Largest request body the REST API reads (larger ones get 413)."
     )
+    max_queued_runs: int = Field(
+        20,
+        ge=0,
+        le=1000,
+        description="Runs that may wait in the queue while another trains (POST /runs queues a run "
+        "while one is active); past it POST /runs answers 409. 0 = no queue: a second run is refused (409).",
+    )
     max_finished_runs: int = Field(
         100,
         ge=1,

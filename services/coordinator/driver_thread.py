@@ -17,6 +17,7 @@ from rlmesh.common.run_config import RunConfig
 from rlmesh.coordinator.calls import Clients
 from rlmesh.coordinator.config import Settings
 from rlmesh.coordinator.runs import RunDriver
+from rlmesh.coordinator.store import Created
 
 T = TypeVar("T")
 
@@ -56,8 +57,11 @@ class DriverThread:
 
         await self._on_driver_loop(build())
 
-    async def submit(self, config: RunConfig) -> str:
+    async def submit(self, config: RunConfig) -> Created:
         return await self._on_driver_loop(self.driver.submit(config))
+
+    async def move(self, run_id: str, position: int) -> int:
+        return await self._on_driver_loop(self.driver.move(run_id, position))
 
     async def stop(self, run_id: str) -> str:
         return await self._on_driver_loop(self.driver.stop(run_id))

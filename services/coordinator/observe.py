@@ -26,7 +26,7 @@ from rlmesh.common.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
-RUN_STATUSES = ("pending", "running", "stopping", "completed", "stopped", "failed")
+RUN_STATUSES = ("queued", "pending", "running", "stopping", "completed", "stopped", "failed")
 # Keys of a metric record that say where it stands (the x axis), not what was measured.
 STEP_KEYS = ("rollout_id", "sft_step")
 NOT_LOGGED = frozenset({"time"})

@@ -22,10 +22,12 @@ from rlmesh.coordinator.schemas import (
     CheckpointInfo,
     MetricField,
     MetricRecords,
+    QueuePosition,
     RecentGroups,
     RunCreated,
     RunDeleted,
     RunDetail,
+    RunQueued,
     RunSummary,
     error_responses,
     pick_fields,
@@ -63,12 +65,15 @@ async def _check_runnable(request: Request, config: RunConfig, settings: Setting
 def runs_router(settings: Settings) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/runs", status_code=201, response_model=RunCreated, responses=error_responses(400, 409, 413))
+    @router.post("/runs", status_code=201, response_model=RunQueued, responses=error_responses(400, 409, 413))
     async def create_run(config: RunConfig, request: Request):
-        """Start a run; 409 while another run is active (one run trains at a time)."""
+        """Start a run, or queue it while another is active (one run trains at a time): 201
+        either way (the run exists), with status `pending`, or `queued` and its
+        `queue_position` (1 = next). A queued run starts when the runs before it have ended.
+        409 when max_queued_runs runs already wait (with max_queued_runs 0: while a run is active)."""
         await _check_runnable(request, config, settings)
-        run_id = await request.app.state.driver.submit(config)
-        return RunCreated(id=run_id, status="pending")
+        created = await request.app.state.driver.submit(config)
+        return RunQueued(id=created.id, status=created.status, queue_position=created.queue_position)
 
     @router.get("/runs", response_model=list[RunSummary])
     async def list_runs(
@@ -111,7 +116,8 @@ def runs_router(settings: Settings) -> APIRouter:
 
     @router.post("/runs/{run_id}/stop", response_model=RunCreated, responses=error_responses(404))
     async def stop_run(request: Request, run_id: str = RUN_ID):
-        """Ask a run to stop at its next step; a finished run answers its final status."""
+        """Ask a run to stop at its next step; a queued run is stopped at once (it leaves the
+        queue); a finished run answers its final status."""
         return RunCreated(id=run_id, status=await request.app.state.driver.stop(run_id))
 
     @router.post("/runs/{run_id}/pause", response_model=RunCreated, responses=error_responses(404, 409))
@@ -209,9 +215,25 @@ def runs_router(settings: Settings) -> APIRouter:
 
     @router.delete("/runs/{run_id}", response_model=RunDeleted, responses=error_responses(*RELAYED))
     async def delete_run(request: Request, run_id: str = RUN_ID):
-        """Forget a finished run: its record, metrics and buffer data; checkpoints stay on disk.
-        409 while it is active: stop it first."""
+        """Forget a finished or queued run (a queued one leaves the queue): its record, metrics
+        and buffer data; checkpoints stay on disk. 409 while it is active: stop it first."""
         await request.app.state.driver.delete(run_id)
         return RunDeleted(id=run_id, deleted=True)
+
+    return router
+
+
+def queue_router() -> APIRouter:
+    """The run queue's own route (POST /runs queues a run; stop and DELETE /runs/{id} take one off it)."""
+    router = APIRouter()
+
+    @router.post(
+        "/runs/{run_id}/queue-position", response_model=RunQueued, responses=error_responses(400, 404, 409, 413)
+    )
+    async def move_run(body: QueuePosition, request: Request, run_id: str = RUN_ID):
+        """Move a queued run to another place in the queue (1 = next to start; past the end =
+        last); the others keep their order. 409 for a run that is not queued."""
+        position = await request.app.state.driver.move(run_id, body.position)
+        return RunQueued(id=run_id, status="queued", queue_position=position)
 
     return router

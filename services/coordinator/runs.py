@@ -23,7 +23,7 @@ from rlmesh.coordinator.config import Settings
 from rlmesh.coordinator.modes import RunMode, alongside, step_split
 from rlmesh.coordinator.observe import CoordinatorMetrics, RunLoggers
 from rlmesh.coordinator.off_policy_watch import record_warnings
-from rlmesh.coordinator.store import ACTIVE, FINAL, RunStore
+from rlmesh.coordinator.store import ACTIVE, FINAL, QUEUED, Created, RunStore
 from rlmesh.v1 import buffer_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -54,14 +54,26 @@ class RunDriver:
         self.metrics = metrics
         self.run_logs = RunLoggers(self.settings.log_dir, metrics.log_failures if metrics is not None else None)
 
-    async def submit(self, config: RunConfig) -> str:
-        run_id = await self.store.create(config)
-        self.start(run_id)
-        return run_id
+    async def submit(self, config: RunConfig) -> Created:
+        """A new run, started at once when the trainer is free, else queued (Created says which)."""
+        created = await self.store.create(config)
+        # (after a restart the queue's head may be promoted by this call, even this very run)
+        for run_id in {created.id if created.status == "pending" else "", created.promoted} - {""}:
+            if run_id not in self.tasks:
+                self.start(run_id)
+        return created
+
+    async def move(self, run_id: str, position: int) -> int:
+        return await self.store.move(run_id, position)
 
     async def delete(self, run_id: str) -> None:
-        """Forget a finished run: its record, metrics and buffer data (checkpoints stay on disk)."""
+        """Forget a finished or queued run: its record, metrics and buffer data (checkpoints
+        stay on disk)."""
         status = await self.store.status(run_id)
+        if status == QUEUED:
+            status = await self.store.delete_queued(run_id)
+            if status == "deleted":
+                return
         if status not in FINAL:
             raise FailedPrecondition(
                 f"run {run_id} is {status}; stop it first (POST /runs/{run_id}/stop), then delete it"
@@ -107,12 +119,14 @@ class RunDriver:
         task.add_done_callback(lambda done: self.tasks.pop(run_id) if self.tasks.get(run_id) is done else None)
 
     async def resume_active(self) -> None:
-        """After a coordinator restart, carry on with runs that were active."""
+        """After a coordinator restart, carry on with runs that were active; with none, start
+        the queue's next run (the last run may have ended while this coordinator was down)."""
         for rec in await self.store.list():
             if rec["status"] in ACTIVE and rec["id"] not in self.tasks:
                 log.info("resuming run %s at rollout %d", rec["id"], rec["rollout_id"])
                 await self.store.reclaim(rec["id"])
                 self.start(rec["id"])
+        await self._start_next("")
 
     async def pause(self, run_id: str) -> str:
         """Ask a pending or running run to hold at its next step boundary (what is in flight
@@ -381,9 +395,17 @@ class RunDriver:
         if not trainer_ended:
             await self._end_in_trainer(run_id)
         await self._close_in_buffer(run_id)
-        await self.store.release(run_id)
+        await self._start_next(run_id)
         await self.run_logs.close(run_id)
         await self._prune()
+
+    async def _start_next(self, ended: str) -> None:
+        """The claim released by the run that ended (if any), and the queue's next run
+        started when no run is active: one script in the store, so no submission comes between."""
+        promoted = await self.store.release_and_promote(ended)
+        if promoted and promoted not in self.tasks:
+            log.info("run %s starts (it was first in the queue)", promoted)
+            self.start(promoted)
 
 
 # The run's train steps: the trainer's step after each of the run's train steps (SFT steps,

@@ -25,8 +25,8 @@ def error_responses(*statuses: int) -> dict:
     meaning = {
         400: "The body is not JSON, or a service refused the request's values.",
         404: "No such run or reward service.",
-        409: "Conflicts with the current state (e.g. another run is active, the run is not finished, or it "
-        "has finished and cannot be paused or resumed).",
+        409: "Conflicts with the current state (e.g. the run queue is full, the run is not finished, it "
+        "has finished and cannot be paused or resumed, or it is not queued and cannot be moved).",
         413: "The request body is larger than max_request_bytes.",
         429: "A service is out of capacity; retry later.",
         501: "A service does not implement this.",
@@ -41,9 +41,28 @@ def error_responses(*statuses: int) -> dict:
 RELAYED = (400, 404, 409, 429, 501, 502, 503, 504)
 
 
+QUEUE_POSITION_DESCRIPTION = (
+    "While the run waits in the queue (status 'queued'): its place, 1 = the next to start; null otherwise."
+)
+
+
 class RunCreated(BaseModel):
     id: str
     status: str
+
+
+class RunQueued(RunCreated):
+    """The answer of POST /runs and POST /runs/{id}/queue-position."""
+
+    queue_position: int | None = Field(None, description=QUEUE_POSITION_DESCRIPTION)
+
+
+class QueuePosition(BaseModel):
+    """The body of POST /runs/{id}/queue-position."""
+
+    position: int = Field(
+        ge=1, le=10_000, description="The run's new place in the queue: 1 = next; past the end = last."
+    )
 
 
 class RunDeleted(BaseModel):
@@ -72,6 +91,7 @@ class RunSummary(BaseModel):
         description="A paused run has come to rest at a step boundary (nothing of it is "
         "in flight); false while it finishes the step it was in when paused.",
     )
+    queue_position: int | None = Field(None, description=QUEUE_POSITION_DESCRIPTION)
 
 
 def run_summary(rec: dict) -> dict:

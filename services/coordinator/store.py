@@ -8,6 +8,7 @@ import json
 import secrets
 import time
 import uuid
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -16,29 +17,124 @@ from rlmesh.common.run_config import RunConfig
 
 ACTIVE = ("pending", "running", "paused", "stopping")
 FINAL = ("completed", "stopped", "failed")
+QUEUED = "queued"  # waits for the active run to end; holds no claim
+MAX_QUEUED_DEFAULT = 20
 
 
-# Create a run. KEYS: its record, the claim, the index. ARGV: its id, its creation time, the
-# prefix of run records, the number n of active statuses, those statuses, then the record's
-# fields and values. The claim becomes the new run's unless an active, indexed run holds it:
-# then that run's id is returned, else ''. A claim held by a finished run, by a run whose
-# record is gone, or by one never indexed (its creator died half way, when creation took
-# three writes) is taken over; the run's own claim is a retried call that had succeeded.
-_CREATE = """
-local holder = redis.call('GET', KEYS[2])
-local n = tonumber(ARGV[4])
-if holder and holder ~= ARGV[1] then
-  local status = redis.call('HGET', ARGV[3] .. holder, 'status')
-  local indexed = redis.call('ZSCORE', KEYS[3], holder)
-  for i = 5, 4 + n do
-    if status == ARGV[i] and indexed then return holder end
+# Lua shared by the scripts that create, end and promote runs. active_holder: the claim's
+# holder if it is an active, indexed run, else nil (a claim held by a finished run, by a run
+# whose record is gone, or by one never indexed is stale; an unindexed record is deleted:
+# its creator died half way, when creation took three writes). promote: the queue's first
+# run that is still queued becomes pending and takes the claim, in the same script that
+# found the claim free, so no second run can win it meanwhile; '' when none is queued.
+_QUEUE_LIB = """
+local function active_holder(claim, index, prefix, statuses)
+  local holder = redis.call('GET', claim)
+  if not holder then return nil end
+  local status = redis.call('HGET', prefix .. holder, 'status')
+  local indexed = redis.call('ZSCORE', index, holder)
+  if status and indexed then
+    for _, s in ipairs(statuses) do if status == s then return holder end end
   end
-  if status and not indexed then redis.call('DEL', ARGV[3] .. holder) end
+  if status and not indexed then redis.call('DEL', prefix .. holder) end
+  return nil
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5 + n))
-redis.call('SET', KEYS[2], ARGV[1])
+local function promote(claim, queue, prefix, now)
+  while true do
+    local head = redis.call('LPOP', queue)
+    if not head then return '' end
+    if redis.call('HGET', prefix .. head, 'status') == 'queued' then
+      redis.call('HSET', prefix .. head, 'status', 'pending', 'phase', 'setup', 'updated_at', now)
+      redis.call('SET', claim, head)
+      return head
+    end
+  end
+end
+"""
+
+# Create a run. KEYS: its record, the claim, the index, the queue. ARGV: its id, its creation
+# time, the prefix of run records, the queue's bound, the number n of active statuses, those
+# statuses, then the record's fields and values. The run takes the claim when no active run
+# holds it and none is queued; else it joins the queue's end (a queue that is not empty with
+# the claim free, seen only after a coordinator restart, starts its first run here). Returns
+# {status, queue position (0 when not queued), the run promoted from the queue ('' none),
+# the active run's id}; status 'full' when the queue holds its bound. A retried call that
+# had succeeded (the record exists) answers what the run is now.
+_CREATE = (
+    _QUEUE_LIB
+    + """
+local n = tonumber(ARGV[5])
+local statuses = {}
+for i = 6, 5 + n do statuses[#statuses + 1] = ARGV[i] end
+local mine = redis.call('HGET', KEYS[1], 'status')
+if mine then
+  local pos = redis.call('LPOS', KEYS[4], ARGV[1])
+  return {mine, pos and pos + 1 or 0, '', ''}
+end
+local holder = active_holder(KEYS[2], KEYS[3], ARGV[3], statuses)
+local waiting = redis.call('LLEN', KEYS[4])
+if not holder and waiting == 0 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 6 + n))
+  redis.call('SET', KEYS[2], ARGV[1])
+  redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+  return {'pending', 0, '', ''}
+end
+if waiting >= tonumber(ARGV[4]) then return {'full', waiting, '', holder or ''} end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6 + n))
+redis.call('HSET', KEYS[1], 'status', 'queued', 'phase', 'queued')
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
-return ''
+redis.call('RPUSH', KEYS[4], ARGV[1])
+local promoted = ''
+if not holder then promoted = promote(KEYS[2], KEYS[4], ARGV[3], ARGV[2]) end
+local pos = redis.call('LPOS', KEYS[4], ARGV[1])
+local status = redis.call('HGET', KEYS[1], 'status')
+return {status, pos and pos + 1 or 0, promoted, holder or ''}
+"""
+)
+
+# Release the claim if run ARGV[1] holds it, then, with no active run holding it, start the
+# queue's next run (promote). KEYS: the claim, the index, the queue. ARGV: the run's id (''
+# at a coordinator's start: only promote), the prefix of run records, the time, the active
+# statuses. Returns the promoted run's id, or ''.
+_RELEASE_AND_PROMOTE = (
+    _QUEUE_LIB
+    + """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+local statuses = {}
+for i = 4, #ARGV do statuses[#statuses + 1] = ARGV[i] end
+if active_holder(KEYS[1], KEYS[2], ARGV[2], statuses) then return '' end
+return promote(KEYS[1], KEYS[3], ARGV[2], ARGV[3])
+"""
+)
+
+# Move queued run ARGV[1] to 1-based position ARGV[2] of the queue (past its end: the end).
+# KEYS: its record, the queue. Returns {status, its position}; position 0 when it is not
+# queued (the status says what it is; false: no such run).
+_MOVE = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+if status ~= 'queued' then return {status, 0} end
+redis.call('LREM', KEYS[2], 0, ARGV[1])
+local len = redis.call('LLEN', KEYS[2])
+local pos = tonumber(ARGV[2])
+if pos > len then
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+  return {status, len + 1}
+end
+redis.call('LINSERT', KEYS[2], 'BEFORE', redis.call('LINDEX', KEYS[2], pos - 1), ARGV[1])
+return {status, pos}
+"""
+
+# Forget run ARGV[1] if it is still queued: off the queue, its record and index entry gone
+# (a queued run has nothing anywhere else). KEYS: its record, its metrics, its train steps,
+# the index, the queue. Returns 'deleted', or the status it has (false: no such run).
+_DELETE_QUEUED = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'queued' then return status end
+redis.call('LREM', KEYS[5], 0, ARGV[1])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('ZREM', KEYS[4], ARGV[1])
+return 'deleted'
 """
 
 # RPUSH, unless the list already ends with this element (a retried call that had succeeded).
@@ -75,16 +171,20 @@ redis.call('HSET', KEYS[1], 'updated_at', ARGV[3])
 return {before, redis.call('LLEN', KEYS[2])}
 """
 
-# Compare-and-delete: release the active-run claim only if this run holds it.
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-
-
-# Set status 'stopping' unless the run has finished; returns the status it now has.
+# Set status 'stopping' unless the run has finished; returns the status it now has. KEYS: the
+# run's record, the queue; ARGV: its id, the time, the final statuses. A queued run (it never
+# started) is stopped at once and leaves the queue.
 _MARK_STOPPING = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
-for i = 1, #ARGV - 1 do if status == ARGV[i] then return status end end
-redis.call('HSET', KEYS[1], 'status', 'stopping', 'updated_at', ARGV[#ARGV])
+for i = 3, #ARGV do if status == ARGV[i] then return status end end
+if status == 'queued' then
+  redis.call('LREM', KEYS[2], 0, ARGV[1])
+  redis.call('HSET', KEYS[1], 'status', 'stopped', 'error', 'stopped before it started (it was queued)',
+    'updated_at', ARGV[2])
+  return 'stopped'
+end
+redis.call('HSET', KEYS[1], 'status', 'stopping', 'updated_at', ARGV[2])
 return 'stopping'
 """
 
@@ -103,24 +203,40 @@ return status
 """
 
 
+@dataclass(frozen=True)
+class Created:
+    """What POST /runs made: the run's id and status ('pending', or 'queued' at
+    `queue_position`, 1 = next), and a queued run that its call started (after a restart)."""
+
+    id: str
+    status: str
+    queue_position: int | None = None
+    promoted: str = ""
+
+
 class RunStore:
     """Run records: hash <prefix>:coord:run:<id>, metric history list ...:metrics, the
-    trainer's step after each of the run's train steps, list ...:train_steps, an index zset <prefix>:coord:runs (by creation time), and <prefix>:coord:active, the id of
-    the one run that may train (claimed atomically, so concurrent submissions cannot both win)."""
+    trainer's step after each of the run's train steps, list ...:train_steps, an index zset
+    <prefix>:coord:runs (by creation time), <prefix>:coord:active, the id of the one run that
+    may train (claimed atomically, so concurrent submissions cannot both win), and
+    <prefix>:coord:queue, the ids of the runs waiting for it, in order (at most max_queued)."""
 
-    def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
+    def __init__(self, redis: aioredis.Redis, prefix: str, max_queued: int = MAX_QUEUED_DEFAULT) -> None:
         self.redis = redis
         self.prefix = f"{prefix}:coord:"
         self.active_key = self.prefix + "active"
         self.index_key = self.prefix + "runs"
+        self.queue_key = self.prefix + "queue"
+        self.max_queued = max_queued
 
     def _key(self, run_id: str) -> str:
         return f"{self.prefix}run:{run_id}"
 
-    async def create(self, config: RunConfig) -> str:
-        """A new pending run, if no other run is active (else FailedPrecondition, 409): its
-        record, the claim and its place in the index are one script, so no crash leaves a
-        claim without its run."""
+    async def create(self, config: RunConfig) -> Created:
+        """A new run: pending when no other run is active and none waits, else queued (its
+        record, the claim or its place in the queue, and the index are one script, so no
+        crash leaves a claim without its run). FailedPrecondition (409) when the queue holds
+        max_queued runs."""
         run_id = uuid.uuid4().hex[:12]
         now = time.time()
         record = {
@@ -141,17 +257,66 @@ class RunStore:
             "capability": secrets.token_urlsafe(24) if config.source == "environments" else "",
         }
         fields = [item for pair in record.items() for item in pair]
-        keys = (self._key(run_id), self.active_key, self.index_key)
-        holder = await self.redis.eval(_CREATE, 3, *keys, run_id, now, self._key(""), len(ACTIVE), *ACTIVE, *fields)
-        if holder:
-            raise FailedPrecondition(f"run {holder.decode()} is still active; stop it first (one run trains at a time)")
-        return run_id
+        keys = (self._key(run_id), self.active_key, self.index_key, self.queue_key)
+        status, position, promoted, holder = await self.redis.eval(
+            _CREATE, 4, *keys, run_id, now, self._key(""), self.max_queued, len(ACTIVE), *ACTIVE, *fields
+        )
+        status, holder = status.decode(), holder.decode()
+        if status == "full":
+            if not self.max_queued:
+                raise FailedPrecondition(
+                    f"run {holder} is still active; stop it first (one run trains at a time, and this "
+                    "coordinator queues none: max_queued_runs is 0)"
+                )
+            raise FailedPrecondition(
+                f"the run queue is full ({position} runs wait, max_queued_runs={self.max_queued}): delete a "
+                "queued run (DELETE /runs/{id}) or wait until one starts"
+            )
+        return Created(run_id, status, position or None, promoted.decode())
 
     async def mark_stopping(self, run_id: str) -> str:
-        status = await self.redis.eval(_MARK_STOPPING, 1, self._key(run_id), *FINAL, time.time())
+        """Ask a run to stop ('stopping'); a queued run is 'stopped' at once, off the queue; a
+        finished run keeps its status. Returns the status it has now."""
+        status = await self.redis.eval(
+            _MARK_STOPPING, 2, self._key(run_id), self.queue_key, run_id, time.time(), *FINAL
+        )
         if not status:
             raise NotFound(f"unknown run {run_id!r}")
         return status.decode()
+
+    async def release_and_promote(self, run_id: str = "") -> str:
+        """Release the claim if `run_id` holds it and, with no active run, make the queue's
+        next run pending with the claim (one script: the one-active-run claim stays atomic).
+        The id of the run to start, or ''."""
+        promoted = await self.redis.eval(
+            _RELEASE_AND_PROMOTE, 3, self.active_key, self.index_key, self.queue_key, run_id, self._key(""),
+            time.time(), *ACTIVE,
+        )  # fmt: skip
+        return promoted.decode()
+
+    async def move(self, run_id: str, position: int) -> int:
+        """Put a queued run at `position` (1 = next; past the end = last); its position now.
+        FailedPrecondition (409) for a run that is not queued."""
+        answer = await self.redis.eval(_MOVE, 2, self._key(run_id), self.queue_key, run_id, position)
+        if not answer:
+            raise NotFound(f"unknown run {run_id!r}")
+        status, now_at = answer[0].decode(), int(answer[1])
+        if status != "queued":
+            raise FailedPrecondition(f"run {run_id} is {status}; only a queued run can be moved in the queue")
+        return now_at
+
+    async def delete_queued(self, run_id: str) -> str:
+        """Forget a run if it is still queued: 'deleted', else the status it has."""
+        key = self._key(run_id)
+        keys = (key, key + ":metrics", key + ":train_steps", self.index_key, self.queue_key)
+        status = await self.redis.eval(_DELETE_QUEUED, 5, *keys, run_id)
+        if not status:
+            raise NotFound(f"unknown run {run_id!r}")
+        return status.decode()
+
+    async def queue(self) -> list[str]:
+        """The queued runs' ids, next first."""
+        return [r.decode() for r in await self.redis.lrange(self.queue_key, 0, -1)]
 
     async def transition(self, run_id: str, from_statuses: tuple[str, ...], to: str) -> str:
         """Atomically set status `to` if the run's status is one of `from_statuses`; returns
@@ -160,9 +325,6 @@ class RunStore:
         if not status:
             raise NotFound(f"unknown run {run_id!r}")
         return status.decode()
-
-    async def release(self, run_id: str) -> None:
-        await self.redis.eval(_RELEASE, 1, self.active_key, run_id)
 
     async def reclaim(self, run_id: str) -> None:
         """An active run found after a restart holds the claim (state written before claims existed)."""
@@ -201,14 +363,15 @@ class RunStore:
         length of the run."""
         async with self.redis.pipeline(transaction=True) as pipe:
             self._read(pipe, run_id)
-            raw, steps = await pipe.execute()
+            raw, steps, position = await pipe.execute()
         if not raw:
             raise NotFound(f"unknown run {run_id!r}")
-        return _record(raw, steps)
+        return _record(raw, steps, position)
 
     def _read(self, pipe, run_id: str) -> None:
         pipe.hgetall(self._key(run_id))
         pipe.llen(self._key(run_id) + ":train_steps")
+        pipe.lpos(self.queue_key, run_id)
 
     async def realign(self, run_id: str, step: int, answered: bool) -> tuple[int, int]:
         """Record that the trainer stands at `step`: the answer of the run's latest train step
@@ -287,12 +450,16 @@ class RunStore:
                 self._read(pipe, run_id.decode())
             replies = await pipe.execute()
         # (a run deleted between the two reads is left out)
-        return [_record(raw, steps) for raw, steps in zip(replies[::2], replies[1::2], strict=True) if raw], total
+        return [
+            _record(*reply) for reply in zip(replies[::3], replies[1::3], replies[2::3], strict=True) if reply[0]
+        ], total
 
 
-def _record(raw: dict[bytes, bytes], train_steps: int) -> dict:
-    """A run's record from its hash and the length of its train steps list."""
+def _record(raw: dict[bytes, bytes], train_steps: int, queue_index: int | None = None) -> dict:
+    """A run's record from its hash, the length of its train steps list and its index in the
+    queue (None: not queued)."""
     rec = {k.decode(): v.decode() for k, v in raw.items()}
+    rec["queue_position"] = None if queue_index is None else queue_index + 1
     rec["weight_version"] = int(rec["weight_version"])
     rec["held"] = rec.get("held", "0") == "1"  # (records written before pausing existed lack it)
     for k in ("created_at", "updated_at"):

@@ -58,8 +58,9 @@ def test_a_run_can_be_stopped_and_deleted(services, tmp_path, tiny_model_dir):
     api, buffer = services
     run_id = api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1000)).json()["id"]
     wait_for_run(api, run_id, lambda run: run["status"] == "running")
-    # one run trains at a time, and an active run is not deleted
-    assert api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1)).status_code == 409
+    # one run trains at a time (the next one waits in the queue), and an active run is not deleted
+    queued = api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1)).json()
+    assert (queued["status"], queued["queue_position"]) == ("queued", 1)
     assert api.delete(f"/runs/{run_id}").status_code == 409
     assert api.post(f"/runs/{run_id}/stop").json()["status"] == "stopping"
     run = wait_for_run(api, run_id)
@@ -70,8 +71,8 @@ def test_a_run_can_be_stopped_and_deleted(services, tmp_path, tiny_model_dir):
     with pytest.raises(grpc.RpcError) as e:  # its samples and prompts are gone from the buffer too
         buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id), timeout=10)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
-    # the next run may start
-    assert api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1)).status_code == 201
+    # the queued run started once the stopped one had ended
+    assert wait_for_run(api, queued["id"])["status"] == "completed"
 
 
 @pytest.mark.slow

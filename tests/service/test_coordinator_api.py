@@ -101,22 +101,27 @@ def test_values_json_cannot_carry_safely_get_422(api):
     assert r.status_code == 422
 
 
-def test_concurrent_submissions_start_one_run(api):
-    answers: list[int] = []
+def test_concurrent_submissions_start_one_run_and_queue_the_rest(api):
+    answers: list[httpx.Response] = []
 
     def submit():
-        answers.append(api.post("/runs", json=body()).status_code)
+        answers.append(api.post("/runs", json=body()))
 
     threads = [threading.Thread(target=submit) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(answers) == [201] + [409] * 7
-    runs = api.get("/runs").json()
-    assert len(runs) == 1
+    assert [r.status_code for r in answers] == [201] * 8
+    started = [r.json() for r in answers if r.json()["status"] == "pending"]
+    queued = sorted((r.json() for r in answers if r.json()["status"] == "queued"), key=lambda r: r["queue_position"])
+    assert len(started) == 1 and started[0]["queue_position"] is None
+    assert [r["queue_position"] for r in queued] == list(range(1, 8))
+    runs = {r["id"]: r for r in api.get("/runs").json()}
+    assert len(runs) == 8
+    assert [runs[r["id"]]["queue_position"] for r in queued] == list(range(1, 8))
     # an active run cannot be deleted; unknown and malformed ids are told apart
-    r = api.delete(f"/runs/{runs[0]['id']}")
+    r = api.delete(f"/runs/{started[0]['id']}")
     assert r.status_code == 409 and "stop it first" in r.json()["detail"]
     assert api.delete("/runs/nope").status_code == 404
     assert api.delete("/runs/..%2F..").status_code in (404, 422)
@@ -133,8 +138,8 @@ def test_a_claim_left_by_a_half_created_run_is_taken_over(api, redis_url):
     assert created.status_code == 201, created.text
     assert [run["id"] for run in api.get("/runs").json()] == [created.json()["id"]]
     assert not r.exists("rlmesh:coord:run:orphan")
-    # the new run is active and indexed: it holds the claim as before
-    assert api.post("/runs", json=body()).status_code == 409
+    # the new run is active and indexed: it holds the claim as before (the next one waits)
+    assert api.post("/runs", json=body()).json()["status"] == "queued"
 
 
 def test_a_reward_service_that_never_answers_is_a_504_not_a_hang(start_in_loop, redis_url, silent_address):
@@ -172,9 +177,9 @@ def test_only_the_newest_finished_runs_are_kept(loop_thread, start_in_loop, redi
         )
         created = []
         for _ in range(4):
-            run_id = await store.create(RunConfig.model_validate(body()))
+            run_id = (await store.create(RunConfig.model_validate(body()))).id
             await store.update(run_id, status="completed")
-            await store.release(run_id)
+            await store.release_and_promote(run_id)
             created.append(run_id)
         await driver._prune()
         kept = [r["id"] for r in await store.list()]

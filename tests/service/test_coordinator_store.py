@@ -2,15 +2,18 @@
 each step trims and extends at its tail (they were a JSON list in the run's hash, parsed and
 rewritten whole at every step and read: O(n^2) over a run), by the same rules as
 rlmesh.coordinator.runs.steps_after_train_step and steps_held; records written before
-keep working."""
+keep working. The run queue: order, moves, deletes, its bound, and the claim handed to its
+next run in the script that releases it."""
 
 from __future__ import annotations
 
 import json
 import random
 
+import pytest
 import redis.asyncio as aioredis
 
+from rlmesh.common.errors import FailedPrecondition
 from rlmesh.common.run_config import RunConfig
 from rlmesh.coordinator.runs import steps_after_train_step, steps_held
 from rlmesh.coordinator.store import RunStore
@@ -24,7 +27,7 @@ def test_the_train_steps_list_follows_the_rules(loop_thread, redis_url):
     async def scenario() -> None:
         redis = aioredis.Redis.from_url(redis_url)
         store = RunStore(redis, "test")
-        run_id = await store.create(RunConfig.model_validate(CONFIG))
+        run_id = (await store.create(RunConfig.model_validate(CONFIG))).id
         model: list[int] = []
         trainer = 0
         for _ in range(300):
@@ -48,7 +51,7 @@ def test_a_record_written_before_the_list_existed_is_read_and_carried_on(loop_th
     async def scenario() -> None:
         redis = aioredis.Redis.from_url(redis_url)
         store = RunStore(redis, "test")
-        run_id = await store.create(RunConfig.model_validate(CONFIG))
+        run_id = (await store.create(RunConfig.model_validate(CONFIG))).id
         await redis.hset(f"test:coord:run:{run_id}", "train_steps", json.dumps([1, 2, 3, 4, 5]))
         assert (await store.get(run_id))["rollout_id"] == 3
         assert (await store.list())[0]["rollout_id"] == 3
@@ -59,6 +62,54 @@ def test_a_record_written_before_the_list_existed_is_read_and_carried_on(loop_th
         assert await store.realign(run_id, 4, answered=True) == (3, 4)
         assert (await store.get(run_id))["rollout_id"] == 2
         await store.delete(run_id)
+        await redis.aclose()
+
+    loop_thread.run(scenario())
+
+
+def test_the_queue_starts_its_runs_in_order_each_with_the_claim(loop_thread, redis_url):
+    async def scenario() -> None:
+        redis = aioredis.Redis.from_url(redis_url)
+        store = RunStore(redis, "queue", max_queued=3)
+        config = RunConfig.model_validate(CONFIG)
+        a, b, c, d = [await store.create(config) for _ in range(4)]
+        assert (a.status, b.status, c.status, d.status) == ("pending", "queued", "queued", "queued")
+        assert [b.queue_position, c.queue_position, d.queue_position] == [1, 2, 3]
+        with pytest.raises(FailedPrecondition, match="queue is full"):
+            await store.create(config)  # (the bound: 3 wait)
+        assert await store.move(d.id, 1) == 1
+        assert await store.queue() == [d.id, b.id, c.id]
+        assert await store.move(b.id, 99) == 3  # past the end: last
+        assert await store.queue() == [d.id, c.id, b.id]
+        with pytest.raises(FailedPrecondition, match="only a queued run"):
+            await store.move(a.id, 1)
+        assert await store.delete_queued(c.id) == "deleted"
+        assert await store.queue() == [d.id, b.id]
+        # the active run holds the claim: nothing starts until it releases it
+        assert await store.release_and_promote("") == ""
+        await store.update(a.id, status="completed")
+        assert await store.release_and_promote(a.id) == d.id
+        assert (await store.get(d.id))["status"] == "pending" and (await store.active())[0] == d.id
+        assert (await store.get(b.id))["queue_position"] == 1
+        e = await store.create(config)  # behind b, not ahead of it
+        assert (e.status, e.queue_position) == ("queued", 2)
+        assert await store.mark_stopping(b.id) == "stopped"  # a queued run stops at once, off the queue
+        assert await store.queue() == [e.id]
+        await store.update(d.id, status="failed")
+        assert await store.release_and_promote(d.id) == e.id
+        assert await store.queue() == [] and (await store.active())[0] == e.id
+        await redis.aclose()
+
+    loop_thread.run(scenario())
+
+
+def test_with_no_queue_a_second_run_is_refused(loop_thread, redis_url):
+    async def scenario() -> None:
+        redis = aioredis.Redis.from_url(redis_url)
+        store = RunStore(redis, "noqueue", max_queued=0)
+        first = await store.create(RunConfig.model_validate(CONFIG))
+        with pytest.raises(FailedPrecondition, match=f"run {first.id} is still active; stop it first"):
+            await store.create(RunConfig.model_validate(CONFIG))
         await redis.aclose()
 
     loop_thread.run(scenario())

@@ -142,7 +142,7 @@ function renderRuns() {
     badge(b, r.status);
     status.append(b);
     const phase = document.createElement("td");
-    phase.textContent = r.phase;
+    phase.textContent = r.queue_position ? `queued #${r.queue_position}` : r.phase;
     const progress = document.createElement("td");
     progress.textContent = `${r.rollout_id} / ${r.num_rollouts}`;
     tr.append(name, status, phase, progress);
@@ -231,7 +231,7 @@ function renderRun() {
   $("#run-name").textContent = r.name || "(unnamed)";
   $("#run-id").textContent = r.id;
   badge($("#run-status"), r.status === "paused" && !r.held ? "pausing" : r.status);
-  $("#run-phase").textContent = `phase ${r.phase}`;
+  $("#run-phase").textContent = r.queue_position ? `queued, #${r.queue_position} in line` : `phase ${r.phase}`;
   $("#run-progress").textContent = `rollout ${r.rollout_id} / ${r.num_rollouts}, weights v${r.weight_version}`;
   $("#run-waiting").textContent = r.waiting_for ? `waiting for ${r.waiting_for}` : "";
   $("#run-error").textContent = r.error || "";
@@ -241,8 +241,8 @@ function renderRun() {
   }
   $("#pause").disabled = !["pending", "running"].includes(r.status);
   $("#resume").disabled = r.status !== "paused";
-  $("#stop").disabled = !ACTIVE.includes(r.status) || r.status === "stopping";
-  $("#delete").disabled = !FINAL.includes(r.status);
+  $("#stop").disabled = !(ACTIVE.includes(r.status) || r.status === "queued") || r.status === "stopping";
+  $("#delete").disabled = !(FINAL.includes(r.status) || r.status === "queued");
   const config = JSON.stringify(r.config, null, 2);
   if ($("#config").textContent !== config) $("#config").textContent = config;
 }
