@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/rlmesh/v1/*.proto)
 
-.PHONY: demo demo-agent test gpu-check lint format proto proto-check docs docs-check bench compose-check clean
+.PHONY: demo demo-agent test sglang-source sglang-check gpu-check lint format proto proto-check docs docs-check bench compose-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -15,6 +15,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,logging]'
 	touch $(STAMP)
+
+# SGLang's own source, which tests/service/test_sglang_fidelity.py checks rlmesh's engine
+# requests against (docs/engine-api.md#checked-against-sglangs-source). Downloaded, never
+# installed: the wheel alone, without its CUDA dependencies, read as a zip. The pinned version is
+# PINNED_VERSION in tests/helpers/sglang_source.py; `make sglang-check SGLANG_VERSION=X` tries another.
+SGLANG_VERSION ?= $(shell sed -n 's/^PINNED_VERSION = "\(.*\)"$$/\1/p' tests/helpers/sglang_source.py)
+SGLANG_WHEEL := $(VENV)/sglang/.$(SGLANG_VERSION)
+
+$(SGLANG_WHEEL): | $(STAMP)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_34_x86_64 --platform manylinux2014_x86_64 --platform any \
+		-d $(VENV)/sglang sglang==$(SGLANG_VERSION)
+	touch $@
+
+sglang-source: $(SGLANG_WHEEL)
+
+sglang-check: $(SGLANG_WHEEL)
+	RLMESH_SGLANG_VERSION=$(SGLANG_VERSION) $(BIN)/python -m pytest -q tests/service/test_sglang_fidelity.py
 
 demo: $(STAMP)
 	$(BIN)/rlmesh demo
@@ -25,7 +43,7 @@ demo-agent: $(STAMP)
 # Two processes: the end-to-end suite starts whole stacks inside the test process, and what
 # their background tasks leave behind must not eat into the tight deadlines of the contract
 # tests (seen: remote-reward timeouts and a stalled rollout after the whole e2e suite ran first).
-test: $(STAMP) proto-check docs-check lint
+test: $(STAMP) $(SGLANG_WHEEL) proto-check docs-check lint
 	$(BIN)/python -m pytest -q tests/unit tests/service
 	$(BIN)/python -m pytest -q tests/e2e
 

@@ -106,8 +106,9 @@ class SGLangClient:
         self.generate_timeout = generate_timeout or timeout
         self.seconds_per_token = seconds_per_token
         self._has_weight_session: bool | None = None  # SGLang >= 0.5.21 wants begin/end
+        self._older_info_names = False  # SGLang < 0.5.10: /get_model_info, /get_server_info only
         self._in_session = False  # begun and not yet ended
-        self.weight_delta_format = ""  # as its /get_server_info said when last asked (states())
+        self.weight_delta_format = ""  # as its /server_info said when last asked (states())
         self._live_rids: dict[str, str] = {}  # rid a caller knows -> rid of the retry in flight
         self.metrics: RolloutMetrics | None = None  # counts tokens and requests (set by the pool)
         self.answered_version: int | None = None  # the weight version of its last /generate answer
@@ -118,11 +119,18 @@ class SGLangClient:
         except httpx.HTTPError as e:
             raise EngineError(f"engine {self.url}: POST {path} failed: {type(e).__name__}: {e}") from None
 
-    async def _get_json(self, path: str) -> dict:
+    async def _get_json(self, path: str, older_name: str = "") -> dict:
+        """With `older_name`: the route's name before SGLang 0.5.10, which newer SGLang
+        deprecates; asked (from then on) when an engine answers 404 to the new one."""
+        if older_name and self._older_info_names:
+            path = older_name
         try:
             r = await self.http.get(self.url + path, timeout=self.timeout)
         except httpx.HTTPError as e:
             raise EngineError(f"engine {self.url}: GET {path} failed: {type(e).__name__}: {e}") from None
+        if r.status_code == 404 and older_name and path != older_name:
+            self._older_info_names = True
+            return await self._get_json(older_name)
         if r.status_code != 200:
             raise EngineError(f"engine {self.url}: GET {path} answered {r.status_code}: {r.text[:300]}")
         return r.json()
@@ -196,10 +204,10 @@ class SGLangClient:
         await self._check(await self._post("/continue_generation", {}), "/continue_generation")
 
     async def model_info(self) -> dict:
-        return await self._get_json("/get_model_info")
+        return await self._get_json("/model_info", "/get_model_info")
 
     async def server_info(self) -> dict:
-        return await self._get_json("/get_server_info")
+        return await self._get_json("/server_info", "/get_server_info")
 
     async def workers(self) -> list[str]:
         """The router's workers (the router does not forward weight calls)."""

@@ -87,6 +87,10 @@ async def default_generate(ctx: GenerateContext, sample: Sample, sampling_params
     if params["max_new_tokens"] == 0:
         sample.status = Status.TRUNCATED
         return sample
+    if params.get("min_new_tokens"):
+        # What it generated counts toward the minimum; SGLang refuses a minimum above the maximum.
+        left = max(params["min_new_tokens"] - sample.response_length, 0)
+        params["min_new_tokens"] = min(left, params["max_new_tokens"])
     rid = sample.metadata.get("rid") or uuid.uuid4().hex
     sample.metadata["rid"] = rid
     out = await ctx.engine.generate(sample.tokens, params, rid=rid)

@@ -136,7 +136,7 @@ class RolloutManager:
                 if not path:
                     states = [s for s in await self.pool.states() if s.healthy]
                     if not states:
-                        raise Unavailable("no engine answers /get_model_info, so the tokenizer path is unknown")
+                        raise Unavailable("no engine answers /model_info, so the tokenizer path is unknown")
                     path = states[0].tokenizer_path
                 from transformers import AutoTokenizer
 

@@ -28,10 +28,13 @@ ANSWER = {
 }
 
 
-async def flaky_engine(drop_first: int, tp_size: int = 1, port: int = 0, answers_its_version: bool = False):
+async def flaky_engine(
+    drop_first: int, tp_size: int = 1, port: int = 0, answers_its_version: bool = False, before_0_5_10: bool = False
+):
     """An HTTP server that hangs up on the first `drop_first` /generate requests, then answers
-    (and reports the weight version it was last given: in /get_model_info, and with
-    answers_its_version in each /generate answer)."""
+    (and reports the weight version it was last given: in /model_info, and with
+    answers_its_version in each /generate answer). `before_0_5_10`: as SGLang before 0.5.10,
+    it knows the info routes only by their older names (/get_model_info, /get_server_info)."""
     seen: list[dict] = []
     version = {"weight_version": "default"}
 
@@ -51,11 +54,18 @@ async def flaky_engine(drop_first: int, tp_size: int = 1, port: int = 0, answers
         answer = ANSWER
         if answers_its_version:
             answer = {**ANSWER, "meta_info": {**ANSWER["meta_info"], **version}}
-        answers = {"/generate": answer, "/get_server_info": {"tp_size": tp_size}, "/get_model_info": version}
+        answers = {"/generate": answer, "/server_info": {"tp_size": tp_size}, "/model_info": version}
+        if before_0_5_10:
+            answers = {
+                "/get_server_info": answers.pop("/server_info"),
+                "/get_model_info": answers.pop("/model_info"),
+                **answers,
+            }
+        status = b"404 Not Found" if path in ("/model_info", "/server_info") and before_0_5_10 else b"200 OK"
         payload = json.dumps(answers.get(path, {})).encode()
         writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-            % (len(payload), payload)
+            b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, len(payload), payload)
         )
         await writer.drain()
         writer.close()
@@ -132,7 +142,7 @@ def test_a_push_is_one_weight_update_session_and_deltas_go_only_to_engines_that_
             try:
                 for k, version in enumerate(["", "", "8"]):  # three buckets, the version with the last
                     await pool.update_weights([TensorMeta(f"w{k}", "bfloat16", (2,))], "g", version, bool(version), "")
-                await pool.states()  # this engine's /get_server_info has no rlmesh_weight_delta
+                await pool.states()  # this engine's /server_info has no rlmesh_weight_delta
                 with pytest.raises(FailedPrecondition, match="not every engine accepts rlmesh-delta-v1"):
                     await pool.update_weights(
                         [TensorMeta("w", "bfloat16", (2,))],
@@ -258,3 +268,24 @@ def test_colocated_calls_reach_every_engine_in_sglangs_shapes():
             "3",
             True,
         )
+
+
+def test_an_engine_older_than_sglang_0_5_10_is_asked_by_the_older_info_names():
+    """SGLang 0.5.10 renamed /get_model_info and /get_server_info (0.5.23 deprecates the old
+    names): the pool asks by the new names and, after a 404, by the old ones from then on."""
+
+    async def scenario():
+        engine, port, seen = await flaky_engine(0, tp_size=2, before_0_5_10=True)
+        async with engine:
+            pool = EnginePool([f"http://127.0.0.1:{port}"], "", 5, 5)
+            try:
+                await pool.update_weights([TensorMeta("w", "float32", (2,))], "g", "4", True, "")
+                first, second = await pool.states(), await pool.states()
+            finally:
+                await pool.close()
+        return first, second, [s["path"] for s in seen if "info" in s["path"]]
+
+    first, second, asked = asyncio.run(scenario())
+    assert [(s.healthy, s.tp_size, s.weight_version) for s in first + second] == [(True, 2, "4")] * 2
+    assert asked.count("/model_info") + asked.count("/server_info") <= 2  # asked once, then never again
+    assert asked.count("/get_model_info") == 2 and asked.count("/get_server_info") == 2

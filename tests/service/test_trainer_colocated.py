@@ -51,10 +51,12 @@ def sglang_like_engine(loop_thread):
     app = FastAPI()
     seen: list[str] = []
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info():
         return {"model_path": "/m", "weight_version": "default"}
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
         return {"tp_size": 1, "version": "0.5.23"}
