@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import os
 import shutil
@@ -231,10 +232,17 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         first_colocated = await colocated.push(as_sent, version, None, full.bucket_bytes)  # writes the file's pages
         print(f"first colocated push (the weight file's pages written): {first_colocated.seconds:.2f} s", flush=True)
         push_s, cast_s, raw_s, colo_s, colo_cast_s = [], [], [], [], []
+        gaps: list[float] = []  # per bucket: rank 0 idle between one bucket's broadcast and the next's
         for _ in range(args.rounds):  # interleaved: a busy machine slows all alike
             raw_s.append(await asyncio.to_thread(raw.once))
             version += 1
-            push_s.append((await pusher.push_distributed(as_sent, version, full)).seconds)
+            pushed = await pusher.push_distributed(as_sent, version, full)
+            push_s.append(pushed.seconds)
+            gaps += bucket_gaps(pushed)
+            print_buckets(pushed, wire_bytes)
+            if args.push_only:
+                print(f"raw broadcast {raw_s[-1]:.2f} s, push {push_s[-1]:.2f} s", flush=True)
+                continue
             version += 1
             colo_s.append((await colocated.push(as_sent, version, None, full.bucket_bytes)).seconds)
             version += 1
@@ -247,6 +255,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
                 flush=True,
             )
         raw.close()
+        if args.push_only:
+            return push_summary(wire_bytes, full, args, push_s, raw_s, gaps)
         # The engine now holds the colocated push of the fp32 weights converted to bf16: bit for bit?
         colocated_exact = all(
             torch.equal(engine_tensor(url, n, 64), t[:64].to(wire).float()) for n, t in named[: args.check_tensors]
@@ -299,6 +309,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         # Paired: each round's push against the raw broadcast just before it (the machine's
         # load drifts between rounds), the median of those ratios.
         "push_vs_raw": round(statistics.median(r / p for r, p in zip(raw_s, push_s)), 3),
+        "push_vs_raw_rounds": [round(r / p, 3) for r, p in zip(raw_s, push_s)],
+        "bucket_gap_ms_median": round(1000 * statistics.median(gaps), 2) if gaps else None,
         "push_from_fp32_gb_per_s": round(wire_bytes / cast_time / GB, 3),
         "dist_push_s": round(push_time, 3),
         "colocated_gb_per_s": round(wire_bytes / colo_time / GB, 3),
@@ -318,6 +330,41 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
     }
 
 
+def bucket_gaps(result) -> list[float]:
+    """Seconds rank 0 waited between one bucket's broadcast ending and the next's first
+    tensor leaving (the engines taking the next bucket's request and posting its receive)."""
+    t = getattr(result, "timings", [])
+    return [b.first_sent - a.finished for a, b in itertools.pairwise(t)]
+
+
+def print_buckets(result, wire_bytes: int) -> None:
+    t = getattr(result, "timings", [])
+    if not t:
+        return
+    per = sorted(b.finished - b.started for b in t)
+    gaps = sorted(bucket_gaps(result)) or [0.0]
+    print(
+        f"  {len(t)} buckets: each {1000 * per[0]:.1f}-{1000 * per[-1]:.1f} ms (median {1000 * per[len(per) // 2]:.1f}), "
+        f"wait before a bucket's first tensor left {1000 * gaps[len(gaps) // 2]:.2f} ms median "
+        f"({1000 * gaps[-1]:.2f} max), {wire_bytes / len(t) / 2**20:.0f} MiB a bucket",
+        flush=True,
+    )
+
+
+def push_summary(wire_bytes: int, full: WeightSyncConfig, args, push_s: list, raw_s: list, gaps: list) -> dict:
+    ratios = [r / p for r, p in zip(raw_s, push_s)]
+    return {
+        "model_bytes": wire_bytes,
+        "bucket_bytes": full.bucket_bytes,
+        "load_format": args.load_format or "per_tensor",
+        "push_gb_per_s": round(wire_bytes / statistics.median(push_s) / GB, 3),
+        "raw_broadcast_gb_per_s": round(wire_bytes / statistics.median(raw_s) / GB, 3),
+        "push_vs_raw": round(statistics.median(ratios), 3),
+        "push_vs_raw_rounds": [round(x, 3) for x in ratios],
+        "bucket_gap_ms_median": round(1000 * statistics.median(gaps), 2) if gaps else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=9, help="decoder layers (9: about 1.06 GB in bfloat16)")
@@ -331,6 +378,9 @@ def main() -> None:
     )
     parser.add_argument("--lr", type=float, default=1e-6, help="learning rate of the optimizer step before the delta")
     parser.add_argument("--check-tensors", type=int, default=12, help="tensors compared with the engine afterwards")
+    parser.add_argument(
+        "--push-only", action="store_true", help="only the distributed push against the raw broadcast (no other paths)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     ensure_stack_token()  # the engine and rollout processes started here and their clients share it
@@ -339,6 +389,9 @@ def main() -> None:
         results = asyncio.run(run(args, work))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if args.push_only:
+        print(json.dumps(results))
+        return
     gb = results["model_bytes"] / GB
     print_table(
         [
@@ -368,7 +421,11 @@ def main() -> None:
             },
             {"push": "colocated / raw broadcast (paired)", "GB/s": f"{results['colocated_vs_raw']:.2f}x"},
             {"push": "raw torch.distributed broadcast (baseline)", "GB/s": f"{results['raw_broadcast_gb_per_s']:.2f}"},
-            {"push": "push / raw broadcast (median of paired rounds)", "GB/s": f"{results['push_vs_raw']:.2f}"},
+            {
+                "push": "push / raw broadcast (median of paired rounds; each round)",
+                "GB/s": f"{results['push_vs_raw']:.2f} ({', '.join(f'{x:.2f}' for x in results['push_vs_raw_rounds'])})",
+                "seconds": f"rank 0's wait between buckets: {results['bucket_gap_ms_median']} ms (median)",
+            },
             {"push": "disk", "GB/s": f"{gb / results['disk_push_s']:.2f}", "seconds": f"{results['disk_push_s']:.2f}"},
             {
                 "push": "delta, after one AdamW step",

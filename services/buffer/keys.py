@@ -40,7 +40,8 @@ class RunKeys:
     dead_reasons: str = field(init=False)
     stats: str = field(init=False)
     rate_snapshots: str = field(init=False)
-    recent: str = field(init=False)
+    recent_ids: str = field(init=False)
+    retained: str = field(init=False)
     closed: str = field(init=False)
 
     def __post_init__(self) -> None:

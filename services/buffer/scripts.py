@@ -9,7 +9,25 @@ from __future__ import annotations
 
 # ---------------------------------------------------------------- shared helpers
 
-_HELPERS = r"""
+# A group leaving the buffer (trained, dropped, dead-lettered) keeps its bytes in `groups`
+# while its id is among the newest written (recent_ids), for GetRecentGroups: its id goes
+# to `retained`, and the write that pushes it out of recent_ids deletes the bytes
+# (PUT_GROUPS). So the view costs no second copy of any group. (The two keys are the run's,
+# named from its groups key: every caller already passes that.)
+_LEAVE = r"""
+local function leave_bytes(groups, id)
+  local base = string.sub(groups, 1, -7)
+  if redis.call('LPOS', base .. 'recent_ids', id) then
+    redis.call('SADD', base .. 'retained', id)
+  else
+    redis.call('HDEL', groups, id)
+  end
+end
+"""
+
+_HELPERS = (
+    _LEAVE
+    + r"""
 -- The run's incarnation token (a new one each time the run is created).
 local function run_token(spec_key)
   local spec = redis.call('GET', spec_key)
@@ -36,7 +54,7 @@ local function dead_letter(k, id, reason)
   if raw then redis.call('HSET', k.dead_groups, id, raw) end
   redis.call('HSET', k.dead_reasons, id, reason)
   redis.call('RPUSH', k.dead_letters, id)
-  redis.call('HDEL', k.groups, id)
+  leave_bytes(k.groups, id)
   redis.call('HDEL', k.meta, id)
   redis.call('HDEL', k.deliveries, id)
   redis.call('SADD', k.discarded, id)
@@ -75,7 +93,7 @@ local function discard(k, ids)
   local samples = 0
   for _, id in ipairs(ids) do
     samples = samples + (meta_of(k.meta, id))
-    redis.call('HDEL', k.groups, id)
+    leave_bytes(k.groups, id)
     redis.call('HDEL', k.meta, id)
     redis.call('HDEL', k.deliveries, id)
     redis.call('SADD', k.discarded, id)
@@ -118,6 +136,7 @@ local function lease_keys()
           dead_letters = KEYS[10], dead_groups = KEYS[11], dead_reasons = KEYS[12]}
 end
 """
+)
 
 # KEYS and ARGV of the lease scripts and REJECT_GROUPS (see BufferStore.lease_batch):
 #   KEYS: spec queue batch_leases groups meta stats discarded batch:<lease_id> deliveries
@@ -263,9 +282,11 @@ return #ids
 )
 
 # Store completed groups all-or-nothing: skip duplicates (already stored, leased,
-# acknowledged or discarded), refuse the whole write when it would pass the queue cap.
-#   KEYS: spec groups queue acked discarded prompt_leases prompts stats meta closed
-#   ARGV: (group_id, bytes, meta) per group
+# acknowledged or discarded), refuse the whole write when it would pass the queue cap. The
+# newest `keep` stored ids go to the front of recent_ids (capped at `keep`); the bytes of
+# ids it drops that were kept only for it (retained: see _LEAVE) are deleted.
+#   KEYS: spec groups queue acked discarded prompt_leases prompts stats meta closed recent_ids retained
+#   ARGV: keep, then (group_id, bytes, meta) per group
 # Returns {-1} unknown run, {-2, queued} over the cap, {-3} closed run, else {stored, run
 # token, positions (0-based) of the groups stored...}.
 PUT_GROUPS = r"""
@@ -274,7 +295,7 @@ if not spec then return {-1} end
 if redis.call('EXISTS', KEYS[10]) == 1 then return {-3} end
 local cap = tonumber(cjson.decode(spec).max_queued_groups) or 0
 local fresh, seen = {}, {}
-for i = 1, #ARGV, 3 do
+for i = 2, #ARGV, 3 do
   local id = ARGV[i]
   if not seen[id] and redis.call('HEXISTS', KEYS[2], id) == 0 and redis.call('SISMEMBER', KEYS[4], id) == 0
       and redis.call('SISMEMBER', KEYS[5], id) == 0 then
@@ -291,22 +312,45 @@ for _, i in ipairs(fresh) do
   redis.call('RPUSH', KEYS[3], ARGV[i])
   samples = samples + tonumber(string.match(ARGV[i + 2], '^(%d+)'))
 end
-for i = 1, #ARGV, 3 do
+for i = 2, #ARGV, 3 do
   redis.call('ZREM', KEYS[6], ARGV[i])
   redis.call('HDEL', KEYS[7], ARGV[i])
 end
 redis.call('HINCRBY', KEYS[8], 'groups_written', #fresh)
 redis.call('HINCRBY', KEYS[8], 'queued_samples', samples)
+local keep = tonumber(ARGV[1])
+for j = math.max(1, #fresh - keep + 1), #fresh do redis.call('LPUSH', KEYS[11], ARGV[fresh[j]]) end
+for _, id in ipairs(redis.call('LRANGE', KEYS[11], keep, -1)) do
+  if redis.call('SREM', KEYS[12], id) == 1 then redis.call('HDEL', KEYS[2], id) end
+end
+if keep > 0 then redis.call('LTRIM', KEYS[11], 0, keep - 1) else redis.call('DEL', KEYS[11]) end
 local out = {#fresh, string.match(spec, '"token": "(%w+)"') or ''}
-for _, i in ipairs(fresh) do out[#out + 1] = (i - 1) / 3 end
+for _, i in ipairs(fresh) do out[#out + 1] = (i - 2) / 3 end
 return out
 """
 
-# A trained group leaves the buffer for good: only its id stays (in `acked`), so a retried
+# The newest stored groups (newest first) from `start` to `stop` (LRANGE's), and how many
+# are kept. An id is in recent_ids only while its bytes are in `groups` (see _LEAVE).
+#   KEYS: recent_ids groups;  ARGV: start stop.  Returns {total, bytes...}.
+RECENT_GROUPS = r"""
+local out = {redis.call('LLEN', KEYS[1])}
+local ids = redis.call('LRANGE', KEYS[1], ARGV[1], ARGV[2])
+if #ids > 0 then
+  for _, raw in ipairs(redis.call('HMGET', KEYS[2], unpack(ids))) do
+    if raw then out[#out + 1] = raw end
+  end
+end
+return out
+"""
+
+# A trained group leaves the buffer for good: only its id stays (in `acked`, and its bytes
+# while it is among the newest written: _LEAVE), so a retried
 # write of it is a duplicate.
-_FINAL = r"""
+_FINAL = (
+    _LEAVE
+    + r"""
 local function finalize(groups, meta, deliveries, acked, id)
-  redis.call('HDEL', groups, id)
+  leave_bytes(groups, id)
   redis.call('HDEL', meta, id)
   redis.call('HDEL', deliveries, id)
   redis.call('SADD', acked, id)
@@ -337,6 +381,7 @@ local function commit_through(groups, meta, deliveries, acked, stats, provisiona
   return n, later
 end
 """
+)
 
 # A repeated acknowledgment of a lease already acknowledged answers as the first did: a
 # buffer killed after the script ran but before its reply makes the trainer ask again.

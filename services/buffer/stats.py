@@ -24,7 +24,9 @@ async def run_stats(redis: aioredis.Redis, k: RunKeys, spec: dict, rate_window_s
     pipe.hgetall(k.cursor)
     pipe.llen(k.dead_letters)
     pipe.llen(k.provisional)
-    queued, stored, partial, raw_counters, cursor, dead, provisional = await pipe.execute()
+    pipe.scard(k.retained)  # (bytes kept in `groups` only for GetRecentGroups)
+    queued, stored, partial, raw_counters, cursor, dead, provisional, retained = await pipe.execute()
+    stored -= retained
     counters = {kk.decode(): int(v) for kk, v in raw_counters.items()}
     first = next(d for d in spec["datasets"] if not d["eval"])
     drawn = int(cursor.get(first["name"].encode(), 0))

@@ -26,8 +26,9 @@ Keys of a run live under `<prefix>:run:<run_id>:` (rlmesh.buffer.keys.RunKeys li
   dead_letters    list of dead-lettered group ids (oldest first) + dead_groups hash
                   (group_id -> bytes) + dead_reasons hash (group_id -> why)
   stats           hash of counters;  rate_snapshots  zset of counter snapshots (rates)
-  recent          list of the newest stored groups' bytes (newest first), capped at
-                  recent_groups: what a person watching the run browses (GetRecentGroups)
+  recent_ids      list of the newest stored group ids (newest first), capped at
+                  recent_groups: what a person watching the run browses (GetRecentGroups);
+                  their bytes stay in `groups` after they leave it (`retained`: those ids)
   closed          set by CloseRun when the run is over: no more prompts or groups taken
                   (keys.CLOSED_RUN_DROPS and the dataset copies are deleted then)
 
@@ -58,7 +59,7 @@ from rlmesh.common.dataset_spec import dataset_defaults
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RlmeshError
 from rlmesh.common.faults import fault_point
 from rlmesh.common.run_config import DatasetConfig
-from rlmesh.common.sample import ConversionError, validate_group_proto
+from rlmesh.common.sample import ConversionError, validate_groups_proto
 from rlmesh.v1 import buffer_pb2, sample_pb2
 
 _SPEC_ONLY_AT_CREATION = ("sizes", "skipped", "created_at", "token")
@@ -118,6 +119,7 @@ class BufferStore:
         self._release = redis.register_script(scripts.RELEASE_BATCH)
         self._return_partial = redis.register_script(scripts.RETURN_PARTIAL)
         self._drop = redis.register_script(scripts.DROP_GROUPS)
+        self._recent = redis.register_script(scripts.RECENT_GROUPS)
 
     def keys(self, run_id: str) -> RunKeys:
         return run_keys(self.key_prefix, run_id)
@@ -205,11 +207,24 @@ class BufferStore:
             raise InvalidArgument("PutGroups needs at least one group")
         k = self.keys(run_id)
         await self._validate(run_id, groups)
-        args: list = []
+        args: list = [self.recent_groups]
         raw_groups = raw_groups or [g.SerializeToString() for g in groups]
         for g, raw in zip(groups, raw_groups):
             args += [g.group_id, raw, _meta(g)]
-        keys = [k.spec, k.groups, k.queue, k.acked, k.discarded, k.prompt_leases, k.prompts, k.stats, k.meta, k.closed]
+        keys = [
+            k.spec,
+            k.groups,
+            k.queue,
+            k.acked,
+            k.discarded,
+            k.prompt_leases,
+            k.prompts,
+            k.stats,
+            k.meta,
+            k.closed,
+            k.recent_ids,
+            k.retained,
+        ]
         result = await self._put(keys=keys, args=args)
         if result[0] == -1:
             raise unknown_run(run_id)
@@ -229,29 +244,16 @@ class BufferStore:
         token = result[1].decode()
         for position in result[2:]:
             self.cache.put(token, groups[position].group_id, raw_groups[position])
-        await self._remember_recent(k, [raw_groups[position] for position in result[2:]])
         return result[0], len(groups) - result[0]
-
-    async def _remember_recent(self, k: RunKeys, raw_groups: list) -> None:
-        """Keep the newest stored groups for GetRecentGroups. Not atomic with the write: a
-        crash between the two loses only a view, never a group."""
-        if not self.recent_groups or not raw_groups:
-            return
-        newest = [bytes(raw) for raw in raw_groups[-self.recent_groups :]]
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.lpush(k.recent, *newest)  # LPUSH of a, b, c leaves c first: newest first
-            pipe.ltrim(k.recent, 0, self.recent_groups - 1)
-            await pipe.execute()
 
     async def recent(self, run_id: str, offset: int, limit: int) -> tuple[list[bytes], int]:
         """The newest stored groups' bytes (newest first), `limit` of them from `offset`,
         and how many are kept."""
         k = self.keys(run_id)
         await self._spec(run_id)  # NotFound for an unknown run
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.lrange(k.recent, offset, offset + limit - 1 if limit else -1)
-            pipe.llen(k.recent)
-            groups, total = await pipe.execute()
+        total, *groups = await self._recent(
+            keys=[k.recent_ids, k.groups], args=[offset, offset + limit - 1 if limit else -1]
+        )
         return groups, total
 
     async def return_partial_groups(self, run_id: str, groups, raw_groups=None) -> int:
@@ -281,15 +283,15 @@ class BufferStore:
 
     async def _validate(self, run_id: str, groups) -> None:
         """Refuse a whole write whose groups a trainer could never use (see
-        validate_group_proto): the writer gets the error, so nothing is lost silently."""
+        rlmesh.common.sample.validate_group_proto): the writer gets the error, so nothing is
+        lost silently."""
         vocab_size = (await self._spec(run_id)).get("vocab_size", 0)
-        for g in groups:
-            try:
-                validate_group_proto(g, vocab_size)
-            except ConversionError as e:
-                raise InvalidArgument(
-                    f"run {run_id!r}: {e}; the write was refused whole: none of its groups was stored"
-                ) from None
+        try:
+            validate_groups_proto(groups, vocab_size)
+        except ConversionError as e:
+            raise InvalidArgument(
+                f"run {run_id!r}: {e}; the write was refused whole: none of its groups was stored"
+            ) from None
 
     async def drop_groups(self, run_id: str, group_ids, reason: str) -> int:
         if not group_ids:

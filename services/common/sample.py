@@ -298,3 +298,55 @@ def _validate_sample_proto(s: sample_pb2.Sample, vocab_size: int) -> None:
     for name, value in rewards:
         if not math.isfinite(value):
             raise ConversionError(f"sample {s.index}: {name} is {value}, not a finite number")
+
+
+_STATUSES = frozenset(Status)
+
+
+def validate_groups_proto(groups, vocab_size: int = 0) -> None:
+    """validate_group_proto of every group, in order, at a fraction of the cost: the scalar
+    checks per sample, then the token bounds and finite log-probs once over the whole
+    write's arrays (numpy's cost is per call, not per element). Exactly as strict: any
+    doubt hands the write to validate_group_proto, which names the first bad group."""
+    if not _groups_pass(groups, vocab_size):
+        for g in groups:
+            validate_group_proto(g, vocab_size)
+
+
+def _groups_pass(groups, vocab_size: int) -> bool:
+    tokens: list[bytes] = []
+    log_probs: list[bytes] = []
+    metadata_ok: set[str] = set()  # metadata texts found to be JSON objects (samples of a group share them)
+    isfinite = math.isfinite
+    for g in groups:
+        if not g.group_id or not g.samples:
+            return False
+        for s in g.samples:
+            t, lp = s.tokens, s.rollout_log_probs
+            n_tokens, n_log_probs, n_mask = len(t) >> 2, len(lp) >> 2, len(s.loss_mask)
+            response_length = s.response_length
+            if (
+                len(t) & 3
+                or len(lp) & 3
+                or not 0 <= response_length <= n_tokens
+                or (n_mask and n_mask != response_length)
+                or (n_log_probs and n_log_probs != response_length)
+                or s.status not in _STATUSES
+                or not isfinite(s.reward)
+            ):
+                return False
+            if s.reward_components and not all(isfinite(v) for v in s.reward_components.values()):
+                return False
+            text = s.metadata_json
+            if text and text not in metadata_ok:
+                try:
+                    _metadata(s)
+                except ConversionError:
+                    return False
+                metadata_ok.add(text)
+            tokens.append(t)
+            log_probs.append(lp)
+    ids = np.frombuffer(b"".join(tokens), dtype=_TOKEN_DTYPE)
+    if len(ids) and (ids.min() < 0 or (vocab_size and ids.max() >= vocab_size)):
+        return False
+    return bool(np.isfinite(np.frombuffer(b"".join(log_probs), dtype=_LOGPROB_DTYPE)).all())

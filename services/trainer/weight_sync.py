@@ -12,11 +12,12 @@ Distributed push (the default):
    time broadcasts the tensors from rank 0 (one broadcast per tensor, or one uint8
    broadcast of their bytes concatenated in order for load_format="flattened_bucket";
    with one dtype per bucket every offset is a multiple of the element size).
-   Buckets are pipelined: the next bucket is prepared (converted, flattened) while one
-   is broadcast, and over gloo its UpdateWeights starts as soon as the broadcast before
-   it has left rank 0 (every engine has taken that bucket's request then, and applies it
-   while receiving the next); the answers are collected as they come, all of them before
-   the push returns.
+   Buckets are pipelined (rlmesh.trainer.bucket_stream): the next bucket is prepared
+   (converted, flattened) while one is broadcast, and over gloo its UpdateWeights starts
+   as soon as the first tensor of the bucket before it has left rank 0 (every engine is
+   inside that bucket's update then, and takes the next one's request as soon as it is
+   done); the answers are collected as they come, all of them before the push returns.
+   Each bucket's timing (started, first tensor sent, all sent) comes back with the result.
 4. Delta pushes (weight_sync.delta, engines advertising the rlmesh delta format): the
    trainer keeps each bucket as last sent; a bucket is then sent as the flat indices of
    the elements whose bits changed plus their values (one uint8 broadcast), or whole when
@@ -53,6 +54,7 @@ from rlmesh.common.weight_group import (
     init_weight_group,
     rendezvous_socket,
 )
+from rlmesh.trainer.bucket_stream import BucketStream, BucketTiming, OutgoingBucket
 from rlmesh.v1 import rollout_pb2
 from rlmesh.v1.rollout_pb2_grpc import RolloutStub
 
@@ -65,6 +67,7 @@ class PushResult:
     bytes: int  # broadcast (delta buckets count their indices and values)
     buckets: int
     delta_buckets: int = 0  # buckets sent as deltas (skipped unchanged ones included)
+    timings: list[BucketTiming] = field(default_factory=list)  # per bucket sent, in order (distributed pushes)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -133,25 +136,31 @@ def broadcast_bucket(
     device: torch.device,
     wire_dtype: torch.dtype | None = None,
     flat: Tensor | None = None,
+    first_sent: Callable[[], None] = lambda: None,
 ) -> int:
     """Send one bucket whole from rank 0 (from `flat`, its flatten_bucket, when given);
-    returns the bytes sent."""
+    `first_sent` is called once its first broadcast has left. Returns the bytes sent."""
     if (
         flat is None
         and not flattened
         and all(t.device == device and t.dtype == (wire_dtype or t.dtype) and t.is_contiguous() for _, t in bucket)
     ):
-        for _, t in bucket:  # already as sent: no copy
+        for i, (_, t) in enumerate(bucket):  # already as sent: no copy
             dist.broadcast(t.detach(), src=0, group=group)
+            if i == 0:
+                first_sent()
         return sum(t.numel() * t.element_size() for _, t in bucket)
     if flat is None:
         flat = flatten_bucket(bucket, device, wire_dtype)
     if flattened:
         dist.broadcast(flat.view(torch.uint8), src=0, group=group)
+        first_sent()
     else:
         offset = 0
         for _, t in bucket:
             dist.broadcast(flat[offset : offset + t.numel()], src=0, group=group)
+            if offset == 0:
+                first_sent()
             offset += t.numel()
     return flat.numel() * flat.element_size()
 
@@ -177,18 +186,10 @@ def delta_payload(flat: Tensor, indices: Tensor) -> tuple[Tensor, str]:
     return payload, dtype_name(index_dtype)
 
 
-@dataclass
-class _Bucket:
-    """One bucket ready to go: its UpdateWeights request and the broadcast that goes with it."""
-
-    request: rollout_pb2.UpdateWeightsRequest
-    send: Callable[[], int]
-    is_delta: bool
-
-
-def _broadcast_payload(payload: Tensor, group: dist.ProcessGroup) -> int:
+def _broadcast_payload(payload: Tensor, group: dist.ProcessGroup, first_sent: Callable[[], None]) -> int:
     if payload.numel():  # an empty delta (the unchanged last bucket) has nothing to send
         dist.broadcast(payload, src=0, group=group)
+    first_sent()
     return payload.numel()
 
 
@@ -212,22 +213,16 @@ class _Group:
     sent: dict[tuple[str, ...], Tensor] = field(default_factory=dict)
 
 
-async def _all_answered(pending: list[asyncio.Future]) -> None:
-    """Wait for every UpdateWeights call not answered yet, oldest first (a failure is raised)."""
-    for answer in pending:
-        await answer
-    pending.clear()
-
-
-def _forget_sent(group: _Group, pending: list[asyncio.Future], ready: asyncio.Future) -> None:
+def _forget_sent(group: _Group, pending: list[asyncio.Future], ready: dict[int, asyncio.Future]) -> None:
     """After a failed push: the calls not answered yet are cancelled, and the copies of what
-    was last sent are dropped (also the one the bucket being prepared, `ready`, adds), so
-    the next push is full."""
+    was last sent are dropped (also those the buckets being prepared, `ready`, add), so the
+    next push is full."""
     group.sent.clear()  # what the engines hold is unsure now: the next push is full
     for answer in pending:
         answer.cancel()
-    if not ready.done():  # let the bucket being prepared finish before the copies are dropped
-        ready.add_done_callback(lambda _: group.sent.clear())
+    for preparing in ready.values():  # let them finish before the copies are dropped
+        if not preparing.done():
+            preparing.add_done_callback(lambda _: group.sent.clear())
 
 
 class WeightPusher:
@@ -369,7 +364,7 @@ class WeightPusher:
         config: WeightSyncConfig,
         wire_dtype: torch.dtype | None = None,
     ) -> PushResult:
-        start = time.monotonic()
+        start_time = time.monotonic()
         backend = resolve_backend(config.backend)
         device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
         group = await self._ensure_group(backend)
@@ -383,7 +378,7 @@ class WeightPusher:
         # NCCL: once the engines have answered for it).
         staging: list[list[Tensor | None]] = [[None], [None]]
 
-        def prepare(k: int) -> _Bucket | None:
+        def prepare(k: int) -> OutgoingBucket | None:
             """Bucket k as it will travel; None when it is unchanged and may be skipped."""
             bucket = buckets[k]
             last = k == len(buckets) - 1
@@ -405,8 +400,10 @@ class WeightPusher:
                     t.device == device and t.dtype == (wire_dtype or t.dtype) and t.is_contiguous() for _, t in bucket
                 ):
                     flat = flatten_bucket(bucket, device, wire_dtype, staging[k % 2])  # here, beside the last broadcast
-                return _Bucket(
-                    request, lambda: broadcast_bucket(bucket, group.group, flattened, device, flat=flat), False
+                return OutgoingBucket(
+                    request,
+                    lambda first: broadcast_bucket(bucket, group.group, flattened, device, flat=flat, first_sent=first),
+                    False,
                 )
             key = tuple(name for name, _ in bucket)
             flat = flatten_bucket(bucket, device, wire_dtype)
@@ -425,62 +422,34 @@ class WeightPusher:
                             count=indices.numel(), index_dtype=index_dtype, base_version=group.version
                         )
                     )
-                    return _Bucket(request, lambda: _broadcast_payload(payload, group.group), True)
+                    return OutgoingBucket(request, lambda first: _broadcast_payload(payload, group.group, first), True)
             group.sent[key] = flat
-            return _Bucket(request, lambda: broadcast_bucket(bucket, group.group, flattened, device, flat=flat), False)
+            return OutgoingBucket(
+                request,
+                lambda first: broadcast_bucket(bucket, group.group, flattened, device, flat=flat, first_sent=first),
+                False,
+            )
 
-        sent = delta_buckets = 0
-        pending: list[asyncio.Future] = []  # UpdateWeights calls not answered yet, oldest first
-        ready = asyncio.ensure_future(asyncio.to_thread(prepare, 0))
+        stream = BucketStream(
+            len(buckets),
+            prepare,
+            call=lambda what, request: self._call(what, self._stub.UpdateWeights(request, timeout=self.timeout)),
+            abandon=self._abandon_group,
+            early=backend == "gloo",
+        )
         try:
-            for k in range(len(buckets)):
-                item = await ready
-                if k + 1 < len(buckets):
-                    ready = asyncio.ensure_future(asyncio.to_thread(prepare, k + 1))
-                if item is None or item.is_delta:
-                    delta_buckets += 1
-                if item is None:
-                    continue
-                what = f"UpdateWeights bucket {k + 1}/{len(buckets)}"
-                pending.append(
-                    asyncio.ensure_future(
-                        self._call(what, self._stub.UpdateWeights(item.request, timeout=self.timeout))
-                    )
-                )
-                sent += await self._broadcast_beside(what, item.send, pending)
-                if backend != "gloo":
-                    # gloo's root finishes a broadcast only once every rank has posted its
-                    # receive, so the engines have bucket k's request before k+1's is sent;
-                    # NCCL's root may finish first, so there each bucket is answered first.
-                    await _all_answered(pending)
-            await _all_answered(pending)
+            await stream.run()
         except BaseException:
-            _forget_sent(group, pending, ready)
+            _forget_sent(group, stream.pending, stream.ready)
             raise
         group.version = str(version)
         return PushResult(
-            seconds=time.monotonic() - start, bytes=sent, buckets=len(buckets), delta_buckets=delta_buckets
+            seconds=time.monotonic() - start_time,
+            bytes=stream.sent_bytes,
+            buckets=len(buckets),
+            delta_buckets=stream.delta_buckets,
+            timings=stream.timings,
         )
-
-    async def _broadcast_beside(self, what: str, send: Callable[[], int], pending: list[asyncio.Future]) -> int:
-        """Broadcast one bucket while its UpdateWeights call (the last of `pending`) runs;
-        returns once the broadcast has left rank 0, dropping the calls answered by then.
-        A call that fails first abandons the group (our broadcast may never complete)."""
-        mine = asyncio.ensure_future(asyncio.to_thread(send))
-        while True:
-            await asyncio.wait({mine, *pending}, return_when=asyncio.FIRST_COMPLETED)
-            for answer in [a for a in pending if a.done()]:
-                if answer.exception() is not None:
-                    self._abandon_group(mine)
-                    raise answer.exception()
-                pending.remove(answer)
-            if mine.done():
-                break
-        if mine.exception() is not None:
-            self._abandon_group(mine)
-            e = mine.exception()
-            raise errors.Unavailable(f"weight transfer ({what}) failed on the trainer side: {type(e).__name__}: {e}")
-        return mine.result()
 
     async def push_from_disk(self, save: Callable[[Path], Path], directory: Path, version: int) -> PushResult:
         """Save the weights under directory/v<version>, have the engines load them, then

@@ -7,6 +7,7 @@ import json
 
 import grpc
 import httpx
+import redis
 
 from rlmesh.common.auth import client_headers
 from rlmesh.common.net import free_port
@@ -525,3 +526,34 @@ def test_recent_groups_are_kept_capped_whatever_became_of_them(buffer, dataset):
     create(off, dataset, run_id="r2")
     put(off, [completed(g) for g in prompts(off, 1, run_id="r2")], run_id="r2")
     assert off.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="r2")).total == 0
+
+
+def test_recent_groups_hold_their_bytes_once_and_none_past_the_cap(buffer, dataset, redis_url):
+    """The recent view keeps what left the buffer (trained, dead-lettered) browsable, yet
+    Redis holds no copy of a group past the newest recent_groups, and the stats count only
+    live groups."""
+    stub, r = buffer(recent_groups=2), redis.Redis.from_url(redis_url)
+    create(stub, dataset)
+    written = [completed(g) for g in prompts(stub, 5)]
+    for g in written:
+        put(stub, [g])
+    ack(stub, lease(stub, num_groups=3).lease_id)
+    rejected = lease(stub, num_groups=2)
+    stub.RejectGroups(
+        buffer_pb2.RejectGroupsRequest(
+            run_id="r1",
+            lease_id=rejected.lease_id,
+            groups=[buffer_pb2.RejectGroupsRequest.Rejection(group_id=g.group_id, reason="bad") for g in written[3:]],
+        )
+    )
+    view = stub.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="r1"))
+    assert list(view.groups) == list(reversed(written[3:])) and view.total == 2  # whole groups, newest first
+    s = stats(stub)
+    assert (s.queued_groups, s.leased_groups, s.acknowledged_groups) == (0, 0, 3)
+    assert r.hlen("rlmesh:run:r1:groups") == 2  # the two recent ones; the three trained went
+
+    more = [completed(g) for g in prompts(stub, 2)]  # pushes the two out of the view
+    put(stub, more)
+    view = stub.GetRecentGroups(buffer_pb2.GetRecentGroupsRequest(run_id="r1"))
+    assert [g.group_id for g in view.groups] == [g.group_id for g in reversed(more)]
+    assert r.hlen("rlmesh:run:r1:groups") == 2 and stats(stub).queued_groups == 2  # only the two queued ones

@@ -131,7 +131,7 @@ def test_a_closed_run_keeps_no_dataset_copy_and_takes_no_more_writes(buffer, dat
     assert closed.keys_deleted >= 5
     left = run_keys(r, "r1")
     assert not left & GONE, left & GONE
-    assert {"spec", "groups", "queue", "recent", "stats", "closed"} <= left
+    assert {"spec", "groups", "queue", "recent_ids", "stats", "closed"} <= left
     assert stub.CloseRun(buffer_pb2.CloseRunRequest(run_id="r1")).keys_deleted == 0  # idempotent
 
     s = stats(stub)  # what people look at stays

@@ -431,6 +431,28 @@ def test_flattened_bf16_buckets_and_a_new_group_after_an_engine_restart(
         loop_thread.run(pusher.close())
 
 
+def test_many_buckets_each_requested_while_the_one_before_is_received(
+    loop_thread, rollout_address, engine, tiny_model_dir
+):
+    """Over gloo a bucket's UpdateWeights goes out while the bucket before it is still being
+    broadcast (the engine queues it behind that one): every bucket lands, in order, bit
+    for bit, and the push says when each bucket started, had its first tensor out and ended."""
+    backend = TorchBackend(config(tiny_model_dir), CPU)
+    sync = WeightSyncConfig(bucket_bytes=16 * 1024, backend="gloo")  # one broadcast per tensor, many buckets
+    pusher = WeightPusher(rollout_address, "r-many")
+    try:
+        for version in (7, 8):  # the second push reuses the engine's receive buffers
+            weights = moved(backend, 0.02)
+            result = loop_thread.run(pusher.push_distributed(weights, version, sync, wire_dtype=torch.bfloat16))
+            assert result.buckets == len(plan_buckets(weights, 16 * 1024, torch.bfloat16)) > 4
+            assert [t.index for t in result.timings] == list(range(result.buckets))
+            assert all(t.started <= t.first_sent <= t.finished <= result.seconds for t in result.timings)
+            assert engine.weight_version() == str(version)
+            assert_engine_has(engine, weights, torch.bfloat16)
+    finally:
+        loop_thread.run(pusher.close())
+
+
 def test_push_to_an_engine_that_is_down_is_a_clear_error(loop_thread):
     down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     server, port = loop_thread.run(start_rollout(RolloutSettings(port=0, engine_urls=[down])))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
 import pytest
 
 from rlmesh.buffer.config import Settings as BufferSettings
@@ -21,6 +22,7 @@ from rlmesh.common.sample import (
     sample_to_json,
     sample_to_proto,
     validate_group_proto,
+    validate_groups_proto,
 )
 from rlmesh.common.settings import add_settings_flags, settings_from_args
 from rlmesh.v1 import sample_pb2
@@ -88,6 +90,48 @@ def test_malformed_samples_are_refused_with_the_reason(field, value, message):
         sample_from_proto(msg)
     with pytest.raises(ConversionError, match=message.replace(".", r"\.")):  # the buffer's check at write time
         validate_group_proto(sample_pb2.SampleGroup(group_id="g", samples=[msg]))
+
+
+_BROKEN = [  # (field of the third sample of the second group, value), each a group no trainer can use
+    ("loss_mask", b"\x01"),
+    ("tokens", b"\x00" * 7),
+    ("tokens", np.array([5, 6, -1, 8], "<i4").tobytes()),
+    ("tokens", np.array([5, 6, 7, 100], "<i4").tobytes()),  # past a vocabulary of 100
+    ("rollout_log_probs", b"\x00" * 5),
+    ("rollout_log_probs", np.array([-0.5, np.nan], "<f4").tobytes()),
+    ("rollout_log_probs", np.array([-np.inf, -1.0], "<f4").tobytes()),
+    ("response_length", 9),
+    ("response_length", -1),
+    ("metadata_json", "[1]"),
+    ("metadata_json", "{oops"),
+    ("status", 42),
+    ("reward", float("nan")),
+    ("reward_components", {"x": float("inf")}),
+    ("group_id", ""),
+    ("samples", []),
+]
+
+
+@pytest.mark.parametrize("field,value", _BROKEN)
+def test_a_whole_write_is_checked_as_strictly_as_each_group_alone(field, value):
+    """The buffer checks a write's groups together (validate_groups_proto, one pass over
+    the arrays): it refuses exactly what the per-group check refuses, with its message."""
+    groups = [group_to_proto(SampleGroup(f"g{i}", i, [full_sample() for _ in range(4)])) for i in range(3)]
+    validate_groups_proto(groups, vocab_size=100)  # sound groups pass
+    bad = groups[1] if field in ("group_id", "samples") else groups[1].samples[2]
+    if field == "reward_components":
+        bad.reward_components.update(value)
+    elif field == "samples":
+        del bad.samples[:]
+    else:
+        setattr(bad, field, value)
+    with pytest.raises(ConversionError) as alone:
+        for g in groups:
+            validate_group_proto(g, vocab_size=100)
+    with pytest.raises(ConversionError) as together:
+        validate_groups_proto(groups, vocab_size=100)
+    assert str(together.value) == str(alone.value)
+    assert "'g1'" in str(together.value) or field == "group_id"
 
 
 def test_settings_precedence_is_defaults_yaml_env_flags(tmp_path, monkeypatch):
