@@ -1,6 +1,6 @@
 """Fixtures the service tests share: a trainer served over gRPC, the real buffer on the
 test's Redis, the CPU reference engine in its own process and the rollout service in
-front of it."""
+front of it; a test remote reward service and a reward service allowed to call it."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from rlmesh.trainer.config import Settings
 from rlmesh.trainer.server import build
 from rlmesh.trainer.trainer import Trainer
 from rlmesh.v1.trainer_pb2_grpc import TrainerStub
+from tests.helpers.remote_reward import RemoteState, Reward, remote_app, start_http
 from tests.helpers.trainer import EngineProcess
 
 
@@ -61,3 +62,17 @@ def rollout_address(loop_thread, engine):
     server, port = loop_thread.run(start_rollout(RolloutSettings(port=0, engine_urls=[engine.url])))
     yield f"127.0.0.1:{port}"
     loop_thread.run(server.stop(None))
+
+
+@pytest.fixture
+def remote(start_in_loop):
+    """(its state, its URL): a remote reward service on loopback (tests.helpers.remote_reward)."""
+    state = RemoteState()
+    _, port = start_in_loop(lambda: start_http(remote_app(state)))
+    return state, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def reward(start_in_loop, redis_url):
+    """A reward service on loopback allowed to call loopback remotes."""
+    return Reward(start_in_loop, redis_url)
