@@ -113,7 +113,8 @@ def test_megatron_tp2_service_trains_like_the_torch_backend(buffer_address, torc
 
     assert set(megatron_metrics) == set(torch_metrics)
     for name, value in torch_metrics.items():
-        assert megatron_metrics[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+        if name != "seconds":  # (the step's wall time)
+            assert megatron_metrics[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
     got, want = load_file(megatron_dir / "model.safetensors"), load_file(torch_dir / "model.safetensors")
     assert set(got) == set(want)
     for name in want:
