@@ -343,8 +343,12 @@ class EnvironmentsMode(FullyAsyncMode):
         t0 = time.monotonic()
         t, train_seconds = await self.calls.train_batch(self.on_no_batch)
         t1 = time.monotonic()
-        w = await self._push_weights()
-        return iteration_record(rollout_id, {}, t, w, {"train": train_seconds, "pause": time.monotonic() - t1}, t0)
+        w, update_seconds = await self._push_weights()
+        # The environments generate beside the step: what it waits for is a full batch.
+        compute = min(float(t.metrics.get("seconds", train_seconds)), train_seconds)
+        waited = {"generate": train_seconds - compute, "reward": 0.0, "train": compute, "update": update_seconds}
+        phases = {"train": train_seconds, "pause": time.monotonic() - t1}
+        return iteration_record(rollout_id, {}, t, w, phases, t0, waited)
 
     async def on_no_batch(self) -> str:
         found = await super().on_no_batch()
