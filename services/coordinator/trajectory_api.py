@@ -164,6 +164,12 @@ class Trajectory:
         """Every posted group checked, then all written in one PutGroups (all or nothing); a
         refusal is counted on the run and answered 4xx, and the run goes on."""
         store: RunStore = request.app.state.store
+        if run.rec["phase"] != "rl":
+            # (a warm start's steps lease whatever is queued: an environment's group must not be
+            # trained as SFT data; 503, which atroposlib retries, as it waits to register)
+            raise TrajectoryError(
+                503, f"the run is in its {run.rec['phase']} phase; it takes groups once RL begins (register-env)"
+            )
         try:
             groups = self.groups(run, posted)
         except BadGroup as e:

@@ -346,6 +346,7 @@ class Trainer:
             repeated_groups=float(len(repeated)),
             stale_groups_dropped=float(lease.stale_groups_dropped),
             stale_groups_kept=float(lease.stale_groups),
+            reward_mean=_reward_mean(groups),
             **staleness_metrics(groups, run.weight_version),
         )
         await self._checkpoint_if_due(run)
@@ -564,6 +565,13 @@ class Trainer:
         found = await asyncio.to_thread(list_checkpoints, directory, run_id)
         final = await asyncio.to_thread(final_model_entry, directory, run_id)
         return [*found, final] if final is not None else found
+
+
+def _reward_mean(groups: list[SampleGroup]) -> float:
+    """The trained samples' mean reward: a run fed by environments has no rollout figures,
+    so its reward curve is this."""
+    rewards = [s.reward for g in groups for s in g.samples]
+    return sum(rewards) / len(rewards) if rewards else 0.0
 
 
 def _check_loss(loss: str) -> None:
