@@ -18,11 +18,15 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from rlmesh.common.auth import required_token
+from rlmesh.common.auth import client_headers, required_token
+from rlmesh.common.grpc_server import sync_channel
+from rlmesh.coordinator.app import API_TASK
+from rlmesh.coordinator.app import start as start_coordinator
+from rlmesh.coordinator.config import Settings as CoordinatorSettings
 from rlmesh.coordinator.trajectory import RunView, ScoredData, scored_group
-from rlmesh.v1 import buffer_pb2
+from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
 from tests.helpers.runs import run_config
-from tests.helpers.stack import wait_for_run
+from tests.helpers.stack import start_local_stack, wait_for_run
 
 pytest.importorskip("atroposlib")
 
@@ -54,9 +58,34 @@ def run_env_in_thread(env: ReverseEnv) -> threading.Thread:
     return thread
 
 
+async def _stop_coordinator(server) -> None:
+    """As SIGTERM would: its run loop is cancelled, the run stays active in Redis."""
+    serving = next(t for t in asyncio.all_tasks() if t.get_name() == API_TASK)
+    server.should_exit = True
+    await serving
+
+
+def restart_coordinator(stack, redis_url, start_in_loop, loop_thread) -> httpx.Client:
+    loop_thread.run(_stop_coordinator(stack.servers["coordinator"]), timeout=60)
+    a = stack.addresses
+    settings = CoordinatorSettings(
+        port=0,
+        redis_url=redis_url,
+        buffer_address=a["buffer"],
+        rollout_address=a["rollout"],
+        reward_address=a["reward"],
+        trainer_address=a["trainer"],
+    )
+    _, port = start_in_loop(lambda: start_coordinator(settings))
+    return httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=client_headers())
+
+
 @pytest.mark.slow
-def test_an_atropos_environment_trains_a_run(services, tmp_path, tiny_model_dir, engine_url):
-    api, buffer = services
+def test_an_atropos_environment_trains_a_run(
+    redis_url, start_in_loop, loop_thread, tmp_path, tiny_model_dir, engine_url
+):
+    stack = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path)
+    api, buffer = stack.api, buffer_pb2_grpc.BufferStub(sync_channel(stack.addresses["buffer"]))
     r = api.post("/runs", json=environments_config(tmp_path, tiny_model_dir))
     assert r.status_code == 201, r.text
     run_id = r.json()["id"]
@@ -85,8 +114,21 @@ def test_an_atropos_environment_trains_a_run(services, tmp_path, tiny_model_dir,
     r = plain.post(f"{url}/scored_data", json=advantages)
     assert r.status_code == 422 and "advantages" in r.json()["detail"], r.text
 
-    # The environment, unmodified but for its rollout_server_url.
-    env = ReverseEnv.make(url, engine_url, str(tiny_model_dir), required_token(), group_size=4, steps=ROLLOUTS)
+    # Registrations live in Redis with the run: a restarted coordinator knows them.
+    held = {"max_token_length": 64, "desired_name": "by hand", "weight": 2.0, "group_size": 4}
+    assert plain.post(f"{url}/register-env", json=held).json()["env_id"] == 0
+    api = restart_coordinator(stack, redis_url, start_in_loop, loop_thread)
+    base = str(api.base_url).rstrip("/")
+    url = base + run["trajectory_api"]
+    status = plain.request("GET", f"{url}/status-env", json={"env_id": 0})
+    assert status.status_code == 200 and status.json()["env_weight"] == 1.0, status.text
+    assert plain.post(f"{url}/disconnect-env", json={"env_id": 0}).json() == {"status": "success"}
+
+    # The environment, unmodified but for its rollout_server_url. Its minimum share of each
+    # batch is made by the buffer's lease (here, as the only environment, always met).
+    env = ReverseEnv.make(
+        url, engine_url, str(tiny_model_dir), required_token(), group_size=4, steps=ROLLOUTS, min_batch_allocation=0.5
+    )
     thread = run_env_in_thread(env)
     run = wait_for_run(api, run_id, timeout=150)
     assert run["status"] == "completed", run["error"]
