@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/rlmesh/v1/*.proto)
 
-.PHONY: demo demo-agent test sglang-source sglang-check gpu-check lint format proto proto-check docs docs-check bench compose-check clean
+.PHONY: demo demo-agent demo-environment atropos-check test sglang-source sglang-check gpu-check lint format proto proto-check docs docs-check bench compose-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,23 @@ demo: $(STAMP)
 
 demo-agent: $(STAMP)
 	$(BIN)/rlmesh demo --task agent
+
+demo-environment: $(STAMP)
+	$(BIN)/rlmesh demo --task environment
+
+# Another atroposlib against the trajectory API's tests (docs/environments.md), one setting:
+# `make atropos-check ATROPOSLIB=0.4.0`. A scratch venv (.venv-atropos) layered over .venv's
+# packages (a .pth adds them after its own) gets that version and whatever it needs beyond them.
+ATROPOSLIB ?= 0.4.0
+ATROPOS_VENV := .venv-atropos
+atropos-check: $(STAMP)
+	rm -rf $(ATROPOS_VENV) && $(PY) -m venv $(ATROPOS_VENV)
+	base=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	own=$$($(ATROPOS_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	echo "import site; site.addsitedir('$$base')" > $$own/rlmesh-base.pth
+	$(ATROPOS_VENV)/bin/pip install -q atroposlib==$(ATROPOSLIB)
+	$(ATROPOS_VENV)/bin/python -c "import importlib.metadata as m, atroposlib; print('atroposlib', m.version('atroposlib'), atroposlib.__file__)"
+	$(ATROPOS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/e2e/test_environments.py tests/e2e/test_demos.py -k "environment"
 
 # Two processes: the end-to-end suite starts whole stacks inside the test process, and what
 # their background tasks leave behind must not eat into the tight deadlines of the contract
@@ -101,4 +118,4 @@ compose-check:
 	MODEL_DIR=/tmp DATA_DIR=/tmp RLMESH_TOKEN=check REDIS_PASSWORD=check docker-compose -f deploy/docker-compose.yml -f deploy/docker-compose.colocated.yml config -q
 
 clean:
-	rm -rf $(VENV) .rlmesh
+	rm -rf $(VENV) $(ATROPOS_VENV) .rlmesh

@@ -20,9 +20,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rlmesh.common.errors import InvalidArgument
 from rlmesh.common.plugins import load_plugin
 
 BufferFilter = Callable[[list["QueuedGroup"]], list["QueuedGroup"]]
+# Bounds of a lease's min_groups_by_dataset (a run's environments: at most 4096 of them).
+MAX_MINIMUMS, MAX_DATASET_NAME = 4096, 256
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,39 @@ def highest_reward_variance_first(groups: list[QueuedGroup]) -> list[QueuedGroup
         return -variance if math.isfinite(variance) else math.inf  # a NaN reward: last
 
     return sorted(groups, key=lambda g: (priority(g), g.position))
+
+
+def with_minimums(groups: list[QueuedGroup], minimums: dict[str, int]) -> list[QueuedGroup]:
+    """Atropos's batch with minimum allocations: the first `minimums[d]` groups of each named
+    dataset d (in the given order), then the rest in the given order; [] (no batch yet) while
+    some dataset has fewer groups queued than its minimum. The lease takes from the front, so
+    with num_groups >= sum(minimums) every minimum is in the batch."""
+    chosen: set[str] = set()
+    for dataset, least in minimums.items():
+        own = [g.group_id for g in groups if g.dataset == dataset][: max(least, 0)]
+        if len(own) < least:
+            return []
+        chosen.update(own)
+    # (the minimums first, each part in the given order)
+    return [g for g in groups if g.group_id in chosen] + [g for g in groups if g.group_id not in chosen]
+
+
+def check_minimums(minimums: dict[str, int], num_groups: int) -> dict[str, int]:
+    """A lease's minimums checked (InvalidArgument naming what is wrong), the zeros left out."""
+    if not minimums:
+        return {}
+    if not num_groups:
+        raise InvalidArgument("min_groups_by_dataset needs num_groups (a batch counted in groups)")
+    if len(minimums) > MAX_MINIMUMS or any(len(name) > MAX_DATASET_NAME for name in minimums):
+        raise InvalidArgument(
+            f"min_groups_by_dataset: at most {MAX_MINIMUMS} datasets, names of at most {MAX_DATASET_NAME} characters"
+        )
+    if any(n < 0 for n in minimums.values()) or sum(minimums.values()) > num_groups:
+        raise InvalidArgument(
+            f"min_groups_by_dataset: each minimum must be >= 0 and they must add up to at most num_groups "
+            f"({num_groups}); got {sum(minimums.values())}"
+        )
+    return {name: n for name, n in minimums.items() if n > 0}
 
 
 def load_filter(path: str) -> BufferFilter | None:

@@ -149,6 +149,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             keep_stale=_STALE_POLICIES[request.stale_policy],
             poll_seconds=self.settings.poll_interval_seconds,
             lease_id=request.lease_id,
+            min_groups=dict(request.min_groups_by_dataset),
         )
         return batch.response
 

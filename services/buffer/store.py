@@ -49,7 +49,7 @@ import redis.asyncio as aioredis
 
 from rlmesh.buffer import scripts
 from rlmesh.buffer.cache import GroupCache
-from rlmesh.buffer.filters import BufferFilter, decode_meta, encode_meta
+from rlmesh.buffer.filters import BufferFilter, check_minimums, decode_meta, encode_meta, with_minimums
 from rlmesh.buffer.keys import CLOSED_RUN_DROPS, RunKeys, closed_run, read_spec, run_keys, unknown_run
 from rlmesh.buffer.prompts import PromptSource, check_dataset_names
 from rlmesh.buffer.sources import DataFiles
@@ -344,10 +344,12 @@ class BufferStore:
         keep_stale: bool = False,
         poll_seconds: float = 0.02,
         lease_id: str = "",
+        min_groups: dict[str, int] | None = None,
     ) -> LeasedBatch:
         """Lease whole groups: exactly num_groups, or the fewest holding num_samples;
         none if the queue has too few after wait_seconds. With the caller's `lease_id`, a
-        retried call answers the lease that the first one took, while it lives."""
+        retried call answers the lease that the first one took, while it lives. min_groups:
+        the least groups of each named dataset the batch holds (filters.with_minimums)."""
         if (num_groups > 0) == (num_samples > 0) or num_groups < 0 or num_samples < 0:
             raise InvalidArgument("set exactly one of num_groups and num_samples (a positive number)")
         if min_weight_version < 0:
@@ -356,6 +358,7 @@ class BufferStore:
             raise InvalidArgument("lease_seconds must be positive (0 = the service default)")
         if lease_id and not _LEASE_ID.fullmatch(lease_id):
             raise InvalidArgument("lease_id must be 1-64 letters, digits, '_' or '-' (or empty: the buffer chooses)")
+        minimums = check_minimums(min_groups or {}, num_groups)
         k = self.keys(run_id)
         deadline = time.monotonic() + max(wait_seconds, 0.0)
         lease_id = lease_id or uuid.uuid4().hex
@@ -364,12 +367,14 @@ class BufferStore:
         while True:
             now = time.time()
             head = [now, k.batch(""), lease_id, now + lease_seconds, self.max_deliveries]
-            if self.buffer_filter is None:
+            if self.buffer_filter is None and not minimums:
                 result = await self._lease_fifo(
                     keys=keys, args=[*head, num_groups, num_samples, min_weight_version, int(keep_stale)]
                 )
             else:
-                result = await self._lease_filtered(keys, head, num_groups, num_samples, min_weight_version, keep_stale)
+                result = await self._lease_filtered(
+                    keys, head, num_groups, num_samples, min_weight_version, keep_stale, minimums
+                )
             if result[0] == -1:
                 raise unknown_run(run_id)
             dropped += result[1]
@@ -409,10 +414,18 @@ class BufferStore:
         return [data for data in found if data is not None]  # None: the run was deleted meanwhile
 
     async def _lease_filtered(
-        self, keys: list[str], head: list, num_groups: int, num_samples: int, min_version: int, keep_stale: bool
+        self,
+        keys: list[str],
+        head: list,
+        num_groups: int,
+        num_samples: int,
+        min_version: int,
+        keep_stale: bool,
+        minimums: dict[str, int],
     ) -> list:
-        """The buffer filter picks from a snapshot of the queue; the claim is atomic and
-        fails if another replica took a chosen group meanwhile (then pick again)."""
+        """The buffer filter (and the lease's minimums) pick from a snapshot of the queue; the
+        claim is atomic and fails if another replica took a chosen group meanwhile (then pick
+        again)."""
         queue, meta = keys[1], keys[4]
         result: list = [0, 0]
         for _ in range(8):
@@ -426,7 +439,9 @@ class BufferStore:
 
             drop = [g.group_id for g in queued if stale(g)] if not keep_stale else []
             eligible = [g for g in queued if keep_stale or not stale(g)]
-            ordered = self.buffer_filter(eligible)
+            ordered = self.buffer_filter(eligible) if self.buffer_filter is not None else eligible
+            if minimums:
+                ordered = with_minimums(ordered, minimums)
             known = {g.group_id for g in eligible}
             if any(g.group_id not in known for g in ordered):
                 raise RlmeshError("the buffer filter returned a group that was not offered to it (a filter bug)")

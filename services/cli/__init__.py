@@ -146,9 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     d.add_argument(
         "--task",
-        choices=("reverse", "agent"),
+        choices=("reverse", "agent", "environment"),
         default="reverse",
-        help="reverse: reverse three letters; agent: call a tool to find a secret code (multi-turn)",
+        help="reverse: reverse three letters; agent: call a tool to find a secret code (multi-turn); "
+        "environment: reverse three letters, the samples from an Atropos environment (needs atroposlib)",
     )
     d.add_argument("--sft-steps", type=int, default=0, help="SFT warm-start steps before RL (default: the task's)")
     d.add_argument("--rollouts", type=int, default=0, help="RL iterations (default: the task's)")
@@ -156,6 +157,11 @@ def main(argv: list[str] | None = None) -> None:
         "--coordinator-url",
         default="",
         help="use running services (default: the ones `rlmesh up` started, else start them)",
+    )
+    d.add_argument(
+        "--engine-url",
+        default="",
+        help="--task environment with --coordinator-url: the engine the environment generates on",
     )
     from rlmesh.cli.runs_cli import add_commands as add_run_commands
 

@@ -109,6 +109,11 @@ def _eval_label(name: str) -> str:
     return "held-out eval" if name == "held_out" else f"eval {name}"
 
 
+def train_reward(metrics: dict) -> float | None:
+    """The rollouts' mean reward; a run fed by environments has no rollouts: its trained batch's."""
+    return metrics.get("rollout/reward_mean", metrics.get("train/reward_mean"))
+
+
 def progress(run: dict, start: float) -> str:
     """One line of where the run stands."""
     m = run.get("latest_metrics") or {}
@@ -120,10 +125,10 @@ def progress(run: dict, start: float) -> str:
         return f"{elapsed}  warm start (SFT)"
     if phase == "sft":
         return f"{elapsed}  warm start (SFT) step {m.get('sft_step', 0)}  loss {m.get('sft/loss', float('nan')):.3f}"
-    if phase == "rl" and "rollout/reward_mean" in m:
+    if phase == "rl" and (reward := train_reward(m)) is not None:
         line = (
             f"{elapsed}  RL rollout {run['rollout_id']:>3}/{run['num_rollouts']}  "
-            f"train reward {m['rollout/reward_mean']:.2f}  weights v{run['weight_version']}"
+            f"train reward {reward:.2f}  weights v{run['weight_version']}"
         )
         return line + "".join(f"  {_eval_label(name)} {v:.2f}" for name, v in eval_rewards(m).items())
     return f"{elapsed}  {phase}" + (f" ({run['status']})" if run["status"] in FINAL else "")
@@ -135,9 +140,11 @@ def follow(
     start: float,
     echo: Callable[[str], None] = print,
     poll_seconds: float = POLL_SECONDS,
+    check: Callable[[dict], dict | None] | None = None,
 ) -> dict:
     """Poll the run until it ends, saying a progress line whenever it moves (each SFT step,
-    each rollout, a change of place in the queue); returns its final record."""
+    each rollout, a change of place in the queue); returns its final record. `check(run)`,
+    asked at every poll, may end the wait early with the record it returns."""
     last = None
     while True:
         run = answer(http.get(f"/runs/{run_id}", params={"metrics_last": 1}))
@@ -154,4 +161,6 @@ def follow(
             last = where
         if run["status"] in FINAL:
             return run
+        if check is not None and (ended := check(run)) is not None:
+            return ended
         time.sleep(poll_seconds)

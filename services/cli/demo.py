@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import signal
+import subprocess
 import sys
 import time
 import zlib
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from rlmesh.cli.client import follow, run_metrics
+from rlmesh.cli.client import FINAL, follow, run_metrics, train_reward
 from rlmesh.cli.embedded_redis import settings_from_args
 from rlmesh.common.auth import client_headers
 from rlmesh.common.run_config import RunConfig
@@ -75,7 +76,7 @@ def write_plot(history: list[dict], path: Path) -> None:
     """Reward curves as a small self-contained SVG (train reward and held-out eval by rollout)."""
     w, h, pad = 640, 320, 40
     series = {
-        "train reward": [(m["rollout_id"], m["rollout/reward_mean"]) for m in history if "rollout/reward_mean" in m],
+        "train reward": [(m["rollout_id"], train_reward(m)) for m in history if train_reward(m) is not None],
         "held-out eval": [(m["rollout_id"], _eval_reward(m)) for m in history if _eval_reward(m) is not None],
     }
     xmax = max([x for pts in series.values() for x, _ in pts] + [1])
@@ -105,34 +106,76 @@ def write_plot(history: list[dict], path: Path) -> None:
     path.write_text("\n".join(parts))
 
 
+def _task(args, data_dir: Path, model_path: Path) -> tuple[RunConfig, Path]:
+    """The task's datasets written where the stack's buffer may read; its run config and its
+    training dataset."""
+    from rlmesh.cli import agent_demo, environment_demo
+    from rlmesh.cli.launcher import datasets_dir
+
+    sft_steps, rollouts = args.sft_steps, args.rollouts or 80
+    if args.task == "agent":
+        warm_start, train, held_out = agent_demo.write_task(datasets_dir(data_dir) / "demo")
+        return agent_demo.agent_demo_config(
+            str(model_path), warm_start, train, held_out, sft_steps or 200, rollouts
+        ), train
+    train, held_out = write_task(datasets_dir(data_dir) / "demo")
+    make = environment_demo.environment_demo_config if args.task == "environment" else demo_config
+    return make(str(model_path), train, held_out, sft_steps or 35, rollouts), train
+
+
+def _cannot_run(args) -> str:
+    from rlmesh.cli import environment_demo
+
+    if args.task != "environment":
+        return ""
+    if args.coordinator_url and not args.engine_url:
+        return "the environment demo on running services needs the engine's address too: --engine-url"
+    return environment_demo.atroposlib_missing()
+
+
+def _feeder_check(http: httpx.Client, run_id: str, feeder: subprocess.Popen | None):
+    """For `follow`: a run fed by an environment process is stopped if that process ends
+    first (exit 0: it has posted the groups the run needs; else it failed): no sample would
+    come any more."""
+    if feeder is None:
+        return None
+
+    def check(run: dict) -> dict | None:
+        if feeder.poll() is None:
+            return None
+        run = http.get(f"/runs/{run_id}").json()
+        if run["status"] not in FINAL:
+            print(f"the environment exited with code {feeder.returncode}; stopping the run")
+            http.post(f"/runs/{run_id}/stop")
+            run = {**run, "status": "stopped", "error": f"the environment exited with code {feeder.returncode}"}
+        return run
+
+    return check
+
+
 def run_demo(args) -> int:
-    from rlmesh.cli.launcher import datasets_dir, running_stack, start_stack
+    from rlmesh.cli import environment_demo
+    from rlmesh.cli.launcher import running_stack, start_stack
     from rlmesh.cli.tiny_model import build_tiny_model
 
     start = time.monotonic()
+    if why := _cannot_run(args):
+        print(why)
+        return 2
     data_dir = Path(args.data_dir).resolve()
     demo_dir = data_dir / "demo"
     model_path = demo_dir / "tiny-model"
     if not (model_path / "config.json").exists():
         build_tiny_model(model_path)
-    if args.task == "agent":
-        from rlmesh.cli import agent_demo
+    config, train = _task(args, data_dir, model_path)
 
-        # where the stack's buffer may read
-        warm_start, train, held_out = agent_demo.write_task(datasets_dir(data_dir) / "demo")
-        config = agent_demo.agent_demo_config(
-            str(model_path), warm_start, train, held_out, args.sft_steps or 200, args.rollouts or 80
-        )
-    else:
-        train, held_out = write_task(datasets_dir(data_dir) / "demo")
-        config = demo_config(str(model_path), train, held_out, args.sft_steps or 35, args.rollouts or 80)
-
-    stack = None
-    url = args.coordinator_url
+    stack = environment = None
+    url, engine_url = args.coordinator_url, args.engine_url
     if not url:
         state = running_stack(data_dir)
         if state:
             url = state["coordinator_url"]
+            engine_url = engine_url or f"http://127.0.0.1:{state['ports']['engine']}"
             print(f"using the services `rlmesh up` started ({url})")
         else:
             print("starting rlmesh (embedded Redis, CPU reference engine, tiny model):")
@@ -143,6 +186,7 @@ def run_demo(args) -> int:
                 data_dir, str(model_path), redis_url=args.redis_url, redis_settings=settings_from_args(args)
             )
             url = stack.coordinator_url
+            engine_url = f"http://{stack.address('engine')}"
     try:
         with httpx.Client(base_url=url, timeout=60, headers=client_headers()) as http:
             r = http.post("/runs", json=config.model_dump(mode="json"))
@@ -151,7 +195,20 @@ def run_demo(args) -> int:
                 return 1
             run_id = r.json()["id"]
             print(f"run {run_id} started: {config.name}; watch it at {url}/ui/ (the token is in {data_dir / 'token'})")
-            run = follow(http, run_id, start, echo=lambda line: print(line, flush=True))
+            if args.task == "environment":
+                trajectory_url = url.rstrip("/") + http.get(f"/runs/{run_id}").json()["trajectory_api"]
+                log_file = data_dir / "logs" / "environment.log"
+                environment = environment_demo.start_environment(
+                    trajectory_url, engine_url, str(model_path), train, config, log_file
+                )
+                print(f"environment started: python -m rlmesh.cli.reverse_env serve (its log: {log_file})")
+            run = follow(
+                http,
+                run_id,
+                start,
+                echo=lambda line: print(line, flush=True),
+                check=_feeder_check(http, run_id, environment),
+            )
             history = run_metrics(http, run_id)
         if run["status"] != "completed":
             print(f"run {run['status']}: {run['error']}")
@@ -159,8 +216,16 @@ def run_demo(args) -> int:
         plot = demo_dir / f"reward-{args.task}.svg"
         write_plot(history, plot)
         print(f"reward curves: {plot}; total {time.monotonic() - start:.0f} s")
+        if args.task == "environment":
+            print(
+                f"environment groups: {run['environment_groups_received']} taken, "
+                f"{run['environment_groups_refused']} refused, "
+                f"{sum(m.get('train/stale_groups_dropped', 0) for m in history):.0f} dropped as stale"
+            )
         print(f"eval reward: before={_eval_reward(run['eval_before']):.2f} after={_eval_reward(run['eval_after']):.2f}")
         return 0
     finally:
+        if environment is not None:
+            environment_demo.stop_environment(environment)
         if stack is not None:
             stack.stop()

@@ -304,8 +304,8 @@ class RunConfig(TrainingConfig):
         description="Where training samples come from. 'datasets': the rollout service generates them from "
         "the training datasets. 'environments': Atropos-compatible environments generate and score them and "
         "post them to the run's trajectory API (GET /runs/{id}: trajectory_api); the coordinator generates "
-        "nothing for training (the eval datasets are still evaluated). Needs mode 'fully_async' and no warm "
-        "start.",
+        "nothing for RL (the eval datasets are still evaluated, and an SFT warm start, if any, reads its "
+        "dataset before the environments are let in). Needs mode 'fully_async'.",
     )
     environments: EnvironmentsConfig = Field(
         default_factory=EnvironmentsConfig, description="Bounds of a run fed by environments (source: environments)."
@@ -353,8 +353,6 @@ class RunConfig(TrainingConfig):
                 "source 'environments' needs mode 'fully_async': environments generate continuously, on "
                 "whatever weights the engines hold when they ask"
             )
-        if self.sft_warmup.steps:
-            raise ValueError("source 'environments' takes no SFT warm start (sft_warmup.steps must be 0)")
         return self
 
     def buffer_datasets(self) -> list[DatasetConfig]:

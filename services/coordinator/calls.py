@@ -337,13 +337,16 @@ class RunCalls:
             raise _StepInFlight("the trainer's step is still under way")
 
     async def train_batch(
-        self, on_no_batch: Callable[[], Awaitable[str]] | None = None
+        self,
+        on_no_batch: Callable[[], Awaitable[str]] | None = None,
+        minimums: Callable[[], Awaitable[dict[str, int]]] | None = None,
     ) -> tuple[trainer_pb2.TrainStepResponse, float]:
         """An RL train step on the next batch; its answer and how long it took. The trainer is
         asked with short waits: between them the mode acts (`on_no_batch`: generate what is
         missing, push weights to engines that fell behind; it says what it found) and the run
-        record says what it waits for. No batch for train_wait_seconds + max_outage_seconds:
-        OutageTooLong."""
+        record says what it waits for. `minimums`: the batch's least groups of each dataset,
+        asked again at each wait (environments register and leave meanwhile). No batch for
+        train_wait_seconds + max_outage_seconds: OutageTooLong."""
         t0 = time.monotonic()
         batch = self.cfg.rollout.rollout_batch_size
         request = trainer_pb2.TrainStepRequest(
@@ -356,14 +359,19 @@ class RunCalls:
         dropped, waited = 0, False
         try:
             while True:
+                if minimums is not None:
+                    request.min_groups_by_dataset.clear()
+                    request.min_groups_by_dataset.update(await minimums())
                 t = await self.train_step(request)
                 if not t.no_batch:
                     return t, time.monotonic() - t0
                 dropped += t.stale_groups_dropped
                 stats = await self.stats()
+                least = ", ".join(f"{n} of {name}" for name, n in sorted(request.min_groups_by_dataset.items()))
                 reason = (
-                    f"a full batch of {batch} fresh groups for the trainer ({stats.queued_groups} queued, "
-                    f"{dropped} dropped as stale while waiting)"
+                    f"a full batch of {batch} fresh groups for the trainer"
+                    + (f" holding at least {least}" if least else "")
+                    + f" ({stats.queued_groups} queued, {dropped} dropped as stale while waiting)"
                 )
                 found = await on_no_batch() if on_no_batch is not None else ""
                 reason += f"; {found}" if found else ""

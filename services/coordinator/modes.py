@@ -26,6 +26,7 @@ from rlmesh.common.retry import OutageTooLong
 from rlmesh.common.run_config import oldest_weight_version
 from rlmesh.coordinator import requests
 from rlmesh.coordinator.calls import RunCalls, StopRequested
+from rlmesh.coordinator.trajectory import Environment, batch_minimums
 from rlmesh.v1 import rollout_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
@@ -336,19 +337,24 @@ class FullyAsyncMode(RunMode):
 class EnvironmentsMode(FullyAsyncMode):
     """source: environments. Atropos-compatible environments generate on the engines and
     post scored groups to the trajectory API, which writes them to the buffer; nothing here
-    generates. Each iteration trains the next full batch and pushes the new weights with the
-    engines paused (pause_mode), as fully_async does."""
+    generates. Each iteration trains the next full batch, holding each environment's
+    min_batch_allocation (the buffer's lease makes it, as Atropos's /batch does), and pushes
+    the new weights with the engines paused (pause_mode), as fully_async does."""
 
     async def iteration(self, rollout_id: int) -> dict:
         t0 = time.monotonic()
-        t, train_seconds = await self.calls.train_batch(self.on_no_batch)
+        t, train_seconds = await self.calls.train_batch(self.on_no_batch, self._minimums)
         t1 = time.monotonic()
         w, update_seconds = await self._push_weights()
-        # (the wait for the environments' groups counts as generate, as in fully_async)
+        # The environments generate beside the step: what it waits for is a full batch.
         compute = min(float(t.metrics.get("seconds", train_seconds)), train_seconds)
         waited = {"generate": train_seconds - compute, "reward": 0.0, "train": compute, "update": update_seconds}
         phases = {"train": train_seconds, "pause": time.monotonic() - t1}
         return iteration_record(rollout_id, {}, t, w, phases, t0, waited)
+
+    async def _minimums(self) -> dict[str, int]:
+        envs = [Environment.from_json(raw) for raw in await self.calls.store.environments(self.calls.run_id)]
+        return batch_minimums(envs, self.calls.cfg.rollout.rollout_batch_size)
 
     async def on_no_batch(self) -> str:
         found = await super().on_no_batch()

@@ -1,6 +1,6 @@
 """The coordinator's run records in Redis, so that a restarted coordinator carries on: one
-hash per run, its metric history, its train steps, an index by creation time, and the claim
-of the one run that may train."""
+hash per run, its metric history, its train steps, the environments registered with it, an
+index by creation time, and the claim of the one run that may train."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import json
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from rlmesh.common.errors import FailedPrecondition, NotFound
 from rlmesh.common.run_config import RunConfig
@@ -355,7 +357,7 @@ class RunStore:
 
     async def delete(self, run_id: str) -> None:
         key = self._key(run_id)
-        await self.redis.delete(key, key + ":metrics", key + ":train_steps")
+        await self.redis.delete(key, key + ":metrics", key + ":train_steps", key + ":environments")
         await self.redis.zrem(self.index_key, run_id)
 
     async def get(self, run_id: str) -> dict:
@@ -407,6 +409,33 @@ class RunStore:
         if s is None:
             raise NotFound(f"unknown run {run_id!r}")
         return s.decode()
+
+    # ---- the environments registered with a run (source: environments), list ...:environments
+
+    async def environments(self, run_id: str) -> list[bytes]:
+        """The run's registrations (each as its `add_environment` stored it), by env_id."""
+        return await self.redis.lrange(self._key(run_id) + ":environments", 0, -1)
+
+    async def add_environment(self, run_id: str, make: Callable[[list[bytes]], tuple[str, object]]) -> object:
+        """Register one more: `make(the registrations so far)` gives the new one's stored form
+        and what to return (it may raise to refuse). Optimistic: a registration that another
+        coordinator made meanwhile has this one made again on the longer list, so ids (their
+        order) are never given twice."""
+        key = self._key(run_id) + ":environments"
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    stored, made = make(await pipe.lrange(key, 0, -1))
+                    pipe.multi()
+                    pipe.rpush(key, stored)
+                    await pipe.execute()
+                    return made
+                except WatchError:
+                    continue
+
+    async def set_environment(self, run_id: str, env_id: int, stored: str) -> None:
+        await self.redis.lset(self._key(run_id) + ":environments", env_id, stored)
 
     async def append_metrics(self, run_id: str, record: dict) -> None:
         """Appended once, even when the client sends it again after a lost reply (the record

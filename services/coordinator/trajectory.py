@@ -11,7 +11,7 @@ import json
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pydantic import BaseModel, field_validator
@@ -103,14 +103,22 @@ class Environment:
     connected: bool = True
     registered_at: float = 0.0
 
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Environment:
+        return cls(**json.loads(raw))
+
 
 class Environments:
-    """The environments registered with one run (at most `limit`); ids are their order."""
+    """The environments registered with one run (at most `limit`); ids are their order. The
+    run's registry is kept in Redis with the run (RunStore); this is its logic on a copy."""
 
-    def __init__(self, run_id: str, limit: int) -> None:
+    def __init__(self, run_id: str, limit: int, envs: list[Environment] | None = None) -> None:
         self.run_id = run_id
         self.limit = limit
-        self.envs: list[Environment] = []
+        self.envs: list[Environment] = list(envs or [])
 
     def register(self, body: RegisterEnv, max_group_size: int) -> Environment:
         if len(self.envs) >= self.limit:
@@ -163,6 +171,29 @@ class Environments:
             "max_group_size": max(e.group_size for e in self.envs),
             "env_weight": max(MIN_ENV_WEIGHT, share),
         }
+
+
+def batch_minimums(envs: list[Environment], batch_groups: int) -> dict[str, int]:
+    """Each connected environment's min_batch_allocation as its least groups in a training
+    batch of `batch_groups` groups, keyed by its groups' dataset (its real name), as Atropos's
+    grab_batch_with_minimum_allocations counts them: the fraction of the batch, rounded down;
+    minimums adding up to more than the batch are scaled down, each to at least one group
+    (and, past the batch still, the later registrations' dropped). A disconnected environment's
+    minimum no longer applies: batches would wait for it forever."""
+    wanted = {
+        e.real_name: int(batch_groups * e.min_batch_allocation) for e in envs if e.connected and e.min_batch_allocation
+    }
+    wanted = {name: n for name, n in wanted.items() if n > 0}
+    total = sum(wanted.values())
+    if total > batch_groups:
+        wanted = {name: max(1, int(n * batch_groups / total)) for name, n in wanted.items()}
+    out, room = {}, batch_groups
+    for name, n in wanted.items():
+        if room <= 0:
+            break
+        out[name] = min(n, room)
+        room -= out[name]
+    return out
 
 
 # ---- a posted group -> a SampleGroup ------------------------------------------------------

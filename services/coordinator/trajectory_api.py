@@ -29,6 +29,7 @@ from rlmesh.coordinator.trajectory import (
     API_PREFIX,
     BadGroup,
     EnvIdentifier,
+    Environment,
     Environments,
     RegisterEnv,
     Registration,
@@ -111,12 +112,12 @@ class GzipBody:
 
 
 class Trajectory:
-    """What the routes share: the active run found by its capability, its environments (kept
-    in memory for the run that holds the claim: one run trains at a time), its posts."""
+    """What the routes share: the active run found by its capability, its environments (in
+    Redis with the run: they survive a coordinator restart, and any coordinator answers),
+    its posts."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.registries: dict[str, Environments] = {}
 
     async def run_of(self, request: Request, capability: str) -> Run:
         """The active run whose capability this is; 404 otherwise (a finished run's path
@@ -126,11 +127,18 @@ class Trajectory:
             raise TrajectoryError(404, "no active run has this trajectory API path (GET /runs/{id}: trajectory_api)")
         return Run(rec["id"], rec, RunConfig.model_validate(rec["config"]))
 
-    def registry(self, run: Run) -> Environments:
-        if run.run_id not in self.registries:
-            self.registries.clear()
-            self.registries[run.run_id] = Environments(run.run_id, run.cfg.environments.max_environments)
-        return self.registries[run.run_id]
+    async def registry(self, request: Request, run: Run) -> Environments:
+        stored = await request.app.state.store.environments(run.run_id)
+        envs = [Environment.from_json(raw) for raw in stored]
+        return Environments(run.run_id, run.cfg.environments.max_environments, envs)
+
+    async def disconnect(self, request: Request, run: Run, env_id: int) -> dict:
+        env = (await self.registry(request, run)).get(env_id)
+        if env is None:
+            return {"status": "failure", "error": f"env_id {env_id} is not registered"}
+        env.connected = False
+        await request.app.state.store.set_environment(run.run_id, env_id, env.to_json())
+        return {"status": "success"}
 
     async def stats(self, request: Request, run_id: str) -> buffer_pb2.BufferStats:
         return await request.app.state.driver.clients.buffer.GetStats(
@@ -145,14 +153,14 @@ class Trajectory:
             weight_version=run.rec["weight_version"],
         )
 
-    def groups(self, run: Run, posted: list[ScoredData]) -> list:
+    def groups(self, run: Run, envs: Environments, posted: list[ScoredData]) -> list:
         """Every posted group checked and converted (BadGroup names the first that is wrong)."""
         most = run.cfg.environments.max_groups_per_post
         if not 1 <= len(posted) <= most:
             raise BadGroup(
                 f"the post holds {len(posted)} groups; 1..{most} (the run's environments.max_groups_per_post)"
             )
-        envs, view, groups = self.registry(run), self.view(run), []
+        view, groups = self.view(run), []
         for i, data in enumerate(posted):
             try:
                 groups.append(scored_group(data, view, envs.get(data.env_id)))
@@ -164,8 +172,15 @@ class Trajectory:
         """Every posted group checked, then all written in one PutGroups (all or nothing); a
         refusal is counted on the run and answered 4xx, and the run goes on."""
         store: RunStore = request.app.state.store
+        if run.rec["phase"] != "rl":
+            # (a warm start's steps lease whatever is queued: an environment's group must not be
+            # trained as SFT data; 503, which atroposlib retries, as it waits to register)
+            raise TrajectoryError(
+                503, f"the run is in its {run.rec['phase']} phase; it takes groups once RL begins (register-env)"
+            )
+        envs = await self.registry(request, run)
         try:
-            groups = self.groups(run, posted)
+            groups = self.groups(run, envs, posted)
         except BadGroup as e:
             await store.count(run.run_id, REFUSED, len(posted))
             await store.update(run.run_id, **{LAST_REFUSAL: str(e)[:1000]})
@@ -181,13 +196,20 @@ class Trajectory:
             raise
         await store.count(run.run_id, RECEIVED, len(groups))
 
-    def register_env(self, run: Run, body: RegisterEnv) -> dict:
+    async def register_env(self, request: Request, run: Run, body: RegisterEnv) -> dict:
         """/register-env: an environment registered once the run trains (before that it is
         told to wait, as Atropos tells it before its trainer starts)."""
         if run.rec["status"] not in ("running", "paused") or run.rec["phase"] != "rl":
             return {"status": "wait for trainer to start"}
+        limit, most = run.cfg.environments.max_environments, self.settings.limits.max_samples_per_prompt
+
+        def make(stored: list[bytes]) -> tuple[str, Environment]:
+            envs = Environments(run.run_id, limit, [Environment.from_json(raw) for raw in stored])
+            env = envs.register(body, most)
+            return env.to_json(), env
+
         try:
-            env = self.registry(run).register(body, self.settings.limits.max_samples_per_prompt)
+            env = await request.app.state.store.add_environment(run.run_id, make)
         except BadGroup as e:
             raise TrajectoryError(422, str(e)) from None
         log.info("run %s: environment %s registered (env_id %d)", run.run_id, env.real_name, env.env_id)
@@ -205,7 +227,7 @@ class Trajectory:
     async def status_env(self, request: Request, run: Run, env_id: int) -> dict:
         queued = (await self.stats(request, run.run_id)).queued_samples
         try:
-            return self.registry(run).status(env_id, run.rec["rollout_id"], queued)
+            return (await self.registry(request, run)).status(env_id, run.rec["rollout_id"], queued)
         except BadGroup as e:
             raise TrajectoryError(404, str(e)) from None
 
@@ -228,15 +250,11 @@ def trajectory_router(settings: Settings) -> APIRouter:
 
     @router.post("/register-env")
     async def register_env(body: RegisterEnv, capability: str, request: Request):
-        return t.register_env(await t.run_of(request, capability), body)
+        return await t.register_env(request, await t.run_of(request, capability), body)
 
     @router.post("/disconnect-env")
     async def disconnect_env(body: EnvIdentifier, capability: str, request: Request):
-        env = t.registry(await t.run_of(request, capability)).get(body.env_id)
-        if env is None:
-            return {"status": "failure", "error": f"env_id {body.env_id} is not registered"}
-        env.connected = False
-        return {"status": "success"}
+        return await t.disconnect(request, await t.run_of(request, capability), body.env_id)
 
     @router.get("/wandb_info")
     async def wandb_info(capability: str, request: Request):

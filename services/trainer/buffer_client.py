@@ -50,6 +50,7 @@ class BufferClient:
         min_weight_version: int,
         stale_policy: StalePolicy,
         lease_id: str,
+        min_groups: dict[str, int] | None = None,
     ) -> buffer_pb2.LeaseBatchResponse:
         """A batch of exactly num_groups groups (or none, after wait_seconds), none generated
         with weights older than min_weight_version (older ones dropped, or kept with
@@ -65,6 +66,7 @@ class BufferClient:
             if stale_policy == "keep"
             else buffer_pb2.LeaseBatchRequest.STALE_POLICY_DROP,
             lease_id=lease_id,
+            min_groups_by_dataset=min_groups or {},
         )
 
         try:

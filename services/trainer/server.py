@@ -47,7 +47,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def TrainStep(self, request, context):
         result = await self.trainer.train_step(
-            request.run_id, request.num_groups, request.wait_seconds, request.loss, request.answer_without_batch
+            request.run_id,
+            request.num_groups,
+            request.wait_seconds,
+            request.loss,
+            request.answer_without_batch,
+            dict(request.min_groups_by_dataset),
         )
         if self.metrics is not None and result.seconds:
             self.metrics.step(request.loss, result.seconds, result.groups_trained, result.samples_trained)

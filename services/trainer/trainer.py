@@ -258,8 +258,10 @@ class Trainer:
         wait_seconds: float = 0.0,
         loss: str = "",
         answer_without_batch: bool = False,
+        min_groups: dict[str, int] | None = None,
     ) -> StepResult:
-        """Lease num_groups groups, train on them, acknowledge the lease. The work is
+        """Lease num_groups groups (min_groups: the least of each named dataset among them),
+        train on them, acknowledge the lease. The work is
         shielded from the caller going away: a step once started is finished and
         acknowledged rather than trained and then redelivered. No full batch within
         wait_seconds: UNAVAILABLE, or with answer_without_batch a result with no_batch set."""
@@ -269,20 +271,33 @@ class Trainer:
         at_most(num_groups, self.settings.limits.max_groups_per_call, "num_groups", "max_groups_per_call")
         seconds(wait_seconds, "wait_seconds")
         _check_loss(loss)
-        return await asyncio.shield(self._lease_train_ack(run, num_groups, wait_seconds, loss, answer_without_batch))
+        step = self._lease_train_ack(run, num_groups, wait_seconds, loss, answer_without_batch, min_groups or {})
+        return await asyncio.shield(step)
 
     async def _lease_train_ack(
-        self, run: _Run, num_groups: int, wait_seconds: float, loss: str, answer_without_batch: bool
+        self,
+        run: _Run,
+        num_groups: int,
+        wait_seconds: float,
+        loss: str,
+        answer_without_batch: bool,
+        min_groups: dict[str, int],
     ) -> StepResult:
         async with self._holding(run):
             run.step_in_flight = True
             try:
-                return await self._step(run, num_groups, wait_seconds, loss, answer_without_batch)
+                return await self._step(run, num_groups, wait_seconds, loss, answer_without_batch, min_groups)
             finally:
                 run.step_in_flight = False
 
     async def _step(
-        self, run: _Run, num_groups: int, wait_seconds: float, loss: str, answer_without_batch: bool
+        self,
+        run: _Run,
+        num_groups: int,
+        wait_seconds: float,
+        loss: str,
+        answer_without_batch: bool,
+        min_groups: dict[str, int],
     ) -> StepResult:
         await self._acknowledged(run)
         await self._give_back_abandoned_leases(run)
@@ -297,6 +312,7 @@ class Trainer:
                 oldest_weight_version(run.weight_version, run.config.staleness_bound),
                 run.config.stale_policy,
                 lease_id,
+                min_groups,
             )
             if not lease.groups:
                 if answer_without_batch:
@@ -346,6 +362,7 @@ class Trainer:
             repeated_groups=float(len(repeated)),
             stale_groups_dropped=float(lease.stale_groups_dropped),
             stale_groups_kept=float(lease.stale_groups),
+            reward_mean=_reward_mean(groups),
             **staleness_metrics(groups, run.weight_version),
         )
         await self._checkpoint_if_due(run)
@@ -564,6 +581,13 @@ class Trainer:
         found = await asyncio.to_thread(list_checkpoints, directory, run_id)
         final = await asyncio.to_thread(final_model_entry, directory, run_id)
         return [*found, final] if final is not None else found
+
+
+def _reward_mean(groups: list[SampleGroup]) -> float:
+    """The trained samples' mean reward: a run fed by environments has no rollout figures,
+    so its reward curve is this."""
+    rewards = [s.reward for g in groups for s in g.samples]
+    return sum(rewards) / len(rewards) if rewards else 0.0
 
 
 def _check_loss(loss: str) -> None:

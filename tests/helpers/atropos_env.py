@@ -22,7 +22,14 @@ class ReverseEnv(BaseEnv):
 
     @classmethod
     def make(
-        cls, rollout_server_url: str, engine_url: str, tokenizer: str, api_key: str, group_size: int = 4, steps: int = 4
+        cls,
+        rollout_server_url: str,
+        engine_url: str,
+        tokenizer: str,
+        api_key: str,
+        group_size: int = 4,
+        steps: int = 4,
+        min_batch_allocation: float | None = None,
     ):
         """api_key: the engine's (the stack's token), sent as its bearer token."""
         config = BaseEnvConfig(
@@ -37,6 +44,7 @@ class ReverseEnv(BaseEnv):
             max_batches_offpolicy=2,
             steps_per_eval=0,
             ensure_scores_are_not_same=False,
+            min_batch_allocation=min_batch_allocation,
         )
         server = APIServerConfig(
             server_type="sglang",

@@ -377,6 +377,26 @@ def test_a_buffer_filter_from_the_settings_picks_high_variance_groups_first(buff
     assert stats(stub).queued_groups == 0
 
 
+def test_a_lease_holds_each_datasets_minimum_or_none_is_made(buffer, dataset):
+    """A run fed by environments: each environment's min_batch_allocation is its least
+    groups in every batch (its groups are their own dataset), the rest oldest first."""
+    stub = buffer()
+    create(stub, dataset, n=5)
+    groups = [completed(g) for g in prompts(stub, 5)]
+    for g, env in zip(groups, ["a", "a", "a", "b", "c"]):
+        g.dataset = env
+    put(stub, groups[:3])
+    assert not lease(stub, num_groups=2, min_groups_by_dataset={"b": 1}).groups  # none of b's queued yet
+    put(stub, groups[3:])
+    got = lease(stub, num_groups=3, min_groups_by_dataset={"c": 1, "b": 1})
+    assert [g.group_id for g in got.groups] == ["g3", "g4", "g0"]  # b's and c's, then the oldest
+    assert [g.group_id for g in lease(stub, num_groups=2).groups] == ["g1", "g2"]
+    code, detail = code_of(lambda: lease(stub, num_groups=2, min_groups_by_dataset={"a": 3}))
+    assert code == INVALID and "add up to at most num_groups (2)" in detail
+    code, detail = code_of(lambda: lease(stub, num_samples=2, min_groups_by_dataset={"a": 1}))
+    assert code == INVALID and "needs num_groups" in detail
+
+
 def test_a_bad_buffer_filter_fails_at_start(redis_url):
     import pytest
     from pydantic import ValidationError

@@ -6,7 +6,16 @@ import math
 
 import pytest
 
-from rlmesh.coordinator.trajectory import BadGroup, Environments, RegisterEnv, RunView, ScoredData, scored_group
+from rlmesh.coordinator.trajectory import (
+    BadGroup,
+    Environment,
+    Environments,
+    RegisterEnv,
+    RunView,
+    ScoredData,
+    batch_minimums,
+    scored_group,
+)
 
 RUN = RunView(vocab_size=100, max_token_length=16, max_group_size=8, weight_version=3)
 
@@ -64,3 +73,23 @@ def test_registration_is_bounded_and_status_counts_the_queue_in_groups():
         envs.register(RegisterEnv(max_token_length=16, desired_name="x", weight=1.0, group_size=2), 8)
     status = envs.status(first.env_id, step=5, queued_samples=12)
     assert status["queue_size"] == 3 and status["current_step"] == 5 and status["env_weight"] == pytest.approx(0.25)
+
+
+def test_minimum_allocations_become_each_batchs_least_groups_as_atropos_counts_them():
+    envs = Environments("run", limit=8)
+
+    def register(name: str, allocation: float | None):
+        body = RegisterEnv(
+            max_token_length=16, desired_name=name, weight=1.0, group_size=2, min_batch_allocation=allocation
+        )
+        return envs.register(body, 8)
+
+    register("a", 0.25), register("b", None), register("c", 0.5)
+    assert batch_minimums(envs.envs, 16) == {"a_0": 4, "c_0": 8}
+    assert batch_minimums(envs.envs, 3) == {"c_0": 1}  # (a fraction of a group rounds down to none)
+    d = register("d", 0.75)  # 4 + 8 + 12 > 16: scaled down
+    assert batch_minimums(envs.envs, 16) == {"a_0": 2, "c_0": 5, "d_0": 8}
+    d.connected = False  # a disconnected environment is not waited for
+    assert batch_minimums(envs.envs, 16) == {"a_0": 4, "c_0": 8}
+    stored = [Environment.from_json(e.to_json()) for e in envs.envs]  # (as the run's Redis list keeps them)
+    assert stored == envs.envs

@@ -158,13 +158,20 @@ class DropGroupsResponse(_message.Message):
     def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class LeaseBatchRequest(_message.Message):
-    __slots__ = ("run_id", "num_groups", "lease_seconds", "wait_seconds", "min_weight_version", "num_samples", "stale_policy", "lease_id")
+    __slots__ = ("run_id", "num_groups", "lease_seconds", "wait_seconds", "min_weight_version", "num_samples", "stale_policy", "lease_id", "min_groups_by_dataset")
     class StalePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STALE_POLICY_DROP: _ClassVar[LeaseBatchRequest.StalePolicy]
         STALE_POLICY_KEEP: _ClassVar[LeaseBatchRequest.StalePolicy]
     STALE_POLICY_DROP: LeaseBatchRequest.StalePolicy
     STALE_POLICY_KEEP: LeaseBatchRequest.StalePolicy
+    class MinGroupsByDatasetEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +180,7 @@ class LeaseBatchRequest(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STALE_POLICY_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_GROUPS_BY_DATASET_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_groups: int
     lease_seconds: float
@@ -181,7 +189,8 @@ class LeaseBatchRequest(_message.Message):
     num_samples: int
     stale_policy: LeaseBatchRequest.StalePolicy
     lease_id: str
-    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., min_weight_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., stale_policy: _Optional[_Union[LeaseBatchRequest.StalePolicy, str]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    min_groups_by_dataset: _containers.ScalarMap[str, int]
+    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., min_weight_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., stale_policy: _Optional[_Union[LeaseBatchRequest.StalePolicy, str]] = ..., lease_id: _Optional[str] = ..., min_groups_by_dataset: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class LeaseBatchResponse(_message.Message):
     __slots__ = ("lease_id", "groups", "stale_groups", "stale_groups_dropped")

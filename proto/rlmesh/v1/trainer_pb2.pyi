@@ -16,18 +16,27 @@ class InitRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("run_id", "num_groups", "wait_seconds", "loss", "answer_without_batch")
+    __slots__ = ("run_id", "num_groups", "wait_seconds", "loss", "answer_without_batch", "min_groups_by_dataset")
+    class MinGroupsByDatasetEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     ANSWER_WITHOUT_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MIN_GROUPS_BY_DATASET_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_groups: int
     wait_seconds: float
     loss: str
     answer_without_batch: bool
-    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., loss: _Optional[str] = ..., answer_without_batch: _Optional[bool] = ...) -> None: ...
+    min_groups_by_dataset: _containers.ScalarMap[str, int]
+    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., loss: _Optional[str] = ..., answer_without_batch: _Optional[bool] = ..., min_groups_by_dataset: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("step", "groups_trained", "samples_trained", "metrics", "no_batch", "stale_groups_dropped")
