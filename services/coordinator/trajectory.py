@@ -234,10 +234,18 @@ def _check_lengths(data: ScoredData, run: RunView, env: Environment | None) -> i
     n = len(data.tokens)
     if not 1 <= n <= run.max_group_size:
         raise BadGroup(f"tokens holds {n} sequences; a group has 1..{run.max_group_size} (limits)")
-    expected = _expected_size(data, env)
-    if expected is not None and n != expected:
-        who = f"environment {env.real_name!r} registered" if env is not None else "group_overrides say"
-        raise BadGroup(f"tokens holds {n} sequences but {who} group_size {expected}")
+    override = _expected_size(data, None)
+    if override is not None and n != override:
+        raise BadGroup(f"tokens holds {n} sequences but group_overrides say group_size {override}")
+    # A group smaller than registered (some of its rollouts failed) is taken as it is: batches
+    # count groups, and the advantage estimator normalizes within each group, so it trains like
+    # any other. (Atropos holds such pieces back until several add up to the group size, then
+    # queues each as its own group: the same groups trained, later.) A larger one would never
+    # fit Atropos's batch either, and is refused.
+    if override is None and env is not None and n > env.group_size:
+        raise BadGroup(
+            f"tokens holds {n} sequences but environment {env.real_name!r} registered group_size {env.group_size}"
+        )
     arrays = {"masks": data.masks, "scores": data.scores}
     arrays.update(
         {k: v for k, v in (("messages", data.messages), ("inference_logprobs", data.inference_logprobs)) if v}

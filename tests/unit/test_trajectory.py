@@ -46,6 +46,16 @@ def test_prompt_response_and_masks_map_to_a_sample():
     assert scored_group(data, RUN, e).group_id == g.group_id  # a retried post is the same group
 
 
+def test_a_group_smaller_than_registered_is_taken_as_its_own_group():
+    # (some of the environment's rollouts failed: Atropos trains what came back, as rlmesh does)
+    _, e = env(group_size=4)
+    data = ScoredData(tokens=[[1, 2, 3]] * 3, masks=[[-100, 2, 3]] * 3, scores=[0.0, 1.0, 1.0])
+    g = scored_group(data, RUN, e)
+    assert len(g.samples) == 3 and [s.reward for s in g.samples] == [0.0, 1.0, 1.0]
+    with pytest.raises(BadGroup, match="group_overrides say group_size 2"):
+        scored_group(data.model_copy(update={"group_overrides": {"group_size": 2}}), RUN, e)
+
+
 @pytest.mark.parametrize(
     ("change", "says"),
     [
