@@ -27,12 +27,20 @@ SERVICE_PACKAGES = {
 SERVER_MODULE = {"coordinator": "app"}  # the coordinator's transport is HTTP
 
 
-def _serve(name: str, argv: list[str]) -> None:
+def service_settings(name: str, argv: list[str]):
+    """The settings `rlmesh serve NAME ARGV...` runs with (flags over environment over defaults);
+    argparse exits on an unknown flag, pydantic raises on a bad value. (The Kubernetes manifests'
+    consistency test reads every container's command line through this.)"""
     package = SERVICE_PACKAGES[name]
     settings_cls = importlib.import_module(f"{package}.config").Settings
     parser = argparse.ArgumentParser(prog=f"rlmesh serve {name}", description=f"Run the {name} service.")
     add_settings_flags(parser, settings_cls)
-    settings = settings_from_args(settings_cls, parser.parse_args(argv))
+    return settings_from_args(settings_cls, parser.parse_args(argv))
+
+
+def _serve(name: str, argv: list[str]) -> None:
+    package = SERVICE_PACKAGES[name]
+    settings = service_settings(name, argv)
     logging.basicConfig(
         level=settings.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s"
     )
@@ -108,8 +116,8 @@ def _health(address: str, timeout: float) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+def build_parser() -> argparse.ArgumentParser:
+    """The `rlmesh` command line (`serve SERVICE` and `reward check` take their own flags: see main)."""
     parser = argparse.ArgumentParser(prog="rlmesh", description="RL post-training as five gRPC services.")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run one service (rlmesh serve SERVICE --help lists its settings)", add_help=False)
@@ -184,7 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     e.add_argument("checkpoint", help="the checkpoint's directory (on the trainer's machine)")
     e.add_argument("out", help="a new directory")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
     if argv[:1] == ["serve"] and len(argv) >= 2 and argv[1] in SERVICE_PACKAGES:
         _serve(argv[1], argv[2:])
         return

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+from tests.helpers.kustomize import DEPLOY, K8S, by_kind, render
+
 RLMESH_SERVICES = ("buffer", "reward", "rollout", "trainer", "coordinator")
 
 
@@ -73,60 +73,13 @@ def test_the_image_runs_as_an_unprivileged_user():
 
 # ---------------------------------------------------------------- Kubernetes (deploy/k8s)
 
-K8S = DEPLOY / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu")  # (the colocated layout has its own test below)
 KUBERNETES_VERSION = "1.33"  # the schemas kubernetes-validate checks against (it ships them: no network)
 GRPC_PORTS = {"buffer": 50051, "rollout": 50052, "reward": 50053, "trainer": 50054}
 
 
-def _merge(base, patch):
-    """Strategic merge as kustomize does it for what the overlays patch: maps merge, lists of
-    named items (containers, env, volumes) merge by name, other lists are replaced."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        merged = dict(base)
-        for key, value in patch.items():
-            merged[key] = _merge(base[key], value) if key in base else value
-        return merged
-    named = lambda items: isinstance(items, list) and items and all(isinstance(i, dict) and "name" in i for i in items)  # noqa: E731
-    if named(base) and named(patch):
-        merged = [dict(i) for i in base]
-        index = {item["name"]: n for n, item in enumerate(merged)}
-        for item in patch:
-            if item["name"] in index:
-                merged[index[item["name"]]] = _merge(merged[index[item["name"]]], item)
-            else:
-                merged.append(item)
-        return merged
-    return patch
-
-
-def render(directory: Path) -> list[dict]:
-    """The objects of a kustomization that uses `resources` (files and kustomizations) and
-    `patches` (strategic merge patches by file) only, as `kubectl kustomize` renders them."""
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    assert set(kustomization) <= {"apiVersion", "kind", "resources", "patches"}, "a feature render() lacks"
-    objects: list[dict] = []
-    for resource in kustomization.get("resources", []):
-        path = directory / resource
-        objects += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
-    for patch in kustomization.get("patches", []):
-        assert set(patch) == {"path"}, "render() applies patches given by path only"
-        for doc in yaml.safe_load_all((directory / patch["path"]).read_text()):
-            (n,) = [
-                i
-                for i, o in enumerate(objects)
-                if (o["kind"], o["metadata"]["name"]) == (doc["kind"], doc["metadata"]["name"])
-            ]
-            objects[n] = _merge(objects[n], doc)
-    return objects
-
-
 def rendered() -> dict[str, list[dict]]:
     return {overlay: render(K8S / "overlays" / overlay) for overlay in OVERLAYS}
-
-
-def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
-    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
 
 
 def test_every_object_is_valid_against_the_kubernetes_schemas():
