@@ -38,11 +38,12 @@ class Settings(GrpcServiceSettings):
         "from Redis (0 = off; Redis stays the only state).",
     )
     recent_groups: int = Field(
-        64,
+        512,
         ge=0,
         le=4096,
         description="Newest stored groups kept per run for people to browse (GetRecentGroups, "
-        "the coordinator's GET /runs/{id}/samples and page), whatever became of them since; 0 = none kept.",
+        "the coordinator's GET /runs/{id}/samples and page), whatever became of them since; 0 = none kept. "
+        "Each kept group's bytes (per-token arrays included) stay in Redis while it is kept: size Redis for it.",
     )
     rate_window_seconds: float = Field(60.0, gt=0, description="Window of the per-second rates in the stats.")
     data_roots: list[Path] = Field(

@@ -95,7 +95,7 @@ class BufferStore:
         cache_bytes: int = 0,
         data_files: DataFiles | None = None,
         max_deliveries: int = 5,
-        recent_groups: int = 64,
+        recent_groups: int = 512,
     ) -> None:
         self.redis = redis
         self.key_prefix = key_prefix

@@ -64,3 +64,22 @@ def group_for_people(msg: sample_pb2.SampleGroup) -> dict[str, Any]:
         d["multimodal_inputs"] = len(s.multimodal_inputs)
         samples.append(d)
     return {"group_id": group.group_id, "group_index": group.group_index, "dataset": group.dataset, "samples": samples}
+
+
+def filter_group(
+    group: dict[str, Any], status: str | None, min_reward: float | None, max_reward: float | None
+) -> dict[str, Any] | None:
+    """The group with only its samples of that status and reward range (bounds included), and
+    how many it had (`samples_total`); None when none is left. A sample without a reward yet
+    matches no reward bound."""
+
+    def keep(s: dict[str, Any]) -> bool:
+        reward = s.get("reward")
+        if status is not None and s.get("status") != status:
+            return False
+        if min_reward is not None and (reward is None or reward < min_reward):
+            return False
+        return max_reward is None or (reward is not None and reward <= max_reward)
+
+    samples = [s for s in group["samples"] if keep(s)]
+    return {**group, "samples": samples, "samples_total": len(group["samples"])} if samples else None

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from rlmesh.common.run_config import RunConfig, limit_violations
 from rlmesh.coordinator.config import Settings
 from rlmesh.coordinator.door import door_problems
-from rlmesh.coordinator.page import group_for_people
+from rlmesh.coordinator.page import filter_group, group_for_people
 from rlmesh.coordinator.runs import RunDriver
 from rlmesh.coordinator.schemas import (
     RELAYED,
@@ -29,6 +29,7 @@ from rlmesh.coordinator.schemas import (
     RunDetail,
     RunQueued,
     RunSummary,
+    SampleStatus,
     error_responses,
     pick_fields,
     run_summary,
@@ -38,6 +39,8 @@ from rlmesh.coordinator.trajectory import api_path
 from rlmesh.v1 import buffer_pb2, trainer_pb2
 
 log = logging.getLogger(__name__)
+# Groups read from the buffer per call while filtering the kept ones.
+_SCAN_CHUNK = 100
 
 # Lean answers by default (a reader's request costs what it shows, not the run's whole
 # history: 1,000 embedded metric records were 355 KB); more is paged.
@@ -60,6 +63,35 @@ async def _check_runnable(request: Request, config: RunConfig, settings: Setting
     problems = await door_problems(driver.clients, request.app.state.reward, config, settings.check_deadline_seconds)
     if problems:
         raise RequestValidationError(problems)
+
+
+def _no_groups_yet(e: grpc.aio.AioRpcError, offset: int) -> RecentGroups:
+    if e.code() != grpc.StatusCode.NOT_FOUND:  # (NOT_FOUND: the buffer has not set the run up yet)
+        raise e
+    return RecentGroups(groups=[], offset=offset, total=0, kept=0)
+
+
+async def _recent_groups(recent, offset, limit, status, min_reward, max_reward) -> RecentGroups:
+    """A page of the kept groups, or of those that match a filter. The buffer keeps at most
+    4096 (recent_groups' bound): with a filter they are all read, a chunk at a time."""
+    if min_reward is not None and max_reward is not None and min_reward > max_reward:
+        raise RequestValidationError(
+            [{"loc": ("query", "min_reward"), "msg": "min_reward is above max_reward", "type": "range"}]
+        )
+    if status is None and min_reward is None and max_reward is None:
+        reply = await recent(offset, limit)
+        groups = [group_for_people(g) for g in reply.groups]
+        return RecentGroups(groups=groups, offset=offset, total=reply.total, kept=reply.total)
+    matched: list[dict] = []
+    at, kept = 0, 1
+    while at < min(kept, 4096):
+        reply = await recent(at, _SCAN_CHUNK)
+        kept, at = reply.total, at + _SCAN_CHUNK
+        picked = (filter_group(group_for_people(g), status, min_reward, max_reward) for g in reply.groups)
+        matched.extend(g for g in picked if g is not None)
+        if not reply.groups:
+            break
+    return RecentGroups(groups=matched[offset : offset + limit], offset=offset, total=len(matched), kept=kept)
 
 
 def runs_router(settings: Settings) -> APIRouter:
@@ -175,22 +207,28 @@ def runs_router(settings: Settings) -> APIRouter:
     async def run_samples(
         request: Request,
         run_id: str = RUN_ID,
-        offset: int = Query(0, ge=0, le=4096, description="Groups to skip, newest first."),
+        offset: int = Query(0, ge=0, le=4096, description="Groups to skip, newest first (of those that match)."),
         limit: int = Query(20, ge=1, le=100, description="Groups to return at most."),
+        status: SampleStatus | None = Query(None, description="Only samples with this status."),
+        min_reward: float | None = Query(None, allow_inf_nan=False, description="Only samples rewarded at least this."),
+        max_reward: float | None = Query(None, allow_inf_nan=False, description="Only samples rewarded at most this."),
     ):
         """The run's newest generated groups (kept by the buffer whatever became of them since),
-        paged newest first. Empty before the run's first group, and after the buffer lost its data."""
+        paged newest first. Empty before the run's first group, and after the buffer lost its data.
+        With a filter, each group keeps only its matching samples (`samples_total` says how many
+        it had), groups with none are left out, and `total` counts the groups that match."""
         await request.app.state.store.get(run_id)  # 404 for an unknown run
-        try:
-            reply = await request.app.state.driver.clients.buffer.GetRecentGroups(
-                buffer_pb2.GetRecentGroupsRequest(run_id=run_id, offset=offset, limit=limit),
+
+        async def recent(at: int, count: int) -> buffer_pb2.GetRecentGroupsResponse:
+            return await request.app.state.driver.clients.buffer.GetRecentGroups(
+                buffer_pb2.GetRecentGroupsRequest(run_id=run_id, offset=at, limit=count),
                 timeout=settings.call_deadline_seconds,
             )
+
+        try:
+            return await _recent_groups(recent, offset, limit, status, min_reward, max_reward)
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.NOT_FOUND:  # the buffer has not set the run up (yet)
-                raise
-            return RecentGroups(groups=[], offset=offset, total=0)
-        return RecentGroups(groups=[group_for_people(g) for g in reply.groups], offset=offset, total=reply.total)
+            return _no_groups_yet(e, offset)
 
     @router.get("/runs/{run_id}/checkpoints", response_model=list[CheckpointInfo], responses=error_responses(*RELAYED))
     async def run_checkpoints(request: Request, run_id: str = RUN_ID):

@@ -4,7 +4,7 @@ rlmesh.common.reward_service)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import Path
 from pydantic import BaseModel, Field
@@ -151,6 +151,9 @@ def pick_fields(record: dict, fields: list[str]) -> dict | None:
     return {**{k: record[k] for k in METRIC_KEYS if k in record}, **picked} if picked else None
 
 
+SampleStatus = Literal["pending", "completed", "truncated", "aborted", "failed"]
+
+
 class RecentGroups(BaseModel):
     groups: list[dict] = Field(
         description="The newest stored groups, newest first: prompt, responses, rewards "
@@ -158,7 +161,11 @@ class RecentGroups(BaseModel):
         "are in metadata.agent_turns); no per-token arrays."
     )
     offset: int
-    total: int = Field(description="Groups kept (the buffer keeps the newest recent_groups of a run).")
+    total: int = Field(
+        description="Groups kept (the buffer keeps the newest recent_groups of a run), or with a "
+        "filter the kept groups that match."
+    )
+    kept: int = Field(0, description="Groups kept, filter or not.")
 
 
 class CheckpointInfo(BaseModel):

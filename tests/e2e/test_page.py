@@ -1,12 +1,15 @@
 """The coordinator's page in a real headless Chromium (Debian's `chromium`, driven by
 Playwright from PyPI; no browser is downloaded): a person enters the token, starts a run
 from a config, watches a curve gain points, pauses it (it comes to rest: no progress),
-resumes it, browses its recent groups and stops it. Every service is real and on loopback.
+resumes it, browses its recent groups (filtered by reward and status) and stops it; then
+overlays its curves with a second run's and downloads the chart's data as CSV. Every
+service is real and on loopback.
 
 Screenshots are kept under tests/artifacts/page/ (or $RLMESH_TEST_ARTIFACTS/page/)."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -124,6 +127,22 @@ def test_a_person_starts_watches_pauses_resumes_and_stops_a_run(
     assert group.locator("table.samples tr").count() == 1 + 3  # a header and n_samples_per_prompt rows
     assert "exact_match=" in group.text_content() and "v" in group.text_content()
     shot("04-samples")
+    # Filtered by reward: only samples rewarded at least as well as the newest group's first one.
+    newest = api.get(f"/runs/{run_id}/samples", params={"limit": 1}).json()["groups"][0]
+    floor = newest["samples"][0]["reward"]
+    page.locator("#samples-min-reward").fill(str(floor))
+    page.locator("#samples-min-reward").dispatch_event("change")
+    expect(page.locator("#samples-total")).to_contain_text("groups kept match")
+    page.locator("#samples article.group").first.wait_for()
+    rewards = page.locator("#samples table.samples td:nth-child(3)").all_text_contents()
+    assert rewards and all(float(r) >= floor - 1e-3 for r in rewards), (floor, rewards)
+    # ... and by status: this run's samples did not fail.
+    page.locator("#samples-status").select_option("failed")
+    expect(page.locator("#samples")).to_have_text("no group matches")
+    shot("04b-samples-filtered")
+    page.locator("#samples-status").select_option("")
+    page.locator("#samples-min-reward").fill("")
+    page.locator("#samples-min-reward").dispatch_event("change")
 
     page.locator('#tabs button[data-tab="checkpoints"]').click()
     page.locator("#checkpoints tbody tr").first.wait_for()
@@ -145,5 +164,41 @@ def test_a_person_starts_watches_pauses_resumes_and_stops_a_run(
     assert run["status"] == "stopped" and run["rollout_id"] < 100_000
     assert page.locator("#delete").is_enabled()
     shot("06-stopped")
+
+    # A second run with another learning rate: the eval's reward components get their own curves.
+    other = {**config, "name": "page-other", "num_rollouts": 12, "optimizer": {"lr": 2e-3}}
+    other_id = api.post("/runs", json=other).json()["id"]
+    assert wait_for_run(api, other_id)["status"] == "completed"
+    page.locator(f'#runs tr[data-run-id="{other_id}"] td:nth-child(2)').click()
+    expect(page.locator("#run-status")).to_have_text("completed")
+    components = page.locator('figure.chart[data-title="Held-out reward by component"]')
+    wait_until(lambda: int(components.get_attribute("data-points") or 0) > 0, what="the eval's component curves")
+    assert "eval/held_out/reward/exact_match_mean" in components.locator(".legend").inner_text()
+
+    # Overlay both runs' reward curves: one colour each, named by the run and what differs.
+    for rid in (run_id, other_id):
+        page.locator(f'#runs tr[data-run-id="{rid}"] input.compare').check()
+    page.locator('#tabs button[data-tab="compare"]').click()
+    overlay = page.locator("#compare-charts figure.chart")
+    expect(overlay).to_have_attribute("data-runs", "2")
+    wait_until(lambda: overlay.locator(".legend li").count() == 2, what="both runs in the overlay's legend")
+    legend = overlay.locator(".legend li").all_text_contents()
+    assert any(t.startswith("page-demo (") for t in legend) and any(t.startswith("page-other (") for t in legend)
+    assert all("optimizer.lr=" in t and "num_rollouts=" in t for t in legend), legend
+    assert "optimizer.lr" in page.locator("#compare-settings").inner_text()
+    colours = {sw.get_attribute("style") for sw in overlay.locator(".legend .swatch").all()}
+    assert len(colours) == 2
+    shot("07-compare")
+
+    # Its data as CSV: a column per run, a row per rollout, the values the API has.
+    with page.expect_download() as info:
+        overlay.locator("button.csv").click()
+    info.value.save_as(ARTIFACTS / "compare.csv")
+    rows = list(csv.reader((ARTIFACTS / "compare.csv").open()))
+    assert rows[0][0] == "rollout_id" and len(rows[0]) == 3
+    column = next(i for i, h in enumerate(rows[0]) if h.startswith("page-other ("))
+    records = api.get(f"/runs/{other_id}/metrics", params={"fields": "rollout/reward_mean", "limit": 1000}).json()
+    want = {r["rollout_id"]: r["rollout/reward_mean"] for r in records["records"] if "rollout/reward_mean" in r}
+    assert want and {int(r[0]): float(r[column]) for r in rows[1:] if r[column]} == want
     assert errors == []
     print(f"screenshots in {ARTIFACTS}")

@@ -145,7 +145,7 @@ def test_metrics_come_from_a_cursor_with_a_field_filter(stack, config, redis_url
 def test_recent_groups_are_paged_newest_first_and_bounded(stack, config):
     api, buffer = stack
     run_id = api.post("/runs", json=config).json()["id"]
-    assert api.get(f"/runs/{run_id}/samples").json() == {"groups": [], "offset": 0, "total": 0}
+    assert api.get(f"/runs/{run_id}/samples").json() == {"groups": [], "offset": 0, "total": 0, "kept": 0}
     # the run waits for the trainer once the buffer holds it: write groups as a rollout would
     for _ in range(200):
         try:
@@ -169,7 +169,19 @@ def test_recent_groups_are_paged_newest_first_and_bounded(stack, config):
     assert len(page["groups"]) == 1 and [s["reward"] for s in page["groups"][0]["samples"]] == [0.5, 0.0]
     assert api.get(f"/runs/{run_id}/samples", params={"offset": 5}).json()["groups"] == []
 
-    for bad in ({"offset": -1}, {"limit": 0}, {"limit": 101}, {"offset": 5000}):
+    # Filtered: each group keeps only its matching samples, groups with none are left out, and
+    # the pages are of the groups that match.
+    page = api.get(f"/runs/{run_id}/samples", params={"min_reward": 0.75}).json()
+    assert [[s["reward"] for s in g["samples"]] for g in page["groups"]] == [[0.75], [1.0]]
+    assert page["total"] == 2 and page["kept"] == RECENT and page["groups"][0]["samples_total"] == 2
+    page = api.get(f"/runs/{run_id}/samples", params={"min_reward": 0.75, "offset": 1, "limit": 1}).json()
+    assert [[s["reward"] for s in g["samples"]] for g in page["groups"]] == [[1.0]] and page["total"] == 2
+    page = api.get(f"/runs/{run_id}/samples", params={"max_reward": 0, "status": "completed"}).json()
+    assert [[s["reward"] for s in g["samples"]] for g in page["groups"]] == [[0.0], [0.0], [0.0, 0.0], [0.0]]
+    assert api.get(f"/runs/{run_id}/samples", params={"status": "failed"}).json()["total"] == 0
+
+    bad_filters = ({"status": "lost"}, {"min_reward": "nan"}, {"min_reward": 1, "max_reward": 0})
+    for bad in ({"offset": -1}, {"limit": 0}, {"limit": 101}, {"offset": 5000}, *bad_filters):
         assert api.get(f"/runs/{run_id}/samples", params=bad).status_code == 422, bad
     assert api.get("/runs/nope/samples").status_code == 404
 
@@ -190,7 +202,7 @@ def test_the_page_is_served_without_the_token_and_the_api_needs_it(stack):
     page = bare.get("/ui/")
     assert page.status_code == 200 and "<title>rlmesh runs</title>" in page.text
     assert "script-src 'self'" in page.headers["content-security-policy"]  # model output cannot run script
-    for name in ("app.js", "chart.js", "style.css"):
+    for name in ("app.js", "chart.js", "samples.js", "compare.js", "style.css"):
         assert bare.get(f"/ui/{name}").status_code == 200
     assert bare.get("/runs").status_code == 401
     assert bare.get("/ui/../runs").status_code in (401, 404)

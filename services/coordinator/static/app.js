@@ -22,6 +22,8 @@ const TEMPLATE = {
 // names are those the coordinator records (GET /runs/{id}/metrics).
 const CHARTS = [
   ["Reward: train and held-out", ["rollout/reward_mean", /^eval\/[^/]+\/reward_mean$/]],
+  // The eval's reward components, each its own line (the chart above has their weighted total).
+  ["Held-out reward by component", [/^eval\/[^/]+\/reward\/.+_mean$/]],
   ["Response length (tokens)", ["rollout/response_length_mean", /^eval\/[^/]+\/response_length_mean$/]],
   ["KL to the rollout policy (approx)", ["train/approx_kl", /^train\/kl/]],
   ["Entropy", ["train/entropy"]],
@@ -145,7 +147,16 @@ function renderRuns() {
     phase.textContent = r.queue_position ? `queued #${r.queue_position}` : r.phase;
     const progress = document.createElement("td");
     progress.textContent = `${r.rollout_id} / ${r.num_rollouts}`;
-    tr.append(name, status, phase, progress);
+    const pick = document.createElement("td");
+    const box = document.createElement("input");
+    box.type = "checkbox";
+    box.className = "compare";
+    box.title = "Compare this run's curves with the other ticked runs'";
+    box.checked = compareIds().includes(r.id);
+    box.addEventListener("click", (ev) => ev.stopPropagation());
+    box.addEventListener("change", () => toggleCompare(r.id, box.checked));
+    pick.append(box);
+    tr.append(pick, name, status, phase, progress);
     tr.addEventListener("click", () => selectRun(r.id));
     body.append(tr);
   }
@@ -158,7 +169,7 @@ function resetCharts() {
   state.names = new Set();
   state.extra = new Map();
   state.charts = CHARTS.map(([title, names, x, options]) => ({
-    names, x: x || "rollout_id", chart: new LineChart(title, options),
+    names, x: x || "rollout_id", chart: new LineChart(title, { xName: x || "rollout_id", ...options }),
   }));
   const box = $("#charts");
   box.replaceChildren(...state.charts.map((c) => c.chart.root));
@@ -210,7 +221,7 @@ $("#add-chart").addEventListener("change", async (ev) => {
   const key = ev.target.value;
   ev.target.value = "";
   if (!key || state.extra.has(key) || !state.selected) return;
-  const chart = new LineChart(key);
+  const chart = new LineChart(key, { xName: "rollout_id" });
   state.extra.set(key, chart);
   $("#charts").append(chart.root);
   // The points so far: the field alone, from the start.
@@ -284,89 +295,6 @@ for (const action of ["pause", "resume", "stop", "delete"]) {
   $(`#${action}`).addEventListener("click", () => control(action));
 }
 
-// ---- samples -------------------------------------------------------------------------
-
-function el(tag, className, text) {
-  const e = document.createElement(tag);
-  if (className) e.className = className;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
-function promptOf(sample) {
-  if (sample.messages && sample.messages.length) {
-    return sample.messages.map((m) => `[${m.role}] ${m.content}`).join("\n");
-  }
-  return sample.prompt;
-}
-
-function renderGroup(g) {
-  const card = el("article", "group");
-  card.dataset.groupId = g.group_id;
-  const first = g.samples[0] || {};
-  card.append(el("h3", "", `group ${g.group_index} · ${g.dataset || "?"} · ${g.group_id}`));
-  card.append(el("pre", "prompt", promptOf(first)));
-  if (first.label) card.append(el("p", "muted", `label: ${first.label}`));
-  const table = el("table", "samples");
-  const head = el("tr");
-  for (const h of ["#", "status", "reward", "components", "weights", "tokens", "response"]) head.append(el("th", "", h));
-  table.append(head);
-  for (const s of g.samples) {
-    const tr = el("tr");
-    tr.append(el("td", "", String(s.index)));
-    tr.append(el("td", `sample-${s.status}`, s.status));
-    tr.append(el("td", "num", formatNumber(s.reward)));
-    tr.append(el("td", "", Object.entries(s.reward_components || {}).map(([k, v]) => `${k}=${formatNumber(v)}`).join(", ")));
-    tr.append(el("td", "", (s.weight_versions || []).map((v) => `v${v}`).join(" ")));
-    tr.append(el("td", "num", String(s.response_length)));
-    const response = el("td");
-    response.append(el("pre", "response", s.response));
-    const meta = s.metadata || {};
-    if (meta.failure) response.append(el("p", "error", `failed: ${meta.failure}`));
-    if (Array.isArray(meta.agent_turns) && meta.agent_turns.length) {
-      // An agent episode: the model's turns and the tools' answers (trained with loss mask 0).
-      const tools = meta.agent_turns.filter((t) => t.role === "tool").length;
-      const turns = el("details", "turns");
-      turns.append(el("summary", "", `${meta.agent_turns.length} turns, ${tools} tool answers`));
-      for (const t of meta.agent_turns) {
-        const who = t.role === "tool" ? `tool${t.name ? " " + t.name : ""}` : t.role;
-        turns.append(el("pre", `turn turn-${t.role}`, `[${who}] ${t.content}`));
-      }
-      response.append(turns);
-    }
-    tr.append(response);
-    table.append(tr);
-  }
-  card.append(table);
-  return card;
-}
-
-async function loadSamples() {
-  const id = state.selected;
-  if (!id) return;
-  try {
-    const page = await api(`/runs/${id}/samples?offset=${state.samplesOffset}&limit=${SAMPLES_PAGE}`);
-    if (state.selected !== id) return;
-    $("#samples-total").textContent = String(page.total);
-    $("#samples").replaceChildren(...page.groups.map(renderGroup));
-    if (!page.groups.length) $("#samples").append(el("p", "muted", "no groups yet"));
-    $("#samples-newer").disabled = state.samplesOffset === 0;
-    $("#samples-older").disabled = state.samplesOffset + SAMPLES_PAGE >= page.total;
-  } catch (e) {
-    $("#samples").replaceChildren(el("p", "error", describeError(e)));
-  }
-}
-
-$("#samples-newer").addEventListener("click", () => {
-  state.samplesOffset = Math.max(0, state.samplesOffset - SAMPLES_PAGE);
-  loadSamples();
-});
-$("#samples-older").addEventListener("click", () => {
-  state.samplesOffset += SAMPLES_PAGE;
-  loadSamples();
-});
-$("#samples-refresh").addEventListener("click", loadSamples);
-
 // ---- checkpoints ---------------------------------------------------------------------
 
 async function loadCheckpoints() {
@@ -396,6 +324,7 @@ for (const b of document.querySelectorAll("#tabs button")) {
     for (const t of document.querySelectorAll(".tab")) t.hidden = t.id !== `tab-${state.tab}`;
     if (state.tab === "samples") loadSamples();
     if (state.tab === "checkpoints") loadCheckpoints();
+    if (state.tab === "compare") loadCompare();
   });
 }
 
@@ -471,6 +400,7 @@ async function tick() {
   if (state.tab === "samples" && state.run && ACTIVE.includes(state.run.status) && state.samplesOffset === 0) {
     await loadSamples();
   }
+  if (state.tab === "compare") await pollCompare();
   if (!$("#app").hidden) state.timer = setTimeout(tick, POLL_MS);
 }
 
@@ -490,4 +420,5 @@ async function start() {
   if (!state.selected && state.runs.length) await selectRun(state.runs[state.runs.length - 1].id);
 }
 
-start();
+// (after the page's other scripts have run: samples.js and compare.js add to it)
+window.addEventListener("DOMContentLoaded", start);

@@ -1,6 +1,7 @@
 // A small line chart in SVG: several named series of (x, y) points, axes with a few
 // ticks, a legend with each series' latest value. Stacked, each series is drawn as a band
-// on top of the ones before it (parts of a whole: a step's time split). No dependencies.
+// on top of the ones before it (parts of a whole: a step's time split). Its data downloads
+// as CSV (one column per series, a row per x). No dependencies.
 "use strict";
 
 const SVG_NS = "http://www.w3.org/2000/svg";
@@ -59,9 +60,14 @@ function stack(series) {
   return out;
 }
 
+function csvField(v) {
+  return /[",\n\r]/.test(v) ? `"${v.replace(/"/g, '""')}"` : v;
+}
+
 class LineChart {
-  constructor(title, { width = 420, height = 220, stacked = false } = {}) {
+  constructor(title, { width = 420, height = 220, stacked = false, xName = "x" } = {}) {
     this.title = title;
+    this.xName = xName;
     this.stacked = stacked;
     this.width = width;
     this.height = height;
@@ -71,7 +77,13 @@ class LineChart {
     this.root.dataset.title = title;
     if (stacked) this.root.dataset.stacked = "true";
     const caption = document.createElement("figcaption");
-    caption.textContent = title;
+    const csv = document.createElement("button");
+    csv.type = "button";
+    csv.className = "csv quiet-light";
+    csv.textContent = "CSV";
+    csv.title = "Download this chart's data as CSV";
+    csv.addEventListener("click", () => this.download());
+    caption.append(document.createTextNode(title), csv);
     this.svg = svgElement("svg", { viewBox: `0 0 ${width} ${height}`, role: "img", "aria-label": title });
     this.legend = document.createElement("ul");
     this.legend.className = "legend";
@@ -82,6 +94,34 @@ class LineChart {
     if (typeof y !== "number" || !isFinite(y)) return;
     if (!this.series.has(name)) this.series.set(name, []);
     this.series.get(name).push([x, y]);
+  }
+
+  // One row per x (ascending), a column per series; a series without a point at an x is empty there.
+  csv() {
+    const names = [...this.series.keys()];
+    const rows = new Map();
+    names.forEach((name, i) => {
+      for (const [x, y] of this.series.get(name)) {
+        if (!rows.has(x)) rows.set(x, new Array(names.length).fill(""));
+        rows.get(x)[i] = String(y);
+      }
+    });
+    // (a name a spreadsheet would take for a formula is quoted with a leading ')
+    const header = [this.xName, ...names].map((n) => (/^[=+@-]/.test(n) ? `'${n}` : n));
+    const lines = [header.map(csvField).join(",")];
+    for (const x of [...rows.keys()].sort((a, b) => a - b)) lines.push([String(x), ...rows.get(x)].map(csvField).join(","));
+    return lines.join("\n") + "\n";
+  }
+
+  download() {
+    const url = URL.createObjectURL(new Blob([this.csv()], { type: "text/csv" }));
+    const a = document.createElement("a");
+    a.href = url;
+    a.download = `${this.title.replace(/[^A-Za-z0-9._-]+/g, "_").replace(/^_+|_+$/g, "").slice(0, 80) || "chart"}.csv`;
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 10_000);
   }
 
   points() {
