@@ -104,6 +104,9 @@ def test_ctrl_c_asks_whether_to_stop_the_run(stack, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # (a shell that starts a job in the background, as CI may, leaves SIGINT ignored, and
+        # Python then installs no Ctrl-C handler: the CLI's as a terminal would have it)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     first = cli.stdout.readline()
     run_id = first.split()[1]

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import redis
 
@@ -103,7 +104,16 @@ class Chaos:
             hold.unlink(missing_ok=True)
 
     def stats(self, run_id: str, timeout: float = 30) -> buffer_pb2.BufferStats:
-        return self.buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id), timeout=timeout)
+        """The buffer's figures, asked again while it answers UNAVAILABLE ("retry shortly", as
+        every service's client does: its Redis may be restarting after a fault)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.buffer.GetStats(buffer_pb2.GetStatsRequest(run_id=run_id), timeout=timeout)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def wait_rollout(self, run_id: str, done: int = 1) -> None:
         """Until the run has done this many rollouts (the next generation is starting)."""
