@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 
 from bench.report import print_table
+from rlmesh.cli.client import follow
 from rlmesh.cli.demo import demo_config, run_metrics, write_task
 from rlmesh.cli.launcher import datasets_dir, start_stack
 from rlmesh.cli.tiny_model import build_tiny_model
@@ -52,12 +53,7 @@ def run_mode(api: httpx.Client, config: dict, mode: str) -> dict:
     r = api.post("/runs", json={**config, "mode": mode, "name": f"bench.async {mode} seed {config['seed']}"})
     r.raise_for_status()
     run_id = r.json()["id"]
-    while (run := api.get(f"/runs/{run_id}", params={"metrics_last": 0}).json())["status"] not in (
-        "completed",
-        "failed",
-        "stopped",
-    ):
-        time.sleep(0.5)
+    run = follow(api, run_id, time.monotonic(), echo=lambda _line: None)  # (until it ends)
     if run["status"] != "completed":
         raise SystemExit(f"{mode} run {run['status']}: {run['error']}")
     rl = [m for m in run_metrics(api, run_id) if "iteration/seconds" in m]
