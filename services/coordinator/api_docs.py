@@ -70,10 +70,13 @@ def mount_api_docs(app: FastAPI) -> None:
         return page
 
 
+UNPARSABLE = "The HTTP request cannot be parsed (say, a request line over the server's limit, about 64 KiB)."
+
+
 def declare_bearer(app: FastAPI, is_open: Callable[[str], bool], description: str) -> None:
     """The spec says which routes need `Authorization: Bearer <token>`: every one for which
     is_open(path) does not hold (the token check itself is a middleware, which FastAPI
-    does not see)."""
+    does not see); and that any route can get the HTTP server's 400."""
     build = app.openapi
 
     def openapi() -> dict:
@@ -83,9 +86,11 @@ def declare_bearer(app: FastAPI, is_open: Callable[[str], bool], description: st
                 BEARER_SCHEME: {"type": "http", "scheme": "bearer", "description": description}
             }
             for path, operations in schema["paths"].items():
-                if not is_open(path):
-                    for operation in operations.values():
+                for operation in operations.values():
+                    if not is_open(path):
                         operation["security"] = [{BEARER_SCHEME: []}]
+                    # (the HTTP server answers it before any route sees the request)
+                    operation["responses"].setdefault("400", {"description": UNPARSABLE})
         return app.openapi_schema
 
     app.openapi = openapi
