@@ -19,7 +19,12 @@ interleaved seed by seed. The baseline is the sync run, measured in the same inv
 sync runs' own phase times, and `fully_async_fraction_of_ideal` = (fully_async samples/s /
 sync samples/s) / ideal_speedup.
 
-    python -m bench.async [--rollouts 80] [--seeds 5]
+    python -m bench.async [--rollouts 80] [--seeds 5] [--preamble 96] [--modes sync,fully_async]
+
+`--preamble N` puts an N-character instruction before every prompt (the same for all, as a
+system prompt or few-shot examples are): the engine computes it once and shares it (its prefix
+cache), while the trainer's forward and backward passes cover it in every sample, so training
+becomes a real share of a step, as it is where engines run on GPUs.
 
 It ends with its summary as markdown tables (the form docs/benchmarks.md keeps), then one
 line: a JSON object with the results.
@@ -47,6 +52,14 @@ from rlmesh.common.off_policy import ASYNC_DEFAULT
 from rlmesh.common.run_config import DEFAULT_MAX_STALENESS
 
 MODES = ("sync", "one_step_off", "fully_async")
+PREAMBLE = "Reverse the three letters after rev; answer with them alone. "
+
+
+def add_preamble(path: Path, chars: int) -> None:
+    """Every prompt of the dataset at `path` begins with the same `chars`-character instruction."""
+    preamble = (PREAMBLE * (chars // len(PREAMBLE) + 1))[:chars]
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "prompt": preamble + r["prompt"]}) + "\n" for r in rows))
 
 
 def run_mode(api: httpx.Client, config: dict, mode: str) -> dict:
@@ -118,13 +131,20 @@ def main() -> None:
         help="the older rollout_is_upper correction in every mode, instead of the modes' default "
         "off_policy correction (0 = the run config's defaults)",
     )
+    parser.add_argument(
+        "--preamble", type=int, default=0, help="characters of a shared instruction before every prompt (0: none)"
+    )
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated; sync is always run (the baseline)")
     args = parser.parse_args()
+    modes = ["sync", *(m for m in MODES if m != "sync" and m in args.modes.split(","))]
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per torch process (engine, trainer)
 
     with tempfile.TemporaryDirectory(prefix="rlmesh-bench-async-") as tmp:
         data_dir = Path(tmp)
         model = build_tiny_model(data_dir / "tiny-model")
         train, held_out = write_task(datasets_dir(data_dir) / "demo")
+        for path in (train, held_out) if args.preamble else ():
+            add_preamble(path, args.preamble)
         config = demo_config(str(model), train, held_out, args.sft_steps, args.rollouts).model_dump(mode="json")
         config["eval"]["interval"] = 0
         if args.lr:
@@ -137,10 +157,10 @@ def main() -> None:
         stack = start_stack(data_dir, str(model))
         try:
             with httpx.Client(base_url=stack.coordinator_url, timeout=60, headers=client_headers()) as api:
-                runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+                runs: dict[str, list[dict]] = {mode: [] for mode in modes}
                 for seed in range(args.seeds):  # interleaved: a change of the machine's load hits every mode
                     seeded = {**config, "seed": seed, "datasets": [{**d, "seed": seed} for d in config["datasets"]]}
-                    for mode in MODES:
+                    for mode in modes:
                         bound = (
                             {"max_staleness": args.max_staleness}
                             if mode == "fully_async" and args.max_staleness
@@ -162,7 +182,8 @@ def main() -> None:
         r["collapsed"] = sum(e < sync["eval_after"] / 2 for e in r["evals"])
     g, t = sync["generate_seconds"], sync["train_seconds"]
     ideal = (g + t) / max(g, t)
-    speedup = results["fully_async"]["samples_per_s"] / sync["samples_per_s"]
+    speedups = {mode: r["samples_per_s"] / sync["samples_per_s"] for mode, r in results.items() if mode != "sync"}
+    speedup = speedups.get("fully_async", float("nan"))
     print(
         f"sync phases: generation {g:.1f} s, training {t:.1f} s -> ideal speedup {ideal:.2f}; "
         f"fully_async achieved {speedup:.2f} ({speedup / ideal:.0%} of ideal)"
@@ -170,7 +191,8 @@ def main() -> None:
     samples_per_rollout = config["rollout"]["rollout_batch_size"] * config["rollout"]["n_samples_per_prompt"]
     title = (
         f"python -m bench.async: {args.seeds} seeds x {args.rollouts} rollouts x {samples_per_rollout} samples, "
-        f"lr {config['optimizer']['lr']:g}, pause_mode {args.pause_mode}, {os.cpu_count()} CPUs"
+        f"lr {config['optimizer']['lr']:g}, pause_mode {args.pause_mode}, preamble {args.preamble} chars, "
+        f"{os.cpu_count()} CPUs"
     )
     seeds = ", ".join(str(seed) for seed in range(args.seeds))
     print_table(
@@ -204,8 +226,7 @@ def main() -> None:
                 "sync_generate_seconds": round(g, 2),
                 "sync_train_seconds": round(t, 2),
                 "ideal_speedup": round(ideal, 3),
-                "one_step_off_speedup": round(results["one_step_off"]["samples_per_s"] / sync["samples_per_s"], 3),
-                "fully_async_speedup": round(speedup, 3),
+                **{f"{mode}_speedup": round(x, 3) for mode, x in speedups.items()},
                 "fully_async_fraction_of_ideal": round(speedup / ideal, 3),
                 **{f"{mode}_eval_after": round(r["eval_after"], 3) for mode, r in results.items()},
                 **{
@@ -223,6 +244,7 @@ def main() -> None:
                 "rollouts": args.rollouts,
                 "seeds": args.seeds,
                 "samples_per_rollout": samples_per_rollout,
+                "preamble_chars": args.preamble,
             }
         )
     )

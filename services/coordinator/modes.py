@@ -219,18 +219,18 @@ class FullyAsyncMode(RunMode):
         if self.heartbeat is None:
             self.heartbeat = asyncio.create_task(self._beat(), name=f"heartbeat-{calls.run_id}")
             self.loop_may_run = True
-        await self._start_generation()
-        t, train_seconds = await calls.train_batch(self.on_no_batch)
+        # StartAsyncRollout (starts the loop, or is a heartbeat that collects its metrics) beside
+        # the train call, which waits for its batch anyway; the buffer's figures beside the push.
+        (t, train_seconds), _ = await alongside(calls.train_batch(self.on_no_batch), self._start_generation())
         t1 = time.monotonic()
-        w, update_seconds = await self._push_weights()
+        (w, update_seconds), buffer = await alongside(self._push_weights(), calls.buffer_metrics())
         generation, self.generation_metrics = self.generation_metrics, {}
         # The generation runs beside the step: what the step waits for is a full batch, inside
         # its train call (the trainer's own step time is train/seconds).
         compute = min(float(t.metrics.get("seconds", train_seconds)), train_seconds)
         waited = {"generate": train_seconds - compute, "reward": 0.0, "train": compute, "update": update_seconds}
-        return iteration_record(
-            rollout_id, generation, t, w, {"train": train_seconds, "pause": time.monotonic() - t1}, t0, waited
-        )
+        phases = {"train": train_seconds, "pause": time.monotonic() - t1}
+        return {**iteration_record(rollout_id, generation, t, w, phases, t0, waited), **buffer}
 
     async def _push_weights(self) -> tuple[dict, float]:
         """The trainer's weights to the engines, paused meanwhile (pause_mode); its metrics
