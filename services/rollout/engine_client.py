@@ -234,6 +234,10 @@ class EnginePool:
             )
 
     async def states(self) -> list[EngineState]:
+        return [s for _, s in await self.probe()]
+
+    async def probe(self) -> list[tuple[SGLangClient, EngineState]]:
+        """Every engine with its state now (pairs: discovery may change the members meanwhile)."""
         await self.refresh_workers()
 
         async def one(e: SGLangClient) -> EngineState:
@@ -263,7 +267,7 @@ class EnginePool:
                 s.state = "serving" if s.url in serving else "behind"
         if self.metrics is not None:
             self.metrics.engines_by_state([s.state for s in states + self.leaving()])
-        return states
+        return list(zip(engines, states))
 
     async def abort_all(self) -> None:
         await asyncio.gather(*(e.abort(abort_all=True) for e in self.engines), return_exceptions=True)
@@ -302,8 +306,9 @@ class EnginePool:
         down is left out and joins the next group once it answers. Returns how many joined."""
         if world_size < 2:
             raise InvalidArgument("world_size must count the trainer (rank 0) and every engine rank")
-        everyone = await self.states()
-        members = [(e, s) for e, s in zip(self.engines, everyone) if s.healthy]
+        probed = await self.probe()
+        everyone = [s for _, s in probed]
+        members = [(e, s) for e, s in probed if s.healthy]
         if not members:
             raise Unavailable(f"engines not answering: {', '.join(s.url for s in everyone)}")
         states = [s for _, s in members]
@@ -416,7 +421,7 @@ class EnginePool:
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         if not model_path:
             raise InvalidArgument("model_path is required")
-        members = [e for e, s in zip(self.engines, await self.states()) if s.healthy]
+        members = [e for e, s in await self.probe() if s.healthy]
         if not members:
             raise Unavailable("engines not answering: weights not loaded")
         await asyncio.gather(
