@@ -47,7 +47,7 @@ async def update_weights_from_tensor(
     size = sum(len(s) for s in serialized)
     if size > MAX_SERIALIZED_BYTES:
         raise InvalidArgument(f"serialized_named_tensors holds {size} bytes, more than {MAX_SERIALIZED_BYTES}")
-    members = [e for e, s in zip(pool.engines, await pool.states()) if s.healthy]
+    members = [e for e, s in await pool.probe() if s.healthy]
     if not members:
         raise Unavailable("engines not answering: weights not updated")
     body = {

@@ -2,11 +2,12 @@
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlmesh.common.plugins import PluginPath
 from rlmesh.common.settings import GrpcServiceSettings
+from rlmesh.rollout.discovery import DiscoveryConfig
 
 # The generate functions every rollout service has; `generate_functions` adds the operator's.
 BUILTIN_GENERATE_FUNCTIONS = {
@@ -44,7 +45,15 @@ class Settings(GrpcServiceSettings):
     reward_address: str = Field("127.0.0.1:50053", description="host:port of the reward service.")
     engine_urls: list[str] = Field(
         default_factory=lambda: ["http://127.0.0.1:30000"],
-        description="Inference engines (SGLang servers or the reference engine), by base URL.",
+        description="Inference engines (SGLang servers or the reference engine), by base URL "
+        "(engine_discovery source 'static', the default).",
+    )
+    engine_discovery: DiscoveryConfig = Field(
+        default_factory=DiscoveryConfig,
+        description="Where the engines are found while the service runs: 'static' (engine_urls), 'dns' (every "
+        "address of a headless Service, re-resolved), 'router' (a router's worker list), e.g. "
+        '{"source": "dns", "dns_address": "engine:30000"}. New engines generate once the trainer\'s next '
+        "push gave them the run's weights; vanished ones take no new request (see DiscoveryConfig).",
     )
     router_url: str = Field(
         "", description="An SGLang router: generation goes through it; weight calls go to its workers (GET /workers)."
@@ -131,3 +140,12 @@ class Settings(GrpcServiceSettings):
     )
     openai_host: str = Field("127.0.0.1", description="Interface of the OpenAI-compatible endpoint agents call.")
     openai_port: int = Field(0, ge=0, le=65535, description="Its port (0 = any free port).")
+
+    @model_validator(mode="after")
+    def _one_engine_source(self) -> "Settings":
+        if self.router_url and self.engine_discovery.source != "static":
+            raise ValueError(
+                "router_url sends generation through a router that lists its workers itself; "
+                "engine_discovery (which sends it to each engine) cannot be used with it"
+            )
+        return self

@@ -1,6 +1,7 @@
-"""The one client for inference engines: SGLang's native HTTP API. Production engines
-are SGLang servers (optionally behind the SGLang router); the reference engine serves
-the same API on CPU, and this client cannot tell them apart."""
+"""The engine pool: every inference engine of the rollout service, through the one client of
+SGLang's native HTTP API (`rlmesh.rollout.sglang_client`). Production engines are SGLang
+servers (optionally behind the SGLang router); the reference engine serves the same API on
+CPU, and the client cannot tell them apart."""
 
 from __future__ import annotations
 
@@ -8,259 +9,43 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import httpx
 
 from rlmesh.common.auth import credential_headers
-from rlmesh.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
 from rlmesh.rollout.metrics import RolloutMetrics
+from rlmesh.rollout.sglang_client import (
+    GENERATE_CONNECTION_POOLS,
+    KEEPALIVE_EXPIRY_SECONDS,
+    PAUSE_MODES,
+    EngineBehind,
+    EngineError,
+    EnginesBehind,
+    EngineState,
+    SGLangClient,
+    TensorMeta,
+    WeightDelta,
+    version_number,
+    weight_group_world_size,
+)
+
+# (what callers import from here, where it lives)
+__all__ = [
+    "PAUSE_MODES",
+    "EngineBehind",
+    "EngineError",
+    "EnginePool",
+    "EngineState",
+    "EnginesBehind",
+    "SGLangClient",
+    "TensorMeta",
+    "WeightDelta",
+    "weight_group_world_size",
+]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineState:
-    url: str
-    tp_size: int = 1
-    weight_version: str = "default"
-    healthy: bool = True
-    model_path: str = ""
-    tokenizer_path: str = ""
-    weight_delta_format: str = ""  # the rlmesh delta-update format it accepts; "" = none (SGLang)
-    weight_file_format: str = ""  # the rlmesh weight-file format it maps (colocated); "" = none (SGLang)
-
-
-class EngineError(Unavailable):
-    pass
-
-
-class EngineBehind(EngineError):
-    """An engine answered with weights older than the request needs (it restarted on its
-    base weights since it was last asked): the sample is generated again elsewhere."""
-
-
-class EnginesBehind(Aborted):
-    """Every engine that answers holds weights older than the request needs: the caller
-    pushes the current weights first, then asks again (an engine never generates on
-    weights it should not have, and the rollout does not wait for a push that only its
-    caller can start)."""
-
-
-@dataclass(frozen=True)
-class WeightDelta:
-    """A delta bucket's announcement (the rlmesh extension, docs/engine-api.md)."""
-
-    count: int
-    index_dtype: str
-    base_version: str
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """One tensor of a weight-update bucket, by its Hugging Face name."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-def weight_group_world_size(states: list[EngineState]) -> int:
-    """The trainer (rank 0) plus every engine's tensor-parallel ranks."""
-    return 1 + sum(s.tp_size for s in states)
-
-
-GENERATE_ATTEMPTS = 3
-# Idle pooled connections are dropped before servers (uvicorn: 5 s by default) close them.
-KEEPALIVE_EXPIRY_SECONDS = 2.0
-# /generate calls are spread over this many connection pools. Each call holds a
-# connection until its sample is done, and httpcore scans every connection of a pool for
-# every request it places: with hundreds of samples in flight one pool spent most of the
-# rollout service's CPU there (the rollout, not the engine, bounded generation).
-GENERATE_CONNECTION_POOLS = 16
-
-
-class SGLangClient:
-    """Talks to one engine (or to a router, for /generate)."""
-
-    def __init__(
-        self,
-        url: str,
-        http: httpx.AsyncClient,
-        timeout: float,
-        weight_timeout: float,
-        generate_timeout: float | None = None,
-        seconds_per_token: float = 0.0,
-        generate_http: list[httpx.AsyncClient] | None = None,
-    ) -> None:
-        self.url = url.rstrip("/")
-        self.http = http
-        self.generate_http = generate_http or [http]  # /generate's pools, taken in turn
-        self._next_pool = itertools.count()
-        self.timeout = timeout
-        self.weight_timeout = weight_timeout
-        self.generate_timeout = generate_timeout or timeout
-        self.seconds_per_token = seconds_per_token
-        self._has_weight_session: bool | None = None  # SGLang >= 0.5.21 wants begin/end
-        self._older_info_names = False  # SGLang < 0.5.10: /get_model_info, /get_server_info only
-        self._in_session = False  # begun and not yet ended
-        self.weight_delta_format = ""  # as its /server_info said when last asked (states())
-        self._live_rids: dict[str, str] = {}  # rid a caller knows -> rid of the retry in flight
-        self.metrics: RolloutMetrics | None = None  # counts tokens and requests (set by the pool)
-        self.answered_version: int | None = None  # the weight version of its last /generate answer
-
-    async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
-        try:
-            return await self.http.post(self.url + path, json=body, timeout=timeout or self.timeout)
-        except httpx.HTTPError as e:
-            raise EngineError(f"engine {self.url}: POST {path} failed: {type(e).__name__}: {e}") from None
-
-    async def _get_json(self, path: str, older_name: str = "") -> dict:
-        """With `older_name`: the route's name before SGLang 0.5.10, which newer SGLang
-        deprecates; asked (from then on) when an engine answers 404 to the new one."""
-        if older_name and self._older_info_names:
-            path = older_name
-        try:
-            r = await self.http.get(self.url + path, timeout=self.timeout)
-        except httpx.HTTPError as e:
-            raise EngineError(f"engine {self.url}: GET {path} failed: {type(e).__name__}: {e}") from None
-        if r.status_code == 404 and older_name and path != older_name:
-            self._older_info_names = True
-            return await self._get_json(older_name)
-        if r.status_code != 200:
-            raise EngineError(f"engine {self.url}: GET {path} answered {r.status_code}: {r.text[:300]}")
-        return r.json()
-
-    async def generate(
-        self, input_ids: list[int], sampling_params: dict, rid: str, return_logprob: bool = True
-    ) -> dict:
-        body = {
-            "input_ids": input_ids,
-            "sampling_params": sampling_params,
-            "rid": rid,
-            "return_logprob": return_logprob,
-            "logprob_start_len": -1,
-        }
-        # Finite and sized from the work asked for: a frozen engine is noticed within it.
-        timeout = self.generate_timeout + self.seconds_per_token * int(sampling_params.get("max_new_tokens") or 128)
-        started = self.metrics.started() if self.metrics is not None else 0.0
-        answer = None
-        try:
-            answer = await self._generate(body, rid, timeout)
-            version = answer.get("meta_info", {}).get("weight_version") if isinstance(answer, dict) else None
-            if version is not None:  # (SGLang before 0.4.10 does not say)
-                self.answered_version = _version_number(str(version))
-            return answer
-        finally:
-            if self.metrics is not None:
-                self.metrics.finished(started, answer)
-
-    async def _generate(self, body: dict, rid: str, timeout: float) -> dict:
-        try:
-            for attempt in range(GENERATE_ATTEMPTS):
-                if attempt:
-                    # A fresh rid: the broken one may still be in flight. abort(rid) follows it.
-                    body["rid"] = self._live_rids[rid] = f"{rid}-retry{attempt}"
-                try:
-                    http = self.generate_http[next(self._next_pool) % len(self.generate_http)]
-                    r = await http.post(self.url + "/generate", json=body, timeout=timeout)
-                    break
-                except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
-                    # The connection broke (a pooled connection closed under us, an engine
-                    # restarting); timeouts are not retried. Abort the broken request so it
-                    # cannot linger, then send it again.
-                    if attempt + 1 == GENERATE_ATTEMPTS:
-                        raise EngineError(
-                            f"engine {self.url}: POST /generate failed {GENERATE_ATTEMPTS} times: "
-                            f"{type(e).__name__}: {e}"
-                        ) from None
-                    await asyncio.sleep(0.1 * 2**attempt)
-                    try:
-                        await self.abort(rid)
-                    except EngineError:
-                        pass
-                except httpx.HTTPError as e:
-                    raise EngineError(f"engine {self.url}: POST /generate failed: {type(e).__name__}: {e}") from None
-        finally:
-            self._live_rids.pop(rid, None)
-        if r.status_code == 400:
-            raise InvalidArgument(f"engine {self.url} refused the request: {_error_message(r)}")
-        if r.status_code != 200:
-            raise EngineError(f"engine {self.url}: /generate answered {r.status_code}: {r.text[:300]}")
-        return r.json()
-
-    async def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        """Abort a request by the rid it was sent with (or the retry that replaced it)."""
-        await self._post("/abort_request", {"rid": self._live_rids.get(rid, rid), "abort_all": abort_all})
-
-    async def pause(self, mode: str = "abort") -> None:
-        await self._check(await self._post("/pause_generation", {"mode": mode}), "/pause_generation")
-
-    async def resume(self) -> None:
-        await self._check(await self._post("/continue_generation", {}), "/continue_generation")
-
-    async def model_info(self) -> dict:
-        return await self._get_json("/model_info", "/get_model_info")
-
-    async def server_info(self) -> dict:
-        return await self._get_json("/server_info", "/get_server_info")
-
-    async def workers(self) -> list[str]:
-        """The router's workers (the router does not forward weight calls)."""
-        return [w["url"] for w in (await self._get_json("/workers")).get("workers", [])]
-
-    async def weight_call(self, path: str, body: dict) -> dict:
-        r = await self._post(path, body, timeout=self.weight_timeout)
-        return await self._check(r, path)
-
-    async def begin_weight_update(self) -> None:
-        """Open a weight-update session unless one is open: a push's buckets share one."""
-        if self._has_weight_session is False or self._in_session:
-            return
-        self._in_session = True
-        try:
-            r = await self._post("/begin_weight_update", {"selector": "all"})
-            self._has_weight_session = r.status_code != 404
-            if self._has_weight_session:
-                await self._check(r, "/begin_weight_update")
-        except BaseException:
-            self._in_session = False
-            raise
-
-    async def end_weight_update(self) -> None:
-        if self._in_session:
-            self._in_session = False
-            if self._has_weight_session:
-                await self._check(await self._post("/end_weight_update", {}), "/end_weight_update")
-
-    async def _check(self, r: httpx.Response, path: str) -> dict:
-        try:
-            body = r.json() if r.content else {}
-        except ValueError:
-            body = {}
-        if r.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
-            msg = body.get("message") if isinstance(body, dict) else None
-            raise FailedPrecondition(f"engine {self.url}: {path} failed ({r.status_code}): {msg or r.text[:300]}")
-        return body if isinstance(body, dict) else {}
-
-
-def _error_message(r: httpx.Response) -> str:
-    try:
-        body = r.json()
-        return body.get("error", {}).get("message") or body.get("message") or r.text
-    except ValueError:
-        return r.text[:300]
-
-
-def _version_number(version: str) -> int:
-    try:
-        return int(version)
-    except (TypeError, ValueError):
-        return 0  # "default": never updated
 
 
 class EnginePool:
@@ -285,7 +70,11 @@ class EnginePool:
         generate_timeout: float | None = None,
         seconds_per_token: float = 0.0,
         metrics: RolloutMetrics | None = None,
+        dynamic: bool = False,
     ) -> None:
+        """`dynamic`: discovery changes the engines while the service runs (set_members), so
+        the pool may start with none and a weight group counted before a change is retried."""
+
         def http_client(connections: int) -> httpx.AsyncClient:
             return httpx.AsyncClient(
                 limits=httpx.Limits(
@@ -308,22 +97,26 @@ class EnginePool:
         self._versions: dict[str, int] = {}  # url -> the weight version it last reported or received
         self._current: int | None = None  # the version of the last weight update (None: none yet)
         self._groups: dict[str, list[SGLangClient]] = {}  # weight group name -> the engines in it
-        if not self.engines and not self.router:
+        self._leaving: list[SGLangClient] = []  # dropped by discovery, requests still in flight there
+        self.dynamic = dynamic or bool(router_url)
+        if not self.engines and not self.dynamic:
             raise ValueError("the rollout service needs engine_urls or a router_url")
 
     # ---- membership ---------------------------------------------------------------------
 
     def mark_down(self, engine: SGLangClient) -> None:
         """An engine's call broke: out of the generation rotation until it answers again."""
-        if engine is not self.router and engine.url not in self._down:
+        if engine is not self.router and not engine.retired and engine.url not in self._down:
             log.warning("engine %s left the pool (its samples are retried on the others)", engine.url)
             self._down.add(engine.url)
 
     def _set_up(self, engine: SGLangClient, version: str | int) -> None:
+        if engine.retired:
+            return  # (no longer a member: nothing to remember about it)
         if engine.url in self._down:
             log.info("engine %s answers again", engine.url)
         self._down.discard(engine.url)
-        self._versions[engine.url] = _version_number(str(version))
+        self._versions[engine.url] = version_number(str(version))
 
     def in_rotation(self) -> list[SGLangClient]:
         """Engines that answer and hold the weights of the last update (any that answer
@@ -335,9 +128,46 @@ class EnginePool:
     async def refresh_workers(self) -> None:
         """Behind a router, the engines are the router's workers."""
         if self.router:
-            urls = await self.router.workers()
-            known = {e.url: e for e in self.engines}
-            self.engines = [known.get(u.rstrip("/")) or self._client(u) for u in urls]
+            self.set_members(await self.router.workers())
+
+    def set_members(self, urls: list[str]) -> None:
+        """The engines discovery found now. One that is new joins behind: it takes no
+        generation until it holds the run's weights (the trainer's next push, which opens a
+        new weight group with it, sends them whole); one that is gone takes no new request,
+        and what it has in flight finishes there or, when it breaks, is retried on another."""
+        urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
+        known = {e.url: e for e in self.engines}
+        for url in [u for u in urls if u not in known]:
+            self._down.discard(url)
+            self._versions.pop(url, None)  # (an address seen before may be another engine now)
+            log.info(
+                "engine %s joined (%d engines): it generates once it holds the run's weights (version %s)",
+                url,
+                len(urls),
+                self._current if self._current is not None else "of the next push",
+            )
+        kept = set(urls)
+        for engine in [e for e in self.engines if e.url not in kept]:
+            engine.retired = True
+            self._leaving.append(engine)
+            self._down.discard(engine.url)
+            self._versions.pop(engine.url, None)
+            log.info(
+                "engine %s left (%d engines): no new requests; %d in flight finish there or are retried elsewhere",
+                engine.url,
+                len(urls),
+                engine.in_flight,
+            )
+        self.engines = [known.get(u) or self._client(u) for u in urls]
+        self._leaving = [e for e in self._leaving if e.in_flight and e.url not in kept]
+
+    def leaving(self) -> list[EngineState]:
+        """Engines discovery dropped that still have requests in flight."""
+        self._leaving = [e for e in self._leaving if e.in_flight]
+        return [
+            EngineState(url=e.url, state="leaving", healthy=e.url not in self._down, **_counts(e))
+            for e in self._leaving
+        ]
 
     def _client(self, url: str) -> SGLangClient:
         client = SGLangClient(
@@ -354,6 +184,8 @@ class EnginePool:
     def for_generation(self) -> SGLangClient:
         if self.router:
             return self.router
+        if not self.engines:
+            raise EngineError("no engines: discovery has found none yet")  # (the caller waits and retries)
         engines = self.in_rotation() or self.engines  # none left: try them all (the caller retries)
         return engines[next(self._next) % len(engines)]
 
@@ -362,7 +194,7 @@ class EnginePool:
         for_generation). None known to: every engine is asked (a restarted one answers
         with its base weights); EngineError while none answers (the caller waits and
         retries), EnginesBehind when those that answer all hold older weights."""
-        if not weight_version or self.router:
+        if not weight_version or self.router or not self.engines:
             return self.for_generation()  # (behind a router, the answer's version is checked)
 
         def holding() -> list[SGLangClient]:
@@ -394,13 +226,18 @@ class EnginePool:
                     f"the router {engine.url} answered with weight version {answered}, older than "
                     f"{weight_version}: push the current weights to its engines first"
                 )
-            self._versions[engine.url] = answered
+            if not engine.retired:
+                self._versions[engine.url] = answered
             raise EngineBehind(
                 f"engine {engine.url} answered with weight version {answered}, older than {weight_version} "
                 "(it restarted?): generating the sample again"
             )
 
     async def states(self) -> list[EngineState]:
+        return [s for _, s in await self.probe()]
+
+    async def probe(self) -> list[tuple[SGLangClient, EngineState]]:
+        """Every engine with its state now (pairs: discovery may change the members meanwhile)."""
         await self.refresh_workers()
 
         async def one(e: SGLangClient) -> EngineState:
@@ -408,7 +245,7 @@ class EnginePool:
                 info, server = await asyncio.gather(e.model_info(), e.server_info())
             except Unavailable:
                 self.mark_down(e)
-                return EngineState(url=e.url, healthy=False)
+                return EngineState(url=e.url, healthy=False, state="down", **_counts(e))
             e.weight_delta_format = str(server.get("rlmesh_weight_delta") or "")
             self._set_up(e, info.get("weight_version", "default"))
             return EngineState(
@@ -419,9 +256,18 @@ class EnginePool:
                 tokenizer_path=info.get("tokenizer_path", "") or info.get("model_path", ""),
                 weight_delta_format=e.weight_delta_format,
                 weight_file_format=str(server.get("rlmesh_weight_file") or ""),
+                **_counts(e),
             )
 
-        return list(await asyncio.gather(*(one(e) for e in self.engines)))
+        engines = list(self.engines)
+        states = list(await asyncio.gather(*(one(e) for e in engines)))
+        serving = {e.url for e in self.in_rotation()}
+        for s in states:
+            if s.healthy:
+                s.state = "serving" if s.url in serving else "behind"
+        if self.metrics is not None:
+            self.metrics.engines_by_state([s.state for s in states + self.leaving()])
+        return list(zip(engines, states))
 
     async def abort_all(self) -> None:
         await asyncio.gather(*(e.abort(abort_all=True) for e in self.engines), return_exceptions=True)
@@ -433,6 +279,8 @@ class EnginePool:
         one that does not answer leaves the pool (a dead engine generates nothing, so it
         needs no pausing). Fails only when no engine answered."""
         engines = list(self.engines)
+        if not engines:
+            return  # (none found yet: nothing generates)
         results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
         for engine, result in zip(engines, results):
             if isinstance(result, EngineError):
@@ -458,15 +306,16 @@ class EnginePool:
         down is left out and joins the next group once it answers. Returns how many joined."""
         if world_size < 2:
             raise InvalidArgument("world_size must count the trainer (rank 0) and every engine rank")
-        everyone = await self.states()
-        members = [(e, s) for e, s in zip(self.engines, everyone) if s.healthy]
+        probed = await self.probe()
+        everyone = [s for _, s in probed]
+        members = [(e, s) for e, s in probed if s.healthy]
         if not members:
             raise Unavailable(f"engines not answering: {', '.join(s.url for s in everyone)}")
         states = [s for _, s in members]
         expected = weight_group_world_size(states)
         if world_size != expected:
             message = f"world_size {world_size} does not match the engines that answer: 1 + TP sizes = {expected}"
-            if world_size > weight_group_world_size(everyone):
+            if world_size > weight_group_world_size(everyone) and not self.dynamic:
                 raise InvalidArgument(message)
             # Engines left or came back since the caller counted them (ListEngines): it asks again.
             raise Unavailable(message)
@@ -551,7 +400,7 @@ class EnginePool:
             self.mark_updated(members, weight_version)
 
     def mark_updated(self, engines: list[SGLangClient], weight_version: str) -> None:
-        self._current = _version_number(weight_version)
+        self._current = version_number(weight_version)
         for e in engines:
             self._set_up(e, weight_version)
 
@@ -559,14 +408,20 @@ class EnginePool:
         members = self._groups.pop(group_name, self.engines)
         # A member that died since has no group left to destroy.
         alive = [e for e in members if e.url not in self._down] or members
-        await asyncio.gather(
-            *(e.weight_call("/destroy_weights_update_group", {"group_name": group_name}) for e in alive)
+        results = await asyncio.gather(
+            *(e.weight_call("/destroy_weights_update_group", {"group_name": group_name}) for e in alive),
+            return_exceptions=True,
         )
+        current = {e.url for e in self.engines}
+        for engine, result in zip(alive, results):
+            # (one that discovery dropped since may be gone with its group)
+            if isinstance(result, BaseException) and (engine.url in current or not isinstance(result, EngineError)):
+                raise result
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         if not model_path:
             raise InvalidArgument("model_path is required")
-        members = [e for e, s in zip(self.engines, await self.states()) if s.healthy]
+        members = [e for e, s in await self.probe() if s.healthy]
         if not members:
             raise Unavailable("engines not answering: weights not loaded")
         await asyncio.gather(
@@ -582,3 +437,11 @@ class EnginePool:
 
     async def close(self) -> None:
         await asyncio.gather(*(http.aclose() for http in (self.http, *self.generate_http)))
+
+
+def _counts(e: SGLangClient) -> dict:
+    return {
+        "generate_requests": e.generate_requests,
+        "in_flight": e.in_flight,
+        "first_answer_version": e.first_answer_version,
+    }

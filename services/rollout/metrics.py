@@ -11,6 +11,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from rlmesh.common.prometheus import LATENCY_BUCKETS, ServiceMetrics
 
+ENGINE_STATES = ("serving", "behind", "down", "leaving")
+
 
 class RolloutMetrics:
     def __init__(self, metrics: ServiceMetrics) -> None:
@@ -36,6 +38,19 @@ class RolloutMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+        self.engines = Gauge(
+            "rlmesh_rollout_engines",
+            "Engines of the pool by state when last probed: serving, behind (answers, holds older weights than "
+            "the run's: a new or restarted engine before its push), down, leaving (dropped by discovery, "
+            "requests still in flight there).",
+            ["state"],
+            registry=r,
+        )
+
+    def engines_by_state(self, states: list[str]) -> None:
+        for state in ENGINE_STATES:
+            self.engines.labels(state).set(states.count(state))
 
     def started(self) -> float:
         self.in_flight.inc()

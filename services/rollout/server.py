@@ -3,7 +3,10 @@ and the engine pool (which relays weight updates to every engine), results becom
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
+import logging
 
 from rlmesh.common import auth, safe_json
 from rlmesh.common.errors import InvalidArgument
@@ -15,19 +18,29 @@ from rlmesh.rollout import colocated
 from rlmesh.rollout.agents.openai_server import close_shared_endpoint
 from rlmesh.rollout.async_rollout import AsyncRollouts, AsyncStatus
 from rlmesh.rollout.config import Settings
-from rlmesh.rollout.engine_client import EnginePool, TensorMeta, WeightDelta, weight_group_world_size
+from rlmesh.rollout.discovery import DiscoveryFailed, EngineDiscovery, watch
+from rlmesh.rollout.engine_client import EnginePool, EngineState, TensorMeta, WeightDelta, weight_group_world_size
 from rlmesh.rollout.metrics import RolloutMetrics
 from rlmesh.rollout.rollout import EvalRequest, GenerateChoice, RewardChoice, RolloutManager, RolloutRequest
 from rlmesh.v1 import buffer_pb2_grpc, reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 DEFAULT_GROUP = "weight_update_group"
 
+log = logging.getLogger(__name__)
+
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    def __init__(self, manager: RolloutManager, pool: EnginePool, async_rollouts: AsyncRollouts) -> None:
+    def __init__(
+        self,
+        manager: RolloutManager,
+        pool: EnginePool,
+        async_rollouts: AsyncRollouts,
+        discovery: EngineDiscovery | None = None,
+    ) -> None:
         self.manager = manager
         self.pool = pool
         self.async_rollouts = async_rollouts
+        self.discovery = discovery
 
     async def GenerateRollout(self, request, context):
         result = await self.manager.generate_rollout(rollout_request_from_proto(request))
@@ -53,21 +66,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     async def ListEngines(self, request, context):
         states = await self.pool.states()
+        status = self.discovery.status if self.discovery is not None else None
         return rollout_pb2.ListEnginesResponse(
-            engines=[
-                rollout_pb2.EngineInfo(
-                    url=s.url,
-                    tp_size=s.tp_size,
-                    weight_version=s.weight_version,
-                    healthy=s.healthy,
-                    model_path=s.model_path,
-                    weight_delta_format=s.weight_delta_format,
-                    weight_file_format=s.weight_file_format,
-                )
-                for s in states
-            ],
+            engines=[engine_info(s) for s in states],
             # The weight group holds the engines that answer (one that is down joins a later one).
             weight_group_world_size=weight_group_world_size([s for s in states if s.healthy]),
+            leaving=[engine_info(s) for s in self.pool.leaving()],
+            discovery=status.description if status else "",
+            discovery_error=status.error if status else "",
         )
 
     async def PauseGeneration(self, request, context):
@@ -129,6 +135,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def _done(self, message: str) -> rollout_pb2.EngineCallResponse:
         return rollout_pb2.EngineCallResponse(engines=[e.url for e in self.pool.engines], message=message)
+
+
+def engine_info(s: EngineState) -> rollout_pb2.EngineInfo:
+    return rollout_pb2.EngineInfo(
+        url=s.url,
+        tp_size=s.tp_size,
+        weight_version=s.weight_version,
+        healthy=s.healthy,
+        model_path=s.model_path,
+        weight_delta_format=s.weight_delta_format,
+        weight_file_format=s.weight_file_format,
+        state=s.state,
+        generate_requests=s.generate_requests,
+        in_flight=s.in_flight,
+        first_answer_version=s.first_answer_version,
+    )
 
 
 def _async_response(status: AsyncStatus) -> rollout_pb2.AsyncRolloutResponse:
@@ -194,8 +216,9 @@ def reward_spec_from_proto(spec: reward_pb2.RewardSpec) -> RewardChoice:
 async def build(settings: Settings) -> Service:
     """The servicer over an engine pool and clients of the buffer and reward services."""
     metrics = ServiceMetrics()
+    discovery = EngineDiscovery(settings.engine_discovery, settings.engine_urls)
     pool = EnginePool(
-        settings.engine_urls,
+        settings.engine_urls if not discovery.dynamic else [],
         settings.router_url,
         settings.request_timeout_seconds,
         settings.weight_update_timeout_seconds,
@@ -203,7 +226,9 @@ async def build(settings: Settings) -> Service:
         settings.generate_timeout_seconds,
         settings.generate_seconds_per_token,
         RolloutMetrics(metrics),
+        dynamic=discovery.dynamic,
     )
+    watcher = await start_discovery(discovery, pool)
     buffer_channel = aio_channel(settings.buffer_address, settings.max_message_bytes)
     reward_channel = aio_channel(settings.reward_address, settings.max_message_bytes)
     manager = RolloutManager(
@@ -213,6 +238,10 @@ async def build(settings: Settings) -> Service:
     async_rollouts = AsyncRollouts(manager)
 
     async def close() -> None:
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
         await async_rollouts.close()  # (hands their prompts back to the buffer)
         await close_shared_endpoint()
         await pool.close()
@@ -221,11 +250,24 @@ async def build(settings: Settings) -> Service:
         await reward_channel.close()
 
     binding = ServiceBinding(
-        RolloutServicer(manager, pool, async_rollouts),
+        RolloutServicer(manager, pool, async_rollouts, discovery),
         rollout_pb2_grpc.add_RolloutServicer_to_server,
         rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name,
     )
     return Service([binding], on_shutdown=close, metrics=metrics)
+
+
+async def start_discovery(discovery: EngineDiscovery, pool: EnginePool) -> asyncio.Task | None:
+    """The first lookup (a failed one starts the pool empty: generation waits for engines)
+    and the task that repeats it; None for a static list."""
+    if not discovery.dynamic:
+        return None
+    discovery.http = pool.http  # (carries the engines' API key: a router asks for the same)
+    try:
+        pool.set_members(await discovery.lookup())
+    except DiscoveryFailed as e:
+        log.warning("%s; starting with no engines (looked up again every %g s)", e, discovery.config.interval_seconds)
+    return asyncio.create_task(watch(discovery, pool.set_members), name="engine-discovery")
 
 
 start = functools.partial(start_service, build)

@@ -356,13 +356,43 @@ def test_every_path_a_service_uses_is_on_a_volume_and_the_engines_model_is_under
 
 
 def dialled(settings: dict) -> list[str]:
-    """host:port addresses and URLs among a service's settings."""
+    """host:port addresses and URLs among a service's settings (nested ones too: the rollout's
+    engine_discovery.dns_address). Static engine_urls count only where they are the engines."""
     found = []
+    discovery = settings.get("engine_discovery", {}).get("source", "static")
     for field, value in settings.items():
+        if isinstance(value, dict):
+            found += dialled(value)
+            continue
         values = value if isinstance(value, list) else [value]
-        if field.endswith(("_address", "_url", "_urls")):
+        if field.endswith(("_address", "_url", "_urls")) and not (field == "engine_urls" and discovery != "static"):
             found += [v for v in values if isinstance(v, str) and v]
     return found
+
+
+def test_engines_found_by_dns_are_the_pods_of_a_headless_service_on_their_own_port(overlay, monkeypatch):
+    """DNS discovery dials each address of the name at the port given: the Service must be
+    headless (its name then answers the pods' addresses, not one virtual IP) and that port
+    one the selected pods' containers open (no Service port mapping applies)."""
+    name, objects = overlay
+    services, checked = by_kind(objects, "Service"), 0
+    for where, _, _, _, settings in served(objects, monkeypatch):
+        discovery = getattr(settings, "engine_discovery", None)
+        if discovery is None or discovery.source != "dns":
+            continue
+        host, _, port = discovery.dns_address.rpartition(":")
+        service = services[host]
+        assert service["spec"].get("clusterIP") == "None", f"{name}: {where}: Service {host} is not headless"
+        opened = [
+            p["containerPort"]
+            for workload in workloads(objects).values()
+            if any(selects(service["spec"]["selector"], labels) for labels in pod_labels(workload))
+            for c in workload["spec"]["template"]["spec"]["containers"]
+            for p in c.get("ports", [])
+        ]
+        assert int(port) in opened, f"{name}: {where}: no pod behind {host} opens {port}"
+        checked += 1
+    assert checked == 1, f"{name}: the rollout service finds its engines by DNS"
 
 
 def assert_reaches_a_service(address: str, services: dict, objects: list[dict], where: str) -> None:

@@ -173,7 +173,7 @@ class Waiting(_message.Message):
     def __init__(self, reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("url", "tp_size", "weight_version", "healthy", "model_path", "weight_delta_format", "weight_file_format")
+    __slots__ = ("url", "tp_size", "weight_version", "healthy", "model_path", "weight_delta_format", "weight_file_format", "state", "generate_requests", "in_flight", "first_answer_version")
     URL_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,10 @@ class EngineInfo(_message.Message):
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DELTA_FORMAT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FILE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ANSWER_VERSION_FIELD_NUMBER: _ClassVar[int]
     url: str
     tp_size: int
     weight_version: str
@@ -188,15 +192,25 @@ class EngineInfo(_message.Message):
     model_path: str
     weight_delta_format: str
     weight_file_format: str
-    def __init__(self, url: _Optional[str] = ..., tp_size: _Optional[int] = ..., weight_version: _Optional[str] = ..., healthy: _Optional[bool] = ..., model_path: _Optional[str] = ..., weight_delta_format: _Optional[str] = ..., weight_file_format: _Optional[str] = ...) -> None: ...
+    state: str
+    generate_requests: int
+    in_flight: int
+    first_answer_version: str
+    def __init__(self, url: _Optional[str] = ..., tp_size: _Optional[int] = ..., weight_version: _Optional[str] = ..., healthy: _Optional[bool] = ..., model_path: _Optional[str] = ..., weight_delta_format: _Optional[str] = ..., weight_file_format: _Optional[str] = ..., state: _Optional[str] = ..., generate_requests: _Optional[int] = ..., in_flight: _Optional[int] = ..., first_answer_version: _Optional[str] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
-    __slots__ = ("engines", "weight_group_world_size")
+    __slots__ = ("engines", "weight_group_world_size", "leaving", "discovery", "discovery_error")
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_GROUP_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    DISCOVERY_FIELD_NUMBER: _ClassVar[int]
+    DISCOVERY_ERROR_FIELD_NUMBER: _ClassVar[int]
     engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
     weight_group_world_size: int
-    def __init__(self, engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., weight_group_world_size: _Optional[int] = ...) -> None: ...
+    leaving: _containers.RepeatedCompositeFieldContainer[EngineInfo]
+    discovery: str
+    discovery_error: str
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., weight_group_world_size: _Optional[int] = ..., leaving: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., discovery: _Optional[str] = ..., discovery_error: _Optional[str] = ...) -> None: ...
 
 class PauseGenerationRequest(_message.Message):
     __slots__ = ("mode",)

@@ -1,0 +1,274 @@
+"""The client of one inference engine: SGLang's native HTTP API. Production engines
+are SGLang servers (optionally behind the SGLang router); the reference engine serves
+the same API on CPU, and this client cannot tell them apart."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+
+import httpx
+
+from rlmesh.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.rollout.metrics import RolloutMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineState:
+    url: str
+    tp_size: int = 1
+    weight_version: str = "default"
+    healthy: bool = True
+    model_path: str = ""
+    tokenizer_path: str = ""
+    weight_delta_format: str = ""  # the rlmesh delta-update format it accepts; "" = none (SGLang)
+    weight_file_format: str = ""  # the rlmesh weight-file format it maps (colocated); "" = none (SGLang)
+    # "serving" (takes generation), "behind" (answers, but holds older weights than the run's
+    # last push: a new or restarted engine until the next push reaches it), "down", or
+    # "leaving" (discovery dropped it; requests it had in flight finish there).
+    state: str = ""
+    generate_requests: int = 0  # /generate calls sent to it since it joined the pool
+    in_flight: int = 0  # of them, not answered yet
+    first_answer_version: str = ""  # the weight version its first /generate answer reported ("": none yet)
+
+
+class EngineError(Unavailable):
+    pass
+
+
+class EngineBehind(EngineError):
+    """An engine answered with weights older than the request needs (it restarted on its
+    base weights since it was last asked): the sample is generated again elsewhere."""
+
+
+class EnginesBehind(Aborted):
+    """Every engine that answers holds weights older than the request needs: the caller
+    pushes the current weights first, then asks again (an engine never generates on
+    weights it should not have, and the rollout does not wait for a push that only its
+    caller can start)."""
+
+
+@dataclass(frozen=True)
+class WeightDelta:
+    """A delta bucket's announcement (the rlmesh extension, docs/engine-api.md)."""
+
+    count: int
+    index_dtype: str
+    base_version: str
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of a weight-update bucket, by its Hugging Face name."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def weight_group_world_size(states: list[EngineState]) -> int:
+    """The trainer (rank 0) plus every engine's tensor-parallel ranks."""
+    return 1 + sum(s.tp_size for s in states)
+
+
+GENERATE_ATTEMPTS = 3
+# Idle pooled connections are dropped before servers (uvicorn: 5 s by default) close them.
+KEEPALIVE_EXPIRY_SECONDS = 2.0
+# /generate calls are spread over this many connection pools. Each call holds a
+# connection until its sample is done, and httpcore scans every connection of a pool for
+# every request it places: with hundreds of samples in flight one pool spent most of the
+# rollout service's CPU there (the rollout, not the engine, bounded generation).
+GENERATE_CONNECTION_POOLS = 16
+
+
+class SGLangClient:
+    """Talks to one engine (or to a router, for /generate)."""
+
+    def __init__(
+        self,
+        url: str,
+        http: httpx.AsyncClient,
+        timeout: float,
+        weight_timeout: float,
+        generate_timeout: float | None = None,
+        seconds_per_token: float = 0.0,
+        generate_http: list[httpx.AsyncClient] | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.http = http
+        self.generate_http = generate_http or [http]  # /generate's pools, taken in turn
+        self._next_pool = itertools.count()
+        self.timeout = timeout
+        self.weight_timeout = weight_timeout
+        self.generate_timeout = generate_timeout or timeout
+        self.seconds_per_token = seconds_per_token
+        self._has_weight_session: bool | None = None  # SGLang >= 0.5.21 wants begin/end
+        self._older_info_names = False  # SGLang < 0.5.10: /get_model_info, /get_server_info only
+        self._in_session = False  # begun and not yet ended
+        self.weight_delta_format = ""  # as its /server_info said when last asked (states())
+        self._live_rids: dict[str, str] = {}  # rid a caller knows -> rid of the retry in flight
+        self.metrics: RolloutMetrics | None = None  # counts tokens and requests (set by the pool)
+        self.answered_version: int | None = None  # the weight version of its last /generate answer
+        self.first_answer_version = ""  # the weight version its first /generate answer reported
+        self.generate_requests = self.in_flight = 0
+        self.retired = False  # discovery dropped it: a broken request is retried on another engine
+
+    async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
+        try:
+            return await self.http.post(self.url + path, json=body, timeout=timeout or self.timeout)
+        except httpx.HTTPError as e:
+            raise EngineError(f"engine {self.url}: POST {path} failed: {type(e).__name__}: {e}") from None
+
+    async def _get_json(self, path: str, older_name: str = "") -> dict:
+        """With `older_name`: the route's name before SGLang 0.5.10, which newer SGLang
+        deprecates; asked (from then on) when an engine answers 404 to the new one."""
+        if older_name and self._older_info_names:
+            path = older_name
+        try:
+            r = await self.http.get(self.url + path, timeout=self.timeout)
+        except httpx.HTTPError as e:
+            raise EngineError(f"engine {self.url}: GET {path} failed: {type(e).__name__}: {e}") from None
+        if r.status_code == 404 and older_name and path != older_name:
+            self._older_info_names = True
+            return await self._get_json(older_name)
+        if r.status_code != 200:
+            raise EngineError(f"engine {self.url}: GET {path} answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict, rid: str, return_logprob: bool = True
+    ) -> dict:
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params,
+            "rid": rid,
+            "return_logprob": return_logprob,
+            "logprob_start_len": -1,
+        }
+        # Finite and sized from the work asked for: a frozen engine is noticed within it.
+        timeout = self.generate_timeout + self.seconds_per_token * int(sampling_params.get("max_new_tokens") or 128)
+        started = self.metrics.started() if self.metrics is not None else 0.0
+        answer = None
+        self.generate_requests += 1
+        self.in_flight += 1
+        try:
+            answer = await self._generate(body, rid, timeout)
+            version = answer.get("meta_info", {}).get("weight_version") if isinstance(answer, dict) else None
+            if version is not None:  # (SGLang before 0.4.10 does not say)
+                self.answered_version = version_number(str(version))
+                self.first_answer_version = self.first_answer_version or str(version)
+            return answer
+        finally:
+            self.in_flight -= 1
+            if self.metrics is not None:
+                self.metrics.finished(started, answer)
+
+    async def _generate(self, body: dict, rid: str, timeout: float) -> dict:
+        try:
+            for attempt in range(GENERATE_ATTEMPTS):
+                if attempt:
+                    # A fresh rid: the broken one may still be in flight. abort(rid) follows it.
+                    body["rid"] = self._live_rids[rid] = f"{rid}-retry{attempt}"
+                try:
+                    http = self.generate_http[next(self._next_pool) % len(self.generate_http)]
+                    r = await http.post(self.url + "/generate", json=body, timeout=timeout)
+                    break
+                except (httpx.NetworkError, httpx.RemoteProtocolError) as e:
+                    # The connection broke (a pooled connection closed under us, an engine
+                    # restarting); timeouts are not retried. Abort the broken request so it
+                    # cannot linger, then send it again (an engine that left the pool: the
+                    # caller sends it to another).
+                    if attempt + 1 == GENERATE_ATTEMPTS or self.retired:
+                        raise EngineError(
+                            f"engine {self.url}: POST /generate failed {attempt + 1} times: {type(e).__name__}: {e}"
+                        ) from None
+                    await asyncio.sleep(0.1 * 2**attempt)
+                    try:
+                        await self.abort(rid)
+                    except EngineError:
+                        pass
+                except httpx.HTTPError as e:
+                    raise EngineError(f"engine {self.url}: POST /generate failed: {type(e).__name__}: {e}") from None
+        finally:
+            self._live_rids.pop(rid, None)
+        if r.status_code == 400:
+            raise InvalidArgument(f"engine {self.url} refused the request: {error_message(r)}")
+        if r.status_code != 200:
+            raise EngineError(f"engine {self.url}: /generate answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    async def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort a request by the rid it was sent with (or the retry that replaced it)."""
+        await self._post("/abort_request", {"rid": self._live_rids.get(rid, rid), "abort_all": abort_all})
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._check(await self._post("/pause_generation", {"mode": mode}), "/pause_generation")
+
+    async def resume(self) -> None:
+        await self._check(await self._post("/continue_generation", {}), "/continue_generation")
+
+    async def model_info(self) -> dict:
+        return await self._get_json("/model_info", "/get_model_info")
+
+    async def server_info(self) -> dict:
+        return await self._get_json("/server_info", "/get_server_info")
+
+    async def workers(self) -> list[str]:
+        """The router's workers (the router does not forward weight calls)."""
+        return [w["url"] for w in (await self._get_json("/workers")).get("workers", [])]
+
+    async def weight_call(self, path: str, body: dict) -> dict:
+        r = await self._post(path, body, timeout=self.weight_timeout)
+        return await self._check(r, path)
+
+    async def begin_weight_update(self) -> None:
+        """Open a weight-update session unless one is open: a push's buckets share one."""
+        if self._has_weight_session is False or self._in_session:
+            return
+        self._in_session = True
+        try:
+            r = await self._post("/begin_weight_update", {"selector": "all"})
+            self._has_weight_session = r.status_code != 404
+            if self._has_weight_session:
+                await self._check(r, "/begin_weight_update")
+        except BaseException:
+            self._in_session = False
+            raise
+
+    async def end_weight_update(self) -> None:
+        if self._in_session:
+            self._in_session = False
+            if self._has_weight_session:
+                await self._check(await self._post("/end_weight_update", {}), "/end_weight_update")
+
+    async def _check(self, r: httpx.Response, path: str) -> dict:
+        try:
+            body = r.json() if r.content else {}
+        except ValueError:
+            body = {}
+        if r.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
+            msg = body.get("message") if isinstance(body, dict) else None
+            raise FailedPrecondition(f"engine {self.url}: {path} failed ({r.status_code}): {msg or r.text[:300]}")
+        return body if isinstance(body, dict) else {}
+
+
+def error_message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+        return body.get("error", {}).get("message") or body.get("message") or r.text
+    except ValueError:
+        return r.text[:300]
+
+
+def version_number(version: str) -> int:
+    try:
+        return int(version)
+    except (TypeError, ValueError):
+        return 0  # "default": never updated
