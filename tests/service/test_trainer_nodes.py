@@ -2,7 +2,8 @@
 rendezvous, deploy/k8s/base/trainer.yaml) run twice on this machine as two "nodes" of one
 process each, over loopback. Rank 0 serves gRPC and trains a batch leased from the real
 buffer with FSDP2 across both nodes; every rank answers GET /health; a node that dies makes
-the next call fail and rank 0's health say so, as the liveness probe needs."""
+the next call fail and rank 0's health say so, as the liveness probe needs; the node started
+again rejoins, and the run resumes from its checkpoint on both."""
 
 from __future__ import annotations
 
@@ -154,6 +155,18 @@ def test_the_trainer_trains_across_two_nodes_started_by_the_manifests_torchrun_c
         assert "could not be written" in failed.value.details()
         code, report = leader.health()
         assert code == 503 and "command group failed" in report["failure"], report
+
+        # The pod comes back (Kubernetes restarts it): its torchrun joins the rendezvous, the
+        # other node's torchrun restarts its rank for the new round, and the run set up again
+        # resumes from its checkpoint, as the coordinator does after a trainer restart.
+        index = nodes.index(follower)
+        nodes[index] = Node(index, rendezvous_port, grpc_port, shared, tmp_path / f"node{index}-again.log")
+        for node in nodes:
+            wait_until_ready(lambda n=node: n.health()[0] == 200, node.process, "a trainer node", timeout=180)
+        assert sorted(node.health()[1]["rank"] for node in nodes) == [0, 1]
+        status = stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=cfg.model_dump_json()), timeout=120)
+        assert (status.step, status.resumed_step) == (1, 1)
+        stub.EndRun(trainer_pb2.EndRunRequest(run_id="r1"), timeout=120)
     finally:
         for node in nodes:
             node.stop()

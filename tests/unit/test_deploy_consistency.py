@@ -460,6 +460,8 @@ def test_the_trainer_runs_torchrun_across_its_pods_with_rank_0_on_trainer_0(over
         assert gpus is None or int(launched.nproc_per_node) == gpus, f"{name}: one rank per GPU"
         host, _, port = launched.rdzv_endpoint.rpartition(":")
         assert int(port) == ports["rendezvous"]
+        conf = dict(item.split("=", 1) for item in launched.rdzv_conf.split(","))
+        assert conf["is_host"] == str(int(index == 0)), f"{name}: trainer-0, and only it, hosts the rendezvous"
         if index == 0:
             assert host == "localhost", f"{name}: trainer-0 hosts the rendezvous"
         else:  # trainer-0, through the headless Service, on a port it opens
@@ -474,7 +476,7 @@ def test_the_trainer_runs_torchrun_across_its_pods_with_rank_0_on_trainer_0(over
         assert container[probe]["httpGet"]["path"] == "/health", f"{name}: {probe}"
         assert ports.get(container[probe]["httpGet"]["port"]) == settings.health_port == ports["health"]
     startup = container["startupProbe"]
-    rendezvous_seconds = int(pod_env(trainer, container)["RDZV_JOIN_TIMEOUT"])
+    rendezvous_seconds = int(conf["join_timeout"])
     assert startup["periodSeconds"] * startup["failureThreshold"] > rendezvous_seconds, (
         f"{name}: the startup probe gives up before the pods' rendezvous does"
     )
