@@ -34,6 +34,18 @@ class Settings(GrpcServiceSettings):
         "same answer whether or not it exists. A relative path is taken under the first; relative roots are "
         "from the working directory.",
     )
+    health_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of this rank's HTTP GET /health (0 = off), answered by every rank, rank 0 and the "
+        "torchrun ranks that serve no gRPC: 200 once the rank has joined the trainer's process group (and on rank "
+        "0 serves gRPC), 503 while it joins or once the group has failed. Under torchrun local rank i listens on "
+        "health_port + i. No token: like gRPC health, for probes.",
+    )
+    health_host: str = Field(
+        "127.0.0.1", description="Address GET /health binds to (0.0.0.0 where Kubernetes probes the pod)."
+    )
     # Plain str (checked below), not Literal: the CLI flag helper parses non-scalar types as JSON.
     device: str = Field("auto", description="Device when the run config says 'auto': auto, cpu or cuda.")
     mixed_precision: bool = Field(

@@ -81,12 +81,39 @@ def open_backend(config: TrainerRunConfig, device: torch.device, mixed_precision
 # --------------------------------------------------------------------------------------
 
 
+# The first failure of the command group's own collectives (a peer gone, a broken
+# connection): the group cannot be used again, so every later command would fail too. The
+# rank's health endpoint reports it (rank_health.py), so that the pod is restarted.
+_GROUP_FAILURE = ""
+
+
+def group_failure() -> str:
+    """Why this rank's command group failed ("" while it works)."""
+    return _GROUP_FAILURE
+
+
+def _transport(method):
+    """A collective of the command group: a failure of it marks the group failed."""
+
+    @functools.wraps(method)
+    def guarded(*args, **kwargs):
+        global _GROUP_FAILURE
+        try:
+            return method(*args, **kwargs)
+        except Exception as e:
+            _GROUP_FAILURE = _GROUP_FAILURE or f"the ranks' command group failed: {type(e).__name__}: {e}"
+            raise
+
+    return guarded
+
+
 class Commands:
     """Rank 0 -> every rank: (op, JSON args, bytes), then every rank's outcome -> rank 0."""
 
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
+    @_transport
     def _broadcast_bytes(self, data: bytes | None) -> bytes:
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.long)
         dist.broadcast(size, src=0, group=self.group)
@@ -105,6 +132,7 @@ class Commands:
         header = json.loads(self._broadcast_bytes(None))
         return header["op"], header["args"], self._broadcast_bytes(None)
 
+    @_transport
     def outcome(self, error: str = "") -> str:
         """Every rank's error ("" = fine), joined on rank 0 ("" elsewhere)."""
         mine = f"rank {dist.get_rank()}: {error}".encode() if error else b""

@@ -11,7 +11,7 @@ import torch
 
 from rlmesh.common.grpc_server import Service, ServiceBinding, serve_service, start_service
 from rlmesh.common.prometheus import ServiceMetrics
-from rlmesh.trainer import ranks
+from rlmesh.trainer import rank_health, ranks
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.metrics import TrainerMetrics
 from rlmesh.trainer.results import RunStatus, parse_run_config
@@ -128,9 +128,24 @@ start = functools.partial(start_service, build)
 async def serve(settings: Settings) -> None:
     """`rlmesh serve trainer`. Under torchrun (a backend over several ranks: megatron TP/PP
     or data_parallel 'fsdp2', see ranks.py) rank 0 serves gRPC and leads; the other ranks
-    follow it and serve nothing."""
+    follow it and serve nothing. Every rank answers GET /health on health_port (rank_health.py)."""
+    health = None
+    if settings.health_port:
+        health = rank_health.start(
+            settings.health_host, settings.health_port, ranks.rank(), ranks.world_size(), ranks.group_failure
+        )
+    try:
+        await _serve(settings, health.health if health else None)
+    finally:
+        if health is not None:
+            health.close()
+
+
+async def _serve(settings: Settings, health: rank_health.RankHealth | None) -> None:
     if ranks.world_size() == 1:
-        await serve_service(build, settings)
+        if health is not None:
+            health.joined()  # (a group of one)
+        await serve_service(_reporting(health), settings)
         return
     device_type = (
         "cuda" if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()) else "cpu"
@@ -141,10 +156,43 @@ async def serve(settings: Settings) -> None:
         # torchrun's SIGTERM reaches every rank, so it must not end a follower by itself.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-        await asyncio.to_thread(ranks.follow, device_type)
+
+        def follow() -> None:
+            ranks.init_ranks(device_type)  # (in this thread: follow's, which CUDA's current device is per)
+            if health is not None:
+                health.joined()
+            ranks.follow(device_type)
+
+        await asyncio.to_thread(follow)
         return
     ranks.init_ranks(device_type)
+    if health is not None:
+        health.joined()
     try:
-        await serve_service(build, settings)
+        await serve_service(_reporting(health), settings)
     finally:
         ranks.stop_followers()
+
+
+def _reporting(health: rank_health.RankHealth | None):
+    """build, with the service's start and shutdown reported by health (rank 0 is healthy only
+    while it serves gRPC)."""
+    if health is None:
+        return build
+
+    async def build_reporting(settings: Settings) -> Service:
+        service = await build(settings)
+        on_shutdown = service.on_shutdown
+
+        async def started(_) -> None:
+            health.serving(True)
+
+        async def stopping() -> None:
+            health.serving(False)
+            if on_shutdown is not None:
+                await on_shutdown()
+
+        service.on_start, service.on_shutdown = started, stopping
+        return service
+
+    return build_reporting

@@ -3,7 +3,7 @@ the operator says otherwise), the services talk on an internal network, every rl
 service gets the stack's token, Redis demands a password that the services use, every
 service has a healthcheck, and the image runs as an unprivileged user. The Kubernetes
 manifests (deploy/k8s): every rendered object valid against the Kubernetes schemas, probes on
-the gRPC health service, resources, no root, secrets from a Secret, Redis persistent, the
+the gRPC health service (the trainer's ranks on their HTTP /health), resources, no root, secrets from a Secret, Redis persistent, the
 trainer's ranks behind a headless Service."""
 
 from __future__ import annotations
@@ -126,7 +126,10 @@ def test_the_services_engine_and_redis_are_there_with_probes_resources_and_no_ro
                 port = int(container["args"][container["args"].index("--port") + 1])
                 assert port == GRPC_PORTS[name]
                 for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                    assert container[probe]["grpc"] == {"port": port}, (name, probe)
+                    if name == "trainer":  # every rank's GET /health: only rank 0 serves gRPC (torchrun)
+                        assert container[probe]["httpGet"] == {"path": "/health", "port": "health"}, probe
+                    else:
+                        assert container[probe]["grpc"] == {"port": port}, (name, probe)
                 assert "--metrics-port" in container["args"]  # Prometheus on every gRPC service
         engine = workloads["engine"]["spec"]["template"]["spec"]["containers"][0]
         gpus = engine["resources"]["limits"].get("nvidia.com/gpu")
@@ -178,7 +181,7 @@ def test_the_trainer_ranks_find_each_other_through_a_headless_service():
         assert headless["spec"]["selector"].items() <= labels.items()
         (container,) = trainer["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e for e in container["env"]}
-        assert env["MASTER_ADDR"]["value"] == f"trainer-0.{headless['metadata']['name']}"
+        assert env["RDZV_HOST"]["value"] == f"trainer-0.{headless['metadata']['name']}"  # (torchrun's c10d)
         assert "apps.kubernetes.io/pod-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
         master = container["args"][container["args"].index("--weight-sync-master-address") + 1]
         assert master == f"$(POD_NAME).{headless['metadata']['name']}"

@@ -14,11 +14,13 @@ import json
 import os
 import re
 import shlex
+import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers import trainer_nodes
 from tests.helpers.kustomize import DEPLOY, OVERLAYS, by_kind, render_overlay, workloads
 
 ROOT = DEPLOY.parent
@@ -214,15 +216,15 @@ def console_scripts() -> set[str]:
     return set(re.findall(r"^([\w-]+)\s*=", section.group(1), re.M))
 
 
-def pod_env(workload: dict, container: dict) -> dict[str, str]:
-    """The container's environment as Kubernetes sets it: $(VAR) expanded from the variables
-    defined before it (a later or unknown one stays literal, and is refused here), secrets and
-    pod fields given stand-in values."""
+def pod_env(workload: dict, container: dict, index: int = 0) -> dict[str, str]:
+    """The container's environment as Kubernetes sets it (in a StatefulSet's pod `index`):
+    $(VAR) expanded from the variables defined before it (a later or unknown one stays
+    literal, and is refused here), secrets and pod fields given stand-in values."""
     env: dict[str, str] = {}
     stateful = workload["kind"] == "StatefulSet"
     fields = {
-        "metadata.name": f"{workload['metadata']['name']}-{0 if stateful else 'x7k2p'}",
-        f"metadata.labels['{POD_INDEX}']": "0",
+        "metadata.name": f"{workload['metadata']['name']}-{index if stateful else 'x7k2p'}",
+        f"metadata.labels['{POD_INDEX}']": str(index),
     }
     for e in container.get("env", []):
         if "value" in e:
@@ -245,6 +247,9 @@ def rlmesh_command_lines(container: dict, env: dict[str, str], where: str) -> li
     """The `rlmesh ...` invocations the container runs: its entry point with its args, or the
     `rlmesh` commands of a `sh -c` script."""
     argv = [expand(w, env, where) for w in [*(container.get("command") or entrypoint()), *container.get("args", [])]]
+    if trainer_nodes.is_launcher(container):  # torchrun across the pods, rlmesh under it
+        launched = launch(container, env, where)
+        return [["rlmesh", *launched.training_script_args]]
     if argv[:2] == ["sh", "-c"]:
         steps = [shlex.split(s) for s in re.split(r"\|\||&&|;|\|", argv[2])]
         lines = [s for s in steps if s and s[0] in console_scripts()]
@@ -255,6 +260,17 @@ def rlmesh_command_lines(container: dict, env: dict[str, str], where: str) -> li
         return []
     assert argv[0] in console_scripts(), f"{where}: {argv[0]} is not a console script of pyproject.toml"
     return [argv]
+
+
+def launch(container: dict, env: dict[str, str], where: str):
+    """The torchrun command line of the trainer's launcher script in this environment (a real
+    `sh` runs it), read by torchrun's own parser: it must start `-m rlmesh.cli`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [expand(w, env, where) for w in container["command"]]
+        args = [expand(w, env, where) for w in container.get("args", [])]
+        launched = trainer_nodes.parse_torchrun(trainer_nodes.torchrun_argv(command, args, env, Path(tmp)))
+    assert launched.module and launched.training_script == "rlmesh.cli", f"{where}: torchrun runs {launched}"
+    return launched
 
 
 def test_every_image_is_built_by_deploy_or_listed(overlay):
@@ -315,6 +331,11 @@ def test_every_rlmesh_command_line_is_one_the_cli_accepts_listening_on_the_decla
             assert ports.get("metrics") == settings.metrics_port, where
         for probe in [container[p] for p in PROBES if p in container]:  # reaching the process itself
             port = (probe.get("grpc") or probe.get("httpGet"))["port"]
+            if probe.get("httpGet", {}).get("path") == "/health" and getattr(settings, "health_port", 0):
+                # (every rank's own endpoint: only rank 0 serves gRPC, see below)
+                assert ports.get(port, port) == settings.health_port, f"{where}: {probe}"
+                assert settings.health_host == "0.0.0.0", f"{where}: the kubelet probes the pod's address"
+                continue
             assert ports.get(port, port) == settings.port, f"{where}: {probe}"
         for address in dialled(settings.model_dump()):
             assert_reaches_a_service(address, services, objects, where)
@@ -440,3 +461,52 @@ def test_the_sglang_launcher_and_flags_exist_in_the_pinned_sglang():
                     assert declared(flag[2:].replace("-", "_")), (overlay, flag, source.version)
                 checked += 1
     assert checked == 2  # the gpu overlay's engine and the colocated one's
+
+
+def test_the_trainer_runs_torchrun_across_its_pods_with_rank_0_on_trainer_0(overlay, monkeypatch):
+    """Each pod of the trainer's StatefulSet runs the same torchrun command: as many nodes as
+    replicas, c10d rendezvous at trainer-0 (which hosts it, as localhost) through the headless
+    Service that selects the pods, the rendezvous port opened; trainer-0 serves gRPC (rank 0:
+    pods sort by name in the rendezvous) and every pod is probed on its rank's GET /health."""
+    name, objects = overlay
+    trainer = by_kind(objects, "StatefulSet")["trainer"]
+    services = by_kind(objects, "Service")
+    replicas = trainer["spec"].get("replicas", 1)
+    (container,) = [c for c in trainer["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer"]
+    assert trainer_nodes.is_launcher(container), f"{name}: the trainer is not started by the torchrun launcher"
+    # Parallel: pod 0 waits in the rendezvous for the others, so they must not wait for it to be ready.
+    assert trainer["spec"]["podManagementPolicy"] == "Parallel"
+    ranks = services[trainer["spec"]["serviceName"]]
+    assert ranks["spec"]["clusterIP"] == "None" and ranks["spec"]["publishNotReadyAddresses"] is True
+    assert all(selects(ranks["spec"]["selector"], labels) for labels in pod_labels(trainer))
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    (where, _, _, _, settings), *_ = [s for s in served(objects, monkeypatch) if s[0] == "trainer/trainer"]
+    gpus = container["resources"]["limits"].get("nvidia.com/gpu")
+    for index in range(max(replicas, 2)):  # (pod 1 too: what scaling the StatefulSet up runs)
+        env = pod_env(trainer, container, index)
+        launched = launch(container, env, f"{name}: {where} (pod {index})")
+        assert launched.nnodes == str(replicas), f"{name}: torchrun --nnodes {launched.nnodes}, {replicas} pods"
+        assert (launched.rdzv_backend, launched.rdzv_id, launched.max_restarts) == ("c10d", "rlmesh-trainer", 0)
+        assert gpus is None or int(launched.nproc_per_node) == gpus, f"{name}: one rank per GPU"
+        host, _, port = launched.rdzv_endpoint.rpartition(":")
+        assert int(port) == ports["rendezvous"]
+        conf = dict(item.split("=", 1) for item in launched.rdzv_conf.split(","))
+        assert conf["is_host"] == str(int(index == 0)), f"{name}: trainer-0, and only it, hosts the rendezvous"
+        if index == 0:
+            assert host == "localhost", f"{name}: trainer-0 hosts the rendezvous"
+        else:  # trainer-0, through the headless Service, on a port it opens
+            assert host == f"{trainer['metadata']['name']}-0.{ranks['metadata']['name']}", host
+            assert_reaches_a_service(launched.rdzv_endpoint, services, objects, f"{name}: pod {index}")
+            assert ranks["spec"]["ports"][[p["port"] for p in ranks["spec"]["ports"]].index(int(port))][
+                "targetPort"
+            ] in ("rendezvous", ports["rendezvous"])
+    # Only rank 0 serves gRPC: Service `trainer` selects trainer-0 alone.
+    assert services["trainer"]["spec"]["selector"].get(POD_INDEX) == "0"
+    for probe in PROBES:
+        assert container[probe]["httpGet"]["path"] == "/health", f"{name}: {probe}"
+        assert ports.get(container[probe]["httpGet"]["port"]) == settings.health_port == ports["health"]
+    startup = container["startupProbe"]
+    rendezvous_seconds = int(conf["join_timeout"])
+    assert startup["periodSeconds"] * startup["failureThreshold"] > rendezvous_seconds, (
+        f"{name}: the startup probe gives up before the pods' rendezvous does"
+    )
