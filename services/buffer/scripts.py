@@ -25,8 +25,20 @@ local function leave_bytes(groups, id)
 end
 """
 
+# Now, on Redis's clock (seconds): every lease expiry is set and compared on this one
+# clock, never on the clock of whichever buffer replica runs the script (one set ahead would
+# expire every other replica's leases). TIME before writes is allowed under effects
+# replication, the default since Redis 5 and the only mode since 7.
+NOW = r"""
+local function redis_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+"""
+
 _HELPERS = (
     _LEAVE
+    + NOW
     + r"""
 -- The run's incarnation token (a new one each time the run is created).
 local function run_token(spec_key)
@@ -121,9 +133,9 @@ local function leased(k, ids, lease_id, expiry, stale_kept, stale_dropped)
   return out
 end
 
--- The lease KEYS[8] (batch:<ARGV[3]>), if it lives: what leasing it answered (a retried call).
+-- The lease KEYS[8] (batch:<ARGV[2]>), if it lives: what leasing it answered (a retried call).
 local function live_lease(k)
-  if not redis.call('ZSCORE', k.leases, ARGV[3]) then return nil end
+  if not redis.call('ZSCORE', k.leases, ARGV[2]) then return nil end
   local ids = redis.call('LRANGE', k.lease_list, 0, -1)
   local out = {#ids, 0, 0, run_token(k.spec)}
   for _, id in ipairs(ids) do out[#out + 1] = id end
@@ -141,7 +153,7 @@ end
 # KEYS and ARGV of the lease scripts and REJECT_GROUPS (see BufferStore.lease_batch):
 #   KEYS: spec queue batch_leases groups meta stats discarded batch:<lease_id> deliveries
 #         dead_letters dead_groups dead_reasons
-#   ARGV: now batch_prefix lease_id expiry max_deliveries ...
+#   ARGV: batch_prefix lease_id lease_seconds max_deliveries ...
 # Lease scripts return {-1} for an unknown run, {0, stale_dropped} when no batch, else
 # {n, stale_dropped, stale_kept, run token, group ids...}.
 
@@ -152,11 +164,12 @@ LEASE_FIFO = (
     + r"""
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-1} end
-requeue_expired(k, ARGV[1], ARGV[2], tonumber(ARGV[5]))
+local now = redis_now()
+requeue_expired(k, now, ARGV[1], tonumber(ARGV[4]))
 local again = live_lease(k)
 if again then return again end
-local want_groups, want_samples = tonumber(ARGV[6]), tonumber(ARGV[7])
-local min_v, keep = tonumber(ARGV[8]), ARGV[9] == '1'
+local want_groups, want_samples = tonumber(ARGV[5]), tonumber(ARGV[6])
+local min_v, keep = tonumber(ARGV[7]), ARGV[8] == '1'
 local take, drop, stale_kept = {}, {}, 0
 if min_v <= 0 and want_samples <= 0 then
   if redis.call('LLEN', k.queue) < want_groups then return {0, 0} end
@@ -193,13 +206,13 @@ else
   discard(k, drop)
 end
 if #take == 0 then return {0, #drop} end
-return leased(k, take, ARGV[3], ARGV[4], stale_kept, #drop)
+return leased(k, take, ARGV[2], now + tonumber(ARGV[3]), stale_kept, #drop)
 """
 )
 
 # A buffer filter chose the groups (from a snapshot of the queue): claim exactly those,
 # or nothing if another replica took one meanwhile ({-2}: choose again).
-#   ARGV: now batch_prefix lease_id expiry max_deliveries n_take n_drop stale_kept take_ids... drop_ids...
+#   ARGV: batch_prefix lease_id lease_seconds max_deliveries n_take n_drop stale_kept take_ids... drop_ids...
 LEASE_CHOSEN = (
     _HELPERS
     + r"""
@@ -207,20 +220,20 @@ local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-1} end
 local again = live_lease(k)
 if again then return again end
-local n_take, n_drop, stale_kept = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local n_take, n_drop, stale_kept = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local take, drop = {}, {}
 for i = 1, n_take do
-  take[i] = ARGV[8 + i]
+  take[i] = ARGV[7 + i]
   if not redis.call('LPOS', k.queue, take[i]) then return {-2} end
 end
 for i = 1, n_drop do
-  local id = ARGV[8 + n_take + i]
+  local id = ARGV[7 + n_take + i]
   if redis.call('LREM', k.queue, 1, id) == 1 then drop[#drop + 1] = id end
 end
 discard(k, drop)
 if n_take == 0 then return {0, #drop} end
 for _, id in ipairs(take) do redis.call('LREM', k.queue, 1, id) end
-return leased(k, take, ARGV[3], ARGV[4], stale_kept, #drop)
+return leased(k, take, ARGV[2], redis_now() + tonumber(ARGV[3]), stale_kept, #drop)
 """
 )
 
@@ -228,7 +241,7 @@ REQUEUE_EXPIRED = (
     _HELPERS
     + r"""
 local k = lease_keys()
-requeue_expired(k, ARGV[1], ARGV[2], tonumber(ARGV[5]))
+requeue_expired(k, redis_now(), ARGV[1], tonumber(ARGV[4]))
 return 0
 """
 )
@@ -436,7 +449,7 @@ return n
 # trained (their deliveries count stays: a rollback is not the group's fault, and only an
 # expired lease dead-letters); every live batch lease is released as if it had expired.
 #   KEYS: as the lease scripts, then acked provisional provisional_steps
-#   ARGV: now batch_prefix step max_deliveries
+#   ARGV: batch_prefix step max_deliveries
 # Returns {-2} unknown run, else {committed, requeued, leases released}.
 ROLLBACK_TO_CHECKPOINT = (
     _HELPERS
@@ -445,9 +458,9 @@ ROLLBACK_TO_CHECKPOINT = (
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-2} end
 local released = redis.call('ZCARD', k.leases)
-requeue_expired(k, '+inf', ARGV[2], tonumber(ARGV[4]))
+requeue_expired(k, '+inf', ARGV[1], tonumber(ARGV[3]))
 local committed, later = commit_through(k.groups, k.meta, k.deliveries, KEYS[13], k.stats, KEYS[14], KEYS[15],
-                                        tonumber(ARGV[3]))
+                                        tonumber(ARGV[2]))
 local samples = 0
 for i = #later, 1, -1 do
   redis.call('LPUSH', k.queue, later[i])
@@ -462,86 +475,6 @@ end
 return {committed, #later, released}
 """
 )
-
-# Hand out up to n prompt groups, each leased until `expiry`, in this order: prompts whose
-# lease expired (their worker died), partial groups to resume, fresh prompts. A fresh
-# prompt is leased as a reference "ref:{dataset, position, group index}" that the
-# caller turns into the group's bytes (MATERIALIZE); a crash in between leaves the
-# reference leased, and whoever gets it after the lease expires builds the same group.
-# Several training datasets are mixed by weight with stride scheduling: the next prompt
-# comes from the dataset with the smallest (drawn + 1) / weight (exact proportions at
-# every point, deterministic, no randomness to replay).
-#   KEYS: spec cursor prompt_leases prompts partial partial_groups stats closed
-#   ARGV: now expiry n
-# Returns {-1} unknown run, {-3} closed run (its datasets are gone), else {1, id, value, id, value, ...}.
-GET_PROMPTS = r"""
-local spec = redis.call('GET', KEYS[1])
-if not spec then return {-1} end
-if redis.call('EXISTS', KEYS[8]) == 1 then return {-3} end
-local cursor, leases, prompts, partial, partial_groups, stats = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local expiry, n = ARGV[2], tonumber(ARGV[3])
-local out, count, reissued = {1}, 0, 0
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', ARGV[1], 'LIMIT', 0, n)) do
-  local value = redis.call('HGET', prompts, id)
-  if value then
-    redis.call('ZADD', leases, expiry, id)
-    out[#out + 1] = id
-    out[#out + 1] = value
-    count, reissued = count + 1, reissued + 1
-  else
-    redis.call('ZREM', leases, id)
-  end
-end
-while count < n do
-  local id = redis.call('LPOP', partial)
-  if not id then break end
-  local value = redis.call('HGET', partial_groups, id)
-  redis.call('HDEL', partial_groups, id)
-  if value then
-    redis.call('HSET', prompts, id, value)
-    redis.call('ZADD', leases, expiry, id)
-    out[#out + 1] = id
-    out[#out + 1] = value
-    count = count + 1
-  end
-end
-if count < n then
-  local train = {}
-  for _, d in ipairs(cjson.decode(spec).datasets) do
-    if not d.eval then train[#train + 1] = d end
-  end
-  while count < n do
-    local best, best_t
-    for _, d in ipairs(train) do
-      local t = (tonumber(redis.call('HGET', cursor, d.name) or '0') + 1) / d.weight
-      if best == nil or t < best_t then best, best_t = d, t end
-    end
-    local pos = redis.call('HINCRBY', cursor, best.name, 1) - 1
-    local gi = redis.call('HINCRBY', cursor, '__groups__', 1) - 1
-    local id = 'g' .. gi
-    local ref = 'ref:' .. cjson.encode({d = best.name, p = pos, i = gi})
-    redis.call('HSET', prompts, id, ref)
-    redis.call('ZADD', leases, expiry, id)
-    out[#out + 1] = id
-    out[#out + 1] = ref
-    count = count + 1
-  end
-end
-redis.call('HINCRBY', stats, 'prompts_handed_out', count)
-if reissued > 0 then redis.call('HINCRBY', stats, 'prompts_reissued', reissued) end
-return out
-"""
-
-# Replace a leased reference by the group's bytes (only if still leased as that reference).
-#   KEYS: prompts;  ARGV: (id, ref, bytes) per group
-MATERIALIZE = r"""
-for i = 1, #ARGV, 3 do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
-    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 2])
-  end
-end
-return 0
-"""
 
 # Aborted groups come back with what they generated so far, to be handed out first.
 #   KEYS: spec partial partial_groups prompt_leases prompts stats groups acked discarded closed

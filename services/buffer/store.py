@@ -7,12 +7,12 @@ Keys of a run live under `<prefix>:run:<run_id>:` (rlmesh.buffer.keys.RunKeys li
   data:<dataset>  prompt records (list of JSON, see rlmesh.buffer.datasets)
   cursor          hash: <dataset> -> prompts drawn so far; __groups__ -> next group index
   prompts         hash: group_id -> handed-out prompt group (bytes, or a "ref:" to build it)
-  prompt_leases   zset: group_id -> lease expiry (unix seconds)
+  prompt_leases   zset: group_id -> lease expiry (unix seconds on Redis's clock: TIME)
   partial         list of group ids + partial_groups hash: aborted groups waiting to resume
   groups          hash: group_id -> completed SampleGroup (bytes), until acknowledged
   meta            hash: group_id -> summary (samples, oldest weight version, rewards...)
   queue           list of completed group ids waiting for training (oldest first)
-  batch_leases    zset: lease_id -> expiry;  batch:<lease_id>  list of its group ids
+  batch_leases    zset: lease_id -> expiry (as prompt_leases');  batch:<lease_id>  list of its group ids
   deliveries      hash: group_id -> times leased (bounded by max_deliveries), until acknowledged
   acked           set of acknowledged group ids (never delivered or stored again)
   acked_leases    hash: lease_id -> groups it acknowledged, for the newest leases (oldest
@@ -364,9 +364,8 @@ class BufferStore:
         lease_id = lease_id or uuid.uuid4().hex
         keys = self._lease_keys(k, lease_id)
         dropped = 0
+        head = [k.batch(""), lease_id, lease_seconds, self.max_deliveries]  # (expiries on Redis's clock)
         while True:
-            now = time.time()
-            head = [now, k.batch(""), lease_id, now + lease_seconds, self.max_deliveries]
             if self.buffer_filter is None and not minimums:
                 result = await self._lease_fifo(
                     keys=keys, args=[*head, num_groups, num_samples, min_weight_version, int(keep_stale)]
@@ -513,7 +512,7 @@ class BufferStore:
         _check_step(step, "step")
         k = self.keys(run_id)
         keys = [*self._lease_keys(k, ""), k.acked, k.provisional, k.provisional_steps]
-        result = await self._rollback(keys=keys, args=[time.time(), k.batch(""), step, self.max_deliveries])
+        result = await self._rollback(keys=keys, args=[k.batch(""), step, self.max_deliveries])
         if result[0] == -2:
             raise unknown_run(run_id)
         return result[0], result[1], result[2]
