@@ -69,23 +69,43 @@ local function dead_letter(k, id, reason)
   leave_bytes(k.groups, id)
   redis.call('HDEL', k.meta, id)
   redis.call('HDEL', k.deliveries, id)
+  redis.call('HDEL', k.rollbacks, id)
   redis.call('SADD', k.discarded, id)
 end
 
--- Expired batch leases go back to the front of the queue, in their original order;
--- a group already delivered max_deliveries times goes to the dead-letter list instead
--- (a batch that kills every trainer that takes it must not come back forever).
-local function requeue_expired(k, now, batch_prefix, max_deliveries)
+-- Why a group whose lease ends unacknowledged goes to the dead-letter list (nil: it does
+-- not). A lease that expired is a failed delivery: at max_deliveries of them the group goes
+-- (a batch whose every lease expires must not come back forever). A lease released by a
+-- rollback (`max_rollbacks` given: its trainer died and restarted from its checkpoint) is
+-- not a failed delivery: a preempted trainer is not the group's fault. It is counted
+-- apart, against its own, higher limit: a batch that kills every trainer that takes it
+-- must not come back forever either.
+local function poisoned(k, id, max_deliveries, max_rollbacks)
+  if max_rollbacks then
+    redis.call('HINCRBY', k.deliveries, id, -1)
+    local held = redis.call('HINCRBY', k.rollbacks, id, 1)
+    if held < max_rollbacks then return nil end
+    return 'held by ' .. held .. ' trainers that died before acknowledging it (each lease released when the '
+      .. 'trainer restarted from its checkpoint; the buffer setting max_rollbacks is ' .. max_rollbacks .. ')'
+  end
+  local delivered = tonumber(redis.call('HGET', k.deliveries, id) or '0')
+  if delivered < max_deliveries then return nil end
+  return 'delivered ' .. delivered .. ' times and never acknowledged (every lease expired; '
+    .. 'the buffer setting max_deliveries is ' .. max_deliveries .. ')'
+end
+
+-- Expired batch leases (every lease, `now` '+inf') go back to the front of the queue, in
+-- their original order, or to the dead-letter list (poisoned).
+local function requeue_expired(k, now, batch_prefix, max_deliveries, max_rollbacks)
   local expired = redis.call('ZRANGEBYSCORE', k.leases, '-inf', now)
   for _, lease_id in ipairs(expired) do
     local list = batch_prefix .. lease_id
     local ids = redis.call('LRANGE', list, 0, -1)
     local samples, requeued = 0, 0
     for i = #ids, 1, -1 do
-      local delivered = tonumber(redis.call('HGET', k.deliveries, ids[i]) or '0')
-      if delivered >= max_deliveries then
-        dead_letter(k, ids[i], 'delivered ' .. delivered .. ' times and never acknowledged (every lease expired; '
-          .. 'the buffer setting max_deliveries is ' .. max_deliveries .. ')')
+      local reason = poisoned(k, ids[i], max_deliveries, max_rollbacks)
+      if reason then
+        dead_letter(k, ids[i], reason)
       else
         redis.call('LPUSH', k.queue, ids[i])
         samples = samples + (meta_of(k.meta, ids[i]))
@@ -108,6 +128,7 @@ local function discard(k, ids)
     leave_bytes(k.groups, id)
     redis.call('HDEL', k.meta, id)
     redis.call('HDEL', k.deliveries, id)
+    redis.call('HDEL', k.rollbacks, id)
     redis.call('SADD', k.discarded, id)
   end
   redis.call('HINCRBY', k.stats, 'stale_groups_dropped', #ids)
@@ -145,14 +166,14 @@ end
 local function lease_keys()
   return {spec = KEYS[1], queue = KEYS[2], leases = KEYS[3], groups = KEYS[4], meta = KEYS[5],
           stats = KEYS[6], discarded = KEYS[7], lease_list = KEYS[8], deliveries = KEYS[9],
-          dead_letters = KEYS[10], dead_groups = KEYS[11], dead_reasons = KEYS[12]}
+          dead_letters = KEYS[10], dead_groups = KEYS[11], dead_reasons = KEYS[12], rollbacks = KEYS[13]}
 end
 """
 )
 
 # KEYS and ARGV of the lease scripts and REJECT_GROUPS (see BufferStore.lease_batch):
 #   KEYS: spec queue batch_leases groups meta stats discarded batch:<lease_id> deliveries
-#         dead_letters dead_groups dead_reasons
+#         dead_letters dead_groups dead_reasons rollbacks
 #   ARGV: batch_prefix lease_id lease_seconds max_deliveries ...
 # Lease scripts return {-1} for an unknown run, {0, stale_dropped} when no batch, else
 # {n, stale_dropped, stale_kept, run token, group ids...}.
@@ -362,22 +383,23 @@ return out
 _FINAL = (
     _LEAVE
     + r"""
-local function finalize(groups, meta, deliveries, acked, id)
+local function finalize(groups, meta, deliveries, rollbacks, acked, id)
   leave_bytes(groups, id)
   redis.call('HDEL', meta, id)
   redis.call('HDEL', deliveries, id)
+  redis.call('HDEL', rollbacks, id)
   redis.call('SADD', acked, id)
 end
 
 -- Provisional acknowledgments of steps <= `step` become final; returns how many, and the
 -- later ones (in the order they were acknowledged), which stay provisional unless the
 -- caller requeues them.
-local function commit_through(groups, meta, deliveries, acked, stats, provisional, steps, step)
+local function commit_through(groups, meta, deliveries, rollbacks, acked, stats, provisional, steps, step)
   local ids = redis.call('LRANGE', provisional, 0, -1)
   local later, n = {}, 0
   for _, id in ipairs(ids) do
     if tonumber(redis.call('HGET', steps, id) or '0') <= step then
-      finalize(groups, meta, deliveries, acked, id)
+      finalize(groups, meta, deliveries, rollbacks, acked, id)
       redis.call('HDEL', steps, id)
       n = n + 1
     else
@@ -401,7 +423,7 @@ end
 # The newest ARGV[4] acknowledged lease ids are remembered (acked_leases hash, oldest first
 # in acked_lease_order).
 #   KEYS: spec batch_leases batch:<lease_id> groups acked stats meta deliveries provisional provisional_steps
-#         acked_leases acked_lease_order
+#         acked_leases acked_lease_order rollbacks
 #   ARGV: lease_id provisional(0|1) step remembered_leases
 # Returns -2 unknown run, -1 unknown or redelivered lease, else groups acknowledged.
 ACK_BATCH = (
@@ -419,7 +441,7 @@ for _, id in ipairs(ids) do
     redis.call('RPUSH', KEYS[9], id)
     redis.call('HSET', KEYS[10], id, ARGV[3])
   else
-    finalize(KEYS[4], KEYS[7], KEYS[8], KEYS[5], id)
+    finalize(KEYS[4], KEYS[7], KEYS[8], KEYS[13], KEYS[5], id)
   end
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
@@ -433,23 +455,24 @@ return #ids
 """
 )
 
-#   KEYS: spec groups acked stats meta deliveries provisional provisional_steps;  ARGV: through_step
+#   KEYS: spec groups acked stats meta deliveries provisional provisional_steps rollbacks;  ARGV: through_step
 # Returns -2 unknown run, else groups committed.
 COMMIT_ACKS = (
     _FINAL
     + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -2 end
-local n = commit_through(KEYS[2], KEYS[5], KEYS[6], KEYS[3], KEYS[4], KEYS[7], KEYS[8], tonumber(ARGV[1]))
+local n = commit_through(KEYS[2], KEYS[5], KEYS[6], KEYS[9], KEYS[3], KEYS[4], KEYS[7], KEYS[8], tonumber(ARGV[1]))
 return n
 """
 )
 
 # A trainer restarted from its checkpoint at `step`: provisional acknowledgments up to it
 # become final; later ones go back to the very front of the queue in the order they were
-# trained (their deliveries count stays: a rollback is not the group's fault, and only an
-# expired lease dead-letters); every live batch lease is released as if it had expired.
+# trained (their delivery did not fail: it is taken back, and not counted as a rollback
+# either); every batch lease (live or expired: the dead trainer's) is released, counted as a
+# rollback, not as a failed delivery (see poisoned).
 #   KEYS: as the lease scripts, then acked provisional provisional_steps
-#   ARGV: batch_prefix step max_deliveries
+#   ARGV: batch_prefix step max_deliveries max_rollbacks
 # Returns {-2} unknown run, else {committed, requeued, leases released}.
 ROLLBACK_TO_CHECKPOINT = (
     _HELPERS
@@ -458,16 +481,17 @@ ROLLBACK_TO_CHECKPOINT = (
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-2} end
 local released = redis.call('ZCARD', k.leases)
-requeue_expired(k, '+inf', ARGV[1], tonumber(ARGV[3]))
-local committed, later = commit_through(k.groups, k.meta, k.deliveries, KEYS[13], k.stats, KEYS[14], KEYS[15],
-                                        tonumber(ARGV[2]))
+requeue_expired(k, '+inf', ARGV[1], tonumber(ARGV[3]), tonumber(ARGV[4]))
+local committed, later = commit_through(k.groups, k.meta, k.deliveries, k.rollbacks, KEYS[14], k.stats, KEYS[15],
+                                        KEYS[16], tonumber(ARGV[2]))
 local samples = 0
 for i = #later, 1, -1 do
   redis.call('LPUSH', k.queue, later[i])
-  redis.call('HDEL', KEYS[15], later[i])
+  redis.call('HDEL', KEYS[16], later[i])
+  redis.call('HINCRBY', k.deliveries, later[i], -1)
   samples = samples + (meta_of(k.meta, later[i]))
 end
-redis.call('DEL', KEYS[14])
+redis.call('DEL', KEYS[15])
 if #later > 0 then
   redis.call('HINCRBY', k.stats, 'rolled_back_groups', #later)
   redis.call('HINCRBY', k.stats, 'queued_samples', samples)
