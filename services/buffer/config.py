@@ -22,7 +22,16 @@ class Settings(GrpcServiceSettings):
         ge=1,
         description="Times a group may be leased to trainers without an acknowledgment: when its last "
         "lease expires too it goes to the run's dead-letter list (exported by ExportGroups with dead_letters) "
-        "instead of being redelivered forever.",
+        "instead of being redelivered forever. A lease released because its trainer restarted from a checkpoint "
+        "(RollbackToCheckpoint) does not count: see max_rollbacks.",
+    )
+    max_rollbacks: int = Field(
+        10,
+        ge=1,
+        description="Times a group may be held by a trainer that died (its lease released when the trainer "
+        "restarted from its checkpoint) before it goes to the run's dead-letter list: a batch that crashes every "
+        "trainer that takes it must not come back forever, but a trainer preempted now and then is not its group's "
+        "failure, so these count apart from max_deliveries, against their own, higher limit.",
     )
     poll_interval_seconds: float = Field(0.02, gt=0, description="How often a waiting LeaseBatch checks the queue.")
     buffer_filter: PluginPath = Field(

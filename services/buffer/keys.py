@@ -29,6 +29,7 @@ class RunKeys:
     queue: str = field(init=False)
     batch_leases: str = field(init=False)
     deliveries: str = field(init=False)
+    rollbacks: str = field(init=False)
     acked: str = field(init=False)
     acked_leases: str = field(init=False)
     acked_lease_order: str = field(init=False)

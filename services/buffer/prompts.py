@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 import redis.asyncio as aioredis
 
-from rlmesh.buffer import scripts
+from rlmesh.buffer import prompt_scripts
 from rlmesh.buffer.datasets import epoch_order, load_dataset, record_to_samples
 from rlmesh.buffer.keys import RunKeys, closed_run, read_spec, run_keys, unknown_run
 from rlmesh.buffer.sources import DataFiles
@@ -39,8 +38,8 @@ class PromptSource:
         self.redis = redis
         self.key_prefix = key_prefix
         self.data_files = data_files
-        self._get_prompts = redis.register_script(scripts.GET_PROMPTS)
-        self._materialize = redis.register_script(scripts.MATERIALIZE)
+        self._get_prompts = redis.register_script(prompt_scripts.GET_PROMPTS)
+        self._materialize = redis.register_script(prompt_scripts.MATERIALIZE)
 
     async def load(self, k: RunKeys, datasets: list[DatasetConfig]) -> tuple[dict[str, int], dict[str, int]]:
         """Write each dataset's prompt records to Redis: (records, prompts skipped) by dataset name."""
@@ -58,16 +57,15 @@ class PromptSource:
 
     async def get_prompts(self, run_id: str, num_groups: int, lease_seconds: float) -> list[bytes]:
         """Serialized prompt groups, leased: expired leases first, then partial groups,
-        then fresh prompts from the cursor (see scripts.GET_PROMPTS)."""
+        then fresh prompts from the cursor (see prompt_scripts.GET_PROMPTS)."""
         if num_groups < 1:
             raise InvalidArgument("num_groups must be at least 1")
         if lease_seconds <= 0:
             raise InvalidArgument("lease_seconds must be positive (0 = the service default)")
         k = run_keys(self.key_prefix, run_id)
-        now = time.time()
         out = await self._get_prompts(
             keys=[k.spec, k.cursor, k.prompt_leases, k.prompts, k.partial, k.partial_groups, k.stats, k.closed],
-            args=[now, now + lease_seconds, num_groups],
+            args=[lease_seconds, num_groups],  # (the expiry is set on Redis's clock)
         )
         if out[0] == -1:
             raise unknown_run(run_id)

@@ -25,8 +25,20 @@ local function leave_bytes(groups, id)
 end
 """
 
+# Now, on Redis's clock (seconds): every lease expiry is set and compared on this one
+# clock, never on the clock of whichever buffer replica runs the script (one set ahead would
+# expire every other replica's leases). TIME before writes is allowed under effects
+# replication, the default since Redis 5 and the only mode since 7.
+NOW = r"""
+local function redis_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+"""
+
 _HELPERS = (
     _LEAVE
+    + NOW
     + r"""
 -- The run's incarnation token (a new one each time the run is created).
 local function run_token(spec_key)
@@ -57,23 +69,43 @@ local function dead_letter(k, id, reason)
   leave_bytes(k.groups, id)
   redis.call('HDEL', k.meta, id)
   redis.call('HDEL', k.deliveries, id)
+  redis.call('HDEL', k.rollbacks, id)
   redis.call('SADD', k.discarded, id)
 end
 
--- Expired batch leases go back to the front of the queue, in their original order;
--- a group already delivered max_deliveries times goes to the dead-letter list instead
--- (a batch that kills every trainer that takes it must not come back forever).
-local function requeue_expired(k, now, batch_prefix, max_deliveries)
+-- Why a group whose lease ends unacknowledged goes to the dead-letter list (nil: it does
+-- not). A lease that expired is a failed delivery: at max_deliveries of them the group goes
+-- (a batch whose every lease expires must not come back forever). A lease released by a
+-- rollback (`max_rollbacks` given: its trainer died and restarted from its checkpoint) is
+-- not a failed delivery: a preempted trainer is not the group's fault. It is counted
+-- apart, against its own, higher limit: a batch that kills every trainer that takes it
+-- must not come back forever either.
+local function poisoned(k, id, max_deliveries, max_rollbacks)
+  if max_rollbacks then
+    redis.call('HINCRBY', k.deliveries, id, -1)
+    local held = redis.call('HINCRBY', k.rollbacks, id, 1)
+    if held < max_rollbacks then return nil end
+    return 'held by ' .. held .. ' trainers that died before acknowledging it (each lease released when the '
+      .. 'trainer restarted from its checkpoint; the buffer setting max_rollbacks is ' .. max_rollbacks .. ')'
+  end
+  local delivered = tonumber(redis.call('HGET', k.deliveries, id) or '0')
+  if delivered < max_deliveries then return nil end
+  return 'delivered ' .. delivered .. ' times and never acknowledged (every lease expired; '
+    .. 'the buffer setting max_deliveries is ' .. max_deliveries .. ')'
+end
+
+-- Expired batch leases (every lease, `now` '+inf') go back to the front of the queue, in
+-- their original order, or to the dead-letter list (poisoned).
+local function requeue_expired(k, now, batch_prefix, max_deliveries, max_rollbacks)
   local expired = redis.call('ZRANGEBYSCORE', k.leases, '-inf', now)
   for _, lease_id in ipairs(expired) do
     local list = batch_prefix .. lease_id
     local ids = redis.call('LRANGE', list, 0, -1)
     local samples, requeued = 0, 0
     for i = #ids, 1, -1 do
-      local delivered = tonumber(redis.call('HGET', k.deliveries, ids[i]) or '0')
-      if delivered >= max_deliveries then
-        dead_letter(k, ids[i], 'delivered ' .. delivered .. ' times and never acknowledged (every lease expired; '
-          .. 'the buffer setting max_deliveries is ' .. max_deliveries .. ')')
+      local reason = poisoned(k, ids[i], max_deliveries, max_rollbacks)
+      if reason then
+        dead_letter(k, ids[i], reason)
       else
         redis.call('LPUSH', k.queue, ids[i])
         samples = samples + (meta_of(k.meta, ids[i]))
@@ -96,6 +128,7 @@ local function discard(k, ids)
     leave_bytes(k.groups, id)
     redis.call('HDEL', k.meta, id)
     redis.call('HDEL', k.deliveries, id)
+    redis.call('HDEL', k.rollbacks, id)
     redis.call('SADD', k.discarded, id)
   end
   redis.call('HINCRBY', k.stats, 'stale_groups_dropped', #ids)
@@ -121,9 +154,9 @@ local function leased(k, ids, lease_id, expiry, stale_kept, stale_dropped)
   return out
 end
 
--- The lease KEYS[8] (batch:<ARGV[3]>), if it lives: what leasing it answered (a retried call).
+-- The lease KEYS[8] (batch:<ARGV[2]>), if it lives: what leasing it answered (a retried call).
 local function live_lease(k)
-  if not redis.call('ZSCORE', k.leases, ARGV[3]) then return nil end
+  if not redis.call('ZSCORE', k.leases, ARGV[2]) then return nil end
   local ids = redis.call('LRANGE', k.lease_list, 0, -1)
   local out = {#ids, 0, 0, run_token(k.spec)}
   for _, id in ipairs(ids) do out[#out + 1] = id end
@@ -133,15 +166,15 @@ end
 local function lease_keys()
   return {spec = KEYS[1], queue = KEYS[2], leases = KEYS[3], groups = KEYS[4], meta = KEYS[5],
           stats = KEYS[6], discarded = KEYS[7], lease_list = KEYS[8], deliveries = KEYS[9],
-          dead_letters = KEYS[10], dead_groups = KEYS[11], dead_reasons = KEYS[12]}
+          dead_letters = KEYS[10], dead_groups = KEYS[11], dead_reasons = KEYS[12], rollbacks = KEYS[13]}
 end
 """
 )
 
 # KEYS and ARGV of the lease scripts and REJECT_GROUPS (see BufferStore.lease_batch):
 #   KEYS: spec queue batch_leases groups meta stats discarded batch:<lease_id> deliveries
-#         dead_letters dead_groups dead_reasons
-#   ARGV: now batch_prefix lease_id expiry max_deliveries ...
+#         dead_letters dead_groups dead_reasons rollbacks
+#   ARGV: batch_prefix lease_id lease_seconds max_deliveries ...
 # Lease scripts return {-1} for an unknown run, {0, stale_dropped} when no batch, else
 # {n, stale_dropped, stale_kept, run token, group ids...}.
 
@@ -152,11 +185,12 @@ LEASE_FIFO = (
     + r"""
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-1} end
-requeue_expired(k, ARGV[1], ARGV[2], tonumber(ARGV[5]))
+local now = redis_now()
+requeue_expired(k, now, ARGV[1], tonumber(ARGV[4]))
 local again = live_lease(k)
 if again then return again end
-local want_groups, want_samples = tonumber(ARGV[6]), tonumber(ARGV[7])
-local min_v, keep = tonumber(ARGV[8]), ARGV[9] == '1'
+local want_groups, want_samples = tonumber(ARGV[5]), tonumber(ARGV[6])
+local min_v, keep = tonumber(ARGV[7]), ARGV[8] == '1'
 local take, drop, stale_kept = {}, {}, 0
 if min_v <= 0 and want_samples <= 0 then
   if redis.call('LLEN', k.queue) < want_groups then return {0, 0} end
@@ -193,13 +227,13 @@ else
   discard(k, drop)
 end
 if #take == 0 then return {0, #drop} end
-return leased(k, take, ARGV[3], ARGV[4], stale_kept, #drop)
+return leased(k, take, ARGV[2], now + tonumber(ARGV[3]), stale_kept, #drop)
 """
 )
 
 # A buffer filter chose the groups (from a snapshot of the queue): claim exactly those,
 # or nothing if another replica took one meanwhile ({-2}: choose again).
-#   ARGV: now batch_prefix lease_id expiry max_deliveries n_take n_drop stale_kept take_ids... drop_ids...
+#   ARGV: batch_prefix lease_id lease_seconds max_deliveries n_take n_drop stale_kept take_ids... drop_ids...
 LEASE_CHOSEN = (
     _HELPERS
     + r"""
@@ -207,20 +241,20 @@ local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-1} end
 local again = live_lease(k)
 if again then return again end
-local n_take, n_drop, stale_kept = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local n_take, n_drop, stale_kept = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local take, drop = {}, {}
 for i = 1, n_take do
-  take[i] = ARGV[8 + i]
+  take[i] = ARGV[7 + i]
   if not redis.call('LPOS', k.queue, take[i]) then return {-2} end
 end
 for i = 1, n_drop do
-  local id = ARGV[8 + n_take + i]
+  local id = ARGV[7 + n_take + i]
   if redis.call('LREM', k.queue, 1, id) == 1 then drop[#drop + 1] = id end
 end
 discard(k, drop)
 if n_take == 0 then return {0, #drop} end
 for _, id in ipairs(take) do redis.call('LREM', k.queue, 1, id) end
-return leased(k, take, ARGV[3], ARGV[4], stale_kept, #drop)
+return leased(k, take, ARGV[2], redis_now() + tonumber(ARGV[3]), stale_kept, #drop)
 """
 )
 
@@ -228,7 +262,7 @@ REQUEUE_EXPIRED = (
     _HELPERS
     + r"""
 local k = lease_keys()
-requeue_expired(k, ARGV[1], ARGV[2], tonumber(ARGV[5]))
+requeue_expired(k, redis_now(), ARGV[1], tonumber(ARGV[4]))
 return 0
 """
 )
@@ -349,22 +383,23 @@ return out
 _FINAL = (
     _LEAVE
     + r"""
-local function finalize(groups, meta, deliveries, acked, id)
+local function finalize(groups, meta, deliveries, rollbacks, acked, id)
   leave_bytes(groups, id)
   redis.call('HDEL', meta, id)
   redis.call('HDEL', deliveries, id)
+  redis.call('HDEL', rollbacks, id)
   redis.call('SADD', acked, id)
 end
 
 -- Provisional acknowledgments of steps <= `step` become final; returns how many, and the
 -- later ones (in the order they were acknowledged), which stay provisional unless the
 -- caller requeues them.
-local function commit_through(groups, meta, deliveries, acked, stats, provisional, steps, step)
+local function commit_through(groups, meta, deliveries, rollbacks, acked, stats, provisional, steps, step)
   local ids = redis.call('LRANGE', provisional, 0, -1)
   local later, n = {}, 0
   for _, id in ipairs(ids) do
     if tonumber(redis.call('HGET', steps, id) or '0') <= step then
-      finalize(groups, meta, deliveries, acked, id)
+      finalize(groups, meta, deliveries, rollbacks, acked, id)
       redis.call('HDEL', steps, id)
       n = n + 1
     else
@@ -388,7 +423,7 @@ end
 # The newest ARGV[4] acknowledged lease ids are remembered (acked_leases hash, oldest first
 # in acked_lease_order).
 #   KEYS: spec batch_leases batch:<lease_id> groups acked stats meta deliveries provisional provisional_steps
-#         acked_leases acked_lease_order
+#         acked_leases acked_lease_order rollbacks
 #   ARGV: lease_id provisional(0|1) step remembered_leases
 # Returns -2 unknown run, -1 unknown or redelivered lease, else groups acknowledged.
 ACK_BATCH = (
@@ -406,7 +441,7 @@ for _, id in ipairs(ids) do
     redis.call('RPUSH', KEYS[9], id)
     redis.call('HSET', KEYS[10], id, ARGV[3])
   else
-    finalize(KEYS[4], KEYS[7], KEYS[8], KEYS[5], id)
+    finalize(KEYS[4], KEYS[7], KEYS[8], KEYS[13], KEYS[5], id)
   end
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
@@ -420,23 +455,24 @@ return #ids
 """
 )
 
-#   KEYS: spec groups acked stats meta deliveries provisional provisional_steps;  ARGV: through_step
+#   KEYS: spec groups acked stats meta deliveries provisional provisional_steps rollbacks;  ARGV: through_step
 # Returns -2 unknown run, else groups committed.
 COMMIT_ACKS = (
     _FINAL
     + r"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return -2 end
-local n = commit_through(KEYS[2], KEYS[5], KEYS[6], KEYS[3], KEYS[4], KEYS[7], KEYS[8], tonumber(ARGV[1]))
+local n = commit_through(KEYS[2], KEYS[5], KEYS[6], KEYS[9], KEYS[3], KEYS[4], KEYS[7], KEYS[8], tonumber(ARGV[1]))
 return n
 """
 )
 
 # A trainer restarted from its checkpoint at `step`: provisional acknowledgments up to it
 # become final; later ones go back to the very front of the queue in the order they were
-# trained (their deliveries count stays: a rollback is not the group's fault, and only an
-# expired lease dead-letters); every live batch lease is released as if it had expired.
+# trained (their delivery did not fail: it is taken back, and not counted as a rollback
+# either); every batch lease (live or expired: the dead trainer's) is released, counted as a
+# rollback, not as a failed delivery (see poisoned).
 #   KEYS: as the lease scripts, then acked provisional provisional_steps
-#   ARGV: now batch_prefix step max_deliveries
+#   ARGV: batch_prefix step max_deliveries max_rollbacks
 # Returns {-2} unknown run, else {committed, requeued, leases released}.
 ROLLBACK_TO_CHECKPOINT = (
     _HELPERS
@@ -445,16 +481,17 @@ ROLLBACK_TO_CHECKPOINT = (
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-2} end
 local released = redis.call('ZCARD', k.leases)
-requeue_expired(k, '+inf', ARGV[2], tonumber(ARGV[4]))
-local committed, later = commit_through(k.groups, k.meta, k.deliveries, KEYS[13], k.stats, KEYS[14], KEYS[15],
-                                        tonumber(ARGV[3]))
+requeue_expired(k, '+inf', ARGV[1], tonumber(ARGV[3]), tonumber(ARGV[4]))
+local committed, later = commit_through(k.groups, k.meta, k.deliveries, k.rollbacks, KEYS[14], k.stats, KEYS[15],
+                                        KEYS[16], tonumber(ARGV[2]))
 local samples = 0
 for i = #later, 1, -1 do
   redis.call('LPUSH', k.queue, later[i])
-  redis.call('HDEL', KEYS[15], later[i])
+  redis.call('HDEL', KEYS[16], later[i])
+  redis.call('HINCRBY', k.deliveries, later[i], -1)
   samples = samples + (meta_of(k.meta, later[i]))
 end
-redis.call('DEL', KEYS[14])
+redis.call('DEL', KEYS[15])
 if #later > 0 then
   redis.call('HINCRBY', k.stats, 'rolled_back_groups', #later)
   redis.call('HINCRBY', k.stats, 'queued_samples', samples)
@@ -462,86 +499,6 @@ end
 return {committed, #later, released}
 """
 )
-
-# Hand out up to n prompt groups, each leased until `expiry`, in this order: prompts whose
-# lease expired (their worker died), partial groups to resume, fresh prompts. A fresh
-# prompt is leased as a reference "ref:{dataset, position, group index}" that the
-# caller turns into the group's bytes (MATERIALIZE); a crash in between leaves the
-# reference leased, and whoever gets it after the lease expires builds the same group.
-# Several training datasets are mixed by weight with stride scheduling: the next prompt
-# comes from the dataset with the smallest (drawn + 1) / weight (exact proportions at
-# every point, deterministic, no randomness to replay).
-#   KEYS: spec cursor prompt_leases prompts partial partial_groups stats closed
-#   ARGV: now expiry n
-# Returns {-1} unknown run, {-3} closed run (its datasets are gone), else {1, id, value, id, value, ...}.
-GET_PROMPTS = r"""
-local spec = redis.call('GET', KEYS[1])
-if not spec then return {-1} end
-if redis.call('EXISTS', KEYS[8]) == 1 then return {-3} end
-local cursor, leases, prompts, partial, partial_groups, stats = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local expiry, n = ARGV[2], tonumber(ARGV[3])
-local out, count, reissued = {1}, 0, 0
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', ARGV[1], 'LIMIT', 0, n)) do
-  local value = redis.call('HGET', prompts, id)
-  if value then
-    redis.call('ZADD', leases, expiry, id)
-    out[#out + 1] = id
-    out[#out + 1] = value
-    count, reissued = count + 1, reissued + 1
-  else
-    redis.call('ZREM', leases, id)
-  end
-end
-while count < n do
-  local id = redis.call('LPOP', partial)
-  if not id then break end
-  local value = redis.call('HGET', partial_groups, id)
-  redis.call('HDEL', partial_groups, id)
-  if value then
-    redis.call('HSET', prompts, id, value)
-    redis.call('ZADD', leases, expiry, id)
-    out[#out + 1] = id
-    out[#out + 1] = value
-    count = count + 1
-  end
-end
-if count < n then
-  local train = {}
-  for _, d in ipairs(cjson.decode(spec).datasets) do
-    if not d.eval then train[#train + 1] = d end
-  end
-  while count < n do
-    local best, best_t
-    for _, d in ipairs(train) do
-      local t = (tonumber(redis.call('HGET', cursor, d.name) or '0') + 1) / d.weight
-      if best == nil or t < best_t then best, best_t = d, t end
-    end
-    local pos = redis.call('HINCRBY', cursor, best.name, 1) - 1
-    local gi = redis.call('HINCRBY', cursor, '__groups__', 1) - 1
-    local id = 'g' .. gi
-    local ref = 'ref:' .. cjson.encode({d = best.name, p = pos, i = gi})
-    redis.call('HSET', prompts, id, ref)
-    redis.call('ZADD', leases, expiry, id)
-    out[#out + 1] = id
-    out[#out + 1] = ref
-    count = count + 1
-  end
-end
-redis.call('HINCRBY', stats, 'prompts_handed_out', count)
-if reissued > 0 then redis.call('HINCRBY', stats, 'prompts_reissued', reissued) end
-return out
-"""
-
-# Replace a leased reference by the group's bytes (only if still leased as that reference).
-#   KEYS: prompts;  ARGV: (id, ref, bytes) per group
-MATERIALIZE = r"""
-for i = 1, #ARGV, 3 do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
-    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 2])
-  end
-end
-return 0
-"""
 
 # Aborted groups come back with what they generated so far, to be handed out first.
 #   KEYS: spec partial partial_groups prompt_leases prompts stats groups acked discarded closed

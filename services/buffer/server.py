@@ -290,6 +290,7 @@ def make_store(settings: Settings) -> BufferStore:
             settings.data_roots, settings.dataset_max_files, settings.dataset_max_bytes, settings.model_roots
         ),
         max_deliveries=settings.max_deliveries,
+        max_rollbacks=settings.max_rollbacks,
         recent_groups=settings.recent_groups,
     )
 

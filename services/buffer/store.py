@@ -7,13 +7,16 @@ Keys of a run live under `<prefix>:run:<run_id>:` (rlmesh.buffer.keys.RunKeys li
   data:<dataset>  prompt records (list of JSON, see rlmesh.buffer.datasets)
   cursor          hash: <dataset> -> prompts drawn so far; __groups__ -> next group index
   prompts         hash: group_id -> handed-out prompt group (bytes, or a "ref:" to build it)
-  prompt_leases   zset: group_id -> lease expiry (unix seconds)
+  prompt_leases   zset: group_id -> lease expiry (unix seconds on Redis's clock: TIME)
   partial         list of group ids + partial_groups hash: aborted groups waiting to resume
   groups          hash: group_id -> completed SampleGroup (bytes), until acknowledged
   meta            hash: group_id -> summary (samples, oldest weight version, rewards...)
   queue           list of completed group ids waiting for training (oldest first)
-  batch_leases    zset: lease_id -> expiry;  batch:<lease_id>  list of its group ids
-  deliveries      hash: group_id -> times leased (bounded by max_deliveries), until acknowledged
+  batch_leases    zset: lease_id -> expiry (as prompt_leases');  batch:<lease_id>  list of its group ids
+  deliveries      hash: group_id -> its leases that expired or are live (bounded by
+                  max_deliveries), until acknowledged
+  rollbacks       hash: group_id -> its leases released by a trainer's restart
+                  (RollbackToCheckpoint; bounded by max_rollbacks), until acknowledged
   acked           set of acknowledged group ids (never delivered or stored again)
   acked_leases    hash: lease_id -> groups it acknowledged, for the newest leases (oldest
                   first in acked_lease_order): a retried AckBatch answers as the first did
@@ -22,7 +25,8 @@ Keys of a run live under `<prefix>:run:<run_id>:` (rlmesh.buffer.keys.RunKeys li
                   `groups` until a checkpoint holding the step is committed (CommitAcks)
                   or the trainer restarts from an older one (RollbackToCheckpoint)
   discarded       set of dropped or dead-lettered group ids (stale, filtered out by the
-                  rollout, rejected by a trainer, delivered max_deliveries times)
+                  rollout, rejected by a trainer, delivered max_deliveries or
+                  max_rollbacks times)
   dead_letters    list of dead-lettered group ids (oldest first) + dead_groups hash
                   (group_id -> bytes) + dead_reasons hash (group_id -> why)
   stats           hash of counters;  rate_snapshots  zset of counter snapshots (rates)
@@ -96,6 +100,7 @@ class BufferStore:
         data_files: DataFiles | None = None,
         max_deliveries: int = 5,
         recent_groups: int = 512,
+        max_rollbacks: int = 10,
     ) -> None:
         self.redis = redis
         self.key_prefix = key_prefix
@@ -106,6 +111,7 @@ class BufferStore:
         data_files = data_files or DataFiles((), 1, 1)  # none: no dataset file can be read
         self.prompts = PromptSource(redis, key_prefix, data_files)  # GetPrompts, GetEvalPrompts
         self.max_deliveries = max_deliveries
+        self.max_rollbacks = max_rollbacks
         self.recent_groups = recent_groups
         self._put = redis.register_script(scripts.PUT_GROUPS)
         self._close = redis.register_script(scripts.CLOSE_RUN)
@@ -364,9 +370,8 @@ class BufferStore:
         lease_id = lease_id or uuid.uuid4().hex
         keys = self._lease_keys(k, lease_id)
         dropped = 0
+        head = [k.batch(""), lease_id, lease_seconds, self.max_deliveries]  # (expiries on Redis's clock)
         while True:
-            now = time.time()
-            head = [now, k.batch(""), lease_id, now + lease_seconds, self.max_deliveries]
             if self.buffer_filter is None and not minimums:
                 result = await self._lease_fifo(
                     keys=keys, args=[*head, num_groups, num_samples, min_weight_version, int(keep_stale)]
@@ -402,6 +407,7 @@ class BufferStore:
             k.dead_letters,
             k.dead_groups,
             k.dead_reasons,
+            k.rollbacks,
         ]
 
     async def _group_bytes(self, k: RunKeys, token: str, ids: list[str]) -> list:
@@ -484,6 +490,7 @@ class BufferStore:
                 k.provisional_steps,
                 k.acked_leases,
                 k.acked_lease_order,
+                k.rollbacks,
             ],
             args=[lease_id, int(provisional), step, _REMEMBERED_ACKED_LEASES],
         )
@@ -501,7 +508,10 @@ class BufferStore:
         _check_step(through_step, "through_step")
         k = self.keys(run_id)
         n = await self._commit_acks(
-            keys=[k.spec, k.groups, k.acked, k.stats, k.meta, k.deliveries, k.provisional, k.provisional_steps],
+            keys=[
+                *(k.spec, k.groups, k.acked, k.stats, k.meta, k.deliveries, k.provisional, k.provisional_steps),
+                k.rollbacks,
+            ],
             args=[through_step],
         )
         if n == -2:
@@ -513,7 +523,7 @@ class BufferStore:
         _check_step(step, "step")
         k = self.keys(run_id)
         keys = [*self._lease_keys(k, ""), k.acked, k.provisional, k.provisional_steps]
-        result = await self._rollback(keys=keys, args=[time.time(), k.batch(""), step, self.max_deliveries])
+        result = await self._rollback(keys=keys, args=[k.batch(""), step, self.max_deliveries, self.max_rollbacks])
         if result[0] == -2:
             raise unknown_run(run_id)
         return result[0], result[1], result[2]

@@ -44,10 +44,11 @@ ADMIN_USER = "admin"
 # @write and @connection hold that administers the server or touches every key at once
 # (FLUSHALL, FLUSHDB, KEYS, SWAPDB, MIGRATE, RESTORE, CLIENT KILL, ...), -@scripting what
 # @write holds of scripting (FUNCTION FLUSH); CONFIG, DEBUG, SHUTDOWN, ACL, MONITOR and the
-# like are in none of the categories allowed.
+# like are in none of the categories allowed. TIME: the buffer's scripts set and compare
+# lease expiries on Redis's clock.
 SERVICE_ACL = (
     "resetchannels ~* -@all +@read +@write +@transaction +@connection -@dangerous -@scripting "
-    "+eval +evalsha +script|load +script|exists"
+    "+eval +evalsha +script|load +script|exists +time"
 )
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1024, "m": 1000**2, "mb": 1024**2, "g": 1000**3, "gb": 1024**3}
 _SIZE = re.compile(r"(\d+)\s*([kmg]?b?)", re.IGNORECASE)

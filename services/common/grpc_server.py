@@ -27,10 +27,45 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
+# HTTP/2 keepalive between rlmesh's services: while a call is open the client pings every
+# KEEPALIVE_TIME_MS and drops the connection (the call fails UNAVAILABLE, and is retried)
+# when a ping is not answered within KEEPALIVE_TIMEOUT_MS (gRPC core 1.85 times a ping out
+# by ping_timeout_ms, 60 s by default, whatever keepalive_timeout_ms says: both are set).
+# So a peer that vanished without closing its connections (its host gone, a partition, a
+# frozen process) is noticed within about 40 s, not at the call's deadline (a TrainStep's
+# is 20 minutes). Servers ping idle clients too, and accept pings as often as clients send
+# them (a server refuses pings more frequent than its min_ping_interval with GOAWAY
+# "too_many_pings").
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+
+
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """A channel's to an rlmesh service: message size caps and keepalive."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 0),  # (an idle channel finds out at its next call)
+        ("grpc.http2.max_pings_without_data", 0),  # (else pings stop after 2 on a call that sends nothing)
+    ]
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """A server's: message size caps, keepalive pings to its clients, and its clients' pings
+    accepted (see KEEPALIVE_TIME_MS)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        ("grpc.http2.max_ping_strikes", 0),  # (0: a client pinging too often is never sent away)
     ]
 
 
@@ -290,7 +325,7 @@ async def start_server(
     if token:
         interceptors.append(_AuthInterceptor(token))
     server = grpc.aio.server(
-        interceptors=[*interceptors, _StatusInterceptor()], options=channel_options(max_message_bytes)
+        interceptors=[*interceptors, _StatusInterceptor()], options=server_options(max_message_bytes)
     )
     names = [b.full_name for b in bindings]
     health_servicer = _HealthServicer(names)

@@ -282,15 +282,11 @@ def prune_checkpoints(directory: Path, run_id: str, keep: int) -> None:
         shutil.rmtree(entry)
 
 
-def checkpoint_extra(run_id: str, weight_version: int, trained: dict[int, list[str]]) -> dict:
+def checkpoint_extra(run_id: str, weight_version: int, trained: dict) -> dict:
     """What the trainer adds to a checkpoint's trainer_state.json: who wrote it (WRITTEN_BY)
-    for which run, the weight version, and which groups each step trained."""
-    return {
-        "run_id": run_id,
-        "weight_version": weight_version,
-        "written_by": WRITTEN_BY,
-        "trained_groups": {str(step): ids for step, ids in trained.items()},
-    }
+    for which run, the weight version, and where the record of the groups each step trained
+    is (`trained`: TrainedLog.state, see trained_log.py)."""
+    return {"run_id": run_id, "weight_version": weight_version, "written_by": WRITTEN_BY, **trained}
 
 
 async def write_in_background(

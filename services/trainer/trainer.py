@@ -49,6 +49,7 @@ from rlmesh.trainer.loading import resolve_device
 from rlmesh.trainer.ranks import open_backend
 from rlmesh.trainer.results import RunStatus, StepResult
 from rlmesh.trainer.run_paths import RunPaths, model_paths
+from rlmesh.trainer.trained_log import TrainedLog, resume_log
 from rlmesh.trainer.weight_sync import PushResult, WeightPusher
 
 log = logging.getLogger(__name__)
@@ -70,14 +71,11 @@ class _Run:
     written_step: int = 0  # of the newest automatic checkpoint written to disk, or where the run started
     last_checkpoint_time: float = 0.0  # (Trainer.clock) of the newest automatic checkpoint, or the start
     saving: asyncio.Task | None = None  # the automatic checkpoint being written (at most one)
-    # Which groups each step trained (step -> group ids), as far as the model holds them:
-    # saved in every checkpoint, so after a resume it lists exactly what the model learned from.
-    trained: dict[int, list[str]] = field(default_factory=dict)
+    # Which groups each step trained (trained_log.py): a group the buffer hands out again
+    # (it lost a write, or a lease expired) is acknowledged, never trained twice.
+    trained: TrainedLog | None = None
     # The buffer was told where this model stands (RollbackToCheckpoint) since it was loaded.
     buffer_rewound: bool = False
-    # Every group id in `trained`: a group the buffer hands out again (it lost a write, or a
-    # lease expired) is acknowledged, never trained twice.
-    trained_ids: set[str] = field(default_factory=set)
     step_in_flight: bool = False  # a TrainStep leases, trains or acknowledges
     # The last step's acknowledgment (step, task) while it has not landed: retried until it
     # does, and awaited before the next lease, checkpoint commit or EndRun.
@@ -85,9 +83,6 @@ class _Run:
     # Leases this trainer may hold though its step failed (a lost LeaseBatch reply, a failed
     # release): given back before the next lease.
     abandoned_leases: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.trained_ids = {gid for ids in self.trained.values() for gid in ids}
 
     @property
     def acks_wait_for_checkpoints(self) -> bool:
@@ -166,6 +161,13 @@ class Trainer:
             device = resolve_device(config.device if config.device != "auto" else self.settings.device)
             resume = await asyncio.to_thread(newest_checkpoint, checkpoints, run_id)
             backend = await asyncio.to_thread(open_backend, loaded, device, self.settings.mixed_precision, resume)
+            try:
+                trained = await asyncio.to_thread(
+                    resume_log, checkpoints, run_id, resume or Path(loaded.model_path), backend.resumed_state
+                )
+            except OSError as e:
+                await asyncio.to_thread(backend.close)
+                raise errors.FailedPrecondition(f"run {run_id!r}: its record of trained groups: {e}") from None
             run = _Run(
                 run_id,
                 config,
@@ -175,7 +177,7 @@ class Trainer:
                 last_checkpoint_step=backend.step,
                 written_step=backend.step,
                 last_checkpoint_time=self.clock(),
-                trained={int(step): ids for step, ids in backend.resumed_state.get("trained_groups", {}).items()},
+                trained=trained,
             )
             self._run = run
             log.info("run %s: %s on %s (step %d)", run_id, resume or config.model_path, device, backend.step)
@@ -324,8 +326,8 @@ class Trainer:
                     + (f" ({lease.stale_groups_dropped} stale groups dropped)" if lease.stale_groups_dropped else "")
                 )
             groups, rejected = trainable_groups(list(lease.groups), run.backend.vocab_size)
-            repeated = [g for g in groups if g.group_id in run.trained_ids]
-            groups = [g for g in groups if g.group_id not in run.trained_ids]
+            repeated = [g for g in groups if g.group_id in run.trained]
+            groups = [g for g in groups if g.group_id not in run.trained]
             if repeated:
                 log.warning(
                     "run %s: %d leased groups are in the model already (the buffer handed them out again); "
@@ -353,8 +355,7 @@ class Trainer:
                 run.abandoned_leases.add(lease_id)
             raise
         # (extended: a step that trained nothing leaves the step where the previous one did)
-        run.trained.setdefault(result.step, []).extend(g.group_id for g in groups)
-        run.trained_ids.update(g.group_id for g in groups)
+        run.trained.add(result.step, [g.group_id for g in groups])
         await fault_point("trainer.before_ack")
         await self._acknowledge(run, lease_id, result.step)
         result.metrics.update(
@@ -500,7 +501,8 @@ class Trainer:
             await run.saved()  # one writer at a time, were it the same directory
             try:
                 snapshot = await asyncio.to_thread(run.backend.snapshot)
-                extra = checkpoint_extra(run.run_id, run.weight_version, run.trained)
+                await asyncio.to_thread(run.trained.flush)
+                extra = checkpoint_extra(run.run_id, run.weight_version, run.trained.state(target))
                 written = await asyncio.to_thread(commit_checkpoint, snapshot, target, extra)
             except OSError as e:
                 raise errors.FailedPrecondition(f"cannot write checkpoint to {str(target)!r}: {e}") from None
@@ -534,9 +536,11 @@ class Trainer:
             await run.saved()
         try:
             snapshot = await asyncio.to_thread(run.backend.snapshot)
+            await asyncio.to_thread(run.trained.flush)  # (synced before the checkpoint is marked complete)
         except Exception:
             log.exception("run %s: no checkpoint at step %d: copying the state failed", run.run_id, step)
             return
+        target = self.paths.checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}"
         run.last_checkpoint_step, run.last_checkpoint_time = step, self.clock()
 
         async def written() -> None:
@@ -547,8 +551,8 @@ class Trainer:
             write_in_background(
                 run.run_id,
                 snapshot,
-                self.paths.checkpoint_dir(run.run_id, run.config) / f"step-{step:06d}",
-                checkpoint_extra(run.run_id, run.weight_version, run.trained),
+                target,
+                checkpoint_extra(run.run_id, run.weight_version, run.trained.state(target)),
                 run.config.keep_last,
                 on_written=written,
             )

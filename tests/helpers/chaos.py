@@ -23,6 +23,7 @@ from rlmesh.cli.launcher import Stack, datasets_dir, start_stack, supervise
 from rlmesh.common.auth import client_headers
 from rlmesh.common.faults import FAULTS_DIR_ENV
 from rlmesh.common.grpc_server import sync_channel
+from rlmesh.trainer import trained_log
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc
 from tests.helpers.runs import run_config
 from tests.helpers.stack import wait_for_run
@@ -215,7 +216,7 @@ def trained_record(stack: Stack, run_id: str) -> list[str]:
     if not checkpoints:
         return []
     state = json.loads((checkpoints[-1] / "trainer_state.json").read_text())
-    return [gid for ids in state["trained_groups"].values() for gid in ids]
+    return [gid for ids in trained_log.trained_record(checkpoints[-1], state).values() for gid in ids]
 
 
 def accounting_problems(

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import redis
 
-from rlmesh.buffer import scripts
+from rlmesh.buffer import prompt_scripts
 from rlmesh.buffer.config import Settings
 from rlmesh.buffer.keys import RunKeys
 from rlmesh.buffer.server import start
@@ -218,11 +218,10 @@ def test_a_prompt_drawn_by_a_replica_that_died_before_building_it_is_built_later
     create(stub, dataset, n=3)
     # a replica's first step only: draw g0 from the cursor (leased as a reference), then die
     k = RunKeys("rlmesh:run:r1:")
-    draw = redis.Redis.from_url(redis_url).register_script(scripts.GET_PROMPTS)
-    now = time.time()
+    draw = redis.Redis.from_url(redis_url).register_script(prompt_scripts.GET_PROMPTS)
     out = draw(
         keys=[k.spec, k.cursor, k.prompt_leases, k.prompts, k.partial, k.partial_groups, k.stats, k.closed],
-        args=[now, now + 0.05, 1],
+        args=[0.05, 1],  # (leased for 0.05 s)
     )
     assert out[1:] == [b"g0", b'ref:{"d":"train","p":0,"i":0}'] or out[2].startswith(b"ref:")
     time.sleep(0.1)

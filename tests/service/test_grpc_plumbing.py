@@ -1,8 +1,9 @@
 """The shared plumbing every service relies on: Sample conversion, typed settings,
-health checking and reflection, graceful stop on SIGTERM."""
+health checking and reflection, graceful stop on SIGTERM, keepalive on every channel."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,8 +14,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from rlmesh.buffer.config import Settings as BufferSettings
 from rlmesh.buffer.server import start as start_buffer
-from rlmesh.common.grpc_server import sync_channel
+from rlmesh.common import grpc_server, tls
+from rlmesh.common.grpc_server import aio_channel, sync_channel
 from rlmesh.common.net import free_port
+from tests.helpers.buffer import code_of, start_buffer_process
 
 
 def test_services_serve_health_and_reflection(redis_url, start_in_loop):
@@ -65,3 +68,70 @@ def test_a_service_stops_gracefully_on_sigterm(redis_url):
         assert b"shutting down" in proc.stdout.read()
     finally:
         proc.kill()
+
+
+KEEPALIVE = {
+    "grpc.keepalive_time_ms": grpc_server.KEEPALIVE_TIME_MS,
+    "grpc.keepalive_timeout_ms": grpc_server.KEEPALIVE_TIMEOUT_MS,
+    "grpc.http2.ping_timeout_ms": grpc_server.KEEPALIVE_TIMEOUT_MS,
+    "grpc.http2.max_pings_without_data": 0,
+}
+
+
+def test_every_channel_and_server_keeps_its_connections_alive(redis_url, start_in_loop, monkeypatch):
+    built = []
+
+    def recording(name, make):
+        def build(*args, **kwargs):
+            built.append((name, dict(kwargs["options"])))
+            return make(*args, **kwargs)
+
+        return build
+
+    for module, name in ((grpc, "insecure_channel"), (grpc, "secure_channel"), (grpc.aio, "insecure_channel"),
+                         (grpc.aio, "secure_channel"), (grpc.aio, "server")):  # fmt: skip
+        monkeypatch.setattr(module, name, recording(f"{module.__name__}.{name}", getattr(module, name)))
+    sync_channel("127.0.0.1:1").close()
+    aio_channel("127.0.0.1:1")
+    monkeypatch.setattr(tls, "tls_files", lambda: object())  # (mutual TLS configured)
+    monkeypatch.setattr(tls, "channel_credentials", lambda files: grpc.ssl_channel_credentials())
+    sync_channel("127.0.0.1:1").close()
+    aio_channel("127.0.0.1:1")
+    monkeypatch.undo()  # (the server below is plain)
+    monkeypatch.setattr(grpc.aio, "server", recording("grpc.aio.server", grpc.aio.server))
+    start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
+
+    assert [name for name, _ in built] == [
+        "grpc.insecure_channel",
+        "grpc.aio.insecure_channel",
+        "grpc.secure_channel",
+        "grpc.aio.secure_channel",
+        "grpc.aio.server",
+    ]
+    for name, options in built:
+        assert KEEPALIVE.items() <= options.items(), name
+    server = built[-1][1]
+    # (it accepts the clients' pings: more often than they send them, and never sends one away)
+    assert server["grpc.http2.min_ping_interval_without_data_ms"] < grpc_server.KEEPALIVE_TIME_MS
+    assert (server["grpc.keepalive_permit_without_calls"], server["grpc.http2.max_ping_strikes"]) == (1, 0)
+
+
+def test_a_call_to_a_frozen_service_fails_unavailable_before_its_deadline(redis_url, tmp_path, monkeypatch):
+    # A service SIGSTOPped (as a vanished host: its connections stay open, nothing answers)
+    # mid-call: the caller's keepalive pings go unanswered and the call fails UNAVAILABLE
+    # (retried elsewhere or later), not DEADLINE_EXCEEDED at its deadline. The pings here
+    # come every second, so the test does not wait the real 40 s.
+    monkeypatch.setattr(grpc_server, "KEEPALIVE_TIME_MS", 1000)
+    monkeypatch.setattr(grpc_server, "KEEPALIVE_TIMEOUT_MS", 1000)
+    port = free_port()
+    proc = start_buffer_process(redis_url, port, tmp_path / "buffer.log")
+    try:
+        health = health_pb2_grpc.HealthStub(sync_channel(f"127.0.0.1:{port}"))
+        health.Check(health_pb2.HealthCheckRequest(), timeout=10)  # (connected)
+        os.kill(proc.pid, signal.SIGSTOP)
+        code, details = code_of(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=30))
+        assert code == grpc.StatusCode.UNAVAILABLE, details
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=30)

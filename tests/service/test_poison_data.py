@@ -250,3 +250,65 @@ def test_reject_groups_errors(buffer, dataset):
     assert stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=batch.lease_id)).acknowledged == 0
     s = stats(stub)
     assert (s.dead_letter_groups, s.acknowledged_groups, s.queued_groups) == (1, 0, 1)
+
+
+# ------------------------------------------------------------------ rollbacks are not failed deliveries
+
+
+def rollback(stub, step: int = 0) -> None:
+    """What a trainer restarted from its checkpoint at `step` tells the buffer first."""
+    stub.RollbackToCheckpoint(buffer_pb2.RollbackToCheckpointRequest(run_id="r1", step=step))
+
+
+def dead_letter_reasons(stub, tmp_path) -> dict[str, str]:
+    return {line["group_id"]: line["reason"] for line in export_dead_letters(stub, tmp_path / "dead.jsonl")}
+
+
+def test_a_group_whose_trainers_keep_dying_is_not_a_failed_delivery(buffer, dataset, tmp_path):
+    # Preempted trainers: each dies holding g1 (its lease released by the next trainer's
+    # rollback) or after training it (its provisional acknowledgment rolled back), six
+    # times, three past max_deliveries: g1 is handed out again each time, and then trained.
+    stub = buffer(max_deliveries=2, max_rollbacks=10)
+    create(stub, dataset)
+    put(stub, [group("g1")])
+    for restart in range(6):
+        held = lease(stub, num_groups=1, lease_id=f"t{restart}")
+        assert [g.group_id for g in held.groups] == ["g1"], restart
+        if restart % 2:
+            stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=held.lease_id, step=1, provisional=True))
+        rollback(stub)
+    # A real failed delivery after all that still leaves it one more (max_deliveries=2).
+    lease(stub, num_groups=1, lease_seconds=0.001)
+    time.sleep(0.1)
+    last = lease(stub, num_groups=1, wait_seconds=5)
+    assert [g.group_id for g in last.groups] == ["g1"]
+    stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=last.lease_id))
+    s = stats(stub)
+    assert (s.dead_letter_groups, s.acknowledged_groups, s.queued_groups) == (0, 1, 0)
+
+
+def test_failed_deliveries_and_dying_trainers_each_dead_letter_at_their_own_limit(buffer, dataset, tmp_path):
+    stub = buffer(max_deliveries=2, max_rollbacks=3)
+    create(stub, dataset)
+    put(stub, [group("expires"), group("crashes")])
+    # "expires": its leases expire (no trainer restarted: the next lease finds them expired);
+    # a rollback between them does not wipe the failures: the second expiry sends it to the
+    # dead-letter list.
+    lease(stub, num_groups=1, lease_seconds=0.001)
+    time.sleep(0.1)
+    assert [g.group_id for g in lease(stub, num_groups=1).groups] == ["expires"]  # (the first failure)
+    rollback(stub)  # (its trainer died holding it: not a failure)
+    lease(stub, num_groups=1, lease_seconds=0.001)
+    time.sleep(0.1)
+    # "crashes": every trainer that takes it dies (a batch that kills its trainer): the third
+    # rollback that releases it sends it to the dead-letter list.
+    for restart in range(3):
+        assert [g.group_id for g in lease(stub, num_groups=1, wait_seconds=5).groups] == ["crashes"], restart
+        rollback(stub)
+    assert not lease(stub, num_groups=1).groups
+    reasons = dead_letter_reasons(stub, tmp_path)
+    assert reasons.keys() == {"expires", "crashes"}
+    assert "delivered 2 times and never acknowledged" in reasons["expires"]
+    assert "held by 3 trainers that died" in reasons["crashes"] and "max_rollbacks is 3" in reasons["crashes"]
+    s = stats(stub)
+    assert (s.dead_letter_groups, s.queued_groups, s.leased_groups) == (2, 0, 0)
