@@ -3,6 +3,7 @@ health checking and reflection, graceful stop on SIGTERM, keepalive on every cha
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -91,12 +92,16 @@ def test_every_channel_and_server_keeps_its_connections_alive(redis_url, start_i
     for module, name in ((grpc, "insecure_channel"), (grpc, "secure_channel"), (grpc.aio, "insecure_channel"),
                          (grpc.aio, "secure_channel"), (grpc.aio, "server")):  # fmt: skip
         monkeypatch.setattr(module, name, recording(f"{module.__name__}.{name}", getattr(module, name)))
+
+    async def aio_channel_closed() -> None:  # (an aio channel needs a running loop)
+        await aio_channel("127.0.0.1:1").close()
+
     sync_channel("127.0.0.1:1").close()
-    aio_channel("127.0.0.1:1")
+    asyncio.run(aio_channel_closed())
     monkeypatch.setattr(tls, "tls_files", lambda: object())  # (mutual TLS configured)
     monkeypatch.setattr(tls, "channel_credentials", lambda files: grpc.ssl_channel_credentials())
     sync_channel("127.0.0.1:1").close()
-    aio_channel("127.0.0.1:1")
+    asyncio.run(aio_channel_closed())
     monkeypatch.undo()  # (the server below is plain)
     monkeypatch.setattr(grpc.aio, "server", recording("grpc.aio.server", grpc.aio.server))
     start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
