@@ -47,12 +47,12 @@ def _why_not() -> str | None:
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))]
 
 
-def eventually(condition: Callable[[], bool], what: str, timeout: float) -> None:
+def eventually(condition: Callable[[], bool], what: str, timeout: float, every: float = 1.0) -> None:
     """Poll until `condition` holds; the deadline only keeps a broken stack from hanging CI."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f} s"
-        time.sleep(1)
+        time.sleep(every)
 
 
 class Compose:
@@ -131,7 +131,17 @@ def test_the_cpu_profile_runs_and_a_run_survives_a_restarted_container(tmp_path,
     try:
         compose("up", "-d", "--no-build")
         t = phase("docker-compose up", t)
-        eventually(lambda: not compose.unhealthy(), "every service healthy", timeout=300)
+        waiting: dict[str, str] = {}
+
+        def healthy() -> bool:
+            waiting.clear()
+            waiting.update(compose.unhealthy())
+            return not waiting
+
+        try:
+            eventually(healthy, "every service healthy", timeout=300)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {waiting}") from None
         t = phase("health checks passing", t)
         # Redis keeps its append-only file on its volume.
         aof = compose("exec", "-T", "redis", "ls", "/data", timeout=60).split()
@@ -147,7 +157,7 @@ def test_the_cpu_profile_runs_and_a_run_survives_a_restarted_container(tmp_path,
                 {"name": "train", "path": "/data/datasets/train.jsonl"},
                 {"name": "held_out", "path": "/data/datasets/train.jsonl", "eval": True},
             ],
-            "num_rollouts": 4,
+            "num_rollouts": 12,  # long enough to be in the middle of it when the container restarts
             "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 3, "sampling": {"max_new_tokens": 4}},
             "optimizer": {"lr": 1e-3},
             "sft_warmup": {"steps": 1, "batch_groups": 2},
@@ -164,11 +174,14 @@ def test_the_cpu_profile_runs_and_a_run_survives_a_restarted_container(tmp_path,
             except httpx.HTTPError:
                 return {}
 
-        eventually(lambda: run().get("rollout_id", 0) >= 1, "the first rollout", timeout=300)
-        assert run()["status"] == "running", run()
+        eventually(lambda: run().get("rollout_id", 0) >= 1, "the first rollout", timeout=300, every=0.2)
+        before = run()
+        assert before["status"] == "running" and before["rollout_id"] < config["num_rollouts"], before
         started = compose.containers()["rollout"]["State"]["StartedAt"]
         compose("restart", "rollout", timeout=120)
         assert compose.containers()["rollout"]["State"]["StartedAt"] != started
+        with capsys.disabled():
+            print(f"\ncompose test: rollout restarted after rollout {before['rollout_id']} of {config['num_rollouts']}")
         t = phase("run until the first rollout, then restart the rollout container", t)
 
         eventually(lambda: run().get("status") in ("completed", "failed", "stopped"), "the run ending", timeout=420)
@@ -176,8 +189,8 @@ def test_the_cpu_profile_runs_and_a_run_survives_a_restarted_container(tmp_path,
         assert final["status"] == "completed", final.get("error")
         assert final["rollout_id"] == config["num_rollouts"]
         assert "eval/held_out/reward_mean" in final["eval_after"], final["eval_after"]
-        assert not compose.unhealthy()
         t = phase("run to its final evaluation", t)
+        eventually(healthy, "every service healthy again (the restarted rollout too)", timeout=180)
     except BaseException:
         with capsys.disabled():
             print(f"\ncompose test failed; the services' last log lines:\n{compose.logs()}", flush=True)
