@@ -1,8 +1,8 @@
 """deploy/docker-compose.yml for real: the image built from deploy/Dockerfile, the cpu profile
 (Redis with its append-only file, the five services, the reference engine) started by
 docker-compose through Podman's Docker-compatible API, every health check passing, a short
-run through the published REST API with the token, the rollout container restarted in the
-middle of it, and the run completing with its final evaluation. Everything is torn down
+run through the published REST API with the token, the rollout container stopped and started
+again in the middle of it, and the run completing with its final evaluation. Everything is torn down
 (containers, networks, volumes) whatever happens. Skipped without rootful Podman and
 docker-compose (`.ci/run` installs them). Prints the time each phase took."""
 
@@ -74,9 +74,12 @@ class Compose:
             "RLMESH_API_PORT": str(port),
         }
 
-    def __call__(self, *args: str, timeout: float = 300) -> str:
+    def run(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         cmd = ["docker-compose", "-f", str(COMPOSE_FILE), "--profile", "cpu", *args]
-        done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def __call__(self, *args: str, timeout: float = 300) -> str:
+        done = self.run(*args, timeout=timeout)
         assert done.returncode == 0, f"{' '.join(args)}: {done.stderr[-3000:]}"
         return done.stdout
 
@@ -157,7 +160,7 @@ def test_the_cpu_profile_runs_and_a_run_survives_a_restarted_container(tmp_path,
                 {"name": "train", "path": "/data/datasets/train.jsonl"},
                 {"name": "held_out", "path": "/data/datasets/train.jsonl", "eval": True},
             ],
-            "num_rollouts": 12,  # long enough to be in the middle of it when the container restarts
+            "num_rollouts": 40,  # long enough to be in the middle of it when the container restarts
             "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 3, "sampling": {"max_new_tokens": 4}},
             "optimizer": {"lr": 1e-3},
             "sft_warmup": {"steps": 1, "batch_groups": 2},
@@ -178,10 +181,17 @@ def test_the_cpu_profile_runs_and_a_run_survives_a_restarted_container(tmp_path,
         before = run()
         assert before["status"] == "running" and before["rollout_id"] < config["num_rollouts"], before
         started = compose.containers()["rollout"]["State"]["StartedAt"]
-        compose("restart", "rollout", timeout=120)
+        # A restart in two halves, so that the run is seen unfinished while the container is down.
+        compose("stop", "-t", "10", "rollout", timeout=120)
+        during = run()
+        assert during["status"] == "running" and during["rollout_id"] < config["num_rollouts"], during
+        compose("start", "rollout", timeout=120)
         assert compose.containers()["rollout"]["State"]["StartedAt"] != started
         with capsys.disabled():
-            print(f"\ncompose test: rollout restarted after rollout {before['rollout_id']} of {config['num_rollouts']}")
+            print(
+                f"\ncompose test: rollout container restarted at rollout {during['rollout_id']} of {config['num_rollouts']}",
+                flush=True,
+            )
         t = phase("run until the first rollout, then restart the rollout container", t)
 
         eventually(lambda: run().get("status") in ("completed", "failed", "stopped"), "the run ending", timeout=420)
@@ -196,13 +206,7 @@ def test_the_cpu_profile_runs_and_a_run_survives_a_restarted_container(tmp_path,
             print(f"\ncompose test failed; the services' last log lines:\n{compose.logs()}", flush=True)
         raise
     finally:
-        down = subprocess.run(
-            ["docker-compose", "-f", str(COMPOSE_FILE), "--profile", "cpu", "down", "-v", "--remove-orphans", "-t", "5"],
-            env=compose.env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+        down = compose.run("down", "-v", "--remove-orphans", "-t", "5", timeout=180)
         phase("docker-compose down -v", t)
         with capsys.disabled():
             print("compose test: " + ", ".join(f"{name} {s:.0f} s" for name, s in times), flush=True)
