@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/rlmesh/v1/*.proto)
 
-.PHONY: demo demo-agent demo-environment atropos-check test sglang-source sglang-check gpu-check lint format proto proto-check docs docs-check bench compose-check clean
+.PHONY: demo demo-agent demo-environment atropos-check test sglang-source sglang-check gpu-check lint format proto proto-check docs docs-check bench compose-check compose-image compose-up compose-down clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -116,6 +116,31 @@ bench: $(STAMP)
 compose-check:
 	MODEL_DIR=/tmp DATA_DIR=/tmp RLMESH_TOKEN=check REDIS_PASSWORD=check docker-compose -f deploy/docker-compose.yml config -q
 	MODEL_DIR=/tmp DATA_DIR=/tmp RLMESH_TOKEN=check REDIS_PASSWORD=check docker-compose -f deploy/docker-compose.yml -f deploy/docker-compose.colocated.yml config -q
+
+# The cpu profile of deploy/docker-compose.yml on this host, detached (export RLMESH_TOKEN and
+# REDIS_PASSWORD first; the API is then on 127.0.0.1:8000). With Podman (deploy/podman/, as root):
+# its Docker-compatible API, a base image built from Debian packages (no image pulls) and the
+# image built from a host-filled wheelhouse; otherwise Docker builds the image itself.
+PODMAN := $(shell command -v podman 2>/dev/null)
+COMPOSE_CPU := docker-compose -f deploy/docker-compose.yml --profile cpu
+ifneq ($(PODMAN),)
+COMPOSE_ENV := DOCKER_HOST=unix:///run/podman/podman.sock REDIS_IMAGE=$${REDIS_IMAGE:-localhost/rlmesh-base:bookworm}
+endif
+
+compose-image: $(STAMP)
+ifneq ($(PODMAN),)
+	deploy/podman/setup.sh
+	deploy/podman/build-image.sh $(BIN)/python
+else
+	docker build -f deploy/Dockerfile -t rlmesh:latest .
+endif
+
+compose-up: compose-image
+	$(COMPOSE_ENV) $(COMPOSE_CPU) up -d --no-build
+	@echo "the API: http://127.0.0.1:$${RLMESH_API_PORT:-8000} (docker-compose ps shows the health checks)"
+
+compose-down:  # (compose wants the variables set even to stop)
+	RLMESH_TOKEN=$${RLMESH_TOKEN:-unused} REDIS_PASSWORD=$${REDIS_PASSWORD:-unused} $(COMPOSE_ENV) $(COMPOSE_CPU) down -v --remove-orphans
 
 clean:
 	rm -rf $(VENV) $(ATROPOS_VENV) .rlmesh

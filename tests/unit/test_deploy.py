@@ -27,7 +27,7 @@ def test_only_the_coordinator_is_published_and_on_loopback_by_default():
     services = compose()["services"]
     published = {name: s["ports"] for name, s in services.items() if s.get("ports")}
     assert list(published) == ["coordinator"]
-    assert published["coordinator"] == ["${RLMESH_API_BIND:-127.0.0.1}:8000:8000"]
+    assert published["coordinator"] == ["${RLMESH_API_BIND:-127.0.0.1}:${RLMESH_API_PORT:-8000}:8000"]
     assert all(s.get("network_mode") != "host" for s in services.values())
 
 
@@ -52,9 +52,42 @@ def test_services_talk_on_an_internal_network_with_secrets():
         assert "internal" in spec["services"][name]["networks"]
 
 
+def profile(name: str) -> dict[str, dict]:
+    """The services `docker compose --profile NAME up` starts (none depends on another profile)."""
+    services = compose()["services"]
+    return {n: s for n, s in services.items() if name in s.get("profiles", [name])}
+
+
+PROFILES = {
+    "cpu": {"redis", "engine", "buffer", "reward", "rollout", "trainer-cpu", "coordinator"},
+    "gpu": {"redis", "sglang", "buffer", "reward", "rollout", "trainer", "coordinator"},
+}
+
+
+def internal_names(name: str, service: dict) -> set[str]:
+    """The names a service answers to on the internal network: its own and its aliases."""
+    networks = service.get("networks", [])
+    aliases = networks.get("internal", {}).get("aliases", []) if isinstance(networks, dict) else []
+    return {name, *aliases}
+
+
+def test_each_profile_is_a_whole_stack_that_reaches_its_engine_and_trainer_by_name():
+    for name, expected in PROFILES.items():
+        services = profile(name)
+        assert set(services) == expected, name
+        reachable = set().union(*(internal_names(n, s) for n, s in services.items()))
+        assert {"engine", "trainer"} <= reachable, name
+        for s in services.values():  # a dependency outside the profile would not start
+            assert set(s.get("depends_on", [])) <= set(services), (name, s["depends_on"])
+    assert "http://engine:30000" in " ".join(compose()["services"]["rollout"]["command"])
+    # The cpu profile asks for no GPU (Docker refuses a reservation it has no driver for).
+    assert not any(s.get("deploy") for s in profile("cpu").values())
+    assert profile("gpu")["trainer"]["deploy"]["resources"]["reservations"]["devices"]
+
+
 def test_every_rlmesh_service_has_a_healthcheck_on_its_own_port():
     services = compose()["services"]
-    for name in RLMESH_SERVICES:
+    for name in [*RLMESH_SERVICES, "trainer-cpu"]:
         service = services[name]
         port = service["command"][service["command"].index("--port") + 1]
         test = service["healthcheck"]["test"]
@@ -64,6 +97,16 @@ def test_every_rlmesh_service_has_a_healthcheck_on_its_own_port():
         else:  # gRPC health, open without the token
             assert test[1:] == ["rlmesh", "health", f"127.0.0.1:{port}"]
         assert service["healthcheck"]["start_period"]
+
+
+def test_no_healthcheck_argument_has_a_space():
+    """Podman's Docker-compatible API joins a CMD test's arguments and splits them again at
+    whitespace: `python -c "import x; ..."` became `python -c import` (found running the cpu
+    profile on Podman 4.3, tests/e2e/test_compose.py)."""
+    for name, service in compose()["services"].items():
+        test = service["healthcheck"]["test"]
+        if test[0] == "CMD":
+            assert not any(" " in arg for arg in test), (name, test)
 
 
 def test_the_image_runs_as_an_unprivileged_user():
