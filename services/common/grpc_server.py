@@ -40,30 +40,29 @@ KEEPALIVE_TIME_MS = 20_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
-    """A channel's to an rlmesh service: message size caps and keepalive."""
+def _caps_and_keepalive(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 0),  # (an idle channel finds out at its next call)
         ("grpc.http2.max_pings_without_data", 0),  # (else pings stop after 2 on a call that sends nothing)
     ]
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """A channel's to an rlmesh service: message size caps and keepalive."""
+    # (an idle channel finds out at its next call)
+    return [*_caps_and_keepalive(max_message_bytes), ("grpc.keepalive_permit_without_calls", 0)]
 
 
 def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     """A server's: message size caps, keepalive pings to its clients, and its clients' pings
     accepted (see KEEPALIVE_TIME_MS)."""
     return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        *_caps_and_keepalive(max_message_bytes),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),  # (0: a client pinging too often is never sent away)
     ]
