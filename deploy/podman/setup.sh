@@ -44,7 +44,9 @@ alive() { [ -f "$STATE/$1.pid" ] && kill -0 "$(cat "$STATE/$1.pid")" 2>/dev/null
 if ! ping; then
   alive api && kill "$(cat "$STATE/api.pid")" || true
   rm -f "$SOCKET"
-  setsid podman system service --time=0 "unix://$SOCKET" >"$STATE/api.log" 2>&1 </dev/null &
+  # (from /: a service left running in a directory that is later deleted, say a CI checkout,
+  # fails every container start with "write child: broken pipe")
+  (cd / && exec setsid podman system service --time=0 "unix://$SOCKET" >"$STATE/api.log" 2>&1 </dev/null) &
   echo $! >"$STATE/api.pid"
   for _ in $(seq 100); do
     ping && break
@@ -55,6 +57,7 @@ if ! ping; then
 fi
 
 if [ ! -d /run/systemd/system ] && ! alive health; then
+  cd /
   setsid bash -c "while sleep $HEALTH_INTERVAL; do
       for c in \$(podman ps -q --filter health=starting --filter health=healthy --filter health=unhealthy); do
         podman healthcheck run \"\$c\" >/dev/null 2>&1 || true
