@@ -31,6 +31,11 @@ class Settings(ServiceSettings):
         gt=0,
         description="How long a request waits for a free Redis connection before it is answered 503 (retry later).",
     )
+    log_successful_reads: bool = Field(
+        False,
+        description="Log every answered request (uvicorn's access log). Off: a GET or HEAD answered "
+        "2xx or 3xx, a dashboard's polling, is not logged; every change, refusal and error is.",
+    )
     max_request_bytes: int = Field(
         1024 * 1024, ge=1024, description="Largest request body the REST API reads (larger ones get 413)."
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 
 import grpc
 from fastapi import APIRouter, Query, Request, Response
@@ -48,9 +47,26 @@ METRICS_LAST = 10  # metric records GET /runs/{id} embeds
 METRICS_PAGE = 100  # records GET /runs/{id}/metrics returns
 METRICS_PAGE_MAX = 10_000
 RUNS_PAGE = 1000  # runs GET /runs returns, at most
-# What json.dumps writes for a non-finite float, which is not JSON: such records are parsed
-# and answered as the response model writes them (null).
-_NON_FINITE = re.compile(rb"NaN|Infinity")
+
+
+def _verbatim(stored: bytes) -> bool:
+    """Whether stored metric records can be answered as they are. json.dumps writes a
+    non-finite float as NaN or Infinity, which is not JSON: records with one (or a name that
+    looks like one) are parsed and answered as the response model writes them (null)."""
+    return b"NaN" not in stored and b"Infinity" not in stored
+
+
+def _run_detail(rec: dict, records: list[bytes], latest: bytes) -> Response | dict:
+    """GET /runs/{id}'s answer: the run's record, and its metric records as they are stored
+    after the rest (parsing and writing them again was most of what the answer cost)."""
+    fields = {**rec, **run_summary(rec), "trajectory_api": api_path(rec.get("capability", ""))}
+    if not (_verbatim(latest) and all(_verbatim(r) for r in records)):
+        return {**fields, "metrics": [json.loads(r) for r in records], "latest_metrics": json.loads(latest)}
+    head = RunDetail.model_validate({**fields, "metrics": [], "latest_metrics": {}}).model_dump_json(
+        exclude={"metrics", "latest_metrics"}
+    )
+    body = b'%s,"metrics":[%s],"latest_metrics":%s}' % (head[:-1].encode(), b",".join(records), latest)
+    return Response(body, media_type="application/json")
 
 
 async def _check_runnable(request: Request, config: RunConfig, settings: Settings) -> None:
@@ -134,17 +150,8 @@ def runs_router(settings: Settings) -> APIRouter:
     ):
         """A run: status, phase, progress, eval before/after, its newest metric record
         (`latest_metrics`) and the `metrics_last` newest ones."""
-        store: RunStore = request.app.state.store
-        rec = await store.get(run_id)
-        metrics = await store.metrics(run_id, max(metrics_last, 1))
-        latest = metrics[-1] if metrics else {}
-        return {
-            **rec,
-            **run_summary(rec),
-            "metrics": metrics[-metrics_last:] if metrics_last else [],
-            "latest_metrics": latest,
-            "trajectory_api": api_path(rec.get("capability", "")),
-        }
+        rec, stored = await request.app.state.store.detail(run_id, max(metrics_last, 1))
+        return _run_detail(rec, stored[-metrics_last:] if metrics_last else [], stored[-1] if stored else b"{}")
 
     @router.post("/runs/{run_id}/stop", response_model=RunCreated, responses=error_responses(404))
     async def stop_run(request: Request, run_id: str = RUN_ID):
@@ -191,12 +198,12 @@ def runs_router(settings: Settings) -> APIRouter:
     ):
         """A run's metric records from a cursor, optionally only some fields: what a curve polls."""
         store: RunStore = request.app.state.store
-        await store.get(run_id)  # 404 for an unknown run
         raw, total = await store.raw_metrics_since(run_id, since, limit)
         next_since = min(since, total) + len(raw)  # (a cursor past the end answers the end)
-        if not fields and not any(_NON_FINITE.search(r) for r in raw):
+        records = b",".join(raw)
+        if not fields and _verbatim(records):
             # The stored JSON as it is: parsing and writing it again was most of a page's cost.
-            body = b'{"records":[' + b",".join(raw) + b'],"next":%d,"total":%d}' % (next_since, total)
+            body = b'{"records":[' + records + b'],"next":%d,"total":%d}' % (next_since, total)
             return Response(body, media_type="application/json")
         records = [json.loads(r) for r in raw]
         if fields:

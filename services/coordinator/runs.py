@@ -175,12 +175,16 @@ class RunDriver:
             mode = mode_class(cfg)(calls, self.settings.async_heartbeat_seconds)
             if rec["status"] == "stopping":  # stopped while the coordinator was down
                 raise StopRequested
+            if rec["waiting_for"]:  # (a wait of the coordinator that died: this one says it again if it waits)
+                await self.store.update(run_id, waiting_for="")
             await self.store.transition(run_id, ("pending",), "running")  # (a paused run stays paused)
             await self._train(calls, mode, rec["phase"])
             after, error = await self._evaluate_after(calls)
             await self._append(run_id, cfg, {"rollout_id": cfg.num_rollouts, "time": time.time(), **after})
             await self.run_logs.close(run_id)  # (flushed before the run says it is done)
-            await self.store.update(run_id, phase="done", status="completed", eval_after=after, error=error)
+            await self.store.update(
+                run_id, phase="done", status="completed", eval_after=after, error=error, waiting_for=""
+            )
             await self._end(run_id, mode, trainer_ended=True)
         except StopRequested:
             await self._record_end(run_id, mode, status="stopped")
@@ -205,6 +209,7 @@ class RunDriver:
         final_model = await self._end_in_trainer(run_id)
         if final_model:
             fields["final_model"] = final_model
+        fields.setdefault("waiting_for", "")  # (an ended run waits for nothing; `error` says why it failed)
         while True:
             try:
                 await self.store.update(run_id, **fields)

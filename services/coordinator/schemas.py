@@ -96,7 +96,7 @@ class RunSummary(BaseModel):
 
 def run_summary(rec: dict) -> dict:
     """A run record's fields a RunSummary shows."""
-    return {**{k: rec[k] for k in RunSummary.model_fields if k in rec}, "num_rollouts": rec["config"]["num_rollouts"]}
+    return {k: rec[k] for k in RunSummary.model_fields if k in rec}
 
 
 class RunDetail(RunSummary):

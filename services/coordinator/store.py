@@ -4,6 +4,7 @@ index by creation time, and the claim of the one run that may train."""
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import time
@@ -216,6 +217,23 @@ class Created:
     promoted: str = ""
 
 
+# A page of runs. KEYS: the index, the queue. ARGV: the prefix of run records, ZRANGE's start
+# and stop. Returns how many runs are indexed, then for each run of the page that has a record:
+# its record (HGETALL's), the length of its train steps list and its index in the queue (nil:
+# not queued).
+_READ_RUNS = """
+local out = {redis.call('ZCARD', KEYS[1])}
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], ARGV[2], ARGV[3])) do
+  local key = ARGV[1] .. id
+  local fields = redis.call('HGETALL', key)
+  if #fields > 0 then
+    out[#out + 1] = {fields, redis.call('LLEN', key .. ':train_steps'), redis.call('LPOS', KEYS[2], id)}
+  end
+end
+return out
+"""
+
+
 class RunStore:
     """Run records: hash <prefix>:coord:run:<id>, metric history list ...:metrics, the
     trainer's step after each of the run's train steps, list ...:train_steps, an index zset
@@ -363,12 +381,19 @@ class RunStore:
     async def get(self, run_id: str) -> dict:
         """The run's record (NotFound for an unknown run): one round trip, whatever the
         length of the run."""
+        return (await self.detail(run_id, 0))[0]
+
+    async def detail(self, run_id: str, metrics_last: int) -> tuple[dict, list[bytes]]:
+        """The run's record and its newest `metrics_last` metric records as they are stored
+        (raw_metrics_since's), oldest first: one round trip."""
         async with self.redis.pipeline(transaction=True) as pipe:
             self._read(pipe, run_id)
-            raw, steps, position = await pipe.execute()
+            if metrics_last:
+                pipe.lrange(self._key(run_id) + ":metrics", -metrics_last, -1)
+            raw, steps, position, *metrics = await pipe.execute()
         if not raw:
             raise NotFound(f"unknown run {run_id!r}")
-        return _record(raw, steps, position)
+        return _record(raw, steps, position), metrics[0] if metrics else []
 
     def _read(self, pipe, run_id: str) -> None:
         pipe.hgetall(self._key(run_id))
@@ -442,19 +467,18 @@ class RunStore:
         carries its time, so the same bytes at the end of the list are this very record)."""
         await self.redis.eval(_APPEND_ONCE, 1, self._key(run_id) + ":metrics", json.dumps(record))
 
-    async def metrics_since(self, run_id: str, since: int, limit: int) -> tuple[list[dict], int]:
-        """Up to `limit` metric records from position `since` (0 = the first ever written),
-        and how many records the run has: the next call's `since` is since + len(records)."""
-        raw, total = await self.raw_metrics_since(run_id, since, limit)
-        return [json.loads(r) for r in raw], total
-
     async def raw_metrics_since(self, run_id: str, since: int, limit: int) -> tuple[list[bytes], int]:
-        """metrics_since's records as they are stored: each a JSON object (json.dumps's)."""
-        key = self._key(run_id) + ":metrics"
+        """Up to `limit` metric records from position `since` (0 = the first ever written) as
+        they are stored, each a JSON object (json.dumps's), and how many records the run has:
+        the next call's `since` is since + len(records). NotFound for an unknown run."""
+        key = self._key(run_id)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.lrange(key, since, since + limit - 1)
-            pipe.llen(key)
-            raw, total = await pipe.execute()
+            pipe.exists(key)
+            pipe.lrange(key + ":metrics", since, since + limit - 1)
+            pipe.llen(key + ":metrics")
+            known, raw, total = await pipe.execute()
+        if not known:
+            raise NotFound(f"unknown run {run_id!r}")
         return raw, total
 
     async def metrics(self, run_id: str, last: int | None = None) -> list[dict]:
@@ -465,40 +489,49 @@ class RunStore:
         return [json.loads(r) for r in await self.redis.lrange(self._key(run_id) + ":metrics", start, -1)]
 
     async def list(self, offset: int = 0, limit: int | None = None) -> list[dict]:
-        """The kept runs' records, oldest first; `limit` of them from the `offset`-th when given."""
+        """The kept runs' summaries (records without their config and evals), oldest first;
+        `limit` of them from the `offset`-th when given."""
         return (await self.page(offset, limit))[0]
 
     async def page(self, offset: int = 0, limit: int | None = None) -> tuple[list[dict], int]:
-        """Records as list() gives them, and how many runs are kept: two round trips."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.zrange(self.index_key, offset, -1 if limit is None else offset + limit - 1)
-            pipe.zcard(self.index_key)
-            ids, total = await pipe.execute()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for run_id in ids:
-                self._read(pipe, run_id.decode())
-            replies = await pipe.execute()
-        # (a run deleted between the two reads is left out)
+        """Summaries as list() gives them, and how many runs are kept: one script (a pipeline
+        of three reads per run cost GET /runs more than all else, in redis-py's parsing)."""
+        stop = -1 if limit is None else offset + limit - 1
+        total, *runs = await self.redis.eval(_READ_RUNS, 2, self.index_key, self.queue_key, self._key(""), offset, stop)
         return [
-            _record(*reply) for reply in zip(replies[::3], replies[1::3], replies[2::3], strict=True) if reply[0]
+            _record(dict(zip(fields[::2], fields[1::2], strict=True)), steps, position, summary=True)
+            for fields, steps, position in runs
         ], total
 
 
-def _record(raw: dict[bytes, bytes], train_steps: int, queue_index: int | None = None) -> dict:
+def _record(raw: dict[bytes, bytes], train_steps: int, queue_index: int | None = None, summary: bool = False) -> dict:
     """A run's record from its hash, the length of its train steps list and its index in the
-    queue (None: not queued)."""
+    queue (None: not queued). A summary leaves out the stored JSON that only GET /runs/{id}
+    shows (config, eval_before, eval_after)."""
     rec = {k.decode(): v.decode() for k, v in raw.items()}
     rec["queue_position"] = None if queue_index is None else queue_index + 1
     rec["weight_version"] = int(rec["weight_version"])
     rec["held"] = rec.get("held", "0") == "1"  # (records written before pausing existed lack it)
     for k in ("created_at", "updated_at"):
         rec[k] = float(rec[k])
+    rec["num_rollouts"], sft_steps = _config_counts(rec["config"])
     for k in ("config", "eval_before", "eval_after"):
-        rec[k] = json.loads(rec[k])
+        if summary:
+            del rec[k]
+        else:
+            rec[k] = json.loads(rec[k])
     rec["warnings"] = json.loads(rec.get("warnings", "[]"))
     legacy = rec.pop("train_steps", None)  # (written before the list existed: JSON in the hash)
     if legacy is not None:
         train_steps = len(json.loads(legacy))
     # RL iterations the trainer's model holds (the train steps past the warm start's)
-    rec["rollout_id"] = max(train_steps - rec["config"]["sft_warmup"]["steps"], 0)
+    rec["rollout_id"] = max(train_steps - sft_steps, 0)
     return rec
+
+
+@functools.lru_cache(maxsize=1024)
+def _config_counts(stored_config: str) -> tuple[int, int]:
+    """A stored run config's num_rollouts and warm-start steps. A run's config never changes
+    once stored, and parsing every listed run's config was most of what GET /runs cost."""
+    config = json.loads(stored_config)
+    return config["num_rollouts"], config["sft_warmup"]["steps"]

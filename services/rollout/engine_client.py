@@ -17,13 +17,13 @@ from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailabl
 from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
 from rlmesh.rollout.metrics import RolloutMetrics
 from rlmesh.rollout.sglang_client import (
-    GENERATE_CONNECTION_POOLS,
     KEEPALIVE_EXPIRY_SECONDS,
     PAUSE_MODES,
     EngineBehind,
     EngineError,
     EnginesBehind,
     EngineState,
+    GenerateHTTP,
     SGLangClient,
     TensorMeta,
     WeightDelta,
@@ -75,18 +75,13 @@ class EnginePool:
         """`dynamic`: discovery changes the engines while the service runs (set_members), so
         the pool may start with none and a weight group counted before a change is retried."""
 
-        def http_client(connections: int) -> httpx.AsyncClient:
-            return httpx.AsyncClient(
-                limits=httpx.Limits(
-                    max_connections=connections,
-                    max_keepalive_connections=connections // 4,
-                    keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS,
-                ),
-                headers=credential_headers(api_key) or None,
-            )
-
-        self.http = http_client(1024)
-        self.generate_http = [http_client(1024 // GENERATE_CONNECTION_POOLS) for _ in range(GENERATE_CONNECTION_POOLS)]
+        self.http = httpx.AsyncClient(
+            limits=httpx.Limits(
+                max_connections=256, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS
+            ),
+            headers=credential_headers(api_key) or None,
+        )
+        self.generate_http = GenerateHTTP(credential_headers(api_key))
         self.timeout, self.weight_timeout = timeout, weight_timeout
         self._generate_timeouts = (generate_timeout, seconds_per_token)
         self.metrics = metrics
@@ -436,7 +431,7 @@ class EnginePool:
         self.mark_updated(members, weight_version)
 
     async def close(self) -> None:
-        await asyncio.gather(*(http.aclose() for http in (self.http, *self.generate_http)))
+        await asyncio.gather(self.http.aclose(), self.generate_http.close())
 
 
 def _counts(e: SGLangClient) -> dict:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 from rlmesh.trainer.checkpoints import fsync_dir
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 LOG_KEY = "trained_groups_log"
 COUNT_KEY = "trained_group_count"
 LEGACY_KEY = "trained_groups"
+
+
+LOG_NAME = re.compile(r"trained-groups\.[\w-]{1,128}\.jsonl")
 
 
 def log_path(checkpoint_dir: Path, run_id: str) -> Path:
@@ -123,6 +127,15 @@ def trained_record(checkpoint: Path, state: dict) -> dict[int, list[str]]:
     if LOG_KEY not in state:
         return {}
     path = Path(os.path.normpath(checkpoint / state[LOG_KEY]))  # (lexically: the checkpoint may be renamed)
+    if path.parent != Path(os.path.normpath(checkpoint.parent)) or not LOG_NAME.fullmatch(path.name):
+        # (trainer_state.json is a file on disk, not to be trusted to name what the trainer reads)
+        log.warning(
+            "%s: its trainer_state.json names %r as its record of trained groups, which is not a "
+            "trained-groups.<run>.jsonl beside the checkpoint: not read (the run resumes without it)",
+            checkpoint,
+            state[LOG_KEY],
+        )
+        return {}
     record, _ = read_log(path, int(state.get("step", 0)))
     found = sum(len(ids) for ids in record.values())
     if found != int(state.get(COUNT_KEY, found)):

@@ -223,6 +223,32 @@ def test_a_frozen_peer_is_noticed_within_its_deadline(chaos, tmp_path, tiny_mode
 
 
 @pytest.mark.slow
+def test_a_wait_said_by_a_coordinator_that_died_is_not_said_after_it(chaos, tiny_model_dir):
+    """The coordinator dies while the run's waiting_for names the frozen trainer, and the
+    trainer is back before the restarted coordinator calls it. Before, the run went on and
+    completed still saying it waited for the trainer (found by bench.soak)."""
+    run_id = chaos.start_run(chaos_config(chaos.stack, tiny_model_dir))
+    chaos.wait_rollout(run_id)
+    trainer = chaos.process("trainer")
+    trainer.send_signal(signal.SIGSTOP)
+    try:
+        eventually(
+            lambda: chaos.api.get(f"/runs/{run_id}").json().get("waiting_for", ""),
+            "the frozen trainer named",
+            timeout=60,
+        )
+        chaos.kill("coordinator", wait=False)
+    finally:
+        trainer.send_signal(signal.SIGCONT)
+    try:
+        run = chaos.run(run_id)
+        assert run["status"] == "completed", run["error"]
+        assert run["waiting_for"] == ""
+    finally:
+        chaos.ensure_finished(run_id)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "fully_async"])
 def test_a_restarted_engine_generates_for_the_run_only_once_it_has_the_runs_weights(chaos, tiny_model_dir, mode):
     """The engine is killed while the run goes on and comes back on its base weights. Before,

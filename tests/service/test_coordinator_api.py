@@ -9,6 +9,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import logging
 import re
 import threading
 
@@ -23,11 +24,12 @@ from rlmesh.cli.demo import run_metrics
 from rlmesh.common.auth import client_headers
 from rlmesh.common.grpc_server import aio_channel
 from rlmesh.common.run_config import RunConfig
-from rlmesh.coordinator.app import patient_redis_client
+from rlmesh.coordinator.app import patient_redis_client, server_config
 from rlmesh.coordinator.app import start as start_coordinator
 from rlmesh.coordinator.calls import Clients
 from rlmesh.coordinator.config import Settings
 from rlmesh.coordinator.runs import RunDriver
+from rlmesh.coordinator.schemas import RunDetail
 from rlmesh.coordinator.store import RunStore
 from rlmesh.v1 import buffer_pb2_grpc
 
@@ -199,6 +201,7 @@ def test_a_runs_metric_history_is_returned_bounded(api, redis_url):
     run = api.get(f"/runs/{run_id}").json()
     assert run["metrics"] == [{"rollout_id": i} for i in range(1191, 1201)]
     assert run["latest_metrics"] == {"rollout_id": 1200}
+    assert set(run) == set(RunDetail.model_fields)  # (the stored records are spliced into the answer)
     run = api.get(f"/runs/{run_id}", params={"metrics_last": 1000}).json()
     assert len(run["metrics"]) == 1000 and run["metrics"][-1] == {"rollout_id": 1200}
     run = api.get(f"/runs/{run_id}", params={"metrics_last": 0}).json()
@@ -216,6 +219,30 @@ def test_a_runs_metric_history_is_returned_bounded(api, redis_url):
         "next": 1201,
         "total": 1201,
     }
+    run = api.get(f"/runs/{run_id}", params={"metrics_last": 2})
+    assert json.loads(run.text, parse_constant=lambda c: pytest.fail(f"{c} in {run.text}"))["metrics"] == [
+        {"rollout_id": 1200},
+        {"rollout_id": 1201, "train/loss": None},
+    ]
+    assert run.json()["latest_metrics"] == {"rollout_id": 1201, "train/loss": None}
+
+
+def test_successful_reads_are_left_out_of_the_access_log(redis_url):
+    """200 dashboards polling once a second wrote 200 access-log lines a second; changes,
+    refusals and errors are still logged, and everything with log_successful_reads."""
+    access = logging.getLogger("uvicorn.access")
+
+    def logged(method: str, status: int) -> bool:
+        args = ("127.0.0.1:5000", method, "/runs", "1.1", status)
+        return bool(
+            access.filter(access.makeRecord(access.name, logging.INFO, __file__, 0, "%s %s %s %s %d", args, None))
+        )
+
+    server_config(Settings(redis_url=redis_url))
+    assert not logged("GET", 200) and not logged("HEAD", 304)
+    assert logged("GET", 404) and logged("GET", 503) and logged("POST", 201) and logged("DELETE", 409)
+    server_config(Settings(redis_url=redis_url, log_successful_reads=True))
+    assert logged("GET", 200)
 
 
 def test_a_metric_record_whose_reply_was_lost_is_kept_once(redis_url):

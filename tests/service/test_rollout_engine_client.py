@@ -14,7 +14,9 @@ import pytest
 
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rlmesh.common.net import free_port
+from rlmesh.rollout import sglang_client
 from rlmesh.rollout.engine_client import EngineBehind, EnginePool, EnginesBehind, SGLangClient, TensorMeta, WeightDelta
+from rlmesh.rollout.sglang_client import GenerateHTTP
 
 ANSWER = {
     "text": "x",
@@ -74,16 +76,23 @@ async def flaky_engine(
     return server, server.sockets[0].getsockname()[1], seen
 
 
+async def generate_once(drop_first: int, input_ids: tuple[int, ...] = (1,), rid: str = "r"):
+    """One client's generate against flaky_engine: its answer (or the error it raised), and
+    the requests the engine saw."""
+    server, port, seen = await flaky_engine(drop_first=drop_first)
+    async with server, httpx.AsyncClient() as http, GenerateHTTP() as generate_http:
+        client = SGLangClient(
+            f"http://127.0.0.1:{port}", http, timeout=5, weight_timeout=5, generate_http=generate_http
+        )
+        try:
+            return await client.generate(list(input_ids), {"max_new_tokens": 1}, rid=rid), seen
+        except Unavailable as e:
+            return e, seen
+
+
 @pytest.mark.parametrize("drops", [1, 2])
 def test_generate_retries_a_broken_connection_with_a_fresh_rid(drops):
-    async def scenario():
-        server, port, seen = await flaky_engine(drop_first=drops)
-        async with server, httpx.AsyncClient() as http:
-            client = SGLangClient(f"http://127.0.0.1:{port}", http, timeout=5, weight_timeout=5)
-            out = await client.generate([1, 2], {"max_new_tokens": 1}, rid="abc")
-        return out, seen
-
-    out, seen = asyncio.run(scenario())
+    out, seen = asyncio.run(generate_once(drop_first=drops, input_ids=[1, 2], rid="abc"))
     assert out["output_ids"] == [5]
     generates = [s["rid"] for s in seen if s["path"] == "/generate"]
     assert generates == ["abc"] + [f"abc-retry{i}" for i in range(1, drops + 1)]
@@ -94,15 +103,16 @@ def test_generate_retries_a_broken_connection_with_a_fresh_rid(drops):
 
 
 def test_generate_gives_up_with_unavailable_after_bounded_retries():
-    async def scenario():
-        server, port, seen = await flaky_engine(drop_first=99)
-        async with server, httpx.AsyncClient() as http:
-            client = SGLangClient(f"http://127.0.0.1:{port}", http, timeout=5, weight_timeout=5)
-            with pytest.raises(Unavailable, match="failed 3 times"):
-                await client.generate([1], {"max_new_tokens": 1}, rid="r")
-        return seen
+    out, seen = asyncio.run(generate_once(drop_first=99))
+    assert isinstance(out, Unavailable) and "failed 3 times" in str(out)
+    assert sum(s["path"] == "/generate" for s in seen) == 3
 
-    assert sum(s["path"] == "/generate" for s in asyncio.run(scenario())) == 3
+
+def test_an_answer_past_the_size_bound_is_refused_and_not_sent_again(monkeypatch):
+    monkeypatch.setattr(sglang_client, "MAX_GENERATE_ANSWER_BYTES", 64)  # (the engine's answer is ~150 bytes)
+    out, seen = asyncio.run(generate_once(drop_first=0))
+    assert isinstance(out, Unavailable) and "answered more than 64 bytes" in str(out)
+    assert [s["path"] for s in seen] == ["/generate"]
 
 
 def test_the_pool_relays_weight_updates_to_every_engine_with_its_rank_offset():

@@ -31,7 +31,7 @@ from rlmesh.common.run_config import SamplingConfig
 from rlmesh.common.sample import Sample
 from rlmesh.common.sampling import sampling_to_proto, sampling_to_sglang
 from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
-from rlmesh.rollout import colocated
+from rlmesh.rollout import colocated, sglang_client
 from rlmesh.rollout.agents.openai_models import ChatRequest, OpenAIAgentOptions
 from rlmesh.rollout.agents.openai_session import AgentSession
 from rlmesh.rollout.agents.openai_templates import request_sampling
@@ -39,6 +39,7 @@ from rlmesh.rollout.engine_client import PAUSE_MODES, EnginePool, TensorMeta, We
 from rlmesh.rollout.generation import FINISH_STATUS, GenerateContext, default_generate
 from rlmesh.rollout.metrics import RolloutMetrics
 from rlmesh.rollout.server import DEFAULT_GROUP
+from rlmesh.rollout.sglang_client import decode_answer
 from rlmesh.trainer.colocated import sglang_payload
 from tests.helpers import sglang_source
 
@@ -145,7 +146,8 @@ class RecordingEngine:
 
 class Reads:
     """The answer fields rlmesh's code reads, per route: answers are handed to it as dicts
-    that note every key asked for (httpx.Response.json is wrapped)."""
+    that note every key asked for (httpx.Response.json and, for /generate, decode_answer
+    are wrapped)."""
 
     def __init__(self) -> None:
         self.by_route: dict[str, set[str]] = defaultdict(set)
@@ -297,6 +299,9 @@ def sent():
     def noting_json(self, **kwargs):
         return reads.wrap(original(self, **kwargs), self.request.url.path)
 
+    def noting_decode(answer: bytes, path: str):
+        return reads.wrap(decode_answer(answer, path), path)
+
     engine = RecordingEngine()
 
     async def scenario():
@@ -306,6 +311,7 @@ def sent():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(httpx.Response, "json", noting_json)
+        patch.setattr(sglang_client, "decode_answer", noting_decode)
         asyncio.run(scenario())
     return engine.requests, reads.by_route
 

@@ -174,3 +174,14 @@ def test_a_resume_takes_no_record_from_another_runs_checkpoint_or_a_torn_line(tm
     trained.add(3, ["g5"])
     trained.flush()
     assert log.read_text().splitlines()[-1] == '{"step":3,"ids":["g5"]}'
+
+
+def test_a_record_named_outside_the_checkpoint_directory_is_not_read(tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "trained-groups.r1.jsonl").write_text('{"step":1,"ids":["g0"]}\n')
+    (tmp_path / "notes.jsonl").write_text('{"step":1,"ids":["g1"]}\n')
+    for named in ("../elsewhere/trained-groups.r1.jsonl", "../notes.jsonl", "/etc/hostname"):
+        state = {"run_id": "r1", "step": 1, LOG_KEY: named, COUNT_KEY: 1}
+        trained = resume_log(tmp_path, "r1", tmp_path / "step-000001", state)
+        assert (trained.ids, trained.count) == (set(), 0), named
