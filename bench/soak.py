@@ -28,7 +28,7 @@ first 60 s. Each faulted run's evaluations are compared with its mode's unfaulte
 (EVAL_BEFORE_TOLERANCE, EVAL_TOLERANCE): a difference is reported, not counted as a
 violation (RL's sampled steps spread the final evaluation between unfaulted runs too).
 
-    python -m bench.soak --faults 30 [--modes sync,one_step_off,fully_async] [--seed 0]
+    python -m bench.soak --faults 30 [--modes sync,one_step_off,fully_async] [--seed 0] [--unfaulted 2]
 
 Progress lines go to stderr; stdout ends with a markdown summary and one JSON line.
 tests/e2e/test_soak.py runs a few faults per mode through `soak_mode`.
@@ -462,6 +462,13 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated training modes")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
     parser.add_argument("--per-run", type=int, default=2, help="faults per run")
+    parser.add_argument(
+        "--unfaulted",
+        type=int,
+        default=2,
+        help="unfaulted runs per mode, half before the faulted ones and half after (the evaluation's "
+        "baseline: more of them, a truer band)",
+    )
     parser.add_argument("--rollouts", type=int, default=ROLLOUTS, help="RL iterations per run")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -480,15 +487,17 @@ def main() -> None:
             plans = {m: soak_plan(n, args.per_run) for m, n in zip(modes, share)}
             # Unfaulted runs of each mode, before and after the faulted ones: the evaluation's
             # baseline and its noise, and (after) a new run starts and completes after the soak.
-            unfaulted = {mode: [soak.run(mode, [])] for mode in modes}
+            after = max(args.unfaulted // 2, 1)
+            unfaulted = {mode: [soak.run(mode, []) for _ in range(max(args.unfaulted - after, 1))] for mode in modes}
             say("unfaulted runs done; the faulted runs start")
             # The modes interleaved: a slower stretch of the machine hits every mode.
             for i in range(max((len(p) for p in plans.values()), default=0)):
                 for mode in modes:
                     if i < len(plans[mode]):
                         reports.append(soak.run(mode, plan_faults(rng, plans[mode][i])))
-            for mode in modes:
-                unfaulted[mode].append(soak.run(mode, []))
+            for _ in range(after):
+                for mode in modes:
+                    unfaulted[mode].append(soak.run(mode, []))
     summary = summarize(
         reports, unfaulted, time.monotonic() - started, seed=args.seed, modes=modes, rollouts=args.rollouts
     )

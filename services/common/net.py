@@ -2,16 +2,47 @@
 
 from __future__ import annotations
 
+import random
 import re
 import socket
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
+
+# Ports free_port picks from, below the kernel's ephemeral range: a port the OS hands out
+# from that range can be taken by an outgoing connection (a stack's services hold hundreds)
+# before the service that was given it binds it, which failed the service's start.
+PICKED_PORTS_LOW = 20_000
+_picked: set[int] = set()  # (never handed out twice by this process)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free on `host` right now (the OS picks it)."""
+    """A port that is free on `host` right now, below the ephemeral range where it can be
+    (else the OS picks one)."""
+    low = _ephemeral_low()
+    for port in random.sample(range(PICKED_PORTS_LOW, low), min(64, max(low - PICKED_PORTS_LOW, 0))):
+        if port not in _picked and _bindable(host, port):
+            _picked.add(port)
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; elsewhere none is known)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return PICKED_PORTS_LOW
 
 
 def redacted(url: str) -> str:
