@@ -489,7 +489,7 @@ class RunStore:
         return [json.loads(r) for r in await self.redis.lrange(self._key(run_id) + ":metrics", start, -1)]
 
     async def list(self, offset: int = 0, limit: int | None = None) -> list[dict]:
-        """The kept runs' summaries (records without their config and evals), oldest first;
+        """The kept runs' summaries (records without their config, evals and warnings), oldest first;
         `limit` of them from the `offset`-th when given."""
         return (await self.page(offset, limit))[0]
 
@@ -507,7 +507,7 @@ class RunStore:
 def _record(raw: dict[bytes, bytes], train_steps: int, queue_index: int | None = None, summary: bool = False) -> dict:
     """A run's record from its hash, the length of its train steps list and its index in the
     queue (None: not queued). A summary leaves out the stored JSON that only GET /runs/{id}
-    shows (config, eval_before, eval_after)."""
+    shows (config, eval_before, eval_after, warnings)."""
     rec = {k.decode(): v.decode() for k, v in raw.items()}
     rec["queue_position"] = None if queue_index is None else queue_index + 1
     rec["weight_version"] = int(rec["weight_version"])
@@ -515,12 +515,11 @@ def _record(raw: dict[bytes, bytes], train_steps: int, queue_index: int | None =
     for k in ("created_at", "updated_at"):
         rec[k] = float(rec[k])
     rec["num_rollouts"], sft_steps = _config_counts(rec["config"])
-    for k in ("config", "eval_before", "eval_after"):
+    for k in ("config", "eval_before", "eval_after", "warnings"):
         if summary:
-            del rec[k]
+            rec.pop(k, None)
         else:
-            rec[k] = json.loads(rec[k])
-    rec["warnings"] = json.loads(rec.get("warnings", "[]"))
+            rec[k] = json.loads(rec.get(k, "[]"))  # (records written before warnings existed lack them)
     legacy = rec.pop("train_steps", None)  # (written before the list existed: JSON in the hash)
     if legacy is not None:
         train_steps = len(json.loads(legacy))

@@ -137,11 +137,12 @@ class SGLangClient:
         weight_timeout: float,
         generate_timeout: float | None = None,
         seconds_per_token: float = 0.0,
-        generate_http: GenerateHTTP | None = None,
+        *,
+        generate_http: GenerateHTTP,
     ) -> None:
         self.url = url.rstrip("/")
         self.http = http  # every call but /generate
-        self.generate_http = generate_http or GenerateHTTP()  # (the pool's, which closes it)
+        self.generate_http = generate_http  # /generate's connections (its owner closes them)
         self.timeout = timeout
         self.weight_timeout = weight_timeout
         self.generate_timeout = generate_timeout or timeout
