@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +38,12 @@ from rlmesh.common.auth import client_headers
 LAYOUTS = {"distributed": {"method": "distributed"}, "colocated": {"method": "colocated"}}
 
 
+def _get_run(api: httpx.Client, run_id: str, metrics_last: int = 0) -> dict:
+    r = api.get(f"/runs/{run_id}", params={"metrics_last": metrics_last})
+    r.raise_for_status()
+    return r.json()
+
+
 def run_layout(api: httpx.Client, config: dict, layout: str) -> dict:
     body = {
         **config,
@@ -46,14 +53,17 @@ def run_layout(api: httpx.Client, config: dict, layout: str) -> dict:
     r = api.post("/runs", json=body)
     r.raise_for_status()
     run_id = r.json()["id"]
-    while (run := api.get(f"/runs/{run_id}", params={"metrics_last": 100000}).json())["status"] not in (
-        "completed",
-        "failed",
-        "stopped",
-    ):
+    said = ""
+    while (run := _get_run(api, run_id))["status"] not in ("completed", "failed", "stopped"):
+        now = f"{layout}: {run['status']} {run.get('phase', '')} {run.get('rollout_id', 0)}/{config['num_rollouts']}"
+        now += f", waiting for {run['waiting_for']}" if run.get("waiting_for") else ""
+        if now != said:  # (progress on stderr: the results alone on stdout)
+            print(now, file=sys.stderr, flush=True)
+            said = now
         time.sleep(0.5)
     if run["status"] != "completed":
         raise SystemExit(f"{layout} run {run['status']}: {run['error']}")
+    run = _get_run(api, run_id, metrics_last=10_000)  # (the API's bound; a run here has fewer records)
     rl = [m for m in run["metrics"] if "iteration/seconds" in m]
     seconds = rl[-1]["time"] - rl[0]["time"] + rl[0]["iteration/seconds"]
     # The update: the trainer's push (weights/seconds); a colocated iteration also counts the

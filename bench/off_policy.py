@@ -50,7 +50,7 @@ CANDIDATES: dict[str, dict | None] = {
 def run_one(api: httpx.Client, config: dict, mode: str, off_policy: dict | None) -> dict:
     body = {**config, **({"off_policy": off_policy} if off_policy is not None else {})}
     result = bench_async.run_mode(api, body, mode)
-    run = api.get(f"/runs/{result['run_id']}", params={"metrics_last": 100000}).json()
+    run = api.get(f"/runs/{result['run_id']}", params={"metrics_last": 10_000}).json()
     rl = [m for m in run["metrics"] if "iteration/seconds" in m]
     result["ess_min"] = min((m.get("train/is_ess", 1.0) for m in rl), default=1.0)
     result["gap_max"] = max((m.get("train/train_rollout_logprob_abs_diff", 0.0) for m in rl), default=0.0)

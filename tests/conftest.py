@@ -142,6 +142,9 @@ async def _stop(server) -> None:
     result = server.stop(0)
     if inspect.isawaitable(result):
         await result
+    close_service = getattr(server, "close_service", None)  # (a service of start_service)
+    if close_service is not None:
+        await close_service()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@
 # Python and platform; never torch, nor what torch itself brings (nvidia-*, triton, sympy,
 # networkx, jinja2, fsspec, filelock, typing-extensions, ...), which the CUDA torch already
 # installed. Left out to stay under the size bound (LEAVE_OUT): pyarrow (parquet datasets
-# only; 40 MB) and hf-xet (Hugging Face Hub downloads; the suite loads local models only).
+# only; 40 MB), hf-xet (Hugging Face Hub downloads; the suite loads local models only) and
+# pygments (pytest's and rich's colouring, which both do without it; 1.2 MB).
 #
 #   deploy/gpu/build-wheels.sh [OUT_DIR]        (default dist/gpu-wheels; needs a package index)
 #
@@ -23,7 +24,7 @@ PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo pyt
 TARGET_PYTHON=${TARGET_PYTHON:-$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}
 TARGET_PLATFORM=${TARGET_PLATFORM:-manylinux_2_28_x86_64}
 MAX_MIB=${MAX_MIB:-60}
-LEAVE_OUT=${LEAVE_OUT:-pyarrow,hf-xet}
+LEAVE_OUT=${LEAVE_OUT:-pyarrow,hf-xet,pygments}
 
 rm -rf "$OUT" && mkdir -p "$OUT"
 work=$(mktemp -d) && trap 'rm -rf "$work"' EXIT

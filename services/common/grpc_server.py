@@ -379,7 +379,10 @@ async def start_service(build: Builder, settings: ServiceSettings) -> tuple[grpc
     """Build a service from its settings and start it in the running loop (tests and
     embedding); returns the server and its bound port. Its /metrics endpoint (metrics_port)
     stops when the server does."""
-    _, server, port, _, metrics_server = await _start(build, settings)
+    service, server, port, _, metrics_server = await _start(build, settings)
+    # What the service opened (engine connections, channels) is closed by whoever stops it
+    # for good, after server.stop: a stop alone is what a crash leaves behind.
+    server.close_service = service.on_shutdown
     if metrics_server is not None:  # callers stop what they started with server.stop(grace)
         stop = server.stop
 

@@ -40,7 +40,11 @@ class WeightSyncConfig(StrictModel):
     bucket_bytes: int = Field(
         64 * 1024 * 1024, ge=1, le=2**40, description="Parameters per broadcast bucket, in bytes."
     )
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on GPU, gloo on CPU.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description="auto = nccl on GPU, gloo on CPU, and gloo to engines on the trainer's own GPU (NCCL refuses "
+        "two ranks on one GPU; method colocated is the fast path there).",
+    )
     load_format: Literal["", "flattened_bucket"] = Field(
         "", description="'flattened_bucket' sends each bucket as one flat tensor (fewer collectives)."
     )

@@ -11,12 +11,29 @@ import inspect
 import socket
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 # The rlmesh delta-update format (docs/engine-api.md, "Delta weight updates"): engines that
 # accept it say so in /get_server_info as "rlmesh_weight_delta"; SGLang says nothing.
 WEIGHT_DELTA_FORMAT = "rlmesh-delta-v1"
+
+# The key of /get_server_info where the reference engine names its GPU (absent on CPU; SGLang
+# never says): the trainer gives NCCL no group where two ranks share one GPU.
+GPU_KEY = "rlmesh_gpu_uuid"
+
+
+def gpu_uuid(device: torch.device | str | None = None) -> str:
+    """The CUDA device's UUID (one per physical GPU, whatever CUDA_VISIBLE_DEVICES numbers
+    it), or "" off CUDA. NCCL refuses a group with two ranks on one GPU ("Duplicate GPU
+    detected"), so ranks compare these before choosing NCCL."""
+    device = torch.device(device) if device is not None else None
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+        return ""
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
 
 # Rank 0's TCP store is the rendezvous server: keep it alive as long as its group.
 _stores: dict[str, dist.Store] = {}

@@ -208,6 +208,9 @@ class FullyAsyncMode(RunMode):
         self.heartbeat: asyncio.Task | None = None  # while this coordinator keeps the generation running
         # Until stopped once: a previous coordinator of the run may have left its loop running.
         self.loop_may_run = True
+        # Until continued once: a push cut short (its coordinator died, or it was stopped
+        # mid-way) leaves the engines paused, and a paused engine holds every new request.
+        self.engines_may_be_paused = True
         self.generation_metrics: dict[str, float] = {}  # since the last record
         self.loop_error = ""  # what the generation loop last reported going wrong ("" when all is well)
 
@@ -216,6 +219,7 @@ class FullyAsyncMode(RunMode):
         with the engines paused (pause_mode)."""
         calls = self.calls
         t0 = time.monotonic()
+        await self._continue_engines(patiently=True)
         if self.heartbeat is None:
             self.heartbeat = asyncio.create_task(self._beat(), name=f"heartbeat-{calls.run_id}")
             self.loop_may_run = True
@@ -236,21 +240,40 @@ class FullyAsyncMode(RunMode):
         """The trainer's weights to the engines, paused meanwhile (pause_mode); its metrics
         and how long the push itself took (the pause and the continue around it not counted)."""
         calls = self.calls
-        deadline = calls.settings.call_deadline_seconds
+        self.engines_may_be_paused = True
         await calls.rollout_call(
             lambda: calls.clients.rollout.PauseGeneration(
-                rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode), timeout=deadline
+                rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode),
+                timeout=calls.settings.call_deadline_seconds,
             )
         )
         t0 = time.monotonic()
         try:
             return await calls.publish(), time.monotonic() - t0
         finally:
-            await calls.rollout_call(
-                lambda: calls.clients.rollout.ContinueGeneration(
-                    rollout_pb2.ContinueGenerationRequest(), timeout=deadline
-                )
+            await self._continue_engines(patiently=True)
+
+    async def _continue_engines(self, patiently: bool) -> None:
+        """ContinueGeneration, unless this coordinator already let the engines continue since
+        its last pause. Patiently: through a rollout outage; otherwise one try (best effort)."""
+        if not self.engines_may_be_paused:
+            return
+        calls = self.calls
+
+        def call():
+            return calls.clients.rollout.ContinueGeneration(
+                rollout_pb2.ContinueGenerationRequest(), timeout=calls.settings.call_deadline_seconds
             )
+
+        if patiently:
+            await calls.rollout_call(call)
+        else:
+            try:
+                await call()
+            except grpc.aio.AioRpcError as e:
+                log.warning("run %s: could not let the engines continue: %s", calls.run_id, e.details())
+                return
+        self.engines_may_be_paused = False
 
     async def on_no_batch(self) -> str:
         """No full batch yet. Engines that restarted on their base weights generate nothing
@@ -314,6 +337,8 @@ class FullyAsyncMode(RunMode):
             self.heartbeat.cancel()
 
     async def _stop_generation(self, patiently: bool) -> None:
+        # (first: the loop's requests in flight finish, or return to the buffer, only on running engines)
+        await self._continue_engines(patiently)
         if not self.loop_may_run:
             return
         if self.heartbeat is not None:

@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from rlmesh.common import weight_file
-from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
+from rlmesh.common.weight_group import GPU_KEY, WEIGHT_DELTA_FORMAT, gpu_uuid
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, request_listener, set_once
 from rlmesh.engine.protocol import GenerationRequest
@@ -21,6 +21,7 @@ from rlmesh.engine.sampling_params import SamplingParams
 def info_router(state: EngineState) -> APIRouter:
     router = APIRouter()
     engine, settings, tokenizer = state.engine, state.settings, state.tokenizer
+    gpu = gpu_uuid(settings.device)
 
     @router.get("/health")
     async def health() -> Response:
@@ -88,6 +89,7 @@ def info_router(state: EngineState) -> APIRouter:
             "engine": "rlmesh-reference",
             "rlmesh_weight_delta": WEIGHT_DELTA_FORMAT if settings.weight_delta else None,
             "rlmesh_weight_file": weight_file.FORMAT,
+            GPU_KEY: gpu or None,
             "weight_version": engine.weight_version,
             "internal_states": [{"max_total_num_tokens": max_tokens, "last_gen_throughput": 0.0}],
         }

@@ -14,7 +14,7 @@ import httpx
 
 from rlmesh.common.auth import credential_headers
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
+from rlmesh.common.weight_group import GPU_KEY, WEIGHT_DELTA_FORMAT
 from rlmesh.rollout.metrics import RolloutMetrics
 from rlmesh.rollout.sglang_client import (
     KEEPALIVE_EXPIRY_SECONDS,
@@ -251,6 +251,7 @@ class EnginePool:
                 tokenizer_path=info.get("tokenizer_path", "") or info.get("model_path", ""),
                 weight_delta_format=e.weight_delta_format,
                 weight_file_format=str(server.get("rlmesh_weight_file") or ""),
+                gpu_uuid=str(server.get(GPU_KEY) or ""),
                 **_counts(e),
             )
 

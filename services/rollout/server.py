@@ -150,6 +150,7 @@ def engine_info(s: EngineState) -> rollout_pb2.EngineInfo:
         generate_requests=s.generate_requests,
         in_flight=s.in_flight,
         first_answer_version=s.first_answer_version,
+        gpu_uuid=s.gpu_uuid,
     )
 
 

@@ -28,6 +28,7 @@ class EngineState:
     tokenizer_path: str = ""
     weight_delta_format: str = ""  # the rlmesh delta-update format it accepts; "" = none (SGLang)
     weight_file_format: str = ""  # the rlmesh weight-file format it maps (colocated); "" = none (SGLang)
+    gpu_uuid: str = ""  # the GPU it runs on, where it says ("" = CPU or unknown: SGLang)
     # "serving" (takes generation), "behind" (answers, but holds older weights than the run's
     # last push: a new or restarted engine until the next push reaches it), "down", or
     # "leaving" (discovery dropped it; requests it had in flight finish there).

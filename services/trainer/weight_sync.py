@@ -51,6 +51,7 @@ from rlmesh.common.run_config import WeightSyncConfig
 from rlmesh.common.weight_group import (
     WEIGHT_DELTA_FORMAT,
     destroy_weight_group,
+    gpu_uuid,
     init_weight_group,
     rendezvous_socket,
 )
@@ -99,10 +100,28 @@ def plan_buckets(
     return buckets
 
 
-def resolve_backend(backend: str) -> str:
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return backend
+def group_backend(requested: str, own_gpu: str, engines: Sequence[rollout_pb2.EngineInfo]) -> tuple[str, str]:
+    """The weight group's backend, and a warning ("" if none): "auto" is NCCL on a GPU and
+    gloo on CPU, and gloo too when an engine runs on the trainer's own GPU (a single-GPU
+    machine): NCCL refuses two ranks of one group on one GPU ("Duplicate GPU detected"),
+    while gloo stages through host memory. An explicit "nccl" there is refused."""
+    sharing = ", ".join(e.url for e in engines if own_gpu and e.gpu_uuid == own_gpu)
+    if requested == "nccl" and sharing:
+        raise errors.FailedPrecondition(
+            f"weight_sync.backend 'nccl' cannot reach {sharing}: it runs on the trainer's own GPU "
+            f"({own_gpu}) and NCCL refuses two ranks on one GPU; use backend 'auto' (gloo there) or "
+            "method 'colocated' (the fast path when engine and trainer share a GPU)"
+        )
+    if requested != "auto":
+        return requested, ""
+    if not torch.cuda.is_available():
+        return "gloo", ""
+    if sharing:
+        return "gloo", (
+            f"engines on the trainer's own GPU ({sharing}): weights go over gloo through host memory, not "
+            "NCCL, which refuses two ranks on one GPU (weight_sync.method 'colocated' is faster there)"
+        )
+    return "nccl", ""
 
 
 def flatten_bucket(
@@ -205,6 +224,7 @@ def _destroy_if_created(name: str) -> Callable[[asyncio.Future], None]:
 class _Group:
     group: dist.ProcessGroup
     name: str
+    backend: str
     key: tuple  # what the engines looked like when it was opened
     version: str = ""  # the weight version last pushed through it
     delta_ok: bool = False  # every engine accepts rlmesh delta updates
@@ -287,7 +307,7 @@ class WeightPusher:
 
     # ---------------------------------------------------------------- group
 
-    async def _ensure_group(self, backend: str) -> _Group:
+    async def _ensure_group(self, requested_backend: str) -> _Group:
         engines = await self._call(
             "ListEngines", self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout)
         )
@@ -304,6 +324,7 @@ class WeightPusher:
             raise errors.Unavailable(f"engines not answering, weights not pushed: {', '.join(down)}")
         if down:
             log.warning("pushing weights to the engines that answer; left out until they answer: %s", ", ".join(down))
+        backend, warning = group_backend(requested_backend, gpu_uuid(), up)
         key = (backend, world_size, tuple((e.url, e.tp_size) for e in up))
         delta_ok = all(e.weight_delta_format == WEIGHT_DELTA_FORMAT for e in up)
         if self._group is not None:
@@ -316,6 +337,8 @@ class WeightPusher:
             log.info("engines changed since the weight group was opened (%s): opening a new one", stale or "membership")
             await self._close_group()
 
+        if warning:  # (once per group, not per push)
+            log.warning("%s", warning)
         # Unique across restarts: an engine may still hold a group a dead trainer opened.
         name = f"rlmesh-{self.run_id}-{uuid.uuid4().hex[:8]}"
         port, listen_fd = rendezvous_socket(self.bind_address)
@@ -332,7 +355,7 @@ class WeightPusher:
             lambda: init_weight_group(backend, self.master_address, port, world_size, 0, name, self.timeout, listen_fd),
             abandon=lambda pending: pending.add_done_callback(_destroy_if_created(name)),
         )
-        self._group = _Group(group=group, name=name, key=key, delta_ok=delta_ok)
+        self._group = _Group(group=group, name=name, backend=backend, key=key, delta_ok=delta_ok)
         log.info("weight group %s open: %d ranks over %s", name, world_size, backend)
         return self._group
 
@@ -365,9 +388,8 @@ class WeightPusher:
         wire_dtype: torch.dtype | None = None,
     ) -> PushResult:
         start_time = time.monotonic()
-        backend = resolve_backend(config.backend)
-        device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
-        group = await self._ensure_group(backend)
+        group = await self._ensure_group(config.backend)
+        device = torch.device("cuda") if group.backend == "nccl" else torch.device("cpu")
         flattened = config.load_format == "flattened_bucket"
         buckets = plan_buckets(tensors, config.bucket_bytes, wire_dtype)
         use_delta = config.delta and group.delta_ok
@@ -435,7 +457,7 @@ class WeightPusher:
             prepare,
             call=lambda what, request: self._call(what, self._stub.UpdateWeights(request, timeout=self.timeout)),
             abandon=self._abandon_group,
-            early=backend == "gloo",
+            early=group.backend == "gloo",
         )
         try:
             await stream.run()

@@ -117,9 +117,14 @@ def test_a_fully_async_run_stopped_while_its_coordinator_is_down_leaves_no_gener
     config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=ROLLOUTS), "mode": "fully_async"}
     run_id = stack.api.post("/runs", json=config).json()["id"]
     wait_for_run(stack.api, run_id, lambda run: run["rollout_id"] >= 1)
-    # The coordinator goes down with the rollout service's generation loop running; the stop
-    # comes meanwhile (as another coordinator replica would write it).
+    # The coordinator goes down with the rollout service's generation loop running, in the
+    # middle of a weight push (the engines stay paused: a paused engine holds every new
+    # request); the stop comes meanwhile (as another coordinator replica would write it).
     loop_thread.run(_stop_coordinator(stack.servers["coordinator"]), timeout=60)
+    paused = httpx.post(
+        f"{engine_url}/pause_generation", json={"mode": "in_place"}, headers=client_headers(), timeout=30
+    )
+    paused.raise_for_status()
     redis.Redis.from_url(redis_url).hset(f"rlmesh:coord:run:{run_id}", "status", "stopping")
     a = stack.addresses
     _, port = start_in_loop(

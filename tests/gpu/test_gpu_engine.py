@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.common import weight_file
 from rlmesh.common.auth import client_headers
+from rlmesh.common.weight_group import GPU_KEY, gpu_uuid
 from rlmesh.engine.config import Settings
 from rlmesh.engine.server import start
 from rlmesh.trainer.colocated import sglang_payload
@@ -114,3 +115,8 @@ def test_a_colocated_update_over_cuda_ipc_in_sglangs_format_is_bit_exact(tmp_pat
         timeout=300,
     )
     assert proc.returncode == 0 and proc.stdout.startswith("ok 3"), proc.stdout + proc.stderr[-3000:]
+
+
+def test_the_engine_names_its_gpu_so_the_trainer_sends_no_nccl_push_to_its_own(cuda_engine):
+    # (NCCL refuses two ranks on one GPU: a single-GPU machine's weights go over gloo)
+    assert cuda_engine.get("/get_server_info").json()[GPU_KEY] == gpu_uuid("cuda")

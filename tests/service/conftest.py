@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from rlmesh.buffer.config import Settings as BufferSettings
 from rlmesh.buffer.server import start as start_buffer
@@ -19,6 +21,12 @@ from rlmesh.trainer.trainer import Trainer
 from rlmesh.v1.trainer_pb2_grpc import TrainerStub
 from tests.helpers.remote_reward import RemoteState, Reward, remote_app, start_http
 from tests.helpers.trainer import EngineProcess
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    """The tiny model as Hugging Face computes it: what the engine must match."""
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture

@@ -1,36 +1,26 @@
 """The CPU reference engine, over real HTTP on loopback: SGLang's /generate shapes, stop
-conditions, abort, pause, info endpoints, and weight updates received from a real gloo
-group (this test process plays the trainer, rank 0)."""
+conditions, abort, pause, info endpoints and weight updates from disk (the engine as its
+own process, SIGTERM and weight groups: test_engine_process.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from rlmesh.cli.launcher import http_ready, wait_until_ready
 from rlmesh.cli.tiny_model import build_tiny_model
 from rlmesh.common.auth import client_headers
-from rlmesh.common.weight_group import destroy_weight_group
 from rlmesh.engine.config import Settings
 from rlmesh.engine.server import start
-from tests.helpers.weight_group import WeightSender, in_background
-
-# Long enough that a request with ignore_eos is still running when a test aborts it.
-LONG = {"max_new_tokens": 100_000, "ignore_eos": True, "temperature": 0}
+from tests.helpers.engine import LONG, wait_until_in_flight
+from tests.helpers.weight_group import in_background
 
 
 def _settings(model_dir: Path, **overrides) -> Settings:
@@ -55,17 +45,6 @@ def client(engine_url):
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def _wait_until_in_flight(client: httpx.Client) -> None:
-    """/flush_cache answers 400 while requests are in flight."""
-    while client.post("/flush_cache", json={}).status_code != 400:
-        time.sleep(0.01)
 
 
 def _greedy(client: httpx.Client, input_ids: list[int], n: int = 20, **extra) -> dict:
@@ -305,7 +284,7 @@ def test_bad_input_is_400_with_a_message(client):
 
 def test_abort_in_flight_request_returns_partial_output(client):
     pending = in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG, "rid": "a-1"})
-    _wait_until_in_flight(client)
+    wait_until_in_flight(client)
     duplicate = client.post("/generate", json={"text": "go", "sampling_params": {"max_new_tokens": 1}, "rid": "a-1"})
     assert duplicate.status_code == 400 and "a-1" in duplicate.json()["error"]["message"]
     r = client.post("/abort_request", json={"rid": "a-1"})
@@ -335,7 +314,7 @@ def test_abort_all_while_streaming_keeps_the_tokens_so_far(client, engine_url):
 
 def test_pause_abort_mode_holds_new_requests_until_continue(client):
     running = in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG})
-    _wait_until_in_flight(client)
+    wait_until_in_flight(client)
     assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200
     assert running.result(30).json()["meta_info"]["finish_reason"]["type"] == "abort"
     held = in_background(client.post, "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
@@ -350,7 +329,7 @@ def test_pause_keeps_running_requests(client, tokenizer, mode):
     prompt = tokenizer("pause me")["input_ids"]
     expected = _greedy(client, prompt, n=150)["output_ids"]
     running = in_background(_greedy, client, prompt, 150)
-    _wait_until_in_flight(client)
+    wait_until_in_flight(client)
     assert client.post("/pause_generation", json={"mode": mode}).status_code == 200
     assert client.get("/flush_cache").status_code == 400
     assert client.post("/continue_generation", json={}).status_code == 200
@@ -405,179 +384,6 @@ def test_update_weights_from_disk(client, tmp_path):
     assert unknown.status_code == 400 and "nope" in unknown.json()["error"]["message"]
 
 
-# -- weights over torch.distributed (engine in a subprocess: one process cannot hold both
-# -- ends of a group with the same name) -------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_ENGINE_MAIN = (
-    "import asyncio, logging, sys\n"
-    "logging.basicConfig(level=logging.INFO)\n"
-    "from rlmesh.engine.config import Settings\n"
-    "from rlmesh.engine.server import serve\n"
-    "asyncio.run(serve(Settings(model_path=sys.argv[1], port=int(sys.argv[2]), num_threads=1, seed=0,\n"
-    "                           context_length=1_000_000)))\n"
-)
-
-
-def _launch_engine(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """`serve(settings)` in its own process, as `rlmesh serve engine` runs it."""
-    port = _free_port()
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _ENGINE_MAIN, str(model_dir), str(port)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_ready(lambda: http_ready(url), proc, "the reference engine", timeout=120)
-    except RuntimeError as e:
-        proc.kill()
-        pytest.fail(f"{e}:\n{log_path.read_text()}")
-    return proc, url
-
-
-@pytest.fixture(scope="module")
-def engine_process(tiny_model_dir, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("engine") / "engine.log"
-    proc, url = _launch_engine(tiny_model_dir, log_path)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, log_path.read_text()
-
-
-def test_sigterm_answers_in_flight_requests_with_their_partial_output(tiny_model_dir, tmp_path):
-    proc, url = _launch_engine(tiny_model_dir, tmp_path / "engine.log")
-    try:
-        with httpx.Client(base_url=url, timeout=60, headers=client_headers()) as client:
-            pending = in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG})
-            _wait_until_in_flight(client)
-            proc.send_signal(signal.SIGTERM)
-            response = pending.result(60)
-        assert response.status_code == 200
-        assert response.json()["meta_info"]["finish_reason"]["type"] == "abort"
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _new_weights(hf_model, seed: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [(n, (torch.randn(p.shape, generator=gen) * 0.05).to(dtype)) for n, p in hf_model.named_parameters()]
-
-
-def _assert_engine_has(client: httpx.Client, named: list[tuple[str, torch.Tensor]]) -> None:
-    for name, tensor in named:
-        got = client.post("/get_weights_by_name", json={"name": name, "truncate_size": 100_000}).json()
-        assert got == tensor.float().tolist(), name
-
-
-@pytest.mark.parametrize("flattened", [False, True], ids=["per-tensor", "flattened_bucket"])
-def test_update_weights_from_distributed(engine_process, hf_model, flattened):
-    with httpx.Client(base_url=engine_process, timeout=60, headers=client_headers()) as client:
-        assert client.post("/begin_weight_update", json={"selector": "all"}).json()["success"] is True
-        trainer = WeightSender(client, f"wu-{'flat' if flattened else 'plain'}")
-        version = f"v-{flattened}"
-        named = _new_weights(hf_model, seed=1 + flattened)
-        r = trainer.send(named, version, flattened=flattened)
-        assert r.status_code == 200 and r.json()["success"] is True, r.text
-        assert client.post("/end_weight_update", json={}).json()["success"] is True
-        _assert_engine_has(client, named)
-        assert client.get("/get_model_info").json()["weight_version"] == version
-        out = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}}).json()
-        assert out["meta_info"]["weight_version"] == version
-        trainer.close()
-
-
-def test_bad_weight_update_is_refused_and_changes_nothing(engine_process, hf_model):
-    with httpx.Client(base_url=engine_process, timeout=60, headers=client_headers()) as client:
-        trainer = WeightSender(client, "wu-bad")
-        good = _new_weights(hf_model, seed=5)
-        assert trainer.send(good, "good").json()["success"] is True
-        bad = [(good[0][0], torch.zeros(good[0][1].shape)), ("model.no_such.weight", torch.zeros(3))]
-        r = trainer.send(bad, "bad")
-        assert r.status_code == 400 and r.json()["success"] is False
-        assert "model.no_such.weight" in r.json()["message"]
-        _assert_engine_has(client, good[:1])
-        assert client.get("/get_model_info").json()["weight_version"] == "good"
-        # bfloat16 on the wire is converted into the float32 model.
-        halves = [(n, t.to(torch.bfloat16)) for n, t in _new_weights(hf_model, seed=6)[:2]]
-        assert trainer.send(halves, "bf16", flattened=True).json()["success"] is True
-        _assert_engine_has(client, halves)
-        trainer.close()
-        again = client.post("/destroy_weights_update_group", json={"group_name": "wu-bad"})
-        assert again.status_code == 400 and again.json()["success"] is False
-        missing = client.post(
-            "/update_weights_from_distributed",
-            json={"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "wu-bad"},
-        )
-        assert missing.status_code == 400 and "init_weights_update_group" in missing.json()["message"]
-
-
-def test_the_weight_group_rendezvous_is_the_one_sglang_clients_use(engine_process, hf_model):
-    """slime, AReaL, OpenRLHF and SkyRL build rank 0 with torch's `tcp://` rendezvous,
-    whose store waits until every rank has checked in: the engine must check in."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    with httpx.Client(base_url=engine_process, timeout=60, headers=client_headers()) as client:
-        port, group_name = _free_port(), "sglang-style"
-        joined = in_background(
-            client.post,
-            "/init_weights_update_group",
-            json={
-                "master_address": "127.0.0.1",
-                "master_port": port,
-                "rank_offset": 1,
-                "world_size": 2,
-                "group_name": group_name,
-                "backend": "gloo",
-            },
-        )
-        timeout = timedelta(seconds=30)
-        store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
-        store.set_timeout(timeout)
-        group, _ = _new_process_group_helper(
-            world_size,
-            rank,
-            [],
-            Backend("gloo"),
-            PrefixStore(group_name, store),
-            group_name=group_name,
-            timeout=timeout,
-            backend_options=None,
-        )
-        _world.pg_group_ranks[group] = {0: 0, 1: 1}
-        r = joined.result(60)
-        assert r.status_code == 200 and r.json()["success"] is True, r.text
-
-        name, tensor = _new_weights(hf_model, seed=11)[0]
-        answer = in_background(
-            client.post,
-            "/update_weights_from_distributed",
-            json={
-                "names": [name],
-                "dtypes": ["float32"],
-                "shapes": [list(tensor.shape)],
-                "group_name": group_name,
-                "weight_version": "sglang-style",
-            },
-        )
-        torch.distributed.broadcast(tensor, src=0, group=group)
-        assert answer.result(60).json()["success"] is True
-        _assert_engine_has(client, [(name, tensor)])
-        assert client.get("/get_weight_version").json() == {"weight_version": "sglang-style"}
-        assert client.post("/destroy_weights_update_group", json={"group_name": group_name}).json()["success"] is True
-        destroy_weight_group(group, group_name)
-
-
 @pytest.mark.parametrize(
     "field,value",
     [
@@ -617,7 +423,7 @@ def test_metrics_under_sglangs_names_count_tokens_and_show_running_requests(loop
             assert value(samples, "sglang:prompt_tokens_total", model_name="tiny") == 7
             assert value(samples, "sglang:num_running_reqs") == value(samples, "sglang:num_queue_reqs") == 0
             running = in_background(c.post, "/generate", json={"input_ids": [1, 2], "sampling_params": LONG})
-            _wait_until_in_flight(c)
+            wait_until_in_flight(c)
             samples = scrape(f"{base}/metrics", headers={})
             assert value(samples, "sglang:num_running_reqs") + value(samples, "sglang:num_queue_reqs") == 1
             assert value(samples, "sglang:gen_throughput") >= 0

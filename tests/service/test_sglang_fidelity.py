@@ -62,6 +62,7 @@ EXPECTED = {
     "engine states: GET /server_info: rlmesh reads rlmesh_weight_file, which SGLang does not return": (
         "rlmesh_weight_file"
     ),
+    "engine states: GET /server_info: rlmesh reads rlmesh_gpu_uuid, which SGLang does not return": ("rlmesh_gpu_uuid"),
 }
 
 # Routes rlmesh asks and does without when an engine answers 404 (older SGLang): the weight

@@ -173,7 +173,7 @@ class Waiting(_message.Message):
     def __init__(self, reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("url", "tp_size", "weight_version", "healthy", "model_path", "weight_delta_format", "weight_file_format", "state", "generate_requests", "in_flight", "first_answer_version")
+    __slots__ = ("url", "tp_size", "weight_version", "healthy", "model_path", "weight_delta_format", "weight_file_format", "state", "generate_requests", "in_flight", "first_answer_version", "gpu_uuid")
     URL_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class EngineInfo(_message.Message):
     GENERATE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     FIRST_ANSWER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     url: str
     tp_size: int
     weight_version: str
@@ -196,7 +197,8 @@ class EngineInfo(_message.Message):
     generate_requests: int
     in_flight: int
     first_answer_version: str
-    def __init__(self, url: _Optional[str] = ..., tp_size: _Optional[int] = ..., weight_version: _Optional[str] = ..., healthy: _Optional[bool] = ..., model_path: _Optional[str] = ..., weight_delta_format: _Optional[str] = ..., weight_file_format: _Optional[str] = ..., state: _Optional[str] = ..., generate_requests: _Optional[int] = ..., in_flight: _Optional[int] = ..., first_answer_version: _Optional[str] = ...) -> None: ...
+    gpu_uuid: str
+    def __init__(self, url: _Optional[str] = ..., tp_size: _Optional[int] = ..., weight_version: _Optional[str] = ..., healthy: _Optional[bool] = ..., model_path: _Optional[str] = ..., weight_delta_format: _Optional[str] = ..., weight_file_format: _Optional[str] = ..., state: _Optional[str] = ..., generate_requests: _Optional[int] = ..., in_flight: _Optional[int] = ..., first_answer_version: _Optional[str] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
     __slots__ = ("engines", "weight_group_world_size", "leaving", "discovery", "discovery_error")
