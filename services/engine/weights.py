@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -356,9 +357,18 @@ def check_delta_targets(model: torch.nn.Module, specs: Sequence[TensorSpec]) -> 
 # -- the model's side --------------------------------------------------------
 
 
+# Per model: its Parameter objects never change (every update swaps or copies into their
+# .data), and state_dict costs milliseconds, which a push spent again on every bucket.
+_tensors_of: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers by Hugging Face name, tied aliases included."""
-    return dict(model.state_dict(keep_vars=True))
+    """Parameters and persistent buffers by Hugging Face name, tied aliases included (the
+    Parameter objects themselves: read-only to callers)."""
+    tensors = _tensors_of.get(model)
+    if tensors is None:
+        tensors = _tensors_of[model] = dict(model.state_dict(keep_vars=True))
+    return tensors
 
 
 def check_against_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
