@@ -368,6 +368,7 @@ class EnvironmentsMode(FullyAsyncMode):
 
     async def iteration(self, rollout_id: int) -> dict:
         t0 = time.monotonic()
+        await self._continue_engines(patiently=True)  # (the environments generate on them)
         t, train_seconds = await self.calls.train_batch(self.on_no_batch, self._minimums)
         t1 = time.monotonic()
         w, update_seconds = await self._push_weights()
