@@ -435,15 +435,34 @@ class RunCalls:
         await self.rollout_call(lambda: call(request, timeout=self.settings.call_deadline_seconds))
 
     async def wake_engines(self) -> None:
-        """Best effort, one call: engines a colocated run left asleep (it failed, or its
-        coordinator died) generate nothing until resumed, whatever run comes next. An engine
-        without the route (SGLang without --enable-memory-saver) only costs a warning."""
-        try:
-            await self.clients.rollout.ResumeMemoryOccupation(
+        """Best effort, one call each: engines that a run left paused (a weight push cut short:
+        its coordinator died, or the run was stopped mid-way) or asleep (a colocated run failed,
+        or its coordinator died) generate nothing until continued and resumed, whatever run
+        comes next. An engine without the memory routes (SGLang without
+        --enable-memory-saver) only costs a warning."""
+        await self.continue_engines()
+        await self._best_effort(
+            "resume the engines' memory",
+            lambda: self.clients.rollout.ResumeMemoryOccupation(
                 rollout_pb2.MemoryOccupationRequest(), timeout=self.settings.call_deadline_seconds
-            )
+            ),
+        )
+
+    async def continue_engines(self) -> None:
+        """Best effort, one call: engines a weight push cut short left paused (a paused engine
+        holds every new request) generate again."""
+        await self._best_effort(
+            "let the engines continue",
+            lambda: self.clients.rollout.ContinueGeneration(
+                rollout_pb2.ContinueGenerationRequest(), timeout=self.settings.call_deadline_seconds
+            ),
+        )
+
+    async def _best_effort(self, what: str, call: Callable[[], Awaitable]) -> None:
+        try:
+            await call()
         except grpc.aio.AioRpcError as e:
-            log.warning("run %s: could not resume the engines' memory: %s", self.run_id, e.details())
+            log.warning("run %s: could not %s: %s", self.run_id, what, e.details())
 
     async def rollout_call(self, call: Callable[[], Awaitable]):
         """A quick call to the rollout service, retried through its outage."""

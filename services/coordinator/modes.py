@@ -208,9 +208,6 @@ class FullyAsyncMode(RunMode):
         self.heartbeat: asyncio.Task | None = None  # while this coordinator keeps the generation running
         # Until stopped once: a previous coordinator of the run may have left its loop running.
         self.loop_may_run = True
-        # Until continued once: a push cut short (its coordinator died, or it was stopped
-        # mid-way) leaves the engines paused, and a paused engine holds every new request.
-        self.engines_may_be_paused = True
         self.generation_metrics: dict[str, float] = {}  # since the last record
         self.loop_error = ""  # what the generation loop last reported going wrong ("" when all is well)
 
@@ -219,7 +216,6 @@ class FullyAsyncMode(RunMode):
         with the engines paused (pause_mode)."""
         calls = self.calls
         t0 = time.monotonic()
-        await self._continue_engines(patiently=True)
         if self.heartbeat is None:
             self.heartbeat = asyncio.create_task(self._beat(), name=f"heartbeat-{calls.run_id}")
             self.loop_may_run = True
@@ -240,40 +236,21 @@ class FullyAsyncMode(RunMode):
         """The trainer's weights to the engines, paused meanwhile (pause_mode); its metrics
         and how long the push itself took (the pause and the continue around it not counted)."""
         calls = self.calls
-        self.engines_may_be_paused = True
+        deadline = calls.settings.call_deadline_seconds
         await calls.rollout_call(
             lambda: calls.clients.rollout.PauseGeneration(
-                rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode),
-                timeout=calls.settings.call_deadline_seconds,
+                rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode), timeout=deadline
             )
         )
         t0 = time.monotonic()
         try:
             return await calls.publish(), time.monotonic() - t0
         finally:
-            await self._continue_engines(patiently=True)
-
-    async def _continue_engines(self, patiently: bool) -> None:
-        """ContinueGeneration, unless this coordinator already let the engines continue since
-        its last pause. Patiently: through a rollout outage; otherwise one try (best effort)."""
-        if not self.engines_may_be_paused:
-            return
-        calls = self.calls
-
-        def call():
-            return calls.clients.rollout.ContinueGeneration(
-                rollout_pb2.ContinueGenerationRequest(), timeout=calls.settings.call_deadline_seconds
+            await calls.rollout_call(
+                lambda: calls.clients.rollout.ContinueGeneration(
+                    rollout_pb2.ContinueGenerationRequest(), timeout=deadline
+                )
             )
-
-        if patiently:
-            await calls.rollout_call(call)
-        else:
-            try:
-                await call()
-            except grpc.aio.AioRpcError as e:
-                log.warning("run %s: could not let the engines continue: %s", calls.run_id, e.details())
-                return
-        self.engines_may_be_paused = False
 
     async def on_no_batch(self) -> str:
         """No full batch yet. Engines that restarted on their base weights generate nothing
@@ -329,7 +306,11 @@ class FullyAsyncMode(RunMode):
             self.generation_metrics = {}
 
     async def close(self) -> None:
-        # Best effort: the run is ending anyway, and a rollout service that is down has no loop to stop.
+        # Best effort: the run is ending anyway, and a rollout service that is down has no loop
+        # to stop. First the engines continue: a push cut short (a run stopped while its
+        # coordinator was down ends here without a setup) left them paused, and the loop's
+        # requests in flight finish, or return to the buffer, only on running engines.
+        await self.calls.continue_engines()
         await self._stop_generation(patiently=False)
 
     def cancel(self) -> None:
@@ -337,8 +318,6 @@ class FullyAsyncMode(RunMode):
             self.heartbeat.cancel()
 
     async def _stop_generation(self, patiently: bool) -> None:
-        # (first: the loop's requests in flight finish, or return to the buffer, only on running engines)
-        await self._continue_engines(patiently)
         if not self.loop_may_run:
             return
         if self.heartbeat is not None:
@@ -368,7 +347,6 @@ class EnvironmentsMode(FullyAsyncMode):
 
     async def iteration(self, rollout_id: int) -> dict:
         t0 = time.monotonic()
-        await self._continue_engines(patiently=True)  # (the environments generate on them)
         t, train_seconds = await self.calls.train_batch(self.on_no_batch, self._minimums)
         t1 = time.monotonic()
         w, update_seconds = await self._push_weights()

@@ -121,10 +121,7 @@ def test_a_fully_async_run_stopped_while_its_coordinator_is_down_leaves_no_gener
     # middle of a weight push (the engines stay paused: a paused engine holds every new
     # request); the stop comes meanwhile (as another coordinator replica would write it).
     loop_thread.run(_stop_coordinator(stack.servers["coordinator"]), timeout=60)
-    paused = httpx.post(
-        f"{engine_url}/pause_generation", json={"mode": "in_place"}, headers=client_headers(), timeout=30
-    )
-    paused.raise_for_status()
+    _pause(engine_url)
     redis.Redis.from_url(redis_url).hset(f"rlmesh:coord:run:{run_id}", "status", "stopping")
     a = stack.addresses
     _, port = start_in_loop(
@@ -141,7 +138,17 @@ def test_a_fully_async_run_stopped_while_its_coordinator_is_down_leaves_no_gener
     )
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30, headers=client_headers())
     assert wait_for_run(api, run_id)["status"] == "stopped"
-    # The next fully_async run gets the rollout service's generation to itself.
+    # The next fully_async run gets the rollout service's generation to itself, and engines
+    # left paused (by a push cut short in any run) generate for it.
+    _pause(engine_url)
     next_id = api.post("/runs", json={**config, "num_rollouts": 2}).json()["id"]
     run = wait_for_run(api, next_id)
     assert run["status"] == "completed", run["error"]
+
+
+def _pause(engine_url: str) -> None:
+    """The engine paused, as a weight push cut short leaves it."""
+    paused = httpx.post(
+        f"{engine_url}/pause_generation", json={"mode": "in_place"}, headers=client_headers(), timeout=30
+    )
+    paused.raise_for_status()
