@@ -62,7 +62,7 @@ atropos-check: $(STAMP)
 # tests (seen: remote-reward timeouts and a stalled rollout after the whole e2e suite ran first).
 test: $(STAMP) $(SGLANG_WHEEL) proto-check docs-check lint
 	$(BIN)/python -m pytest -q tests/unit tests/service
-	$(BIN)/python -m pytest -q tests/e2e
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests/e2e
 
 # On a machine with a CUDA GPU (docs/gpu.md): the tests marked gpu (bf16 training, the engine on
 # CUDA, colocated updates over CUDA IPC, megatron-core without CPU shims, the demo on CUDA), then

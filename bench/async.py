@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -167,6 +168,7 @@ def main() -> None:
                             else {}
                         )
                         runs[mode].append(run_mode(api, {**seeded, **bound}, mode))
+                        print(f"{mode} seed {seed}: eval after {runs[mode][-1]['eval_after']:.2f}", file=sys.stderr)
         finally:
             stack.stop()
     results = {mode: summarize(r) for mode, r in runs.items()}

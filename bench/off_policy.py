@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -44,6 +45,18 @@ CANDIDATES: dict[str, dict | None] = {
     "m2po (M2 <= 0.04)": {"method": "m2po"},
     "asymmetric (cap 2, A<0 cap 1)": {"method": "asymmetric"},
     "vcpo (tis + sqrt(ESS) step)": {"method": "tis", "ess_step_scaling": True},
+    "vcpo + baseline (tis, sqrt(ESS) step, w^2-weighted group mean)": {
+        "method": "tis",
+        "ess_step_scaling": True,
+        "optimal_baseline": True,
+    },
+    "vcpo as its code (sequence tis cap 8, sqrt(ESS) step, baseline)": {
+        "method": "tis",
+        "level": "sequence",
+        "upper": 8.0,
+        "ess_step_scaling": True,
+        "optimal_baseline": True,
+    },
 }
 
 
@@ -54,6 +67,7 @@ def run_one(api: httpx.Client, config: dict, mode: str, off_policy: dict | None)
     rl = [m for m in run["metrics"] if "iteration/seconds" in m]
     result["ess_min"] = min((m.get("train/is_ess", 1.0) for m in rl), default=1.0)
     result["gap_max"] = max((m.get("train/train_rollout_logprob_abs_diff", 0.0) for m in rl), default=0.0)
+    print(f"{mode} {off_policy}: seed {config['seed']} eval after {result['eval_after']:.2f}", file=sys.stderr)
     return result
 
 

@@ -62,6 +62,12 @@ class OffPolicyCorrection(BaseModel):
         description="VCPO: scale each optimizer step's learning rate by sqrt(ESS) of the batch's sequence "
         "importance ratios, ESS = (sum w)^2 / (n sum w^2) in (0, 1] (any method, also 'none').",
     )
+    optimal_baseline: bool = Field(
+        False,
+        description="VCPO's off-policy baseline (advantage estimators grpo and dr_grpo): each group's baseline is "
+        "the mean of its rewards weighted by w^2, w the sequence importance ratio, in place of the plain mean "
+        "(VCPO also weighs by each sequence's squared gradient norm; rlmesh takes those as equal).",
+    )
 
     @model_validator(mode="after")
     def _bounds_belong_to_the_method(self):
@@ -103,7 +109,16 @@ def resolve(config: OffPolicyCorrection | None, mode: str, rollout_is_set: bool)
     return ASYNC_DEFAULT.model_copy()
 
 
-def check_one_correction(config: OffPolicyCorrection | None, rollout_is_set: bool) -> None:
+# The estimators whose advantage is a reward minus its group's mean: the ones optimal_baseline replaces.
+GROUP_MEAN_ESTIMATORS = ("grpo", "dr_grpo")
+
+
+def check_one_correction(config: OffPolicyCorrection | None, rollout_is_set: bool, estimator: str) -> None:
+    if config is not None and config.optimal_baseline and estimator not in GROUP_MEAN_ESTIMATORS:
+        raise ValueError(
+            f"off_policy.optimal_baseline replaces the group mean of {' and '.join(GROUP_MEAN_ESTIMATORS)}; "
+            f"advantage_estimator {estimator!r} has none"
+        )
     if config is not None and config.method != "none" and rollout_is_set:
         raise ValueError(
             "off_policy and algorithm.rollout_is_upper both weight the loss by the trainer/engine ratio: "

@@ -180,7 +180,9 @@ class TrainingConfig(StrictModel):
 
     @model_validator(mode="after")
     def _one_off_policy_correction(self):
-        check_one_correction(self.off_policy, self.algorithm.rollout_is_upper is not None)
+        check_one_correction(
+            self.off_policy, self.algorithm.rollout_is_upper is not None, self.algorithm.advantage_estimator
+        )
         return self
 
     @model_validator(mode="after")

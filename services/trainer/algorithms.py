@@ -43,12 +43,26 @@ class AdvantageInputs:
     kl: Tensor | None
     # [B, T] the critic's value of the state before each token, for estimators with needs_critic.
     values: Tensor | None = None
+    # [B] weights of each group's baseline (the off-policy correction's optimal_baseline), for
+    # the estimators whose baseline is the group's mean reward; None: the plain mean.
+    baseline_weights: Tensor | None = None
 
     def per_group(self, group_advantages: Callable[[Tensor], Tensor]) -> Tensor:
         """A one-group estimator (rewards [n] -> A [n]) applied to every group, each A_i
         broadcast to the trained tokens of sample i."""
         groups = torch.split(self.rewards, list(self.group_sizes))
-        sequence_advantages = torch.cat([group_advantages(r) for r in groups])
+        return self._broadcast(torch.cat([group_advantages(r) for r in groups]))
+
+    def per_group_weighted(self, group_advantages: Callable[[Tensor, Tensor | None], Tensor]) -> Tensor:
+        """per_group for an estimator that also takes the group's baseline weights ([n] or None)."""
+        sizes = list(self.group_sizes)
+        weights = (
+            torch.split(self.baseline_weights, sizes) if self.baseline_weights is not None else [None] * len(sizes)
+        )
+        groups = zip(torch.split(self.rewards, sizes), weights)
+        return self._broadcast(torch.cat([group_advantages(r, w) for r, w in groups]))
+
+    def _broadcast(self, sequence_advantages: Tensor) -> Tensor:
         return sequence_advantages.unsqueeze(1).to(self.mask.dtype) * self.mask
 
 
@@ -150,36 +164,45 @@ def _lookup(registry: dict, setting: str, name: str):
 # --------------------------------------------------------------------------------------
 
 
-def grpo_advantages(rewards: Tensor, normalize_std: bool = True, eps: float = GRPO_EPS) -> Tensor:
+def grpo_advantages(
+    rewards: Tensor, normalize_std: bool = True, eps: float = GRPO_EPS, baseline_weights: Tensor | None = None
+) -> Tensor:
     """GRPO, one group of n rewards:
 
         A_i = (r_i - mean(r)) / (std(r) + eps)      with normalize_std
         A_i =  r_i - mean(r)                        without
+
+    With baseline_weights v, the baseline is the weighted mean sum_i v_i r_i / sum_i v_i
+    (VCPO's off-policy baseline; std(r) unchanged).
 
     std is the *unbiased* sample standard deviation, sqrt(sum((r - mean)^2) / (n - 1)),
     as torch.std computes by default (the same choice as verl and slime). A group of
     one sample has no spread: its std is taken as 0, so its advantage is 0. Neither has a
     group whose rewards are all equal (exactly 0, not float noise / eps).
     """
-    centered = _centered(rewards)
+    centered = _centered(rewards, baseline_weights)
     if not normalize_std:
         return centered
     std = rewards.std() if rewards.numel() > 1 else torch.zeros((), dtype=rewards.dtype, device=rewards.device)
     return centered / (std + eps)
 
 
-def dr_grpo_advantages(rewards: Tensor) -> Tensor:
-    """Dr. GRPO: A_i = r_i - mean(r). No std scaling; pair it with a loss aggregation
-    that does not divide by each sequence's length (`seq_mean_token_sum`)."""
-    return _centered(rewards)
+def dr_grpo_advantages(rewards: Tensor, baseline_weights: Tensor | None = None) -> Tensor:
+    """Dr. GRPO: A_i = r_i - mean(r) (the weighted mean with baseline_weights, as in
+    grpo_advantages). No std scaling; pair it with a loss aggregation that does not divide
+    by each sequence's length (`seq_mean_token_sum`)."""
+    return _centered(rewards, baseline_weights)
 
 
-def _centered(rewards: Tensor) -> Tensor:
-    """r - mean(r), exactly zero when all rewards are equal: the mean of equal floats can be
-    off by an ulp, and divided by a tiny std that noise would become a large advantage."""
+def _centered(rewards: Tensor, weights: Tensor | None = None) -> Tensor:
+    """r - mean(r) (or the `weights`-weighted mean), exactly zero when all rewards are equal:
+    the mean of equal floats can be off by an ulp, and divided by a tiny std that noise would
+    become a large advantage."""
     if rewards.numel() == 0 or bool(rewards.max() == rewards.min()):
         return torch.zeros_like(rewards)
-    return rewards - rewards.mean()
+    if weights is None:
+        return rewards - rewards.mean()
+    return rewards - (weights * rewards).sum() / weights.sum()
 
 
 def rloo_advantages(rewards: Tensor) -> Tensor:
@@ -288,6 +311,7 @@ def compute_advantages_and_returns(
     mask: Tensor,
     kl: Tensor | None = None,
     values: Tensor | None = None,
+    baseline_weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token advantages [B, T] by the registered estimator `config.advantage_estimator`,
     for a batch whose samples are laid out group after group (`group_sizes` consecutive
@@ -297,7 +321,10 @@ def compute_advantages_and_returns(
     `kl` is the per-token KL to the reference model; with kl_coef > 0 it is a reward
     penalty: at kl_reward_level 'sequence' each reward becomes kl_penalized_rewards(...)
     before the estimator runs (which then sees no KL, so nothing is counted twice); at
-    'token' it goes to the estimator, and only those with kl_reward_shaping use it."""
+    'token' it goes to the estimator, and only those with kl_reward_shaping use it.
+
+    `baseline_weights` [B] weigh each group's mean reward in grpo and dr_grpo (the off-policy
+    correction's optimal_baseline); the other estimators do not use them."""
     if sum(group_sizes) != rewards.numel():
         raise ValueError(f"group sizes add up to {sum(group_sizes)} but there are {rewards.numel()} rewards")
     if config.kl_coef > 0 and config.kl_reward_level == "sequence":
@@ -310,7 +337,7 @@ def compute_advantages_and_returns(
     estimator = get_advantage_estimator(config.advantage_estimator)
     if estimator.needs_critic and values is None:
         raise ValueError(f"advantage_estimator {estimator.name!r} needs the critic's values, none were passed")
-    batch = AdvantageInputs(rewards, group_sizes, mask, kl, values)
+    batch = AdvantageInputs(rewards, group_sizes, mask, kl, values, baseline_weights)
     if estimator.needs_critic:
         advantages, returns = estimator.compute(batch, config)
         return advantages, returns
@@ -320,14 +347,14 @@ def compute_advantages_and_returns(
 @register_advantage_estimator("grpo")
 def _grpo(batch: AdvantageInputs, config: AlgorithmConfig) -> Tensor:
     """grpo_advantages per group, broadcast to every trained token."""
-    return batch.per_group(lambda r: grpo_advantages(r, config.normalize_advantage_std))
+    return batch.per_group_weighted(lambda r, w: grpo_advantages(r, config.normalize_advantage_std, baseline_weights=w))
 
 
 @register_advantage_estimator("dr_grpo")
 def _dr_grpo(batch: AdvantageInputs, config: AlgorithmConfig) -> Tensor:
     """dr_grpo_advantages per group, broadcast; by default the loss is not divided by each
     sequence's length, as Dr. GRPO means."""
-    return batch.per_group(dr_grpo_advantages)
+    return batch.per_group_weighted(dr_grpo_advantages)
 
 
 @register_advantage_estimator("rloo")

@@ -367,8 +367,10 @@ class TorchBackend:
         if ref is not None and a.kl_coef > 0:
             kl_for_reward = terms.kl_penalty(old, ref, a.kl_estimator)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device)
+        correcting = self.config.off_policy
+        baseline = off_policy.baseline_weights(correcting, old, rollout, masks * has_rollout, batch.group_sizes)
         advantages, returns = algo.compute_advantages_and_returns(
-            a, rewards, batch.group_sizes, masks, kl_for_reward, values
+            a, rewards, batch.group_sizes, masks, kl_for_reward, values, baseline
         )
         metrics["advantage_abs_mean"] = float(terms.masked_mean(advantages.abs(), masks))
         if values is not None and returns is not None:
@@ -376,7 +378,7 @@ class TorchBackend:
             metrics["return_mean"] = float(terms.masked_mean(returns, masks))
             metrics["explained_variance"] = float(terms.explained_variance(values, returns, masks))
         # The run's correction for samples of older weights (off_policy.py), beside any rollout_is_* weight.
-        correction = off_policy.correct(self.config.off_policy, old, rollout, masks, has_rollout, advantages)
+        correction = off_policy.correct(correcting, old, rollout, masks, has_rollout, advantages)
         metrics.update(correction.metrics)
         if correction.weights is not None:
             is_weights = correction.weights if is_weights is None else is_weights * correction.weights

@@ -16,6 +16,7 @@ computations in tests/unit/test_off_policy.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -92,6 +93,27 @@ def sequence_ess(log_rho: Tensor, mask: Tensor) -> float:
         return 1.0
     w = torch.exp(s - s.max())
     return float(w.sum() ** 2 / (s.numel() * (w * w).sum()))
+
+
+def baseline_weights(
+    config: OffPolicyCorrection | None,
+    old_log_probs: Tensor,
+    behaviour_log_probs: Tensor,
+    scored: Tensor,
+    group_sizes: Sequence[int],
+) -> Tensor | None:
+    """VCPO's off-policy baseline weights [B] when the run asks for them (optimal_baseline),
+    for a batch laid out group after group: w_i^2, with w_i = exp(sum_t log rho_t) the
+    sequence ratio of sample i over its `scored` tokens, scaled within each group so that
+    its largest is 1 (the baseline sum_i w_i^2 r_i / sum_i w_i^2 does not see a common
+    factor, and no weight overflows). VCPO's minimum-variance baseline also weighs each
+    sample by its squared gradient norm; rlmesh takes those as equal (knowing them would
+    take one backward pass per sample)."""
+    if config is None or not config.optimal_baseline:
+        return None
+    sequence_log_w = log_ratio(old_log_probs, behaviour_log_probs, scored).sum(dim=1)
+    groups = torch.split(sequence_log_w, list(group_sizes))
+    return torch.cat([torch.exp(2 * (s - s.max())) if s.numel() else s for s in groups] or [sequence_log_w[:0]])
 
 
 def correction_weights(

@@ -160,13 +160,16 @@ def test_the_cpu_profile_runs_and_a_run_survives_a_restarted_container(tmp_path,
                 {"name": "train", "path": "/data/datasets/train.jsonl"},
                 {"name": "held_out", "path": "/data/datasets/train.jsonl", "eval": True},
             ],
-            "num_rollouts": 40,  # long enough to be in the middle of it when the container restarts
+            # long enough to be in the middle of it when the container is killed (Podman's
+            # commands take seconds on a busy machine; a rollout here takes a fraction of one)
+            "num_rollouts": 80,
             "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 3, "sampling": {"max_new_tokens": 4}},
             "optimizer": {"lr": 1e-3},
             "sft_warmup": {"steps": 1, "batch_groups": 2},
             "eval": {"limit": 4, "sampling": {"max_new_tokens": 4, "temperature": 0}},
             "max_outage_seconds": 300,
         }
+        started = compose.containers()["rollout"]["State"]["StartedAt"]  # (asked before the run: Podman is slow)
         r = api.post("/runs", json=config)
         assert r.status_code == 201, r.text
         run_id = r.json()["id"]
@@ -180,7 +183,6 @@ def test_the_cpu_profile_runs_and_a_run_survives_a_restarted_container(tmp_path,
         eventually(lambda: run().get("rollout_id", 0) >= 1, "the first rollout", timeout=300, every=0.2)
         before = run()
         assert before["status"] == "running" and before["rollout_id"] < config["num_rollouts"], before
-        started = compose.containers()["rollout"]["State"]["StartedAt"]
         # A restart in two halves, so that the run is seen unfinished while the container is
         # down; SIGKILL, as a crash would (a graceful stop lets the run go on for seconds).
         compose("kill", "rollout", timeout=120)

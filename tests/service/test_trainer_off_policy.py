@@ -82,3 +82,24 @@ def test_ess_step_scaling_shrinks_the_step(tiny_model_dir):
     assert m_scaled["off_policy_lr_scale"] == m_scaled["is_ess"] ** 0.5 < 0.9
     assert moved(scaled) < moved(plain)
     assert m_plain["off_policy_lr_scale"] == 1.0
+
+
+def test_the_optimal_baseline_moves_each_groups_baseline_toward_its_likelier_samples(tiny_model_dir):
+    """VCPO's baseline in a real step: with engine log-probs that leave the groups' sequence
+    ratios unequal, the advantages differ from GRPO's plain group mean; with none (nothing to
+    weigh by) the step is GRPO's, bit for bit."""
+    correction = {"method": "tis", "optimal_baseline": True}
+    plain = TorchBackend(mode_config(tiny_model_dir, "fully_async", off_policy={"method": "tis"}), CPU)
+    weighted = TorchBackend(mode_config(tiny_model_dir, "fully_async", off_policy=correction), CPU)
+
+    def likelier_now(j: int) -> float:  # the longer a response, the likelier now than when it was sampled
+        return -0.7 * j
+
+    a = plain.train_step(off_engine_groups(tiny_model_dir, likelier_now))
+    b = weighted.train_step(off_engine_groups(tiny_model_dir, likelier_now))
+    assert a["advantage_abs_mean"] != b["advantage_abs_mean"]
+
+    plain = TorchBackend(mode_config(tiny_model_dir, "fully_async", off_policy={"method": "tis"}), CPU)
+    weighted = TorchBackend(mode_config(tiny_model_dir, "fully_async", off_policy=correction), CPU)
+    a, b = plain.train_step(make_groups()), weighted.train_step(make_groups())
+    assert a["advantage_abs_mean"] == b["advantage_abs_mean"] and a["pg_loss"] == b["pg_loss"]

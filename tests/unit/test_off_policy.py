@@ -9,8 +9,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from rlmesh.common.algorithm import AlgorithmConfig
 from rlmesh.common.off_policy import ASYNC_DEFAULT, OffPolicyCorrection, resolve
 from rlmesh.common.run_config import RunConfig
+from rlmesh.trainer import algorithms as algo
 from rlmesh.trainer import off_policy as op
 
 ALL = torch.ones(2, 2)
@@ -120,6 +122,39 @@ def test_no_correction_measures_the_raw_ratios_and_weights_nothing():
     assert c.metrics["is_truncated_masked_fraction"] == 0.0
     # no engine log-probs at all: nothing measured
     assert op.correct(ASYNC_DEFAULT, old, torch.zeros(2, 2), ALL, torch.zeros(2, 2), ALL).metrics == {}
+
+
+def test_the_optimal_baseline_weighs_each_groups_rewards_by_the_squared_sequence_ratio():
+    # group 1: sequence ratios 1, 2, 1 (w^2 = 1, 4, 1 -> 0.25, 1, 0.25 scaled to its largest);
+    # group 2: rewards all equal (no advantage, whatever the weights)
+    old = torch.tensor([[0.0, 0.0], [math.log(2.0), 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+    behaviour, scored = torch.zeros(5, 2), torch.ones(5, 2)
+    chosen = OffPolicyCorrection(optimal_baseline=True)
+    weights = op.baseline_weights(chosen, old, behaviour, scored, [3, 2])
+    assert weights.tolist() == pytest.approx([0.25, 1.0, 0.25, 1.0, math.exp(-2.0)])
+    assert op.baseline_weights(ASYNC_DEFAULT, old, behaviour, scored, [3, 2]) is None  # (not asked for)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0])
+    mask = torch.ones(5, 1)
+    grpo = AlgorithmConfig(advantage_estimator="grpo")
+    advantages = algo.compute_advantages(grpo, rewards, [3, 2], mask, None).squeeze(1)
+    # b = (0.25 * 1) / 1.5 = 1/6 (the plain mean would be 1/3); std of (1, 0, 0) = sqrt(1/3)
+    std = math.sqrt(1 / 3)
+    weighted = algo.compute_advantages_and_returns(grpo, rewards, [3, 2], mask, baseline_weights=weights)[0]
+    assert weighted.squeeze(1).tolist() == pytest.approx(
+        [(1 - 1 / 6) / std, -1 / 6 / std, -1 / 6 / std, 0.0, 0.0], abs=1e-5
+    )
+    assert advantages.tolist() == pytest.approx([(2 / 3) / std, -1 / 3 / std, -1 / 3 / std, 0.0, 0.0], abs=1e-5)
+    # Dr. GRPO: the same baseline, no std
+    dr = algo.compute_advantages_and_returns(
+        AlgorithmConfig(advantage_estimator="dr_grpo"), rewards, [3, 2], mask, baseline_weights=weights
+    )[0]
+    assert dr.squeeze(1).tolist() == pytest.approx([5 / 6, -1 / 6, -1 / 6, 0.0, 0.0], abs=1e-6)
+
+
+def test_the_optimal_baseline_is_only_for_group_mean_estimators():
+    with pytest.raises(ValidationError, match="optimal_baseline"):
+        run("fully_async", off_policy={"optimal_baseline": True}, algorithm={"advantage_estimator": "rloo"})
+    assert run("fully_async", off_policy={"optimal_baseline": True}).trainer_config().off_policy.optimal_baseline
 
 
 # ---- the run config
