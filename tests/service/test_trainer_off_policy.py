@@ -84,10 +84,11 @@ def test_ess_step_scaling_shrinks_the_step(tiny_model_dir):
     assert m_plain["off_policy_lr_scale"] == 1.0
 
 
-def test_the_optimal_baseline_moves_each_groups_baseline_toward_its_likelier_samples(tiny_model_dir):
+def test_the_optimal_baseline_changes_a_steps_advantages_only_where_the_ratios_differ(tiny_model_dir):
     """VCPO's baseline in a real step: with engine log-probs that leave the groups' sequence
-    ratios unequal, the advantages differ from GRPO's plain group mean; with none (nothing to
-    weigh by) the step is GRPO's, bit for bit."""
+    ratios unequal, the advantages differ from GRPO's plain group mean (which way, by hand:
+    tests/unit/test_off_policy.py); with none (nothing to weigh by) the step is GRPO's, bit
+    for bit."""
     correction = {"method": "tis", "optimal_baseline": True}
     plain = TorchBackend(mode_config(tiny_model_dir, "fully_async", off_policy={"method": "tis"}), CPU)
     weighted = TorchBackend(mode_config(tiny_model_dir, "fully_async", off_policy=correction), CPU)
