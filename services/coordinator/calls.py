@@ -448,15 +448,20 @@ class RunCalls:
             ),
         )
 
-    async def continue_engines(self) -> None:
-        """Best effort, one call: engines a weight push cut short left paused (a paused engine
-        holds every new request) generate again."""
-        await self._best_effort(
-            "let the engines continue",
-            lambda: self.clients.rollout.ContinueGeneration(
+    async def continue_engines(self, patiently: bool = False) -> None:
+        """Paused engines (a paused engine holds every new request) generate again: after a
+        push, patiently (through a rollout outage); else best effort, one call (engines a
+        push cut short left paused)."""
+
+        def call():
+            return self.clients.rollout.ContinueGeneration(
                 rollout_pb2.ContinueGenerationRequest(), timeout=self.settings.call_deadline_seconds
-            ),
-        )
+            )
+
+        if patiently:
+            await self.rollout_call(call)
+        else:
+            await self._best_effort("let the engines continue", call)
 
     async def _best_effort(self, what: str, call: Callable[[], Awaitable]) -> None:
         try:

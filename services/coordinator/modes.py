@@ -236,21 +236,17 @@ class FullyAsyncMode(RunMode):
         """The trainer's weights to the engines, paused meanwhile (pause_mode); its metrics
         and how long the push itself took (the pause and the continue around it not counted)."""
         calls = self.calls
-        deadline = calls.settings.call_deadline_seconds
         await calls.rollout_call(
             lambda: calls.clients.rollout.PauseGeneration(
-                rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode), timeout=deadline
+                rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode),
+                timeout=calls.settings.call_deadline_seconds,
             )
         )
         t0 = time.monotonic()
         try:
             return await calls.publish(), time.monotonic() - t0
         finally:
-            await calls.rollout_call(
-                lambda: calls.clients.rollout.ContinueGeneration(
-                    rollout_pb2.ContinueGenerationRequest(), timeout=deadline
-                )
-            )
+            await calls.continue_engines(patiently=True)
 
     async def on_no_batch(self) -> str:
         """No full batch yet. Engines that restarted on their base weights generate nothing
