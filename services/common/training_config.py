@@ -38,7 +38,10 @@ class OptimizerConfig(StrictModel):
 
 class WeightSyncConfig(StrictModel):
     bucket_bytes: int = Field(
-        64 * 1024 * 1024, ge=1, le=2**40, description="Parameters per broadcast bucket, in bytes."
+        256 * 1024 * 1024,
+        ge=1,
+        le=2**40,
+        description="Parameters per broadcast bucket, in bytes (up to two buckets are staged at once on each side).",
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto",
