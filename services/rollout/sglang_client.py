@@ -106,6 +106,7 @@ class GenerateHTTP:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.connections, keepalive_timeout=KEEPALIVE_EXPIRY_SECONDS),
                 headers=self.headers,
+                trust_env=True,  # HTTP(S)_PROXY and NO_PROXY, as httpx takes them for the other calls
             )
         async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             chunks, size = [], 0

@@ -46,8 +46,9 @@ async def flaky_engine(
             int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
         ]
         body = json.loads(await reader.readexactly(lengths[0])) if lengths else {}
-        path = head.split(b" ")[1].decode()
-        seen.append({"path": path, **body})
+        target = head.split(b" ")[1].decode()
+        path = "/" + target.split("://", 1)[1].split("/", 1)[1] if "://" in target else target
+        seen.append({"path": path, **body, **({"proxied_to": target} if "://" in target else {})})
         if path == "/generate" and sum(s["path"] == "/generate" for s in seen) <= drop_first:
             writer.close()  # hang up without an answer
             return
@@ -113,6 +114,28 @@ def test_an_answer_past_the_size_bound_is_refused_and_not_sent_again(monkeypatch
     out, seen = asyncio.run(generate_once(drop_first=0))
     assert isinstance(out, Unavailable) and "answered more than 64 bytes" in str(out)
     assert [s["path"] for s in seen] == ["/generate"]
+
+
+def test_every_engine_call_takes_the_proxy_from_the_environment(monkeypatch):
+    """/generate has its own HTTP client: it honours HTTP_PROXY and NO_PROXY as the others do."""
+
+    async def main():
+        server, port, seen = await flaky_engine(drop_first=0)  # answering as the proxy here
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("NO_PROXY", "")
+        async with server, httpx.AsyncClient() as http, GenerateHTTP() as generate_http:
+            client = SGLangClient(
+                "http://engine.invalid:30000", http, timeout=5, weight_timeout=5, generate_http=generate_http
+            )
+            await client.server_info()
+            assert (await client.generate([1], {"max_new_tokens": 1}, rid="r"))["output_ids"] == [5]
+        return seen
+
+    seen = asyncio.run(main())
+    assert [(s["path"], s.get("proxied_to")) for s in seen] == [
+        ("/server_info", "http://engine.invalid:30000/server_info"),
+        ("/generate", "http://engine.invalid:30000/generate"),
+    ]
 
 
 def test_the_pool_relays_weight_updates_to_every_engine_with_its_rank_offset():
