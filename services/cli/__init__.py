@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 from rlmesh.common.grpc_server import serve_service
+from rlmesh.common.net import loopback_bypasses_proxy
 from rlmesh.common.settings import add_settings_flags, settings_from_args
 
 # service name -> package holding its config.Settings and server.serve
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    loopback_bypasses_proxy()  # the stack's own calls on 127.0.0.1 never go through a proxy
     parser = build_parser()
     if argv[:1] == ["serve"] and len(argv) >= 2 and argv[1] in SERVICE_PACKAGES:
         _serve(argv[1], argv[2:])

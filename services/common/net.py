@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import socket
+from collections.abc import MutableMapping
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -12,6 +14,8 @@ from urllib.parse import urlsplit, urlunsplit
 # from that range can be taken by an outgoing connection (a stack's services hold hundreds)
 # before the service that was given it binds it, which failed the service's start.
 PICKED_PORTS_LOW = 20_000
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+_PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 _picked: set[int] = set()  # (never handed out twice by this process)
 
 
@@ -55,3 +59,19 @@ def redacted(url: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = parts.username or ""
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def loopback_bypasses_proxy(environ: MutableMapping[str, str] = os.environ) -> None:
+    """With a proxy in the environment (HTTP_PROXY and the like, usual in a corporate shell),
+    httpx and aiohttp would send the calls between a stack's own processes on 127.0.0.1 to
+    that proxy, which cannot reach them. The loopback hosts are added to NO_PROXY (both
+    spellings, the same list), which the services a launcher starts inherit; other hosts
+    keep going through the proxy as configured."""
+    if not any(environ.get(v) or environ.get(v.lower()) for v in _PROXY_VARIABLES):
+        return
+    hosts: list[str] = []
+    for key in ("NO_PROXY", "no_proxy"):
+        hosts += [h.strip() for h in environ.get(key, "").split(",") if h.strip() and h.strip() not in hosts]
+    if "*" not in hosts:
+        hosts += [h for h in LOOPBACK_HOSTS if h not in hosts]
+    environ["NO_PROXY"] = environ["no_proxy"] = ",".join(hosts)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
 
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from rlmesh.common.net import free_port
+from rlmesh.common.net import LOOPBACK_HOSTS, free_port, loopback_bypasses_proxy
 from rlmesh.rollout import sglang_client
 from rlmesh.rollout.engine_client import EngineBehind, EnginePool, EnginesBehind, SGLangClient, TensorMeta, WeightDelta
 from rlmesh.rollout.sglang_client import GenerateHTTP
@@ -135,6 +136,31 @@ def test_every_engine_call_takes_the_proxy_from_the_environment(monkeypatch):
     assert [(s["path"], s.get("proxied_to")) for s in seen] == [
         ("/server_info", "http://engine.invalid:30000/server_info"),
         ("/generate", "http://engine.invalid:30000/generate"),
+    ]
+
+
+def test_with_a_proxy_in_the_environment_a_stacks_own_calls_stay_on_loopback(monkeypatch):
+    """A corporate shell's HTTP_PROXY would take the rollout service's calls to its engine on
+    127.0.0.1 to the proxy; `rlmesh` puts the loopback hosts in NO_PROXY first."""
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("NO_PROXY", "registry.example.com")
+    monkeypatch.delenv("no_proxy", raising=False)
+    loopback_bypasses_proxy()
+    assert os.environ["NO_PROXY"].split(",") == ["registry.example.com", *LOOPBACK_HOSTS]
+
+    async def main():
+        server, port, seen = await flaky_engine(drop_first=0)
+        async with server, httpx.AsyncClient() as http, GenerateHTTP() as generate_http:
+            client = SGLangClient(
+                f"http://127.0.0.1:{port}", http, timeout=5, weight_timeout=5, generate_http=generate_http
+            )
+            await client.server_info()
+            assert (await client.generate([1], {"max_new_tokens": 1}, rid="r"))["output_ids"] == [5]
+        return seen
+
+    assert [(s["path"], s.get("proxied_to")) for s in asyncio.run(main())] == [
+        ("/server_info", None),
+        ("/generate", None),
     ]
 
 

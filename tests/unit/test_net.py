@@ -26,3 +26,19 @@ def test_a_port_in_use_is_not_picked(monkeypatch):
         monkeypatch.setattr(net, "_picked", set())
         monkeypatch.setattr(net.random, "sample", lambda population, k: [busy, spare])
         assert free_port() == spare
+
+
+def test_loopback_joins_no_proxy_only_when_a_proxy_is_set():
+    quiet = {"NO_PROXY": "a.example"}
+    net.loopback_bypasses_proxy(quiet)
+    assert quiet == {"NO_PROXY": "a.example"}  # no proxy: nothing to bypass
+
+    env = {"https_proxy": "http://proxy:3128", "NO_PROXY": "a.example", "no_proxy": "b.example,a.example"}
+    net.loopback_bypasses_proxy(env)
+    assert env["NO_PROXY"] == env["no_proxy"] == "a.example,b.example,127.0.0.1,localhost,::1"
+    net.loopback_bypasses_proxy(env)  # (idempotent: a service started by the launcher runs it again)
+    assert env["no_proxy"] == "a.example,b.example,127.0.0.1,localhost,::1"
+
+    everything = {"HTTP_PROXY": "http://proxy:3128", "no_proxy": "*"}
+    net.loopback_bypasses_proxy(everything)
+    assert everything["NO_PROXY"] == "*"
