@@ -24,6 +24,7 @@ import grpc
 from rlmesh.common.metrics import merge_sample_metrics
 from rlmesh.common.retry import OutageTooLong
 from rlmesh.common.run_config import oldest_weight_version
+from rlmesh.common.tasks import cancel_and_wait
 from rlmesh.coordinator import requests
 from rlmesh.coordinator.calls import RunCalls, StopRequested
 from rlmesh.coordinator.trajectory import Environment, batch_minimums
@@ -317,8 +318,7 @@ class FullyAsyncMode(RunMode):
         if not self.loop_may_run:
             return
         if self.heartbeat is not None:
-            self.heartbeat.cancel()
-            await asyncio.gather(self.heartbeat, return_exceptions=True)
+            await cancel_and_wait(self.heartbeat)
         calls = self.calls
 
         def call():

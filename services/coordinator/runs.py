@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 from rlmesh.common.errors import FailedPrecondition, NotFound
 from rlmesh.common.retry import Backoff, OutageTooLong
 from rlmesh.common.run_config import RunConfig
+from rlmesh.common.tasks import cancel_and_wait
 from rlmesh.coordinator import requests
 from rlmesh.coordinator.calls import Clients, RunCalls, StopRequested
 from rlmesh.coordinator.colocation import mode_class
@@ -150,9 +151,7 @@ class RunDriver:
         return await self.store.mark_stopping(run_id)
 
     async def close(self) -> None:
-        for t in self.tasks.values():
-            t.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await asyncio.gather(*(cancel_and_wait(t) for t in self.tasks.values()))
         await self.run_logs.close_all()
 
     async def _append(self, run_id: str, cfg: RunConfig, record: dict) -> None:

@@ -17,6 +17,7 @@ from rlmesh.common.errors import FailedPrecondition, InvalidArgument
 from rlmesh.common.metrics import merge_sample_metrics
 from rlmesh.common.retry import Backoff
 from rlmesh.common.sample import SampleGroup, Status, group_from_proto, group_to_proto
+from rlmesh.common.tasks import cancel_and_wait
 from rlmesh.rollout.rollout import (
     GROUP_FILTERS,
     RolloutManager,
@@ -189,8 +190,7 @@ class AsyncLoop:
         """Abort what is in flight and hand the unfinished groups back (with their partial
         responses when partial_rollout is on)."""
         self.stopping.set()
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        await cancel_and_wait(self.task)
         for engine, sample in list(self.inflight.values()):
             rid = sample.metadata.get("rid")
             if rid:  # never an empty rid: engines abort every rid with that prefix

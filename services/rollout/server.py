@@ -4,7 +4,6 @@ and the engine pool (which relays weight updates to every engine), results becom
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 
@@ -14,6 +13,7 @@ from rlmesh.common.grpc_server import Service, ServiceBinding, aio_channel, star
 from rlmesh.common.paths import validate_run_id
 from rlmesh.common.prometheus import ServiceMetrics
 from rlmesh.common.sampling import sampling_to_sglang
+from rlmesh.common.tasks import cancel_and_wait
 from rlmesh.rollout import colocated
 from rlmesh.rollout.agents.openai_server import close_shared_endpoint
 from rlmesh.rollout.async_rollout import AsyncRollouts, AsyncStatus
@@ -240,9 +240,7 @@ async def build(settings: Settings) -> Service:
 
     async def close() -> None:
         if watcher is not None:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            await cancel_and_wait(watcher)
         await async_rollouts.close()  # (hands their prompts back to the buffer)
         await close_shared_endpoint()
         await pool.close()
