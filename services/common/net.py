@@ -69,9 +69,8 @@ def loopback_bypasses_proxy(environ: MutableMapping[str, str] = os.environ) -> N
     keep going through the proxy as configured."""
     if not any(environ.get(v) or environ.get(v.lower()) for v in _PROXY_VARIABLES):
         return
-    hosts: list[str] = []
-    for key in ("NO_PROXY", "no_proxy"):
-        hosts += [h.strip() for h in environ.get(key, "").split(",") if h.strip() and h.strip() not in hosts]
+    listed = [h.strip() for key in ("NO_PROXY", "no_proxy") for h in environ.get(key, "").split(",")]
+    hosts = list(dict.fromkeys(h for h in listed if h))  # (in order, once each)
     if "*" not in hosts:
         hosts += [h for h in LOOPBACK_HOSTS if h not in hosts]
     environ["NO_PROXY"] = environ["no_proxy"] = ",".join(hosts)

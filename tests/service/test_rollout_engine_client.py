@@ -117,22 +117,23 @@ def test_an_answer_past_the_size_bound_is_refused_and_not_sent_again(monkeypatch
     assert [s["path"] for s in seen] == ["/generate"]
 
 
+async def server_info_then_generate(url: str, port: int) -> list[dict]:
+    """A client's /server_info (through httpx) and /generate (through aiohttp) to `url`, with
+    flaky_engine listening on `port`: what it saw."""
+    server, _, seen = await flaky_engine(drop_first=0, port=port)
+    async with server, httpx.AsyncClient() as http, GenerateHTTP() as generate_http:
+        client = SGLangClient(url, http, timeout=5, weight_timeout=5, generate_http=generate_http)
+        await client.server_info()
+        assert (await client.generate([1], {"max_new_tokens": 1}, rid="r"))["output_ids"] == [5]
+    return seen
+
+
 def test_every_engine_call_takes_the_proxy_from_the_environment(monkeypatch):
     """/generate has its own HTTP client: it honours HTTP_PROXY and NO_PROXY as the others do."""
-
-    async def main():
-        server, port, seen = await flaky_engine(drop_first=0)  # answering as the proxy here
-        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
-        monkeypatch.setenv("NO_PROXY", "")
-        async with server, httpx.AsyncClient() as http, GenerateHTTP() as generate_http:
-            client = SGLangClient(
-                "http://engine.invalid:30000", http, timeout=5, weight_timeout=5, generate_http=generate_http
-            )
-            await client.server_info()
-            assert (await client.generate([1], {"max_new_tokens": 1}, rid="r"))["output_ids"] == [5]
-        return seen
-
-    seen = asyncio.run(main())
+    proxy = free_port()  # flaky_engine answers as the proxy here
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy}")
+    monkeypatch.setenv("NO_PROXY", "")
+    seen = asyncio.run(server_info_then_generate("http://engine.invalid:30000", proxy))
     assert [(s["path"], s.get("proxied_to")) for s in seen] == [
         ("/server_info", "http://engine.invalid:30000/server_info"),
         ("/generate", "http://engine.invalid:30000/generate"),
@@ -147,21 +148,9 @@ def test_with_a_proxy_in_the_environment_a_stacks_own_calls_stay_on_loopback(mon
     monkeypatch.delenv("no_proxy", raising=False)
     loopback_bypasses_proxy()
     assert os.environ["NO_PROXY"].split(",") == ["registry.example.com", *LOOPBACK_HOSTS]
-
-    async def main():
-        server, port, seen = await flaky_engine(drop_first=0)
-        async with server, httpx.AsyncClient() as http, GenerateHTTP() as generate_http:
-            client = SGLangClient(
-                f"http://127.0.0.1:{port}", http, timeout=5, weight_timeout=5, generate_http=generate_http
-            )
-            await client.server_info()
-            assert (await client.generate([1], {"max_new_tokens": 1}, rid="r"))["output_ids"] == [5]
-        return seen
-
-    assert [(s["path"], s.get("proxied_to")) for s in asyncio.run(main())] == [
-        ("/server_info", None),
-        ("/generate", None),
-    ]
+    port = free_port()
+    seen = asyncio.run(server_info_then_generate(f"http://127.0.0.1:{port}", port))
+    assert [(s["path"], s.get("proxied_to")) for s in seen] == [("/server_info", None), ("/generate", None)]
 
 
 def test_the_pool_relays_weight_updates_to_every_engine_with_its_rank_offset():

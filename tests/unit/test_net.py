@@ -42,3 +42,9 @@ def test_loopback_joins_no_proxy_only_when_a_proxy_is_set():
     everything = {"HTTP_PROXY": "http://proxy:3128", "no_proxy": "*"}
     net.loopback_bypasses_proxy(everything)
     assert everything["NO_PROXY"] == "*"
+
+
+def test_a_host_listed_twice_is_kept_once():
+    env = {"HTTP_PROXY": "http://proxy:3128", "NO_PROXY": "a.example, a.example,,127.0.0.1"}
+    net.loopback_bypasses_proxy(env)
+    assert env["no_proxy"] == "a.example,127.0.0.1,localhost,::1"
