@@ -11,6 +11,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from rlmesh.common.model_building import build_hf_model
+
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
 
@@ -61,7 +63,7 @@ def build_tiny_model(
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = build_hf_model(LlamaForCausalLM, config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

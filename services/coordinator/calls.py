@@ -241,25 +241,27 @@ class RunCalls:
         self.trainer_reset = False  # (its answer is where the trainer stands)
         return status
 
-    async def _publish_once(self) -> dict:
+    async def _publish_once(self, again: bool = False) -> dict:
         version = (await self.store.get(self.run_id))["weight_version"] + 1
         if self.cfg.weight_sync.method == "colocated":
             # In place: the engines' weights must hold memory (they may be released for training).
             await self.memory_occupation(resume=True, tags=["weights"])
         r = await self.watched(
             self.clients.trainer.PublishWeights(
-                trainer_pb2.PublishWeightsRequest(run_id=self.run_id, version=version),
+                trainer_pb2.PublishWeightsRequest(run_id=self.run_id, version=version, again=again),
                 timeout=self.settings.setup_deadline_seconds,
             ),
             self.service("trainer"),
             self._trainer_waits,
         )
+        version = r.version or version  # (again: the last push's, when nothing was trained since)
         await self.store.update(self.run_id, weight_version=version)
         return {"weights/version": version, "weights/seconds": r.seconds, "weights/bytes": r.bytes}
 
-    async def publish(self) -> dict:
-        """The trainer's weights to every engine, as the next weight version; its metrics."""
-        return await self._patient_trainer(self._publish_once)
+    async def publish(self, again: bool = False) -> dict:
+        """The trainer's weights to every engine, as the next weight version; its metrics.
+        `again` (to engines that fell behind): under the last version if nothing was trained since."""
+        return await self._patient_trainer(lambda: self._publish_once(again))
 
     async def on_current_engines(self, call: Callable[[], Awaitable]):
         """A generation or evaluation call. When it fails because the engines hold older
@@ -272,7 +274,7 @@ class RunCalls:
             if e.code() != grpc.StatusCode.ABORTED:
                 raise
             log.warning("run %s: %s; pushing the weights again", self.run_id, e.details())
-            await self.on_trainer(self._publish_once)
+            await self.on_trainer(lambda: self._publish_once(again=True))
             raise _EnginesWereBehind(
                 f"the engines held older weights than the run's; pushed again: {e.details()}"
             ) from None

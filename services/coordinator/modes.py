@@ -233,7 +233,7 @@ class FullyAsyncMode(RunMode):
         phases = {"train": train_seconds, "pause": time.monotonic() - t1}
         return {**iteration_record(rollout_id, generation, t, w, phases, t0, waited), **buffer}
 
-    async def _push_weights(self) -> tuple[dict, float]:
+    async def _push_weights(self, again: bool = False) -> tuple[dict, float]:
         """The trainer's weights to the engines, paused meanwhile (pause_mode); its metrics
         and how long the push itself took (the pause and the continue around it not counted)."""
         calls = self.calls
@@ -245,7 +245,7 @@ class FullyAsyncMode(RunMode):
         )
         t0 = time.monotonic()
         try:
-            return await calls.publish(), time.monotonic() - t0
+            return await calls.publish(again), time.monotonic() - t0
         finally:
             await calls.continue_engines(patiently=True)
 
@@ -256,7 +256,7 @@ class FullyAsyncMode(RunMode):
         generation loop reports."""
         behind = await self.calls.engines_behind()
         if behind:
-            await self._push_weights()
+            await self._push_weights(again=True)
             return f"engines behind the run's weights ({', '.join(behind)}) were pushed the weights again"
         return f"the generation loop reports: {self.loop_error}" if self.loop_error else ""
 

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from rlmesh.common import auth
 from rlmesh.common.http_guard import BodyLimit
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.prometheus import metrics_response
 from rlmesh.engine.config import Settings
 from rlmesh.engine.errors import RequestError
@@ -48,8 +49,12 @@ def load_model(settings: Settings) -> tuple[torch.nn.Module, Any]:
         torch.set_num_threads(settings.num_threads)
     hf_logging.disable_progress_bar()
     dtype = "auto" if settings.dtype == "auto" else parse_dtype(settings.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        settings.model_path, dtype=dtype, attn_implementation=settings.attn_implementation, local_files_only=True
+    model = build_hf_model(
+        AutoModelForCausalLM.from_pretrained,
+        settings.model_path,
+        dtype=dtype,
+        attn_implementation=settings.attn_implementation,
+        local_files_only=True,
     )
     model.to(settings.device).eval()
     log.info("model %s loaded on %s (%s)", settings.model_path, settings.device, next(model.parameters()).dtype)

@@ -23,6 +23,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from rlmesh.common import errors
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.trainer import lora
 from rlmesh.trainer.checkpoints import (
     COMPLETE_FILE,
@@ -159,8 +160,8 @@ def _merge_lora(checkpoint: Path, base: Path, out: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, local_files_only=True)
-    merged = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, base, dtype=torch.float32, local_files_only=True)
+    merged = build_hf_model(PeftModel.from_pretrained, model, checkpoint).merge_and_unload()
     merged.save_pretrained(out)
     copy_model_extras(base, out)
     (out / ADAPTER_DIR).mkdir()

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlmesh.common import errors
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.run_config import OptimizerConfig, TrainerRunConfig
 
 
@@ -62,7 +63,7 @@ def load_model(path: str, device: torch.device, what: str = "model_path") -> Pre
     if not Path(path).is_dir():
         raise errors.InvalidArgument(f"{what}: {path!r} is not a directory (a local Hugging Face checkpoint)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        model = build_hf_model(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32, local_files_only=True)
     except (OSError, ValueError) as e:
         raise errors.InvalidArgument(f"{what}: cannot load a causal LM from {path!r}: {e}") from None
     return model.to(device).eval()

@@ -66,11 +66,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
 
     async def PublishWeights(self, request, context):
-        result = await self.trainer.publish_weights(request.run_id, request.version, request.method)
+        result = await self.trainer.publish_weights(request.run_id, request.version, request.method, request.again)
         if self.metrics is not None:
             self.metrics.publish(result.seconds, result.bytes)
         return trainer_pb2.PublishWeightsResponse(
-            version=request.version, seconds=result.seconds, bytes=result.bytes, buckets=result.buckets
+            version=result.version, seconds=result.seconds, bytes=result.bytes, buckets=result.buckets
         )
 
     async def SaveCheckpoint(self, request, context):

@@ -64,6 +64,7 @@ class _Run:
     config: TrainerRunConfig
     backend: TorchBackend
     weight_version: int = 0
+    pushed_at_step: int | None = None  # backend.step when weight_version was pushed (None: not in this process)
     pusher: WeightPusher | None = None
     colocated: ColocatedPusher | None = None
     resumed_step: int = 0
@@ -435,7 +436,10 @@ class Trainer:
 
     # ---------------------------------------------------------------- weights and checkpoints
 
-    async def publish_weights(self, run_id: str, version: int, method: str = "") -> PushResult:
+    async def publish_weights(self, run_id: str, version: int, method: str = "", again: bool = False) -> PushResult:
+        """The weights to the engines as `version`; `again` (to engines that fell behind): under
+        the last push's version when nothing was trained since, as they are the same weights.
+        The result's version is the one used."""
         run = self._get(run_id)
         method = method or run.config.weight_sync.method
         if method not in PUBLISH_METHODS:
@@ -446,6 +450,8 @@ class Trainer:
             raise errors.InvalidArgument(f"version must not be negative, got {version}")
         await fault_point("trainer.before_push")
         async with self._holding(run):
+            if again and run.weight_version and run.pushed_at_step == run.backend.step:
+                version = run.weight_version
             if run.pusher is None:
                 run.pusher = WeightPusher(
                     self.settings.rollout_address,
@@ -464,7 +470,7 @@ class Trainer:
             else:
                 directory = self.settings.work_dir / run.run_id / "weights"
                 result = await run.pusher.push_from_disk(run.backend.save_weights, directory, version)
-            run.weight_version = version
+            run.weight_version, run.pushed_at_step, result.version = version, run.backend.step, version
             log.info(
                 "run %s: weights v%d pushed (%s, %d bytes, %d buckets, %d as deltas, %.2f s)",
                 run.run_id,

@@ -69,6 +69,7 @@ class PushResult:
     buckets: int
     delta_buckets: int = 0  # buckets sent as deltas (skipped unchanged ones included)
     timings: list[BucketTiming] = field(default_factory=list)  # per bucket sent, in order (distributed pushes)
+    version: int = 0  # the weight version the engines now report (set by the trainer)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from rlmesh.cli.demo import run_metrics
 from rlmesh.common.grpc_server import sync_channel
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.v1 import buffer_pb2, trainer_pb2
 from rlmesh.v1.trainer_pb2_grpc import TrainerStub
@@ -20,7 +21,7 @@ def assert_final_model(api, run: dict, tmp_path, step: int | None) -> None:
     """The run (completed or stopped, with checkpoints left at their defaults) names its final
     model relative to the trainer's work_dir, and transformers loads it; it is listed too."""
     assert run["final_model"] == f"{run['id']}/checkpoints/final"
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "trainer" / run["final_model"])
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, tmp_path / "trainer" / run["final_model"])
     assert model.config.vocab_size > 0
     listed = api.get(f"/runs/{run['id']}/checkpoints").json()
     finals = [c["step"] for c in listed if c["final"]]

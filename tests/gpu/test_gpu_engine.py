@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.common import weight_file
 from rlmesh.common.auth import client_headers
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.weight_group import GPU_KEY, gpu_uuid
 from rlmesh.engine.config import Settings
 from rlmesh.engine.server import start
@@ -44,7 +45,7 @@ def cuda_engine(loop_thread, tiny_model_dir, tmp_path):
 
 def test_the_engine_generates_on_cuda_as_the_model_does(cuda_engine, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda").eval()
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, tiny_model_dir, dtype=torch.float32).to("cuda").eval()
     prompt = tokenizer("rev ab=")["input_ids"]
     body = {
         "input_ids": prompt,
@@ -63,7 +64,7 @@ def test_the_engine_generates_on_cuda_as_the_model_does(cuda_engine, tiny_model_
 
 
 def test_a_colocated_update_lands_in_cuda_parameters_bit_for_bit(cuda_engine, tiny_model_dir, tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, tiny_model_dir, dtype=torch.float32)
     named = [(n, t.detach() + 0.125) for n, t in model.state_dict().items()]
     writer = weight_file.Writer(tmp_path / "shm" / "run.rlmw")
     writer.write(named)
@@ -87,6 +88,7 @@ def test_a_colocated_update_lands_in_cuda_parameters_bit_for_bit(cuda_engine, ti
 _SGLANG_SIDE = """
 import base64, io, sys, torch, torch.multiprocessing
 from multiprocessing.reduction import ForkingPickler
+from rlmesh.common.model_building import build_hf_model
 payload, expected = sys.argv[1], torch.load(sys.argv[2], weights_only=True)
 named = ForkingPickler.loads(base64.b64decode(payload))
 assert [n for n, _ in named] == list(expected), [n for n, _ in named]

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from rlmesh.buffer.config import Settings as BufferSettings
 from rlmesh.buffer.server import start as start_buffer
 from rlmesh.common.grpc_server import start_service, sync_channel
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.rollout.config import Settings as RolloutSettings
 from rlmesh.rollout.server import start as start_rollout
 from rlmesh.trainer.config import Settings
@@ -26,7 +27,7 @@ from tests.helpers.trainer import EngineProcess
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
     """The tiny model as Hugging Face computes it: what the engine must match."""
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return build_hf_model(AutoModelForCausalLM.from_pretrained, tiny_model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.cli.demo import run_metrics
 from rlmesh.common.auth import stack_token
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import Sample, SampleGroup, Status
 from rlmesh.rollout.agents.loop import AgentOptions, agent_generate, tool_turn_text
@@ -260,7 +261,7 @@ def test_multi_turn_episode_keeps_the_engines_tokens_and_masks_tool_turns(tiny_m
     )
 
     # The trainer's log-probs of the model's own tokens are the engine's.
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, tiny_model_dir).eval()
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([sample.tokens])).logits[0].float(), dim=-1)
     start = len(sample.tokens) - sample.response_length

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.common import errors
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.trainer.backend import TorchBackend
 from rlmesh.trainer.config import Settings
@@ -61,7 +62,7 @@ def test_an_ended_run_leaves_its_final_model_whatever_the_checkpoint_interval(ti
         assert (final / name).is_file(), name
     assert not (final / "optimizer.pt").exists()  # a model, not trainer state
 
-    model = AutoModelForCausalLM.from_pretrained(final)
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, final)
     loaded = weights(model)
     assert all(torch.equal(loaded[name], value) for name, value in policy.items())
     assert AutoTokenizer.from_pretrained(final).vocab_size == AutoTokenizer.from_pretrained(tiny_model_dir).vocab_size
@@ -79,9 +80,9 @@ def test_a_lora_run_leaves_the_merged_model_and_its_adapters(tiny_model_dir, tmp
     _, status, policy = trained_and_ended(tmp_path, cfg, steps=2)
     final = tmp_path / "work" / status.final_model
     # transformers takes it for a plain model (the adapters sit in a subdirectory) with the merged weights
-    model = AutoModelForCausalLM.from_pretrained(final)
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, final)
     loaded = weights(model)
-    base = weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    base = weights(build_hf_model(AutoModelForCausalLM.from_pretrained, tiny_model_dir))
     changed = [n for n, v in policy.items() if not torch.equal(v, base[n])]
     assert changed and all(torch.allclose(loaded[n], policy[n]) for n in policy)
     assert (final / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file() and (final / ADAPTER_DIR / ADAPTER_CONFIG).is_file()
@@ -110,7 +111,7 @@ def test_any_checkpoint_exports_as_a_model_with_rlmesh_export(tiny_model_dir, tm
     )
     assert done.returncode == 0, done.stderr
     assert not (out / "optimizer.pt").exists() and not (out / "rng_state.pt").exists()
-    loaded = weights(AutoModelForCausalLM.from_pretrained(out))
+    loaded = weights(build_hf_model(AutoModelForCausalLM.from_pretrained, out))
     assert all(torch.equal(loaded[n], v) for n, v in policy.items())
     # an existing directory is never written over; a directory that is no checkpoint is refused
     again = subprocess.run([sys.executable, "-m", "rlmesh.cli", "export", str(checkpoint), str(out)])
@@ -125,7 +126,7 @@ def test_a_lora_checkpoint_exports_merged(tiny_model_dir, tmp_path):
     )
     _, _, policy = trained_and_ended(tmp_path, cfg, steps=2)
     out = export_checkpoint(tmp_path / "work" / "r1" / "checkpoints" / "step-000002", tmp_path / "exported")
-    loaded = weights(AutoModelForCausalLM.from_pretrained(out))
+    loaded = weights(build_hf_model(AutoModelForCausalLM.from_pretrained, out))
     assert all(torch.allclose(loaded[n], v, atol=1e-6) for n, v in policy.items())
     assert (out / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()
 
@@ -176,7 +177,9 @@ def test_the_kl_reference_is_the_policy_as_rl_begins_unless_named(tiny_model_dir
     for _ in range(3):
         initial.sft_step(make_groups())
     metrics = initial.train_step(make_groups())
-    assert same(weights(initial.reference), weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir)))
+    assert same(
+        weights(initial.reference), weights(build_hf_model(AutoModelForCausalLM.from_pretrained, tiny_model_dir))
+    )
     assert metrics["kl_loss"] > 0
 
 

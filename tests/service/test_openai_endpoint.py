@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.cli.tiny_model import build_char_tokenizer
 from rlmesh.common.auth import stack_token
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.net import free_port
 from rlmesh.common.sample import Sample, SampleGroup, Status
 from rlmesh.rollout.agents.openai_agent import openai_agent_generate
@@ -182,7 +183,7 @@ def generate(tiny_model_dir, engine_url, options: dict, sampling: dict, prompt: 
 def trainer_log_probs(tiny_model_dir, s: Sample) -> list[float]:
     """Response-token log-probs of the tiny model from one forward over the sample's tokens
     (with the logit bias the engine sampled with)."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, tiny_model_dir).eval()
     with torch.no_grad():
         logits = model(torch.tensor([s.tokens])).logits[0].float()
         logits[:, NEWLINE] -= 100.0

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.common import errors
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.net import free_port
 from rlmesh.common.run_config import WeightSyncConfig
 from rlmesh.common.sample import ConversionError, SampleGroup, Status
@@ -49,7 +50,7 @@ def params(backend: TorchBackend) -> dict[str, torch.Tensor]:
 def test_first_step_has_ratio_one_and_matches_independent_log_probs(tiny_model_dir):
     backend = TorchBackend(config(tiny_model_dir, algorithm={"tis_cap": 2.0}), CPU)
     groups = make_groups()
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, tiny_model_dir).eval()
     for g in groups:
         for s in g.samples:
             s.rollout_log_probs = independent_log_probs(model, s)
@@ -133,7 +134,7 @@ def test_every_estimator_trains(tiny_model_dir, algorithm):
 def test_tokens_the_engine_sampled_far_off_the_trainer_are_masked_out(tiny_model_dir):
     backend = TorchBackend(config(tiny_model_dir, algorithm={"rollout_is_upper": 2.0, "rollout_is_mode": "mask"}), CPU)
     groups = make_groups()
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, tiny_model_dir).eval()
     for g in groups:
         for s in g.samples:  # the engine saw each token e^3 times less likely than the trainer does
             s.rollout_log_probs = [lp - 3.0 for lp in independent_log_probs(model, s)]
@@ -407,6 +408,32 @@ def test_publish_weights_through_the_rollout_service(rollout_address, engine, tr
     with pytest.raises(grpc.RpcError) as e:
         stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=4, method="nfs"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_weights_pushed_again_to_a_restarted_engine_keep_their_version_until_the_next_step(
+    rollout_address, engine, trainer_server, tiny_model_dir
+):
+    """An engine that restarted on its base weights gets the run's weights again (`again`):
+    nothing was trained since the last push, so they go out under its version. A new version
+    made samples generated on the very same weights count as stale (sync's staleness 0 read
+    1 after an engine was killed)."""
+    stub = trainer_server(rollout_address=rollout_address)
+    stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=config(tiny_model_dir).model_dump_json()))
+    trainer = trainer_server.trainers[-1]
+    weights = moved(trainer._run.backend, 0.01)
+    stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=1))
+
+    engine.restart()  # back on its checkpoint's weights
+    again = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=2, again=True))
+    assert again.version == 1 and engine.weight_version() == "1"
+    assert_engine_has(engine, weights)
+    assert stub.GetStatus(trainer_pb2.GetStatusRequest(run_id="r1")).weight_version == 1
+
+    weights = moved(trainer._run.backend, 0.01)
+    trainer._run.backend.step += 1  # (what a train step does to them, without a buffer to lease from)
+    again = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=2, again=True))
+    assert again.version == 2 and engine.weight_version() == "2"
+    assert_engine_has(engine, weights)
 
 
 def test_flattened_bf16_buckets_and_a_new_group_after_an_engine_restart(

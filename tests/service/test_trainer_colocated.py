@@ -11,6 +11,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from rlmesh.common import errors
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.net import free_port
 from rlmesh.rollout.config import Settings as RolloutSettings
 from rlmesh.rollout.server import start as start_rollout
@@ -21,7 +22,7 @@ from tests.helpers.trainer import EngineProcess
 def _model_weights(model_dir) -> list[tuple[str, torch.Tensor]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, model_dir, dtype=torch.float32)
     return [(n, t.detach() - 0.5) for n, t in model.state_dict().items()]
 
 

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
 from rlmesh.common import errors
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.common.sample import Status
 from rlmesh.trainer import lora
@@ -29,7 +30,7 @@ LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 
 
 def base_model(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    return build_hf_model(AutoModelForCausalLM.from_pretrained, model_dir).eval()
 
 
 def adapters(backend: TorchBackend) -> dict[str, torch.Tensor]:
@@ -104,7 +105,7 @@ def test_a_checkpoint_holds_the_adapters_and_resumes_from_them(tiny_model_dir, t
     state = json.loads((path / "trainer_state.json").read_text())
     assert state["lora_base_model_path"] == str(tiny_model_dir) and state["step"] == 2
     # PEFT itself loads it onto the base model.
-    loaded = PeftModel.from_pretrained(base_model(tiny_model_dir), path)
+    loaded = build_hf_model(PeftModel.from_pretrained, base_model(tiny_model_dir), path)
     for (name, a), (_, b) in zip(backend.state_dict_for_sync(), _merged(loaded)):
         torch.testing.assert_close(a, b, msg=name)
 

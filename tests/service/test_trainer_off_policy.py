@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.run_config import RunConfig
 from rlmesh.trainer.backend import TorchBackend
 from tests.helpers.trainer import CPU, config, independent_log_probs, make_groups
@@ -20,7 +21,7 @@ def off_engine_groups(model_dir, shift=lambda j: 1.5 * (-1) ** j):
     """make_groups() whose engine log-probs are the trainer's shifted token by token (as if
     sampled by older weights)."""
     groups = make_groups()
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, model_dir).eval()
     for g in groups:
         for s in g.samples:
             s.rollout_log_probs = [lp + shift(j) for j, lp in enumerate(independent_log_probs(model, s))]

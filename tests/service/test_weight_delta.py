@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from rlmesh.common.auth import client_headers
 from rlmesh.common.grpc_server import sync_channel
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.run_config import WeightSyncConfig
 from rlmesh.common.weight_group import WEIGHT_DELTA_FORMAT
 from rlmesh.engine.weights import ReceivedDelta, TensorPool, TensorSpec, WeightUpdateError, apply_delta, parse_delta
@@ -55,7 +56,7 @@ def rollout(loop_thread, *engines: EngineProcess):
 
 def trainer_weights(model_dir) -> list[tuple[str, torch.Tensor]]:
     """float32 weights as a trainer holds them (pushed as bfloat16)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = build_hf_model(AutoModelForCausalLM.from_pretrained, model_dir, dtype=torch.float32)
     return [(n, p.detach().clone()) for n, p in model.named_parameters()]
 
 

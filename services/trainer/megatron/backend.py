@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlmesh.common import errors
+from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.trainer.backend import TorchBackend
 from rlmesh.trainer.batches import MicroBatch, token_log_probs
@@ -236,7 +237,7 @@ class MegatronBackend(TorchBackend):
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(self.hf_config)
+            return build_hf_model(AutoModelForCausalLM.from_config, self.hf_config)
 
     def save_weights(self, path: Path) -> Path:
         """Collective; rank 0 writes a complete HF model directory."""
