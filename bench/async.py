@@ -115,9 +115,14 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.0, help="RL learning rate (0 = the demo's)")
     parser.add_argument(
         "--pause-mode",
-        default="in_place",
-        choices=("abort", "in_place", "retract"),
-        help="fully_async: how the engines pause for a weight push",
+        default="",
+        choices=("", "abort", "in_place", "retract"),
+        help="fully_async: how the engines pause for a weight push (default: the run config's)",
+    )
+    parser.add_argument(
+        "--partial-rollout",
+        action="store_true",
+        help="what a pause aborts resumes from its partial response in every mode (default: the run config's)",
     )
     parser.add_argument(
         "--max-staleness",
@@ -150,8 +155,9 @@ def main() -> None:
         config["eval"]["interval"] = 0
         if args.lr:
             config["optimizer"]["lr"] = args.lr
-        config["pause_mode"] = args.pause_mode
-        config["rollout"]["partial_rollout"] = True  # (what an abort interrupts resumes)
+        config["pause_mode"] = args.pause_mode or config["pause_mode"]
+        if args.partial_rollout:
+            config["rollout"]["partial_rollout"] = True
         if args.tis_cap:  # corrects for samples of older weights (async modes); ~1 on-policy
             config["algorithm"]["rollout_is_upper"] = args.tis_cap
         print("starting rlmesh (embedded Redis, CPU reference engine, tiny model):", flush=True)
@@ -193,7 +199,8 @@ def main() -> None:
     samples_per_rollout = config["rollout"]["rollout_batch_size"] * config["rollout"]["n_samples_per_prompt"]
     title = (
         f"python -m bench.async: {args.seeds} seeds x {args.rollouts} rollouts x {samples_per_rollout} samples, "
-        f"lr {config['optimizer']['lr']:g}, pause_mode {args.pause_mode}, preamble {args.preamble} chars, "
+        f"lr {config['optimizer']['lr']:g}, pause_mode {config['pause_mode']}"
+        f"{', partial rollouts in every mode' if args.partial_rollout else ''}, preamble {args.preamble} chars, "
         f"{os.cpu_count()} CPUs"
     )
     seeds = ", ".join(str(seed) for seed in range(args.seeds))
@@ -237,7 +244,8 @@ def main() -> None:
                 **{f"{mode}_eval_gap": round(r["gap"], 3) for mode, r in results.items() if mode != "sync"},
                 **{f"{mode}_collapsed_seeds": r["collapsed"] for mode, r in results.items()},
                 **{f"{mode}_staleness_max": r["staleness_max"] for mode, r in results.items()},
-                "pause_mode": args.pause_mode,
+                "pause_mode": config["pause_mode"],
+                "partial_rollout": "every mode" if args.partial_rollout else "the modes' defaults",
                 "tis_cap": args.tis_cap,
                 "async_off_policy": None if args.tis_cap else ASYNC_DEFAULT.model_dump(),
                 "lr": config["optimizer"]["lr"],

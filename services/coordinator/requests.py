@@ -51,7 +51,7 @@ def rollout_request(
         reward=reward_spec(cfg),
         group_filter=ro.group_filter,
         over_sampling_groups=ro.over_sampling_groups,
-        partial_rollout=ro.partial_rollout,
+        partial_rollout=cfg.partial_rollouts,
         mode="rl",
         max_concurrency=ro.max_concurrency,
         apply_chat_template=ro.apply_chat_template,

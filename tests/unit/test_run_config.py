@@ -10,6 +10,7 @@ from rlmesh.common.errors import InvalidArgument
 from rlmesh.common.run_config import DatasetConfig, RunConfig, TrainerRunConfig, TrainingConfig, oldest_weight_version
 from rlmesh.coordinator.app import create_app
 from rlmesh.coordinator.config import Settings
+from rlmesh.coordinator.requests import rollout_request
 from rlmesh.v1 import buffer_pb2
 
 
@@ -80,6 +81,20 @@ def test_modes_set_the_staleness_bound_and_the_queue_cap():
     assert RunConfig.model_validate({**base, "mode": "one_step_off"}).trainer_config().staleness_bound == 1
     with pytest.raises(ValueError, match="max_staleness"):
         RunConfig.model_validate({**base, "mode": "fully_async", "max_staleness": 0})
+
+
+def test_fully_async_resumes_what_a_weight_push_aborted_unless_the_run_says_otherwise():
+    """partial_rollout unset: on in fully_async (every push aborts what is in flight), off in
+    the other modes; a run's own setting wins. The rollout service gets the resolved value."""
+    base = {"model_path": "/m", "datasets": [{"name": "t", "path": "t.jsonl"}]}
+
+    def sent(mode: str, **rollout) -> bool:
+        cfg = RunConfig.model_validate({**base, "mode": mode, "rollout": rollout})
+        return rollout_request("r", cfg, 1).partial_rollout
+
+    assert [sent(mode) for mode in ("sync", "one_step_off", "fully_async")] == [False, False, True]
+    assert not sent("fully_async", partial_rollout=False)
+    assert sent("sync", partial_rollout=True)
 
 
 def test_the_oldest_weight_version_a_batch_may_hold():
