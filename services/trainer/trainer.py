@@ -2,9 +2,9 @@
 under torchrun MegatronBackend or an FSDP2 TorchBackend on every rank, led from rank 0:
 ranks.open_backend is the one place a backend is built), batches leased from the buffer
 and acknowledged after the optimizer step (buffer_client.py), weights pushed to the
-engines through the rollout service, checkpoints written when due (checkpoints.py). No
-gRPC server here (see server.py); the model work runs on a worker thread so the event
-loop stays responsive."""
+engines through the rollout service (publishing.py), checkpoints written when due
+(checkpoints.py); what a run holds is run_state.py's Run. No gRPC server here (see
+server.py); the model work runs on a worker thread so the event loop stays responsive."""
 
 from __future__ import annotations
 
@@ -13,18 +13,14 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from rlmesh.common import errors, weight_file
+from rlmesh.common import errors
 from rlmesh.common.faults import fault_point
 from rlmesh.common.limits import at_most, seconds
 from rlmesh.common.paths import validate_run_id
 from rlmesh.common.run_config import TrainerRunConfig, oldest_weight_version
 from rlmesh.common.sample import SampleGroup
-from rlmesh.trainer.backend import TorchBackend
 from rlmesh.trainer.batches import staleness_metrics, trainable_groups
 from rlmesh.trainer.buffer_client import BufferClient
 from rlmesh.trainer.checkpoints import (
@@ -36,7 +32,6 @@ from rlmesh.trainer.checkpoints import (
     newest_checkpoint,
     write_in_background,
 )
-from rlmesh.trainer.colocated import ColocatedPusher
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.final_model import (
     FINAL_MODEL_DIR,
@@ -46,71 +41,17 @@ from rlmesh.trainer.final_model import (
     write_final_model,
 )
 from rlmesh.trainer.loading import resolve_device
+from rlmesh.trainer.publishing import PUBLISH_METHODS, push_weights
 from rlmesh.trainer.ranks import open_backend
 from rlmesh.trainer.results import RunStatus, StepResult
 from rlmesh.trainer.run_paths import RunPaths, model_paths
-from rlmesh.trainer.trained_log import TrainedLog, resume_log
-from rlmesh.trainer.weight_sync import PushResult, WeightPusher
+from rlmesh.trainer.run_state import Run
+from rlmesh.trainer.trained_log import resume_log
+from rlmesh.trainer.weight_sync import PushResult
 
 log = logging.getLogger(__name__)
 
 LOSSES = ("", "sft")
-PUBLISH_METHODS = ("distributed", "disk", "colocated")
-
-
-@dataclass
-class _Run:
-    run_id: str
-    config: TrainerRunConfig
-    backend: TorchBackend
-    weight_version: int = 0
-    pushed_at_step: int | None = None  # backend.step when weight_version was pushed (None: not in this process)
-    pusher: WeightPusher | None = None
-    colocated: ColocatedPusher | None = None
-    resumed_step: int = 0
-    last_checkpoint_step: int = 0  # of the newest automatic checkpoint, or where the run started
-    written_step: int = 0  # of the newest automatic checkpoint written to disk, or where the run started
-    last_checkpoint_time: float = 0.0  # (Trainer.clock) of the newest automatic checkpoint, or the start
-    saving: asyncio.Task | None = None  # the automatic checkpoint being written (at most one)
-    # Which groups each step trained (trained_log.py): a group the buffer hands out again
-    # (it lost a write, or a lease expired) is acknowledged, never trained twice.
-    trained: TrainedLog | None = None
-    # The buffer was told where this model stands (RollbackToCheckpoint) since it was loaded.
-    buffer_rewound: bool = False
-    step_in_flight: bool = False  # a TrainStep leases, trains or acknowledges
-    # The last step's acknowledgment (step, task) while it has not landed: retried until it
-    # does, and awaited before the next lease, checkpoint commit or EndRun.
-    unacknowledged: tuple[int, asyncio.Task] | None = None
-    # Leases this trainer may hold though its step failed (a lost LeaseBatch reply, a failed
-    # release): given back before the next lease.
-    abandoned_leases: set[str] = field(default_factory=set)
-
-    @property
-    def acks_wait_for_checkpoints(self) -> bool:
-        """With checkpoints on, an acknowledgment is final only once a checkpoint holding its
-        step is written: a trainer that dies before then loses those steps, and the buffer
-        hands their groups out again (each group trained into the final model exactly once)."""
-        return self.config.checkpoints_on
-
-    def status(self) -> RunStatus:
-        return RunStatus(
-            self.run_id,
-            self.backend.step,
-            self.weight_version,
-            self.config.model_path,
-            self.resumed_step,
-            step_in_flight=self.step_in_flight,
-            unacknowledged_step=self.unacknowledged[0]
-            if self.unacknowledged and not self.unacknowledged[1].done()
-            else 0,
-            vocab_size=self.backend.vocab_size,
-        )
-
-    async def saved(self) -> None:
-        """Wait for the checkpoint being written, if any (it logs its own failure). Shielded:
-        a caller that goes away does not cancel the write."""
-        if self.saving is not None:
-            await asyncio.shield(self.saving)
 
 
 class Trainer:
@@ -119,13 +60,13 @@ class Trainer:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.paths = RunPaths(settings)
-        self._run: _Run | None = None
+        self._run: Run | None = None
         self._lock = asyncio.Lock()  # one user of the model at a time (steps, pushes, saves)
         self._buffer = BufferClient(settings)
 
     # ---------------------------------------------------------------- runs
 
-    def _get(self, run_id: str) -> _Run:
+    def _get(self, run_id: str) -> Run:
         validate_run_id(run_id)
         run = self._run
         if run is None or run.run_id != run_id:
@@ -169,7 +110,7 @@ class Trainer:
             except OSError as e:
                 await asyncio.to_thread(backend.close)
                 raise errors.FailedPrecondition(f"run {run_id!r}: its record of trained groups: {e}") from None
-            run = _Run(
+            run = Run(
                 run_id,
                 config,
                 backend,
@@ -198,7 +139,7 @@ class Trainer:
         return self._run.status() if self._run is not None else RunStatus("", 0, 0, "")
 
     @asynccontextmanager
-    async def _holding(self, run: _Run):
+    async def _holding(self, run: Run):
         """The lock, for work on `run`: a call that waited behind EndRun finds the run gone
         (NOT_FOUND) instead of working on a closed model."""
         async with self._lock:
@@ -279,7 +220,7 @@ class Trainer:
 
     async def _lease_train_ack(
         self,
-        run: _Run,
+        run: Run,
         num_groups: int,
         wait_seconds: float,
         loss: str,
@@ -295,7 +236,7 @@ class Trainer:
 
     async def _step(
         self,
-        run: _Run,
+        run: Run,
         num_groups: int,
         wait_seconds: float,
         loss: str,
@@ -370,7 +311,7 @@ class Trainer:
         await self._checkpoint_if_due(run)
         return result
 
-    async def _acknowledge(self, run: _Run, lease_id: str, step: int) -> None:
+    async def _acknowledge(self, run: Run, lease_id: str, step: int) -> None:
         """Acknowledge the step's lease. The model holds the step whatever happens now, so the
         acknowledgment is never given up: past buffer_outage_seconds this call fails and the
         acknowledgment goes on in the background (GetStatus shows it), awaited before the next
@@ -388,7 +329,7 @@ class Trainer:
             )
         await self._acknowledged(run)
 
-    async def _acknowledged(self, run: _Run) -> None:
+    async def _acknowledged(self, run: Run) -> None:
         """Once the last step's acknowledgment has landed (waiting for the buffer if need be)."""
         if run.unacknowledged is not None:
             try:
@@ -396,7 +337,7 @@ class Trainer:
             finally:  # (landed, or failed for good: then its lease expires, and the groups come back acknowledged)
                 run.unacknowledged = None
 
-    async def _give_back_abandoned_leases(self, run: _Run) -> None:
+    async def _give_back_abandoned_leases(self, run: Run) -> None:
         for lease_id in list(run.abandoned_leases):
             if await self._buffer.release(run.run_id, lease_id):
                 run.abandoned_leases.discard(lease_id)
@@ -410,7 +351,7 @@ class Trainer:
             await self._checkpoint_if_due(run)
             return result
 
-    async def _train(self, run: _Run, groups: list[SampleGroup], loss: str) -> StepResult:
+    async def _train(self, run: Run, groups: list[SampleGroup], loss: str) -> StepResult:
         step = run.backend.sft_step if loss == "sft" else run.backend.train_step
         started = time.perf_counter()
         metrics = await asyncio.to_thread(step, groups)
@@ -426,7 +367,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- buffer
 
-    async def _rewind_buffer(self, run: _Run) -> None:
+    async def _rewind_buffer(self, run: Run) -> None:
         """Tell the buffer where this freshly loaded model stands (BufferClient.rewind).
         Once per load, before the first lease."""
         if run.buffer_rewound or not self.settings.buffer_address:
@@ -452,24 +393,7 @@ class Trainer:
         async with self._holding(run):
             if again and run.weight_version and run.pushed_at_step == run.backend.step:
                 version = run.weight_version
-            if run.pusher is None:
-                run.pusher = WeightPusher(
-                    self.settings.rollout_address,
-                    run.run_id,
-                    self.settings.weight_sync_master_address,
-                    self.settings.weight_sync_timeout_seconds,
-                    self.settings.weight_sync_bind_address,
-                )
-            wire_dtype = getattr(torch, self.settings.weight_sync_dtype) if self.settings.weight_sync_dtype else None
-            if method == "distributed":
-                result = await run.pusher.push_distributed(
-                    list(run.backend.state_dict_for_sync()), version, run.config.weight_sync, wire_dtype
-                )
-            elif method == "colocated":
-                result = await self._push_colocated(run, version, wire_dtype)
-            else:
-                directory = self.settings.work_dir / run.run_id / "weights"
-                result = await run.pusher.push_from_disk(run.backend.save_weights, directory, version)
+            result = await push_weights(run, self.settings, version, method)
             run.weight_version, run.pushed_at_step, result.version = version, run.backend.step, version
             log.info(
                 "run %s: weights v%d pushed (%s, %d bytes, %d buckets, %d as deltas, %.2f s)",
@@ -482,18 +406,6 @@ class Trainer:
                 result.seconds,
             )
             return result
-
-    async def _push_colocated(self, run: _Run, version: int, wire_dtype: torch.dtype | None) -> PushResult:
-        if run.colocated is None:
-            run.colocated = ColocatedPusher(
-                self.settings.rollout_address,
-                run.run_id,
-                self.settings.weight_file_dir or weight_file.default_dir(),
-                self.settings.weight_sync_timeout_seconds,
-            )
-        return await run.colocated.push(
-            list(run.backend.state_dict_for_sync()), version, wire_dtype, run.config.weight_sync.bucket_bytes
-        )
 
     async def save_checkpoint(self, run_id: str, path: str = "") -> Path:
         """Save to `path`, or by default <checkpoint_dir or <run>/checkpoints>/step_<n>, all
@@ -519,7 +431,7 @@ class Trainer:
                 await self._buffer.commit_acks(run.run_id, run.backend.step)  # a restart would resume from it
             return written
 
-    async def _checkpoint_if_due(self, run: _Run) -> None:
+    async def _checkpoint_if_due(self, run: Run) -> None:
         """After a step, holding the lock: when the step count reached the next multiple of
         checkpoint_interval, copy the state to CPU memory now and write it in the
         background. A step never fails for a checkpoint: a failure is logged."""
@@ -530,7 +442,7 @@ class Trainer:
         if by_steps or by_time:
             await self._checkpoint(run)
 
-    async def _checkpoint(self, run: _Run) -> None:
+    async def _checkpoint(self, run: Run) -> None:
         """An automatic checkpoint of the current step: the state copied to CPU memory now,
         written (and then the step's acknowledgments made final) in the background."""
         step = run.backend.step
@@ -564,7 +476,7 @@ class Trainer:
             )
         )
 
-    async def _write_final_model(self, run: _Run) -> str:
+    async def _write_final_model(self, run: Run) -> str:
         """The run's final policy as a model directory <checkpoint_dir>/final; its path
         relative to work_dir (what a person names it by; the server's own directories stay
         its own)."""
