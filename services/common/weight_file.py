@@ -1,7 +1,8 @@
 """rlmesh's colocated weight file ("rlmesh-weights-v1"): how a trainer hands its weights to
-engines on the same machine without a network copy. The trainer writes the file once per
-push (in place, in shared memory: /dev/shm), the engines map it and copy the tensors into
-their models. No pickle: a fixed binary prefix, a JSON header, raw tensor bytes.
+engines on the same machine without a network copy. The trainer writes a file once per
+push (in shared memory: /dev/shm; Writer), the engines map it and take its pages as their
+parameters, holding a shared flock on it while they do (rlmesh.engine.colocated). No
+pickle: a fixed binary prefix, a JSON header, raw tensor bytes.
 
 Layout (all integers little-endian):
 
@@ -17,6 +18,7 @@ checks with `read_layout`), so the format is defined once; docs/engine-api.md de
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -191,21 +193,74 @@ def map_file(path: Path, size: int, writable: bool) -> mmap.mmap:
 
 
 class Writer:
-    """Writes tensors to one weight file, in place while the layout stays the same (the
-    mapping is kept: a push after the first touches no new pages); a new layout replaces the
-    file atomically (a reader never sees half a header)."""
+    """Writes a run's weights to one of a few weight files (slots: `path`, then `<stem>.1.rlmw`
+    and on): never one an engine holds. An engine that maps a file's tensors as its own
+    parameters (rather than copying them) holds a shared flock on it for as long as it does;
+    the writer takes the exclusive lock before it writes, so it skips such a file, and the
+    file is free again once the engine moves on to the next one. A file is rewritten in place
+    while the layout stays the same (its mapping is kept: a push after the first touches no
+    new pages); a new layout replaces it atomically (a reader never sees half a header)."""
 
+    def __init__(self, path: Path, slots: int = 3) -> None:
+        self.base = path
+        self.path = path  # the file written last
+        self._slots = [_Slot(path if k == 0 else path.with_name(f"{path.stem}.{k}{path.suffix}")) for k in range(slots)]
+
+    def write(self, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> int:
+        """Write (name, tensor) in this order, converted to `dtype` when given, to the file written
+        last if no engine holds it, else to the first free one; the bytes written."""
+        if not named:
+            raise WeightFileError("a weight file needs at least one tensor")
+        last = next(s for s in self._slots if s.path == self.path)
+        for slot in [last, *(s for s in self._slots if s is not last)]:  # (files already written first)
+            if slot.lock():
+                break
+        else:
+            raise WeightFileError(
+                f"all {len(self._slots)} weight files of this run are held by engines that map them: an engine "
+                "that missed the last updates still holds an older one (update or restart it)"
+            )
+        try:
+            total = slot.write(named, dtype)
+        finally:
+            slot.unlock()
+        self.path = slot.path
+        return total
+
+    def close(self, remove: bool = False) -> None:
+        for slot in self._slots:
+            slot.close(remove)
+
+
+class _Slot:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._header = b""
         self._mapping: mmap.mmap | None = None
         self._data: torch.Tensor | None = None
         self._entries: list[Entry] = []
+        self._lock_fd: int | None = None
 
-    def write(self, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> int:
-        """Write (name, tensor) in this order, converted to `dtype` when given; the bytes written."""
-        if not named:
-            raise WeightFileError("a weight file needs at least one tensor")
+    def lock(self) -> bool:
+        """The exclusive lock on the file, unless an engine holds it (a file not there: free)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        return True
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # (closing the descriptor drops its lock)
+            self._lock_fd = None
+
+    def write(self, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> int:
         specs = [(n, dtype or t.dtype, tuple(t.shape)) for n, t in named]
         entries, header, size = plan(specs)
         if header != self._header or self._data is None or not self.path.exists():

@@ -13,12 +13,14 @@ generation back until resumed."""
 
 from __future__ import annotations
 
+import fcntl
+import mmap
 import os
-import warnings
-from dataclasses import dataclass
+import time
 from pathlib import Path
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from rlmesh.common import weight_file
 from rlmesh.engine.weights import WeightUpdateError, model_tensors
@@ -65,7 +67,7 @@ class ModelMemory:
         """Run between engine steps with nothing generating."""
         for p in self.model.parameters():  # (a tied parameter once)
             if not p.data.untyped_storage().resizable():
-                p.data = p.data.clone()  # (a checkpoint's memory-mapped tensor: once, into memory we can free)
+                p.data = torch.empty_like(p.data)  # (a view of a mapped file, its content dropped anyway)
             p.data.untyped_storage().resize_(0)
         self.needs_full_update = True
         if next(self.model.parameters()).device.type == "cuda":
@@ -80,20 +82,40 @@ class ModelMemory:
         self.released.discard("weights")
 
 
-@dataclass
-class _Mapping:
-    key: tuple[int, int, int]  # (device, inode, size): a file replaced by a new one maps again
-    mapping: object
-    data: torch.Tensor
+class MappedFile:
+    """One weight file mapped for one update: private (copy on write: the engine never writes
+    the trainer's file, whatever it later does with its parameters), read lazily, with a shared
+    flock held on it for as long as any view of it lives, which keeps the trainer from
+    rewriting it (rlmesh.common.weight_file.Writer) while parameters are its views."""
+
+    def __init__(self, fd: int, mapping: mmap.mmap, entries: list[weight_file.Entry]) -> None:
+        self.fd, self.mapping = fd, mapping
+        data = torch.frombuffer(mapping, dtype=torch.uint8)
+        # (frombuffer holds no buffer export: the mapping must outlive every view, which this tells)
+        self._storage = StorageWeakRef(data.untyped_storage())
+        self.named = weight_file.views(data, entries)
+
+    def close(self) -> bool:
+        """Unmap and unlock, unless a view of it still lives (then False: try again later)."""
+        self.named = []
+        if not self._storage.expired():
+            return False
+        self.mapping.close()
+        os.close(self.fd)
+        return True
 
 
 class WeightFiles:
-    """Weight files under `directory`, mapped once and kept mapped: the trainer rewrites a
-    run's file in place, so later pushes touch no new pages."""
+    """Weight files under `directory`. An update's tensors are views of its file; parameters
+    that match them in dtype, device and shape become those views (no copy: the file's pages
+    are the engine's weights until the next update; weights.alias_into_model), the others
+    are copied. A file stays mapped and locked while the model holds views of it, and is let
+    go once an update or a release replaced them all."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, lock_timeout_seconds: float = 60.0) -> None:
         self.directory = directory
-        self._maps: dict[Path, _Mapping] = {}
+        self.lock_timeout = lock_timeout_seconds
+        self._held: list[MappedFile] = []  # the model's current file last
 
     def resolve(self, raw: object) -> Path:
         if not isinstance(raw, str) or not raw:
@@ -108,42 +130,51 @@ class WeightFiles:
             raise WeightUpdateError(f"weight file {raw!r} does not exist or is not a regular file")
         return path
 
-    def tensors(self, raw_path: object) -> list[tuple[str, torch.Tensor]]:
-        """The file's tensors, as views into its mapping; WeightUpdateError for a bad file."""
+    def open(self, raw_path: object) -> MappedFile:
+        """The file's tensors, as views into a private mapping, its shared lock taken (waiting
+        while the trainer writes it); WeightUpdateError for a bad file."""
         path = self.resolve(raw_path)
-        self.prune()
-        st = path.stat()
-        key = (st.st_dev, st.st_ino, st.st_size)
-        m = self._maps.get(path)
-        if m is None or m.key != key:
-            self._maps.pop(path, None)
-            if st.st_size < weight_file.PREFIX:
-                raise WeightUpdateError(f"weight file {raw_path!r} is {st.st_size} bytes: too short to be one")
-            mapping = weight_file.map_file(path, st.st_size, writable=False)
-            with warnings.catch_warnings():  # read-only memory, only ever read here
-                warnings.simplefilter("ignore", UserWarning)
-                data = torch.frombuffer(mapping, dtype=torch.uint8)
-            m = self._maps[path] = _Mapping(key, mapping, data)
+        fd = os.open(path, os.O_RDONLY)
         try:
-            entries = weight_file.read_layout(memoryview(m.mapping), len(m.data))
+            self._lock_shared(fd, raw_path)
+            size = os.fstat(fd).st_size
+            if size < weight_file.PREFIX:
+                raise WeightUpdateError(f"weight file {raw_path!r} is {size} bytes: too short to be one")
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            with memoryview(mapping) as view:  # (released here, so that the mapping can close)
+                entries = weight_file.read_layout(view, size)
         except weight_file.WeightFileError as e:
-            self._maps.pop(path, None)
+            mapping.close()
+            os.close(fd)
             raise WeightUpdateError(f"weight file {raw_path!r}: {e}") from None
-        return weight_file.views(m.data, entries)
+        return MappedFile(fd, mapping, entries)
+
+    def _lock_shared(self, fd: int, raw_path: object) -> None:
+        deadline = time.monotonic() + self.lock_timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise WeightUpdateError(
+                        f"weight file {raw_path!r} stayed locked for writing for {self.lock_timeout:.0f} s"
+                    ) from None
+                time.sleep(0.005)
+
+    def done(self, loaded: MappedFile) -> None:
+        """After an update from `loaded` (applied or not): kept while parameters are its views."""
+        loaded.named = []
+        self._held.append(loaded)
+        self.prune()
 
     def prune(self) -> None:
-        """Drop the mappings of files that were removed or replaced: a mapping keeps a removed
-        file's memory (the trainer removes a run's file when the run ends)."""
-        for path, m in list(self._maps.items()):
-            try:
-                st = path.stat()
-            except OSError:
-                st = None
-            if st is None or (st.st_dev, st.st_ino, st.st_size) != m.key:
-                del self._maps[path]
-
-    def clear(self) -> None:
-        self._maps.clear()
+        """Unmap and unlock every file no view holds any more (after an update or a release)."""
+        self._held = [m for m in self._held if not m.close()]
 
 
 def check_covers_released(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:

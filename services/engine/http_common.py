@@ -74,6 +74,7 @@ class EngineState:
     def set_weight_version(self, version: Any) -> None:
         if version not in (None, ""):  # an update's earlier buckets leave the version as it is
             self.engine.weight_version = str(version)
+            self.weight_files.prune()  # (weight files whose views an update replaced: let go)
 
 
 def error_response(status: int, message: str) -> JSONResponse:

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from rlmesh.common import weight_file
 from rlmesh.engine.colocated import RELEASED_VERSION, check_covers_released, parse_tags
 from rlmesh.engine.http_common import EngineState, json_body, result_response
-from rlmesh.engine.weights import WeightUpdateError, check_against_model, load_into_model
+from rlmesh.engine.weights import WeightUpdateError, alias_into_model, check_against_model
 
 MAX_SERIALIZED_ENTRIES = 64  # one per TP rank in SGLang's format
 
@@ -24,7 +24,6 @@ def colocated_router(state: EngineState) -> APIRouter:
     async def release_memory_occupation(request: Request) -> JSONResponse:
         tags = parse_tags((await json_body(request)).get("tags"))
         async with state.weight_lock:
-            state.weight_files.prune()
             if engine.num_active():
                 # As SGLang: memory goes only from an idle engine (its requests would lose their cache).
                 raise WeightUpdateError(
@@ -39,6 +38,7 @@ def colocated_router(state: EngineState) -> APIRouter:
                 memory.released.update(tags)
 
             await state.in_engine(release)
+            state.weight_files.prune()  # (released weights hold no file)
         return result_response(True, f"Released memory occupation of {sorted(tags)}.")
 
     @router.post("/resume_memory_occupation")
@@ -88,21 +88,24 @@ async def _update_from_weight_file(state: EngineState, body: dict) -> None:
     async with state.weight_lock:
         if body.get("abort_all_requests"):
             engine.abort(abort_all=True, message="Aborted for a weight update.")
-        named = await asyncio.to_thread(state.weight_files.tensors, path)
-        check_against_model(state.model, named)
-        if memory.needs_full_update:
-            check_covers_released(state.model, named)
+        loaded = await asyncio.to_thread(state.weight_files.open, path)
+        try:
+            check_against_model(state.model, loaded.named)
+            if memory.needs_full_update:
+                check_covers_released(state.model, loaded.named)
 
-        def apply() -> None:
-            if memory.weights_released:  # an update to released weights takes their memory back first
-                memory.resume_weights()
-            load_into_model(state.model, named)
-            memory.needs_full_update = False
-            version = body.get("weight_version")
-            state.set_weight_version(version)
-            if version in (None, "") and engine.weight_version == RELEASED_VERSION:
-                engine.weight_version = "default"
+            def apply() -> None:
+                if memory.weights_released:  # an update to released weights takes their memory back first
+                    memory.resume_weights()
+                alias_into_model(state.model, loaded.named)
+                memory.needs_full_update = False
+                version = body.get("weight_version")
+                state.set_weight_version(version)
+                if version in (None, "") and engine.weight_version == RELEASED_VERSION:
+                    engine.weight_version = "default"
 
-        await state.in_engine(apply)
+            await state.in_engine(apply)
+        finally:
+            state.weight_files.done(loaded)
         if not memory.released:
             state.awake.set()

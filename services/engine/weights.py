@@ -400,6 +400,22 @@ def load_into_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Ten
     return count
 
 
+def alias_into_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Make the model's tensors the given ones where dtype, device and shape match (they
+    become its memory: no copy), copy the others in; run between decode steps."""
+    targets = model_tensors(model)
+    count = 0
+    with torch.no_grad():
+        for name, tensor in named:
+            target = targets[name]
+            if target.dtype == tensor.dtype and target.device == tensor.device and target.shape == tensor.shape:
+                target.data = tensor
+            else:
+                target.data.copy_(tensor)
+            count += 1
+    return count
+
+
 def install_into_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], pool: TensorPool) -> int:
     """Put received tensors (each its own memory, from receive with load_format null) in
     the model: swapped in for the old ones where dtype, device and layout match (the old

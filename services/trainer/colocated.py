@@ -3,9 +3,10 @@ accelerators), so weights cross without a network copy (docs/weight-sync.md).
 
 - Engines that map rlmesh weight files (the reference engine: ListEngines says
   weight_file_format "rlmesh-weights-v1"): the trainer writes every tensor once, in the wire
-  dtype, into one file in shared memory (rlmesh.common.weight_file; rewritten in place from
-  push to push) and the rollout service tells each engine to load it
-  (/update_weights_from_tensor, load_format "rlmesh_weight_file"). No pickle.
+  dtype, into a file in shared memory (rlmesh.common.weight_file: one no engine holds, so
+  two alternate) and the rollout service tells each engine to load it
+  (/update_weights_from_tensor, load_format "rlmesh_weight_file": the engine takes the
+  file's pages as its parameters). No pickle.
 - SGLang engines: SGLang's own /update_weights_from_tensor format, CUDA tensors passed as
   CUDA IPC handles (the engine maps the trainer's GPU memory and copies from it). That
   format is SGLang's: a base64 ForkingPickler dump of the [(name, tensor)] list per TP rank,
@@ -74,15 +75,25 @@ class ColocatedPusher:
         self, named: list[tuple[str, Tensor]], version: int, wire_dtype: torch.dtype | None, bucket_bytes: int
     ) -> PushResult:
         start = time.monotonic()
-        engines = await self._call(
-            "ListEngines", self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout)
+        listing = asyncio.ensure_future(
+            self._call("ListEngines", self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout))
         )
+        try:
+            # Weights off CUDA can only go by file (CUDA IPC needs CUDA tensors): written while
+            # the engines are listed.
+            on_cpu = all(t.device.type != "cuda" for _, t in named)
+            written = await self._write(named, wire_dtype) if on_cpu else 0
+            engines = await listing
+        finally:
+            listing.cancel()
         healthy = [e for e in engines.engines if e.healthy]
         if not healthy:
             raise errors.Unavailable("no engine answers: the weights cannot be pushed")
         formats = {e.weight_file_format for e in healthy}
         if formats == {weight_file.FORMAT}:
-            nbytes, calls = await self._push_file(named, version, wire_dtype), 1
+            nbytes = written or await self._write(named, wire_dtype)
+            await self._update([str(self.writer.path)], weight_file.LOAD_FORMAT, str(version))
+            calls = 1
         elif formats == {""}:
             nbytes, calls = await self._push_cuda_ipc(named, version, wire_dtype, bucket_bytes, healthy)
         else:
@@ -91,10 +102,11 @@ class ColocatedPusher:
             )
         return PushResult(seconds=time.monotonic() - start, bytes=nbytes, buckets=calls)
 
-    async def _push_file(self, named: list[tuple[str, Tensor]], version: int, wire_dtype: torch.dtype | None) -> int:
-        nbytes = await asyncio.to_thread(self.writer.write, named, wire_dtype)
-        await self._update([str(self.writer.path)], weight_file.LOAD_FORMAT, str(version))
-        return nbytes
+    async def _write(self, named: list[tuple[str, Tensor]], wire_dtype: torch.dtype | None) -> int:
+        try:
+            return await asyncio.to_thread(self.writer.write, named, wire_dtype)
+        except weight_file.WeightFileError as e:
+            raise errors.FailedPrecondition(f"colocated push: {e}") from None
 
     async def _push_cuda_ipc(
         self,

@@ -75,13 +75,28 @@ def test_update_in_place_from_a_weight_file_is_bit_exact(client, tiny_model_dir,
     assert _version(client) == "3"
     for name, tensor in named[:4]:
         assert torch.equal(_weights(client, name), tensor), name
-    # The next push rewrites the same file in place; the engine's mapping sees it.
+    # The engine's weights are now the file's pages (no copy), and it holds the file: the next
+    # push goes to another file and leaves the engine's weights as they are until its update.
+    first = writer.path
     moved = [(n, t - 1) for n, t in named]
     writer.write(moved)
+    assert writer.path != first
+    assert torch.equal(_weights(client, named[0][0]), named[0][1])
     assert _update(client, writer.path, "4").status_code == 200
     assert torch.equal(_weights(client, moved[0][0]), moved[0][1])
     out = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}}).json()
     assert out["meta_info"]["weight_version"] == "4"
+    # The update let the first file go: the push after that rewrites it (in place), and again
+    # the engine's weights stay put until they are updated.
+    writer.write(named)
+    assert writer.path == first
+    assert torch.equal(_weights(client, moved[0][0]), moved[0][1])
+    assert _update(client, writer.path, "5").status_code == 200
+    assert all(torch.equal(_weights(client, n), t) for n, t in named[:4])
+    # A release drops the weights, and the file with them.
+    assert client.post("/release_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+    writer.write(moved)
+    assert writer.path == first
 
 
 def test_release_holds_generation_until_resumed_and_weights_come_back_by_update(client, tiny_model_dir, shm_dir):

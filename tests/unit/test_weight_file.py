@@ -6,7 +6,9 @@ the trainer builds for SGLang engines (its format checked on CPU tensors)."""
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
+import os
 import pickle
 import pickletools
 import struct
@@ -56,6 +58,28 @@ def test_written_tensors_read_back_bit_for_bit_and_rewrites_stay_in_place(tmp_pa
     assert [n for n, _ in _read(writer.path)] == [n for n, _ in named[:2]]
     writer.close(remove=True)
     assert not writer.path.exists()
+
+
+def test_a_file_an_engine_holds_is_never_written(tmp_path):
+    writer = wf.Writer(tmp_path / "run.rlmw", slots=2)
+    named, changed = _named(), [(n, t + 1) for n, t in _named()]
+    writer.write(named)
+    first = writer.path
+    engine = os.open(first, os.O_RDONLY)
+    fcntl.flock(engine, fcntl.LOCK_SH)  # an engine whose parameters are this file's pages
+    writer.write(changed)
+    assert writer.path != first
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(named, _read(first)))  # untouched
+    second = os.open(writer.path, os.O_RDONLY)
+    fcntl.flock(second, fcntl.LOCK_SH)  # another engine on the second file: none left
+    with pytest.raises(wf.WeightFileError, match="held by engines"):
+        writer.write(named)
+    os.close(engine)  # the first engine moved on
+    writer.write(named)
+    assert writer.path == first
+    os.close(second)
+    writer.close(remove=True)
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_wire_dtype_converts_on_the_way(tmp_path):
