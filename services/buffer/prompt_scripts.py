@@ -14,8 +14,10 @@ from rlmesh.buffer.scripts import NOW
 # Several training datasets are mixed by weight with stride scheduling: the next prompt
 # comes from the dataset with the smallest (drawn + 1) / weight (exact proportions at
 # every point, deterministic, no randomness to replay).
-#   KEYS: spec cursor prompt_leases prompts partial partial_groups stats closed
-#   ARGV: lease_seconds n
+# With within_cap = 1 and the run's max_queued_groups set, n shrinks so that queued groups
+# plus live prompt leases (groups being generated) stay within that cap.
+#   KEYS: spec cursor prompt_leases prompts partial partial_groups stats closed queue
+#   ARGV: lease_seconds n within_cap
 # Returns {-1} unknown run, {-3} closed run (its datasets are gone), else {1, id, value, id, value, ...}.
 GET_PROMPTS = (
     NOW
@@ -27,7 +29,13 @@ local cursor, leases, prompts, partial, partial_groups, stats = KEYS[2], KEYS[3]
 local now = redis_now()
 local expiry, n = now + tonumber(ARGV[1]), tonumber(ARGV[2])
 local out, count, reissued = {1}, 0, 0
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, n)) do
+local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, n)
+local cap = tonumber(cjson.decode(spec).max_queued_groups) or 0
+if ARGV[3] == '1' and cap > 0 then
+  local room = cap - redis.call('LLEN', KEYS[9]) - redis.call('ZCOUNT', leases, '(' .. now, '+inf')
+  n = math.max(math.min(n, room), #expired)
+end
+for _, id in ipairs(expired) do
   local value = redis.call('HGET', prompts, id)
   if value then
     redis.call('ZADD', leases, expiry, id)

@@ -55,17 +55,30 @@ class PromptSource:
             sizes[dataset.name], skipped[dataset.name] = len(loaded.records), loaded.skipped
         return sizes, skipped
 
-    async def get_prompts(self, run_id: str, num_groups: int, lease_seconds: float) -> list[bytes]:
+    async def get_prompts(
+        self, run_id: str, num_groups: int, lease_seconds: float, within_queue_cap: bool = False
+    ) -> list[bytes]:
         """Serialized prompt groups, leased: expired leases first, then partial groups,
-        then fresh prompts from the cursor (see prompt_scripts.GET_PROMPTS)."""
+        then fresh prompts from the cursor (see prompt_scripts.GET_PROMPTS); with
+        `within_queue_cap`, no more than keep queued + being generated within the run's cap."""
         if num_groups < 1:
             raise InvalidArgument("num_groups must be at least 1")
         if lease_seconds <= 0:
             raise InvalidArgument("lease_seconds must be positive (0 = the service default)")
         k = run_keys(self.key_prefix, run_id)
         out = await self._get_prompts(
-            keys=[k.spec, k.cursor, k.prompt_leases, k.prompts, k.partial, k.partial_groups, k.stats, k.closed],
-            args=[lease_seconds, num_groups],  # (the expiry is set on Redis's clock)
+            keys=[
+                k.spec,
+                k.cursor,
+                k.prompt_leases,
+                k.prompts,
+                k.partial,
+                k.partial_groups,
+                k.stats,
+                k.closed,
+                k.queue,
+            ],
+            args=[lease_seconds, num_groups, int(within_queue_cap)],  # (the expiry is set on Redis's clock)
         )
         if out[0] == -1:
             raise unknown_run(run_id)

@@ -82,7 +82,9 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
     async def GetPrompts(self, request, context) -> bytes:
         at_most(request.num_groups, self.settings.limits.max_groups_per_call, "num_groups", "max_groups_per_call")
         lease = seconds(request.lease_seconds, "lease_seconds") or self.settings.prompt_lease_seconds
-        groups = await self.store.prompts.get_prompts(request.run_id, request.num_groups, lease)
+        groups = await self.store.prompts.get_prompts(
+            request.run_id, request.num_groups, lease, within_queue_cap=request.within_queue_cap
+        )
         return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 
     async def GetEvalPrompts(self, request, context) -> bytes:

@@ -287,7 +287,8 @@ class RunConfig(TrainingConfig):
         ge=0,
         le=2**40,
         description="Buffer backpressure cap (0 = unlimited; "
-        "fully_async: rollout_batch_size x max_staleness, at least an SFT batch).",
+        "fully_async: rollout_batch_size x max_staleness, at least an SFT batch; its generation loop "
+        "counts the groups it is generating against it).",
     )
     max_outage_seconds: float = Field(
         600.0,

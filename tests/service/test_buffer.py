@@ -266,6 +266,22 @@ def test_backpressure_refuses_writes_beyond_the_cap(buffer, dataset):
     assert put(stub, groups[2:]).stored == 1
 
 
+def test_prompts_within_the_cap_count_the_groups_being_generated(buffer, dataset):
+    stub = buffer()
+    create(stub, dataset, cap=4)
+
+    def within_cap(n: int) -> list[sample_pb2.SampleGroup]:
+        return prompts(stub, n, within_queue_cap=True)
+
+    generating = within_cap(10)
+    assert len(generating) == 4 and within_cap(1) == []  # 4 being generated: no room
+    put(stub, [completed(g) for g in generating[:3]])
+    assert within_cap(10) == []  # 3 queued + 1 being generated
+    ack(stub, lease(stub, num_groups=2).lease_id)
+    assert len(within_cap(10)) == 2  # trained 2: room for 2
+    assert len(prompts(stub, 3)) == 3  # without the flag (a sync rollout's batch), as before
+
+
 def test_put_groups_errors(buffer, dataset):
     stub = buffer(max_message_bytes=64 * 1024)
     code, _ = code_of(
