@@ -202,7 +202,6 @@ class Writer:
     new pages); a new layout replaces it atomically (a reader never sees half a header)."""
 
     def __init__(self, path: Path, slots: int = 3) -> None:
-        self.base = path
         self.path = path  # the file written last
         self._slots = [_Slot(path if k == 0 else path.with_name(f"{path.stem}.{k}{path.suffix}")) for k in range(slots)]
 
@@ -282,6 +281,11 @@ class _Slot:
             f.write(header)
         self._mapping = map_file(tmp, size, writable=True)
         self._data = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        # The new file is locked before it takes the name: whoever opens it by name waits for the write.
+        lock_fd = os.open(tmp, os.O_RDONLY)
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        self.unlock()
+        self._lock_fd = lock_fd
         os.replace(tmp, self.path)
         self._header = header
 
