@@ -125,6 +125,12 @@ def main() -> None:
         help="what a pause aborts resumes from its partial response in every mode (default: the run config's)",
     )
     parser.add_argument(
+        "--within-queue-cap",
+        action="store_true",
+        help="fully_async: generation starts a group only while the queue cap has room for it "
+        "(rollout.within_queue_cap; default: the run config's, off)",
+    )
+    parser.add_argument(
         "--max-staleness",
         type=int,
         default=0,
@@ -158,6 +164,8 @@ def main() -> None:
         config["pause_mode"] = args.pause_mode or config["pause_mode"]
         if args.partial_rollout:
             config["rollout"]["partial_rollout"] = True
+        if args.within_queue_cap:
+            config["rollout"]["within_queue_cap"] = True
         if args.tis_cap:  # corrects for samples of older weights (async modes); ~1 on-policy
             config["algorithm"]["rollout_is_upper"] = args.tis_cap
         print("starting rlmesh (embedded Redis, CPU reference engine, tiny model):", flush=True)
@@ -200,7 +208,8 @@ def main() -> None:
     title = (
         f"python -m bench.async: {args.seeds} seeds x {args.rollouts} rollouts x {samples_per_rollout} samples, "
         f"lr {config['optimizer']['lr']:g}, pause_mode {config['pause_mode']}"
-        f"{', partial rollouts in every mode' if args.partial_rollout else ''}, preamble {args.preamble} chars, "
+        f"{', partial rollouts in every mode' if args.partial_rollout else ''}"
+        f"{', generation within the queue cap' if args.within_queue_cap else ''}, preamble {args.preamble} chars, "
         f"{os.cpu_count()} CPUs"
     )
     seeds = ", ".join(str(seed) for seed in range(args.seeds))
@@ -246,6 +255,7 @@ def main() -> None:
                 **{f"{mode}_staleness_max": r["staleness_max"] for mode, r in results.items()},
                 "pause_mode": config["pause_mode"],
                 "partial_rollout": "every mode" if args.partial_rollout else "the modes' defaults",
+                "within_queue_cap": args.within_queue_cap,
                 "tis_cap": args.tis_cap,
                 "async_off_policy": None if args.tis_cap else ASYNC_DEFAULT.model_dump(),
                 "lr": config["optimizer"]["lr"],

@@ -52,6 +52,7 @@ def rollout_request(
         group_filter=ro.group_filter,
         over_sampling_groups=ro.over_sampling_groups,
         partial_rollout=cfg.partial_rollouts,
+        within_queue_cap=ro.within_queue_cap,
         mode="rl",
         max_concurrency=ro.max_concurrency,
         apply_chat_template=ro.apply_chat_template,

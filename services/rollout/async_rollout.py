@@ -1,8 +1,9 @@
 """Fully asynchronous generation (the `fully_async` training mode): per run, a loop that
 keeps a fixed number of groups in flight on the engines, scores and filters each one as
 it finishes and writes it to the buffer at once, across the trainer's steps and weight
-pushes. The buffer's queue cap is the backpressure: it counts the groups being generated
-too, so the loop starts no group that would wait for room; the coordinator pauses the engines
+pushes. The buffer's queue cap is the backpressure (with within_queue_cap it counts the
+groups being generated too, and the loop starts none that would wait for room; else a
+finished group waits for room, aging meanwhile); the coordinator pauses the engines
 around a weight push, and samples that the pause aborted are generated again once
 generation continues (from their partial response with partial_rollout, else afresh)."""
 
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 # A group whose samples keep being aborted (every weight push aborts them) is handed back
 # to the buffer after this many tries, rather than held forever.
 MAX_ABORTS_PER_GROUP = 16
-# How long to wait before asking for prompts again when none came (the queue is at its cap).
+# How long to wait before asking for prompts again when none came (within_queue_cap: the
+# queue is at its cap).
 NO_PROMPTS_WAIT_SECONDS = 0.05
 HAND_BACK_TIMEOUT_SECONDS = 10.0
 
@@ -96,8 +98,9 @@ class AsyncLoop:
             if free > 0:
                 try:
                     resp = await self.manager.buffer.GetPrompts(
-                        # (within the queue cap: a group that waited for room would age meanwhile)
-                        buffer_pb2.GetPromptsRequest(run_id=self.req.run_id, num_groups=free, within_queue_cap=True),
+                        buffer_pb2.GetPromptsRequest(
+                            run_id=self.req.run_id, num_groups=free, within_queue_cap=self.req.within_queue_cap
+                        ),
                         timeout=self.manager.settings.buffer_timeout_seconds,
                     )
                     for prompt in resp.groups:

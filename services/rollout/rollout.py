@@ -75,6 +75,7 @@ class RolloutRequest:
     group_filter: str = ""  # "nonzero_std": drop groups whose rewards are all equal
     over_sampling_groups: int = 0
     partial_rollout: bool = False
+    within_queue_cap: bool = False  # the continuous generation: see AsyncLoop
     mode: str = "rl"  # "sft": each prompt's label becomes its response
     max_concurrency: int = 0  # 0 = the service default
     apply_chat_template: bool = False

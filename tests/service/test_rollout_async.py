@@ -91,8 +91,23 @@ def test_groups_keep_arriving_across_steps_and_a_stop_hands_the_rest_back(make_s
         rollout.StartAsyncRollout(request(run_id="other"))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "r" in e.value.details()
 
-    # The queue cap of 4 counts the groups being generated too: once 4 are queued the loop
-    # starts none (none would wait for room, aging as the trainer steps on).
+    time.sleep(0.5)  # (the queue cap of 4 holds the loop back meanwhile: it waits, drops nothing)
+    stopped = rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r"))
+    assert not stopped.running
+    assert not rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r")).running  # idempotent
+    s = stats(buffer)
+    # Every prompt handed out is trained, queued, or back in the buffer; nothing is left leased.
+    assert s.queued_groups <= 4 and s.leased_groups == 0 and s.dropped_groups == 0
+    assert s.prompts_handed_out == s.acknowledged_groups + s.queued_groups + s.partial_groups
+    assert s.partial_groups >= 1
+
+
+@pytest.mark.slow
+def test_within_the_queue_cap_the_loop_starts_no_group_that_would_wait_for_room(make_stack):
+    buffer, rollout = make_stack()
+    assert rollout.StartAsyncRollout(request(num_groups=2, within_queue_cap=True)).running
+    # The queue cap of 4 counts the groups being generated: once 4 are queued the loop starts
+    # none (none would wait for room, aging as the trainer steps on).
     deadline = time.monotonic() + 30
     while stats(buffer).queued_groups < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -100,13 +115,11 @@ def test_groups_keep_arriving_across_steps_and_a_stop_hands_the_rest_back(make_s
     s = stats(buffer)
     assert s.queued_groups == 4 and s.prompts_handed_out == s.acknowledged_groups + 4
     lease_and_ack(buffer, 2)  # room for 2: the loop generates 2 more
-    stopped = rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r"))
-    assert not stopped.running
-    assert not rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r")).running  # idempotent
+    while stats(buffer).queued_groups < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r"))
     s = stats(buffer)
-    # Every prompt handed out is trained, queued, or back in the buffer; nothing is left leased.
-    assert s.queued_groups + s.partial_groups <= 4 and s.leased_groups == 0 and s.dropped_groups == 0
-    assert s.prompts_handed_out == s.acknowledged_groups + s.queued_groups + s.partial_groups
+    assert s.queued_groups == 4 and s.partial_groups == 0 and s.prompts_handed_out == s.acknowledged_groups + 4
 
 
 @pytest.mark.slow

@@ -97,6 +97,13 @@ def test_fully_async_resumes_what_a_weight_push_aborted_unless_the_run_says_othe
     assert sent("sync", partial_rollout=True)
 
 
+def test_generation_within_the_queue_cap_is_the_runs_choice_off_by_default():
+    base = {"model_path": "/m", "datasets": [{"name": "t", "path": "t.jsonl"}], "mode": "fully_async"}
+    assert not rollout_request("r", RunConfig.model_validate(base), 1).within_queue_cap
+    on = RunConfig.model_validate({**base, "rollout": {"within_queue_cap": True}})
+    assert rollout_request("r", on, 1).within_queue_cap
+
+
 def test_the_oldest_weight_version_a_batch_may_hold():
     assert oldest_weight_version(5, None) == 0  # no bound
     assert oldest_weight_version(5, 2) == 3
