@@ -22,15 +22,16 @@ from rlmesh.buffer.scripts import NOW
 GET_PROMPTS = (
     NOW
     + r"""
-local spec = redis.call('GET', KEYS[1])
-if not spec then return {-1} end
+local raw_spec = redis.call('GET', KEYS[1])
+if not raw_spec then return {-1} end
+local spec = cjson.decode(raw_spec)
 if redis.call('EXISTS', KEYS[8]) == 1 then return {-3} end
 local cursor, leases, prompts, partial, partial_groups, stats = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local now = redis_now()
 local expiry, n = now + tonumber(ARGV[1]), tonumber(ARGV[2])
 local out, count, reissued = {1}, 0, 0
 local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, n)
-local cap = tonumber(cjson.decode(spec).max_queued_groups) or 0
+local cap = tonumber(spec.max_queued_groups) or 0
 if ARGV[3] == '1' and cap > 0 then
   local room = cap - redis.call('LLEN', KEYS[9]) - redis.call('ZCOUNT', leases, '(' .. now, '+inf')
   n = math.max(math.min(n, room), #expired)
@@ -61,7 +62,7 @@ while count < n do
 end
 if count < n then
   local train = {}
-  for _, d in ipairs(cjson.decode(spec).datasets) do
+  for _, d in ipairs(spec.datasets) do
     if not d.eval then train[#train + 1] = d end
   end
   while count < n do

@@ -82,7 +82,7 @@ class ColocatedPusher:
             # Weights off CUDA can only go by file (CUDA IPC needs CUDA tensors): written while
             # the engines are listed.
             on_cpu = all(t.device.type != "cuda" for _, t in named)
-            written = await self._write(named, wire_dtype) if on_cpu else 0
+            written = await self._write(named, wire_dtype) if on_cpu else None
             engines = await listing
         finally:
             listing.cancel()
@@ -91,7 +91,7 @@ class ColocatedPusher:
             raise errors.Unavailable("no engine answers: the weights cannot be pushed")
         formats = {e.weight_file_format for e in healthy}
         if formats == {weight_file.FORMAT}:
-            nbytes = written or await self._write(named, wire_dtype)
+            nbytes = written if written is not None else await self._write(named, wire_dtype)
             await self._update([str(self.writer.path)], weight_file.LOAD_FORMAT, str(version))
             calls = 1
         elif formats == {""}:
