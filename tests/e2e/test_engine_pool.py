@@ -13,7 +13,10 @@ from tests.helpers.runs import run_config
 from tests.helpers.stack import start_local_stack, wait_for_run
 from tests.helpers.trainer import EngineProcess
 
-ROLLOUTS = 10
+# Room for the restarted engine to rejoin (at a push after the rollout service finds it healthy)
+# and for a pause after that, before the run ends: with 10, a loaded CI machine once ended the
+# run first.
+ROLLOUTS = 20
 
 
 @pytest.fixture
