@@ -111,7 +111,7 @@ class EnginePool:
         if engine.url in self._down:
             log.info("engine %s answers again", engine.url)
         self._down.discard(engine.url)
-        self._versions[engine.url] = version_number(str(version))
+        self._versions[engine.url] = engine.held_version = version_number(str(version))
 
     def in_rotation(self) -> list[SGLangClient]:
         """Engines that answer and hold the weights of the last update (any that answer

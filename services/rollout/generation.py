@@ -13,6 +13,7 @@ from typing import Any
 
 from rlmesh.common.sample import Sample, Status
 from rlmesh.rollout.engine_client import SGLangClient
+from rlmesh.rollout.sglang_client import BEGAN_UNDER_VERSION
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
@@ -71,9 +72,12 @@ def apply_engine_output(sample: Sample, out: dict) -> Sample:
     sample.rollout_log_probs = sample.rollout_log_probs + new_logprobs
     sample.loss_mask = sample.loss_mask + [1] * len(new_ids)
     sample.status = FINISH_STATUS.get((meta.get("finish_reason") or {}).get("type", "stop"), Status.COMPLETED)
-    version = weight_version_number(meta.get("weight_version", "default"))
-    if not sample.weight_versions or sample.weight_versions[-1] != version:
-        sample.weight_versions = sample.weight_versions + [version]
+    versions = [weight_version_number(meta.get("weight_version", "default"))]
+    if BEGAN_UNDER_VERSION in meta:  # the weights changed while it ran
+        versions.insert(0, weight_version_number(meta[BEGAN_UNDER_VERSION]))
+    for version in versions:
+        if not sample.weight_versions or sample.weight_versions[-1] != version:
+            sample.weight_versions = sample.weight_versions + [version]
     return sample
 
 

@@ -156,6 +156,7 @@ class SGLangClient:
         self._live_rids: dict[str, str] = {}  # rid a caller knows -> rid of the retry in flight
         self.metrics: RolloutMetrics | None = None  # counts tokens and requests (set by the pool)
         self.answered_version: int | None = None  # the weight version of its last /generate answer
+        self.held_version: int | None = None  # the weight version the pool last knew it to hold
         self.first_answer_version = ""  # the weight version its first /generate answer reported
         self.generate_requests = self.in_flight = 0
         self.retired = False  # discovery dropped it: a broken request is retried on another engine
@@ -195,6 +196,7 @@ class SGLangClient:
         # Finite and sized from the work asked for: a frozen engine is noticed within it.
         timeout = self.generate_timeout + self.seconds_per_token * int(sampling_params.get("max_new_tokens") or 128)
         started = self.metrics.started() if self.metrics is not None else 0.0
+        sent_under = self.held_version
         answer = None
         self.generate_requests += 1
         self.in_flight += 1
@@ -204,6 +206,10 @@ class SGLangClient:
             if version is not None:  # (SGLang before 0.4.10 does not say)
                 self.answered_version = version_number(str(version))
                 self.first_answer_version = self.first_answer_version or str(version)
+                if sent_under is not None and sent_under != self.answered_version:
+                    # Its weights changed under the request (a pause that kept it: in_place,
+                    # retract): the first tokens came from the version it was sent under.
+                    answer["meta_info"][BEGAN_UNDER_VERSION] = str(sent_under)
             return answer
         finally:
             self.in_flight -= 1
@@ -319,6 +325,11 @@ def error_message(answer: bytes) -> str:
 
 def _text(answer: bytes) -> str:
     return answer[:300].decode("utf-8", "replace")
+
+
+# Added to a /generate answer's meta_info (never sent by an engine): the weight version the
+# request was sent under, when the engine answered under another.
+BEGAN_UNDER_VERSION = "rlmesh_began_under_weight_version"
 
 
 def version_number(version: str) -> int:
