@@ -3,7 +3,9 @@ fewer rollouts, no evaluation between steps) in each mode asked for, on one `rlm
 stack, and the mean of each step's time split (`split/*`, docs/metrics.md): generate,
 reward, train, weight update, and "other", the time in none of them. The aim: other at most
 5% of a sync step. Engine and trainer get one torch thread each. The first RL step of each
-run is left out (it pays for warming up).
+run is left out (it pays for warming up). Beside them, how many cores each service used
+while the run was in its RL phase (its CPU time over that time, from /proc): how busy the
+engine is tells how much of a step it waits.
 
     python -m bench.step_split [--modes sync] [--rollouts 12] [--sft-steps 5]
 
@@ -31,13 +33,42 @@ from rlmesh.cli.tiny_model import build_tiny_model
 from rlmesh.common.auth import client_headers
 
 PARTS = ("generate", "reward", "train", "update", "other")
+CPU_SHOWN = ("engine", "rollout", "trainer")  # each a column; "cpu all" sums every service
 
 
-def run_split(api: httpx.Client, config: dict, mode: str) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (Linux /proc), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class RLPhaseCpu:
+    """Asked at each poll of the run: each service's CPU time at the first and the last poll
+    that found the run training (phase rl); cores() is their difference over the time between."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids if Path("/proc/self/stat").exists() else {}
+        self.first: tuple[float, dict[str, float]] | None = None
+        self.last: tuple[float, dict[str, float]] | None = None
+
+    def __call__(self, run: dict) -> None:
+        if run["status"] == "running" and run["phase"] == "rl" and self.pids:
+            snapshot = (time.monotonic(), {name: cpu_seconds(pid) for name, pid in self.pids.items()})
+            self.first, self.last = self.first or snapshot, snapshot
+
+    def cores(self) -> dict[str, float]:
+        if self.first is None or self.last is None or self.last[0] - self.first[0] < 1:
+            return {}
+        seconds = self.last[0] - self.first[0]
+        return {name: (self.last[1][name] - self.first[1][name]) / seconds for name in self.pids}
+
+
+def run_split(api: httpx.Client, config: dict, mode: str, pids: dict[str, int]) -> dict:
     r = api.post("/runs", json={**config, "mode": mode, "name": f"bench.step_split {mode}"})
     r.raise_for_status()
     run_id = r.json()["id"]
-    run = follow(api, run_id, time.monotonic(), echo=lambda _line: None)  # (until it ends)
+    cpu = RLPhaseCpu(pids)
+    run = follow(api, run_id, time.monotonic(), echo=lambda _line: None, check=cpu)  # (until it ends)
     if run["status"] != "completed":
         raise SystemExit(f"{mode} run {run['status']}: {run['error']}")
     steps = [m for m in run_metrics(api, run_id) if "split/step_seconds" in m][1:]
@@ -47,6 +78,10 @@ def run_split(api: httpx.Client, config: dict, mode: str) -> dict:
     for part in PARTS:
         row[f"{part} s"] = statistics.fmean(m[f"split/{part}_seconds"] for m in steps)
     row["other share"] = sum(m["split/other_seconds"] for m in steps) / sum(m["split/step_seconds"] for m in steps)
+    cores = cpu.cores()
+    if cores:
+        row.update({f"cpu {name}": cores[name] for name in CPU_SHOWN})
+        row["cpu all"] = sum(cores.values())
     print(row, flush=True)
     return row
 
@@ -69,7 +104,8 @@ def main() -> None:
         stack = start_stack(data_dir, str(model))
         try:
             with httpx.Client(base_url=stack.coordinator_url, timeout=60, headers=client_headers()) as api:
-                rows = [run_split(api, config, mode) for mode in modes]
+                pids = {name: process.pid for name, process in stack.processes.items()}
+                rows = [run_split(api, config, mode, pids) for mode in modes]
         finally:
             stack.stop()
     title = f"python -m bench.step_split --modes {','.join(modes)} --rollouts {args.rollouts}, {os.cpu_count()} CPUs"
