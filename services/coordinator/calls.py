@@ -241,14 +241,16 @@ class RunCalls:
         self.trainer_reset = False  # (its answer is where the trainer stands)
         return status
 
-    async def _publish_once(self, again: bool = False) -> dict:
+    async def _publish_once(self, again: bool = False, pause_mode: str = "") -> tuple[dict, bool]:
         version = (await self.store.get(self.run_id))["weight_version"] + 1
         if self.cfg.weight_sync.method == "colocated":
             # In place: the engines' weights must hold memory (they may be released for training).
             await self.memory_occupation(resume=True, tags=["weights"])
         r = await self.watched(
             self.clients.trainer.PublishWeights(
-                trainer_pb2.PublishWeightsRequest(run_id=self.run_id, version=version, again=again),
+                trainer_pb2.PublishWeightsRequest(
+                    run_id=self.run_id, version=version, again=again, pause_mode=pause_mode
+                ),
                 timeout=self.settings.setup_deadline_seconds,
             ),
             self.service("trainer"),
@@ -256,12 +258,27 @@ class RunCalls:
         )
         version = r.version or version  # (again: the last push's, when nothing was trained since)
         await self.store.update(self.run_id, weight_version=version)
-        return {"weights/version": version, "weights/seconds": r.seconds, "weights/bytes": r.bytes}
+        metrics = {"weights/version": version, "weights/seconds": r.seconds, "weights/bytes": r.bytes}
+        return metrics, r.engines_continued
 
     async def publish(self, again: bool = False) -> dict:
         """The trainer's weights to every engine, as the next weight version; its metrics.
         `again` (to engines that fell behind): under the last version if nothing was trained since."""
-        return await self._patient_trainer(lambda: self._publish_once(again))
+        metrics, _ = await self._patient_trainer(lambda: self._publish_once(again))
+        return metrics
+
+    async def publish_paused(self, pause_mode: str, again: bool = False) -> dict:
+        """publish() to generating engines: the trainer pauses them (pause_mode) while it lists
+        them and lets them continue once all have the new weights. They are let continue here
+        when it did not: a push that failed for good (left paused, trainer.proto) or whose
+        continue did not reach them."""
+        continued = False
+        try:
+            metrics, continued = await self._patient_trainer(lambda: self._publish_once(again, pause_mode))
+            return metrics
+        finally:
+            if not continued:
+                await self.continue_engines(patiently=True)
 
     async def on_current_engines(self, call: Callable[[], Awaitable]):
         """A generation or evaluation call. When it fails because the engines hold older

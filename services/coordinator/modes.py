@@ -234,20 +234,10 @@ class FullyAsyncMode(RunMode):
         return {**iteration_record(rollout_id, generation, t, w, phases, t0, waited), **buffer}
 
     async def _push_weights(self, again: bool = False) -> tuple[dict, float]:
-        """The trainer's weights to the engines, paused meanwhile (pause_mode); its metrics
-        and how long the push itself took (the pause and the continue around it not counted)."""
-        calls = self.calls
-        await calls.rollout_call(
-            lambda: calls.clients.rollout.PauseGeneration(
-                rollout_pb2.PauseGenerationRequest(mode=calls.cfg.pause_mode),
-                timeout=calls.settings.call_deadline_seconds,
-            )
-        )
+        """The trainer's weights to the engines, paused meanwhile (pause_mode: the trainer
+        pauses them while it lists them); its metrics and how long it took."""
         t0 = time.monotonic()
-        try:
-            return await calls.publish(again), time.monotonic() - t0
-        finally:
-            await calls.continue_engines(patiently=True)
+        return await self.calls.publish_paused(self.calls.cfg.pause_mode, again), time.monotonic() - t0
 
     async def on_no_batch(self) -> str:
         """No full batch yet. Engines that restarted on their base weights generate nothing

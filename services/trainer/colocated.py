@@ -32,6 +32,7 @@ from torch import Tensor
 
 from rlmesh.common import errors, weight_file
 from rlmesh.common.grpc_server import aio_channel
+from rlmesh.trainer.engine_pause import EnginePause
 from rlmesh.trainer.weight_sync import PushResult, plan_buckets
 from rlmesh.v1 import rollout_pb2
 from rlmesh.v1.rollout_pb2_grpc import RolloutStub
@@ -72,9 +73,16 @@ class ColocatedPusher:
             raise errors.upstream_error(f"rollout service ({what})", self.rollout_address, e) from None
 
     async def push(
-        self, named: list[tuple[str, Tensor]], version: int, wire_dtype: torch.dtype | None, bucket_bytes: int
+        self,
+        named: list[tuple[str, Tensor]],
+        version: int,
+        wire_dtype: torch.dtype | None,
+        bucket_bytes: int,
+        pause_mode: str = "",
     ) -> PushResult:
+        """With `pause_mode` the engines are paused in that mode while they take the weights."""
         start = time.monotonic()
+        pause = EnginePause(self._stub, pause_mode, self._call)
         listing = asyncio.ensure_future(
             self._call("ListEngines", self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout))
         )
@@ -92,15 +100,20 @@ class ColocatedPusher:
         formats = {e.weight_file_format for e in healthy}
         if formats == {weight_file.FORMAT}:
             nbytes = written if written is not None else await self._write(named, wire_dtype)
+            await pause.begin()
             await self._update([str(self.writer.path)], weight_file.LOAD_FORMAT, str(version))
             calls = 1
         elif formats == {""}:
+            await pause.begin()
             nbytes, calls = await self._push_cuda_ipc(named, version, wire_dtype, bucket_bytes, healthy)
         else:
             raise errors.FailedPrecondition(
                 "the engines mix rlmesh weight files and SGLang's CUDA IPC tensors: a colocated push needs one kind"
             )
-        return PushResult(seconds=time.monotonic() - start, bytes=nbytes, buckets=calls)
+        await pause.end()
+        return PushResult(
+            seconds=time.monotonic() - start, bytes=nbytes, buckets=calls, engines_continued=pause.continued
+        )
 
     async def _write(self, named: list[tuple[str, Tensor]], wire_dtype: torch.dtype | None) -> int:
         try:

@@ -16,9 +16,9 @@ from rlmesh.trainer.weight_sync import PushResult, WeightPusher
 PUBLISH_METHODS = ("distributed", "disk", "colocated")
 
 
-async def push_weights(run: Run, settings: Settings, version: int, method: str) -> PushResult:
-    """Push the run's current weights as `version` by `method` (one of PUBLISH_METHODS); the
-    caller holds the model."""
+async def push_weights(run: Run, settings: Settings, version: int, method: str, pause_mode: str = "") -> PushResult:
+    """Push the run's current weights as `version` by `method` (one of PUBLISH_METHODS), the
+    engines paused meanwhile in `pause_mode` ("": not paused); the caller holds the model."""
     wire_dtype = getattr(torch, settings.weight_sync_dtype) if settings.weight_sync_dtype else None
     if method == "colocated":
         if run.colocated is None:
@@ -29,7 +29,11 @@ async def push_weights(run: Run, settings: Settings, version: int, method: str) 
                 settings.weight_sync_timeout_seconds,
             )
         return await run.colocated.push(
-            list(run.backend.state_dict_for_sync()), version, wire_dtype, run.config.weight_sync.bucket_bytes
+            list(run.backend.state_dict_for_sync()),
+            version,
+            wire_dtype,
+            run.config.weight_sync.bucket_bytes,
+            pause_mode,
         )
     if run.pusher is None:
         run.pusher = WeightPusher(
@@ -41,7 +45,7 @@ async def push_weights(run: Run, settings: Settings, version: int, method: str) 
         )
     if method == "distributed":
         return await run.pusher.push_distributed(
-            list(run.backend.state_dict_for_sync()), version, run.config.weight_sync, wire_dtype
+            list(run.backend.state_dict_for_sync()), version, run.config.weight_sync, wire_dtype, pause_mode
         )
     directory = settings.work_dir / run.run_id / "weights"
-    return await run.pusher.push_from_disk(run.backend.save_weights, directory, version)
+    return await run.pusher.push_from_disk(run.backend.save_weights, directory, version, pause_mode)

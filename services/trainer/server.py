@@ -66,11 +66,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
 
     async def PublishWeights(self, request, context):
-        result = await self.trainer.publish_weights(request.run_id, request.version, request.method, request.again)
+        result = await self.trainer.publish_weights(
+            request.run_id, request.version, request.method, request.again, request.pause_mode
+        )
         if self.metrics is not None:
             self.metrics.publish(result.seconds, result.bytes)
         return trainer_pb2.PublishWeightsResponse(
-            version=result.version, seconds=result.seconds, bytes=result.bytes, buckets=result.buckets
+            version=result.version,
+            seconds=result.seconds,
+            bytes=result.bytes,
+            buckets=result.buckets,
+            engines_continued=result.engines_continued,
         )
 
     async def SaveCheckpoint(self, request, context):

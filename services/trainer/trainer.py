@@ -33,6 +33,7 @@ from rlmesh.trainer.checkpoints import (
     write_in_background,
 )
 from rlmesh.trainer.config import Settings
+from rlmesh.trainer.engine_pause import check_pause_mode
 from rlmesh.trainer.final_model import (
     FINAL_MODEL_DIR,
     KL_REFERENCE_DIR,
@@ -377,10 +378,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- weights and checkpoints
 
-    async def publish_weights(self, run_id: str, version: int, method: str = "", again: bool = False) -> PushResult:
+    async def publish_weights(
+        self, run_id: str, version: int, method: str = "", again: bool = False, pause_mode: str = ""
+    ) -> PushResult:
         """The weights to the engines as `version`; `again` (to engines that fell behind): under
         the last push's version when nothing was trained since, as they are the same weights.
-        The result's version is the one used."""
+        With `pause_mode` the engines are paused in that mode while the weights move, and let
+        continue once all have them (not after a failed push: engine_pause.py). The result's
+        version is the one used."""
         run = self._get(run_id)
         method = method or run.config.weight_sync.method
         if method not in PUBLISH_METHODS:
@@ -389,11 +394,12 @@ class Trainer:
             )
         if version < 0:
             raise errors.InvalidArgument(f"version must not be negative, got {version}")
+        check_pause_mode(pause_mode)
         await fault_point("trainer.before_push")
         async with self._holding(run):
             if again and run.weight_version and run.pushed_at_step == run.backend.step:
                 version = run.weight_version
-            result = await push_weights(run, self.settings, version, method)
+            result = await push_weights(run, self.settings, version, method, pause_mode)
             run.weight_version, run.pushed_at_step, result.version = version, run.backend.step, version
             log.info(
                 "run %s: weights v%d pushed (%s, %d bytes, %d buckets, %d as deltas, %.2f s)",

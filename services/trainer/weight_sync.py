@@ -56,6 +56,7 @@ from rlmesh.common.weight_group import (
     rendezvous_socket,
 )
 from rlmesh.trainer.bucket_stream import BucketStream, BucketTiming, OutgoingBucket
+from rlmesh.trainer.engine_pause import EnginePause
 from rlmesh.v1 import rollout_pb2
 from rlmesh.v1.rollout_pb2_grpc import RolloutStub
 
@@ -70,6 +71,7 @@ class PushResult:
     delta_buckets: int = 0  # buckets sent as deltas (skipped unchanged ones included)
     timings: list[BucketTiming] = field(default_factory=list)  # per bucket sent, in order (distributed pushes)
     version: int = 0  # the weight version the engines now report (set by the trainer)
+    engines_continued: bool = False  # paused for the push (pause_mode) and generating again
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -387,9 +389,13 @@ class WeightPusher:
         version: int,
         config: WeightSyncConfig,
         wire_dtype: torch.dtype | None = None,
+        pause_mode: str = "",
     ) -> PushResult:
+        """With `pause_mode` the engines are paused in that mode (while the engines are listed)
+        until all have answered the last bucket (engine_pause.py)."""
         start_time = time.monotonic()
-        group = await self._ensure_group(config.backend)
+        pause = EnginePause(self._stub, pause_mode, self._call)
+        group, _ = await asyncio.gather(self._ensure_group(config.backend), pause.begin())
         device = torch.device("cuda") if group.backend == "nccl" else torch.device("cpu")
         flattened = config.load_format == "flattened_bucket"
         buckets = plan_buckets(tensors, config.bucket_bytes, wire_dtype)
@@ -466,20 +472,26 @@ class WeightPusher:
             _forget_sent(group, stream.pending, stream.ready)
             raise
         group.version = str(version)
+        await pause.end()
         return PushResult(
             seconds=time.monotonic() - start_time,
             bytes=stream.sent_bytes,
             buckets=len(buckets),
             delta_buckets=stream.delta_buckets,
             timings=stream.timings,
+            engines_continued=pause.continued,
         )
 
-    async def push_from_disk(self, save: Callable[[Path], Path], directory: Path, version: int) -> PushResult:
-        """Save the weights under directory/v<version>, have the engines load them, then
-        drop older versions' directories."""
+    async def push_from_disk(
+        self, save: Callable[[Path], Path], directory: Path, version: int, pause_mode: str = ""
+    ) -> PushResult:
+        """Save the weights under directory/v<version>, have the engines load them (paused
+        meanwhile, with pause_mode), then drop older versions' directories."""
         start = time.monotonic()
+        pause = EnginePause(self._stub, pause_mode, self._call)
         target = directory / f"v{version}"
         await asyncio.to_thread(save, target)
+        await pause.begin()
         await self._call(
             "UpdateWeightsFromDisk",
             self._stub.UpdateWeightsFromDisk(
@@ -487,6 +499,7 @@ class WeightPusher:
                 timeout=self.timeout,
             ),
         )
+        await pause.end()
         if self._group is not None:
             self._group.version = str(version)  # the engines moved on together; the group still holds
             self._group.sent.clear()  # ... but hold the checkpoint's weights, not what we last broadcast
@@ -494,7 +507,7 @@ class WeightPusher:
             if old != target and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
         size = sum(f.stat().st_size for f in target.glob("*.safetensors"))
-        return PushResult(seconds=time.monotonic() - start, bytes=size, buckets=0)
+        return PushResult(seconds=time.monotonic() - start, bytes=size, buckets=0, engines_continued=pause.continued)
 
     async def close(self) -> None:
         await self._close_group()

@@ -62,28 +62,32 @@ class TrainStepResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., groups_trained: _Optional[int] = ..., samples_trained: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., no_batch: _Optional[bool] = ..., stale_groups_dropped: _Optional[int] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
-    __slots__ = ("run_id", "version", "method", "again")
+    __slots__ = ("run_id", "version", "method", "again", "pause_mode")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     AGAIN_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     version: int
     method: str
     again: bool
-    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., method: _Optional[str] = ..., again: _Optional[bool] = ...) -> None: ...
+    pause_mode: str
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., method: _Optional[str] = ..., again: _Optional[bool] = ..., pause_mode: _Optional[str] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
-    __slots__ = ("version", "seconds", "bytes", "buckets")
+    __slots__ = ("version", "seconds", "bytes", "buckets", "engines_continued")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_CONTINUED_FIELD_NUMBER: _ClassVar[int]
     version: int
     seconds: float
     bytes: int
     buckets: int
-    def __init__(self, version: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., buckets: _Optional[int] = ...) -> None: ...
+    engines_continued: bool
+    def __init__(self, version: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., buckets: _Optional[int] = ..., engines_continued: _Optional[bool] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("run_id", "path")
