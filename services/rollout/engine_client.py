@@ -289,10 +289,16 @@ class EnginePool:
     async def pause(self, mode: str) -> None:
         if mode not in PAUSE_MODES:
             raise InvalidArgument(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        for engine in self.engines:
+            engine.paused = True
         await self.each_answering(lambda e: e.pause(mode))
 
     async def resume(self) -> None:
-        await self.each_answering(lambda e: e.resume())
+        try:
+            await self.each_answering(lambda e: e.resume())
+        finally:
+            for engine in self.engines:
+                engine.paused = False
 
     async def init_weight_group(
         self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str

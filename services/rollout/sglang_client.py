@@ -175,6 +175,7 @@ class SGLangClient:
         self.metrics: RolloutMetrics | None = None  # counts tokens and requests (set by the pool)
         self.answered_version: int | None = None  # the weight version of its last /generate answer
         self.held_version: int | None = None  # the weight version the pool last knew it to hold
+        self.paused = False  # the pool paused it (for a weight push) and has not let it continue
         self.first_answer_version = ""  # the weight version its first /generate answer reported
         self.generate_requests = self.in_flight = 0
         self.retired = False  # discovery dropped it: a broken request is retried on another engine
@@ -214,7 +215,9 @@ class SGLangClient:
         # Finite and sized from the work asked for: a frozen engine is noticed within it.
         timeout = self.generate_timeout + self.seconds_per_token * int(sampling_params.get("max_new_tokens") or 128)
         started = self.metrics.started() if self.metrics is not None else 0.0
-        sent_under = self.held_version
+        # Sent while paused, it starts once the engine continues, after the push: under the
+        # version the engine will then hold, which is not known yet (None: not counted).
+        sent_under = None if self.paused else self.held_version
         answer = None
         self.generate_requests += 1
         self.in_flight += 1

@@ -395,7 +395,11 @@ class WeightPusher:
         until all have answered the last bucket (engine_pause.py)."""
         start_time = time.monotonic()
         pause = EnginePause(self._stub, pause_mode, self._call)
-        group, _ = await asyncio.gather(self._ensure_group(config.backend), pause.begin())
+        # Both to the end, even when one fails: a group setup left running could race the retry's.
+        group, paused = await asyncio.gather(self._ensure_group(config.backend), pause.begin(), return_exceptions=True)
+        for outcome in (group, paused):
+            if isinstance(outcome, BaseException):
+                raise outcome
         device = torch.device("cuda") if group.backend == "nccl" else torch.device("cpu")
         flattened = config.load_format == "flattened_bucket"
         buckets = plan_buckets(tensors, config.bucket_bytes, wire_dtype)

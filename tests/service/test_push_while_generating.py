@@ -124,29 +124,34 @@ def test_a_request_the_weights_changed_under_counts_the_version_it_was_sent_unde
 ):
     """The sample records the version its request was sent under and the one it ended under,
     so its staleness counts from the older (before, only the engine's answer counted: a
-    sample begun under version 1 and ended under 2 read as fresh as one wholly of 2). The
-    client cannot see when inside the engine a request began: one sent while the engines
-    were paused for a push counts the older version too."""
+    sample begun under version 1 and ended under 2 read as fresh as one wholly of 2). A
+    request sent while the rollout service itself holds the engines paused starts only after
+    the push: it counts the version it ends under."""
     rollout = rollout_pb2_grpc.RolloutStub(sync_channel(rollout_address))
     backend = TorchBackend(config(tiny_model_dir), CPU)
     pusher = WeightPusher(rollout_address, "r-began-under")
-    pool = EnginePool([engine.url], "", timeout=30, weight_timeout=60, api_key=stack_token() or "")  # a second client
+    # A second client of the engine: it did not pause it, so it sees a request sent under
+    # version 1 answered under version 2, as when the weights change while it runs.
+    pool = EnginePool([engine.url], "", timeout=30, weight_timeout=60, api_key=stack_token() or "")
+    params = {"max_new_tokens": 4, "ignore_eos": True}
+
+    def generated_while_pushing(version: int, rid: str) -> list[int]:
+        answer = asyncio.run_coroutine_threadsafe(
+            pool.engines[0].generate([1, 2, 3], params, rid=rid), loop_thread.loop
+        )
+        loop_thread.run(pusher.push_distributed(moved(backend, 0.01), version, SYNC))
+        rollout.ContinueGeneration(rollout_pb2.ContinueGenerationRequest())
+        loop_thread.run(pool.resume())
+        return apply_engine_output(Sample(index=0, tokens=[1, 2, 3]), answer.result(60)).weight_versions
+
     try:
         loop_thread.run(pusher.push_distributed(moved(backend, 0.01), 1, SYNC))
         loop_thread.run(pool.probe())  # it holds version 1
         rollout.PauseGeneration(rollout_pb2.PauseGenerationRequest(mode="retract"))
-        params = {"max_new_tokens": 4, "ignore_eos": True}
-        answer = asyncio.run_coroutine_threadsafe(
-            pool.engines[0].generate([1, 2, 3], params, rid="r"), loop_thread.loop
-        )
-        loop_thread.run(pusher.push_distributed(moved(backend, 0.01), 2, SYNC))
-        rollout.ContinueGeneration(rollout_pb2.ContinueGenerationRequest())
-        sample = apply_engine_output(Sample(index=0, tokens=[1, 2, 3]), answer.result(60))
-        assert sample.weight_versions == [1, 2]
+        assert generated_while_pushing(2, "r") == [1, 2]
 
-        loop_thread.run(pool.probe())  # it holds version 2
-        answer = loop_thread.run(pool.engines[0].generate([1, 2, 3], params, rid="r2"))
-        assert apply_engine_output(Sample(index=1, tokens=[1, 2, 3]), answer).weight_versions == [2]
+        loop_thread.run(pool.pause("retract"))  # now this client pauses it
+        assert generated_while_pushing(3, "r2") == [3]
     finally:
         loop_thread.run(pusher.close())
         loop_thread.run(pool.close())
