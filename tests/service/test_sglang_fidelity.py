@@ -63,6 +63,9 @@ EXPECTED = {
         "rlmesh_weight_file"
     ),
     "engine states: GET /server_info: rlmesh reads rlmesh_gpu_uuid, which SGLang does not return": ("rlmesh_gpu_uuid"),
+    # written into the parsed answer by rlmesh's own client, never by an engine
+    "generate (default): POST /generate: rlmesh reads meta_info.rlmesh_began_under_weight_version, which SGLang "
+    "does not return": "rlmesh_began_under_weight_version",
 }
 
 # Routes rlmesh asks and does without when an engine answers 404 (older SGLang): the weight
