@@ -5,7 +5,7 @@ once here. The coordinator hands each service its section (the trainer gets
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -42,6 +42,10 @@ __all__ = [
     "limit_violations",
     "oldest_weight_version",
 ]
+
+# How engines pause for a weight push (SGLang's /pause_generation modes).
+PauseMode = Literal["abort", "in_place", "retract"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 
 
 class DatasetConfig(StrictModel):
@@ -283,7 +287,7 @@ class RunConfig(TrainingConfig):
     stale_policy: StalePolicy = Field(
         "drop", description="Older groups are dropped (counted, never trained) or trained anyway (counted)."
     )
-    pause_mode: Literal["abort", "in_place", "retract"] = Field(
+    pause_mode: PauseMode = Field(
         "abort",
         description="fully_async: how generation pauses for a weight push. 'abort' ends in-flight "
         "requests (with partial_rollout they resume from their partial response under the new weights); "

@@ -14,11 +14,11 @@ import httpx
 
 from rlmesh.common.auth import credential_headers
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.common.run_config import PAUSE_MODES
 from rlmesh.common.weight_group import GPU_KEY, WEIGHT_DELTA_FORMAT
 from rlmesh.rollout.metrics import RolloutMetrics
 from rlmesh.rollout.sglang_client import (
     KEEPALIVE_EXPIRY_SECONDS,
-    PAUSE_MODES,
     EngineBehind,
     EngineError,
     EnginesBehind,
@@ -222,7 +222,7 @@ class EnginePool:
                     f"{weight_version}: push the current weights to its engines first"
                 )
             if not engine.retired:
-                self._versions[engine.url] = answered
+                self._versions[engine.url] = engine.held_version = answered
             raise EngineBehind(
                 f"engine {engine.url} answered with weight version {answered}, older than {weight_version} "
                 "(it restarted?): generating the sample again"

@@ -74,9 +74,6 @@ class TensorMeta:
     shape: tuple[int, ...]
 
 
-PAUSE_MODES = ("abort", "retract", "in_place")
-
-
 def weight_group_world_size(states: list[EngineState]) -> int:
     """The trainer (rank 0) plus every engine's tensor-parallel ranks."""
     return 1 + sum(s.tp_size for s in states)
@@ -100,11 +97,11 @@ class GenerateHTTP:
     def __init__(self, headers: dict[str, str] | None = None, connections: int = GENERATE_CONNECTIONS) -> None:
         self.headers, self.connections = headers or {}, connections
         self._session: aiohttp.ClientSession | None = None
-        # (scheme, host, port) -> the proxy and its credentials (None: direct), as HTTP(S)_PROXY
+        # URL -> the proxy and its credentials (None: direct), as HTTP(S)_PROXY
         # and NO_PROXY say, as httpx takes them for the other calls. Looked up once per engine:
         # aiohttp's trust_env looks them up (and reads ~/.netrc) in a thread at every request,
         # which was a third of the rollout service's CPU in a fully_async run.
-        self._proxies: dict[tuple, tuple[URL | None, aiohttp.BasicAuth | None]] = {}
+        self._proxies: dict[str, tuple[URL | None, aiohttp.BasicAuth | None]] = {}
 
     async def post(self, url: str, body: dict, timeout: float) -> tuple[int, bytes]:
         """The answer's status and body. Raises aiohttp's errors, and asyncio.TimeoutError
@@ -126,14 +123,12 @@ class GenerateHTTP:
             return r.status, b"".join(chunks)
 
     def _proxy(self, url: str) -> tuple[URL | None, aiohttp.BasicAuth | None]:
-        target = URL(url)
-        key = (target.scheme, target.host, target.port)
-        if key not in self._proxies:
+        if url not in self._proxies:  # (one /generate URL per engine)
             try:
-                self._proxies[key] = get_env_proxy_for_url(target)
+                self._proxies[url] = get_env_proxy_for_url(URL(url))
             except LookupError:  # none set, or NO_PROXY names the host
-                self._proxies[key] = (None, None)
-        return self._proxies[key]
+                self._proxies[url] = (None, None)
+        return self._proxies[url]
 
     async def close(self) -> None:
         if self._session is not None:

@@ -16,12 +16,12 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from rlmesh.common import errors
+from rlmesh.common.run_config import PAUSE_MODES
 from rlmesh.v1 import rollout_pb2
 from rlmesh.v1.rollout_pb2_grpc import RolloutStub
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "in_place", "retract")
 # A pause or continue is one call to each engine: far shorter than a push's own deadline.
 CALL_DEADLINE_SECONDS = 30.0
 
