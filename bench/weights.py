@@ -78,6 +78,7 @@ buffer = torch.empty(max(sizes), dtype=torch.uint8)
 for _ in range(rounds):
     for n in sizes:
         dist.broadcast(buffer[:n], src=0, group=group)
+dist.barrier(group=group)  # exits only once rank 0 is done: never during a measured push
 dist.destroy_process_group(group)
 """
 
@@ -185,6 +186,7 @@ class RawBroadcast:
         return time.perf_counter() - start
 
     def close(self) -> None:
+        dist.barrier(group=self.group)
         self.receiver.wait(timeout=120)
         destroy_weight_group(self.group, self.name)
         self.buckets.clear()  # a copy of the weights
@@ -226,7 +228,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
     cpu = torch.device("cpu")
     raw = RawBroadcast(
         [flatten_bucket(b, cpu, wire) for b in plan_buckets(named, full.bucket_bytes, wire)],
-        1 + args.rounds * (1 if args.push_only else 2),  # a warm-up, the distributed rounds, the colocated ones
+        1 + args.rounds * (1 if args.push_only else 3),  # a warm-up; the bf16, fp32 and colocated rounds
     )
     try:
         version = 0
@@ -253,13 +255,22 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
             push_s.append(pushed.seconds)
             gaps += bucket_gaps(pushed)
             print_buckets(pushed, wire_bytes)
-            if not args.push_only:
-                version += 1
-                cast_s.append((await pusher.push_distributed(named, version, full, wire)).seconds)
-            print(f"raw broadcast {raw_s[-1]:.2f} s, push {push_s[-1]:.2f} s" + fp32_note(cast_s), flush=True)
+            print(f"raw broadcast {raw_s[-1]:.2f} s, push {push_s[-1]:.2f} s", flush=True)
         if args.push_only:
             raw.close()
             return push_summary(wire_bytes, full, args, push_s, raw_s, gaps)
+        # Then the fp32 master weights, converted on the way: in their own rounds, after one
+        # untimed push (a run pushes in one form; switching churns both sides' memory).
+        version += 1
+        await pusher.push_distributed(named, version, full, wire)
+        cast_raw_s = []
+        for _ in range(args.rounds):
+            cast_raw_s.append(await asyncio.to_thread(raw.once))
+            version += 1
+            cast = await pusher.push_distributed(named, version, full, wire)
+            cast_s.append(cast.seconds)
+            print_buckets(cast, wire_bytes, "from fp32")
+            print(f"raw broadcast {cast_raw_s[-1]:.2f} s, push from fp32 {cast_s[-1]:.2f} s", flush=True)
 
         first_colocated = []  # the two weight files' pages written (used in turn: the engine maps one)
         for _ in range(2):
@@ -334,6 +345,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         "push_vs_raw_rounds": [round(r / p, 3) for r, p in zip(raw_s, push_s)],
         "bucket_gap_ms_median": round(1000 * statistics.median(gaps), 2) if gaps else None,
         "push_from_fp32_gb_per_s": round(wire_bytes / cast_time / GB, 3),
+        "push_from_fp32_vs_raw": round(statistics.median(r / p for r, p in zip(cast_raw_s, cast_s)), 3),
         "dist_push_s": round(push_time, 3),
         "colocated_gb_per_s": round(wire_bytes / colo_time / GB, 3),
         "colocated_from_fp32_gb_per_s": round(wire_bytes / colo_cast_time / GB, 3),
@@ -352,10 +364,6 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
     }
 
 
-def fp32_note(cast_s: list[float]) -> str:
-    return f", push from fp32 {cast_s[-1]:.2f} s" if cast_s else ""
-
-
 def bucket_gaps(result) -> list[float]:
     """Seconds rank 0 waited between one bucket's broadcast ending and the next's first
     tensor leaving (the engines taking the next bucket's request and posting its receive)."""
@@ -363,14 +371,14 @@ def bucket_gaps(result) -> list[float]:
     return [b.first_sent - a.finished for a, b in itertools.pairwise(t)]
 
 
-def print_buckets(result, wire_bytes: int) -> None:
+def print_buckets(result, wire_bytes: int, label: str = "") -> None:
     t = getattr(result, "timings", [])
     if not t:
         return
     per = sorted(b.finished - b.started for b in t)
     gaps = sorted(bucket_gaps(result)) or [0.0]
     print(
-        f"  {len(t)} buckets: each {1000 * per[0]:.1f}-{1000 * per[-1]:.1f} ms (median {1000 * per[len(per) // 2]:.1f}), "
+        f"  {label + ': ' if label else ''}{len(t)} buckets: each {1000 * per[0]:.1f}-{1000 * per[-1]:.1f} ms (median {1000 * per[len(per) // 2]:.1f}), "
         f"wait before a bucket's first tensor left {1000 * gaps[len(gaps) // 2]:.2f} ms median "
         f"({1000 * gaps[-1]:.2f} max), {wire_bytes / len(t) / 2**20:.0f} MiB a bucket",
         flush=True,
@@ -435,6 +443,7 @@ def main() -> None:
             {
                 "push": "same, from float32 weights converted on the way",
                 "GB/s": f"{results['push_from_fp32_gb_per_s']:.2f}",
+                "seconds": f"{results['push_from_fp32_vs_raw']:.2f} of the raw broadcast (paired rounds)",
             },
             {
                 "push": "colocated (weight file in /dev/shm), same bf16 parameters",

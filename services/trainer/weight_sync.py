@@ -151,6 +151,11 @@ def flatten_bucket(
     return flat
 
 
+def sendable_as_is(bucket: Sequence[tuple[str, Tensor]], device: torch.device, wire_dtype: torch.dtype | None) -> bool:
+    """Whether every tensor of the bucket can be broadcast as it is (no conversion, no copy)."""
+    return all(t.device == device and t.dtype == (wire_dtype or t.dtype) and t.is_contiguous() for _, t in bucket)
+
+
 def broadcast_bucket(
     bucket: Sequence[tuple[str, Tensor]],
     group: dist.ProcessGroup,
@@ -162,11 +167,7 @@ def broadcast_bucket(
 ) -> int:
     """Send one bucket whole from rank 0 (from `flat`, its flatten_bucket, when given);
     `first_sent` is called once its first broadcast has left. Returns the bytes sent."""
-    if (
-        flat is None
-        and not flattened
-        and all(t.device == device and t.dtype == (wire_dtype or t.dtype) and t.is_contiguous() for _, t in bucket)
-    ):
+    if flat is None and not flattened and sendable_as_is(bucket, device, wire_dtype):
         for i, (_, t) in enumerate(bucket):  # already as sent: no copy
             dist.broadcast(t.detach(), src=0, group=group)
             if i == 0:
@@ -234,6 +235,10 @@ class _Group:
     # Per bucket (its names), what the engines hold as last sent through this group: the
     # base of the next delta. Empty when delta pushes are off or the engines' state is unsure.
     sent: dict[tuple[str, ...], Tensor] = field(default_factory=dict)
+    # On CPU, the two buffers that buckets are converted or flattened into, alternating, kept
+    # from one push to the next: fresh memory costs page faults (0.1-0.8 s a push for 2 x 200
+    # MiB). On a GPU the caching allocator recycles freed memory, which training needs meanwhile.
+    staging: list[list[Tensor | None]] = field(default_factory=lambda: [[None], [None]])
 
 
 def _forget_sent(group: _Group, pending: list[asyncio.Future], ready: dict[int, asyncio.Future]) -> None:
@@ -406,10 +411,9 @@ class WeightPusher:
         use_delta = config.delta and group.delta_ok
         if not use_delta:
             group.sent.clear()
-        # Two flattening buffers, alternating (fresh memory would cost page faults): bucket
-        # k's is reused by bucket k+2, prepared only once bucket k has left rank 0 (over
-        # NCCL: once the engines have answered for it).
-        staging: list[list[Tensor | None]] = [[None], [None]]
+        # Bucket k's staging buffer is reused by bucket k+2, prepared only once bucket k has
+        # left rank 0 (over NCCL: once the engines have answered for it).
+        staging = group.staging if device.type == "cpu" else [[None], [None]]
 
         def prepare(k: int) -> OutgoingBucket | None:
             """Bucket k as it will travel; None when it is unchanged and may be skipped."""
@@ -429,15 +433,9 @@ class WeightPusher:
             )
             if not use_delta:
                 flat = None
-                if flattened or not all(
-                    t.device == device and t.dtype == (wire_dtype or t.dtype) and t.is_contiguous() for _, t in bucket
-                ):
+                if flattened or not sendable_as_is(bucket, device, wire_dtype):
                     flat = flatten_bucket(bucket, device, wire_dtype, staging[k % 2])  # here, beside the last broadcast
-                return OutgoingBucket(
-                    request,
-                    lambda first: broadcast_bucket(bucket, group.group, flattened, device, flat=flat, first_sent=first),
-                    False,
-                )
+                return whole(request, bucket, flat)
             key = tuple(name for name, _ in bucket)
             flat = flatten_bucket(bucket, device, wire_dtype)
             base = group.sent.pop(key, None)  # popped: if this push fails, the base is unsure
@@ -457,6 +455,9 @@ class WeightPusher:
                     )
                     return OutgoingBucket(request, lambda first: _broadcast_payload(payload, group.group, first), True)
             group.sent[key] = flat
+            return whole(request, bucket, flat)
+
+        def whole(request: rollout_pb2.UpdateWeightsRequest, bucket: list, flat: Tensor | None) -> OutgoingBucket:
             return OutgoingBucket(
                 request,
                 lambda first: broadcast_bucket(bucket, group.group, flattened, device, flat=flat, first_sent=first),
