@@ -31,7 +31,7 @@ from rlmesh.engine.http_common import EngineState, ServerClosing, error_response
 from rlmesh.engine.metrics import engine_metrics
 from rlmesh.engine.routes_colocated import colocated_router
 from rlmesh.engine.routes_control import control_router
-from rlmesh.engine.routes_generation import generation_router
+from rlmesh.engine.routes_generation import generation_route
 from rlmesh.engine.routes_info import info_router
 from rlmesh.engine.routes_weights import weights_router
 from rlmesh.engine.weights import WeightUpdateError, parse_dtype
@@ -111,8 +111,8 @@ def create_app(settings: Settings) -> FastAPI:
         log.exception("unhandled error in %s", request.url.path)
         return error_response(500, f"internal error in {request.url.path}: {type(e).__name__}: {e}")
 
+    app.router.routes.insert(0, generation_route(state))  # (first: the route of every sample)
     for router in (
-        generation_router(state),
         control_router(state),
         info_router(state),
         weights_router(state),
@@ -182,6 +182,7 @@ async def start(settings: Settings) -> tuple[EngineServer, int]:
         port=port,
         log_level=settings.log_level.lower(),
         access_log=False,
+        proxy_headers=False,  # (nothing here reads the client's address)
         # Longer than clients keep idle pooled connections, so a request never meets a
         # connection the server is just closing.
         timeout_keep_alive=30,
