@@ -56,7 +56,9 @@ def test_the_queue_carries_on_across_a_coordinator_restart(
     redis_url, start_in_loop, loop_thread, engine_url, tmp_path, tiny_model_dir
 ):
     stack = start_local_stack(start_in_loop, redis_url, engine_url, tmp_path)
-    active = stack.api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=3)).json()["id"]
+    # Long enough that the active run cannot end while the coordinator shuts down (it drives
+    # the run until its lifespan ends), which would start the queued one.
+    active = stack.api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=20)).json()["id"]
     queued = stack.api.post("/runs", json=run_config(tmp_path, tiny_model_dir, num_rollouts=1)).json()
     assert queued["status"] == "queued"
     wait_for_run(stack.api, active, lambda run: run["rollout_id"] >= 1)
