@@ -35,36 +35,36 @@ class GenerateContext:
 
 def prompt_ids(tokenizer: Any, sample: Sample, apply_chat_template: bool) -> list[int]:
     templated = bool(sample.metadata.get("chat_template_applied"))  # the buffer templated it (with any tools)
-    if not sample.messages and not sample.metadata.get("tools"):
+    tools = sample.metadata.get("tools") or None
+    if not sample.messages and tools is None:
         # The samples of a group share their prompt: tokenized once (it was 7% of the
         # rollout service's CPU in a profile). A copy: the caller may extend it.
         return list(_text_prompt_ids(tokenizer, sample.prompt, templated, apply_chat_template))
+    return _tokenize(tokenizer, sample.prompt, sample.messages, tools, templated, apply_chat_template)
+
+
+@functools.lru_cache(maxsize=1024)
+def _text_prompt_ids(tokenizer: Any, prompt: str, templated: bool, apply_chat_template: bool) -> tuple[int, ...]:
+    return tuple(_tokenize(tokenizer, prompt, None, None, templated, apply_chat_template))
+
+
+def _tokenize(
+    tokenizer: Any, prompt: str, messages: Any, tools: Any, templated: bool, apply_chat_template: bool
+) -> list[int]:
     if templated:
-        return tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
-    if sample.messages or apply_chat_template:
-        messages = sample.messages or [{"role": "user", "content": sample.prompt}]
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if messages or apply_chat_template:
         # The dataset's tool definitions (its `tools` key) are shown to the model as its template shows tools.
         return list(
             tokenizer.apply_chat_template(
-                messages,
-                tools=sample.metadata.get("tools") or None,
+                messages or [{"role": "user", "content": prompt}],
+                tools=tools,
                 tokenize=True,
                 add_generation_prompt=True,
                 return_dict=False,
             )
         )
-    return tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
-
-
-@functools.lru_cache(maxsize=1024)
-def _text_prompt_ids(tokenizer: Any, prompt: str, templated: bool, apply_chat_template: bool) -> tuple[int, ...]:
-    """A prompt given as text alone (no messages, no tools), as prompt_ids tokenizes it."""
-    if apply_chat_template and not templated:
-        messages = [{"role": "user", "content": prompt}]
-        return tuple(
-            tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-        )
-    return tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
 def weight_version_number(version: str) -> int:
