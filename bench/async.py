@@ -131,6 +131,11 @@ def main() -> None:
         "(rollout.within_queue_cap; default: the run config's, off)",
     )
     parser.add_argument(
+        "--background-push",
+        action="store_true",
+        help="fully_async: the trainer pushes its weights beside the next train step (weight_sync.background)",
+    )
+    parser.add_argument(
         "--max-staleness",
         type=int,
         default=0,
@@ -176,12 +181,12 @@ def main() -> None:
                 for seed in range(args.seeds):  # interleaved: a change of the machine's load hits every mode
                     seeded = {**config, "seed": seed, "datasets": [{**d, "seed": seed} for d in config["datasets"]]}
                     for mode in modes:
-                        bound = (
-                            {"max_staleness": args.max_staleness}
-                            if mode == "fully_async" and args.max_staleness
-                            else {}
-                        )
-                        runs[mode].append(run_mode(api, {**seeded, **bound}, mode))
+                        own = {}  # (fully_async's own settings)
+                        if mode == "fully_async" and args.max_staleness:
+                            own["max_staleness"] = args.max_staleness
+                        if mode == "fully_async" and args.background_push:
+                            own["weight_sync"] = {**config["weight_sync"], "background": True}
+                        runs[mode].append(run_mode(api, {**seeded, **own}, mode))
                         print(f"{mode} seed {seed}: eval after {runs[mode][-1]['eval_after']:.2f}", file=sys.stderr)
         finally:
             stack.stop()
@@ -209,7 +214,8 @@ def main() -> None:
         f"python -m bench.async: {args.seeds} seeds x {args.rollouts} rollouts x {samples_per_rollout} samples, "
         f"lr {config['optimizer']['lr']:g}, pause_mode {config['pause_mode']}"
         f"{', partial rollouts in every mode' if args.partial_rollout else ''}"
-        f"{', generation within the queue cap' if args.within_queue_cap else ''}, preamble {args.preamble} chars, "
+        f"{', generation within the queue cap' if args.within_queue_cap else ''}"
+        f"{', fully_async pushing in the background' if args.background_push else ''}, preamble {args.preamble} chars, "
         f"{os.cpu_count()} CPUs"
     )
     seeds = ", ".join(str(seed) for seed in range(args.seeds))

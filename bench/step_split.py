@@ -91,6 +91,11 @@ def main() -> None:
     parser.add_argument("--modes", default="sync", help="comma-separated: sync, one_step_off, fully_async")
     parser.add_argument("--rollouts", type=int, default=12, help="RL iterations per run")
     parser.add_argument("--sft-steps", type=int, default=5, help="SFT warm-start steps per run")
+    parser.add_argument(
+        "--background-push",
+        action="store_true",
+        help="fully_async pushes its weights beside the next train step (weight_sync.background)",
+    )
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per torch process (engine, trainer)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -105,10 +110,17 @@ def main() -> None:
         try:
             with httpx.Client(base_url=stack.coordinator_url, timeout=60, headers=client_headers()) as api:
                 pids = {name: process.pid for name, process in stack.processes.items()}
-                rows = [run_split(api, config, mode, pids) for mode in modes]
+                background = {**config, "weight_sync": {**config["weight_sync"], "background": True}}
+                rows = [
+                    run_split(api, background if args.background_push and mode == "fully_async" else config, mode, pids)
+                    for mode in modes
+                ]
         finally:
             stack.stop()
-    title = f"python -m bench.step_split --modes {','.join(modes)} --rollouts {args.rollouts}, {os.cpu_count()} CPUs"
+    title = (
+        f"python -m bench.step_split --modes {','.join(modes)} --rollouts {args.rollouts}"
+        f"{' --background-push' if args.background_push else ''}, {os.cpu_count()} CPUs"
+    )
     print_table(rows, title, floatfmt=".3f")
     print(json.dumps({"rows": rows}))
 

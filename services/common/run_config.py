@@ -350,6 +350,13 @@ class RunConfig(TrainingConfig):
                 "weight_sync.method 'colocated' needs mode 'sync' or 'one_step_off': in fully_async the engines "
                 "generate while the trainer trains, so they cannot give it their accelerator memory"
             )
+        if self.weight_sync.background and (
+            self.mode != "fully_async" or self.source != "datasets" or self.weight_sync.method != "distributed"
+        ):
+            raise ValueError(
+                "weight_sync.background needs mode 'fully_async' with rlmesh's own generation (source 'datasets') "
+                "and weight_sync.method 'distributed': in the other modes nothing trains during a push"
+            )
         two = self.weight_sync.method == "colocated" and self.mode == "one_step_off"  # (the next batch queued too)
         if two and 0 < self.max_queued_groups < 2 * self.rollout.rollout_batch_size:
             raise ValueError(

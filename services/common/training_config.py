@@ -56,6 +56,12 @@ class WeightSyncConfig(StrictModel):
         description="Broadcast over a process group; or write a checkpoint the engines load; or 'colocated': engines "
         "on the trainer's accelerators sleep while it trains, then load its weights in place (sync, one_step_off).",
     )
+    background: bool = Field(
+        False,
+        description="fully_async, method distributed: the trainer copies its weights (one more copy, on its "
+        "device, in the wire dtype) and pushes them from the copy while the next step trains, instead of "
+        "training only once the push has ended.",
+    )
     delta: bool = Field(
         False,
         description="Distributed pushes send only the elements whose bits changed since the last push "

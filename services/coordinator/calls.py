@@ -65,6 +65,10 @@ def _transient(e: BaseException) -> str | None:
     return transient_grpc_error(e)
 
 
+def _push_metrics(version: int, r: trainer_pb2.PublishWeightsResponse) -> dict:
+    return {"weights/version": version, "weights/seconds": r.seconds, "weights/bytes": r.bytes}
+
+
 class RunCalls:
     """The calls of run `run_id` (config `cfg`), each retried through its service's outage."""
 
@@ -258,8 +262,7 @@ class RunCalls:
         )
         version = r.version or version  # (again: the last push's, when nothing was trained since)
         await self.store.update(self.run_id, weight_version=version)
-        metrics = {"weights/version": version, "weights/seconds": r.seconds, "weights/bytes": r.bytes}
-        return metrics, r.engines_continued
+        return _push_metrics(version, r), r.engines_continued
 
     async def publish(self, again: bool = False) -> dict:
         """The trainer's weights to every engine, as the next weight version; its metrics.
@@ -279,6 +282,42 @@ class RunCalls:
         finally:
             if not continued:
                 await self.continue_engines(patiently=True)
+
+    async def publish_in_background(self, pause_mode: str) -> tuple[int, float]:
+        """PublishWeights(background): the trainer copies its weights and pushes them from the
+        copy, the engines paused in pause_mode, while the next step trains. Returns the push's
+        version, made the run's by wait_for_push, and how long the trainer took to copy."""
+
+        async def start() -> trainer_pb2.PublishWeightsResponse:
+            version = (await self.store.get(self.run_id))["weight_version"] + 1  # (a retry after a reset: anew)
+            request = trainer_pb2.PublishWeightsRequest(
+                run_id=self.run_id, version=version, pause_mode=pause_mode, background=True
+            )
+            return await self.clients.trainer.PublishWeights(request, timeout=self.settings.setup_deadline_seconds)
+
+        r = await self._patient_trainer(start)
+        return r.version, r.seconds
+
+    async def wait_for_push(self, version: int, pause_mode: str) -> dict:
+        """The background push of `version` ended: now the run's weight version; its metrics.
+        One that failed, or that the trainer no longer knows (restarted), is pushed again
+        at once (publish_paused): the engines may be paused, holding part of it."""
+
+        def wait() -> Awaitable[trainer_pb2.PublishWeightsResponse]:
+            request = trainer_pb2.WaitForPushRequest(run_id=self.run_id, version=version)
+            return self.clients.trainer.WaitForPush(request, timeout=self.settings.setup_deadline_seconds)
+
+        try:
+            r = await self.patiently(
+                self.service("trainer"), lambda: self.watched(wait(), self.service("trainer"), self._trainer_waits)
+            )
+        except grpc.aio.AioRpcError as e:
+            log.warning("run %s: %s; pushing the weights again", self.run_id, e.details())
+            return await self.publish_paused(pause_mode)
+        await self.store.update(self.run_id, weight_version=version)
+        if not r.engines_continued:
+            await self.continue_engines(patiently=True)
+        return _push_metrics(version, r)
 
     async def on_current_engines(self, call: Callable[[], Awaitable]):
         """A generation or evaluation call. When it fails because the engines hold older

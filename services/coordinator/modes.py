@@ -6,7 +6,7 @@ Each mode owns its iteration and whatever of it runs in the background between i
   publish (nothing is in flight then, so the engines need no pause);
 - fully_async: the rollout service generates continuously (StartAsyncRollout, kept alive
   by a heartbeat); each iteration trains the next batch, pauses the engines, publishes,
-  and lets them continue.
+  and lets them continue (weight_sync.background: the push runs beside the next train step).
 
 An iteration returns the iteration's metric record; the run driver adds the buffer's and
 the evaluation's figures and keeps it."""
@@ -130,6 +130,10 @@ class RunMode:
         run generates in the background; keep_metrics keeps what it measured for the next
         iteration's record."""
 
+    async def weights_published(self) -> None:
+        """Before an evaluation between steps: the engines hold the weights of the last step's
+        push (a mode that pushes in the background waits for it)."""
+
     async def close(self) -> None:
         """The run ends (stopped or failed): background work stopped, best effort."""
 
@@ -211,6 +215,8 @@ class FullyAsyncMode(RunMode):
         self.loop_may_run = True
         self.generation_metrics: dict[str, float] = {}  # since the last record
         self.loop_error = ""  # what the generation loop last reported going wrong ("" when all is well)
+        self.pushing = 0  # the version of the weight push under way in the background (0: none)
+        self.pushed_metrics: dict = {}  # of the background push that ended, for the next record
 
     async def iteration(self, rollout_id: int) -> dict:
         """Train the next batch the continuous generation wrote, then push the new weights
@@ -224,7 +230,8 @@ class FullyAsyncMode(RunMode):
         # the train call, which waits for its batch anyway; the buffer's figures beside the push.
         (t, train_seconds), _ = await alongside(calls.train_batch(self.on_no_batch), self._start_generation())
         t1 = time.monotonic()
-        (w, update_seconds), buffer = await alongside(self._push_weights(), calls.buffer_metrics())
+        push = self._push_in_background() if calls.cfg.weight_sync.background else self._push_weights()
+        (w, update_seconds), buffer = await alongside(push, calls.buffer_metrics())
         generation, self.generation_metrics = self.generation_metrics, {}
         # The generation runs beside the step: what the step waits for is a full batch, inside
         # its train call (the trainer's own step time is train/seconds).
@@ -239,11 +246,35 @@ class FullyAsyncMode(RunMode):
         t0 = time.monotonic()
         return await self.calls.publish_paused(self.calls.cfg.pause_mode, again), time.monotonic() - t0
 
+    async def _push_in_background(self) -> tuple[dict, float]:
+        """weight_sync.background: the push the previous iteration started (it ran beside this
+        iteration's train step) has ended, then this iteration's starts. The metrics are those
+        of the push that ended, and the copy's time; the time is what the iteration waited."""
+        t0 = time.monotonic()
+        await self._pushed()
+        weights, self.pushed_metrics = self.pushed_metrics, {}
+        self.pushing, copy_seconds = await self.calls.publish_in_background(self.calls.cfg.pause_mode)
+        return {**weights, "weights/copy_seconds": copy_seconds}, time.monotonic() - t0
+
+    async def _pushed(self) -> None:
+        """The background push under way, if any, has ended (pushed again if it failed); its
+        metrics are kept for the next record."""
+        version, self.pushing = self.pushing, 0
+        if version:
+            self.pushed_metrics = await self.calls.wait_for_push(version, self.calls.cfg.pause_mode)
+
+    async def weights_published(self) -> None:
+        await self._pushed()
+
     async def on_no_batch(self) -> str:
         """No full batch yet. Engines that restarted on their base weights generate nothing
         the trainer would keep (the loop refuses them), and no push would ever come, since
         pushes follow train steps: push the weights to them now. Otherwise say what the
-        generation loop reports."""
+        generation loop reports. A background push under way ends first: one a restarted
+        trainer lost left the engines paused, and they generate nothing until pushed again."""
+        if self.pushing:
+            await self._pushed()
+            return "waited for the weight push under way (pushed again if it failed)"
         behind = await self.calls.engines_behind()
         if behind:
             await self._push_weights(again=True)
@@ -287,7 +318,9 @@ class FullyAsyncMode(RunMode):
 
     async def settle(self, keep_metrics: bool = False) -> None:
         """The continuous generation stopped: its unfinished prompts go back to the buffer and
-        its finished groups stay queued, so nothing is lost; the next iteration restarts it."""
+        its finished groups stay queued, so nothing is lost; the next iteration restarts it.
+        A weight push under way in the background ends first."""
+        await self._pushed()
         await self._stop_generation(patiently=True)
         if not keep_metrics:  # (a pause keeps them for the next iteration's record)
             self.generation_metrics = {}
@@ -296,7 +329,9 @@ class FullyAsyncMode(RunMode):
         # Best effort: the run is ending anyway, and a rollout service that is down has no loop
         # to stop. First the engines continue: a push cut short (a run stopped while its
         # coordinator was down ends here without a setup) left them paused, and the loop's
-        # requests in flight finish, or return to the buffer, only on running engines.
+        # requests in flight finish, or return to the buffer, only on running engines. (A push
+        # under way in the background ends there before the trainer lets the run go.)
+        self.pushing = 0
         await self.calls.continue_engines()
         await self._stop_generation(patiently=False)
 

@@ -298,6 +298,7 @@ class RunDriver:
         eval_seconds = 0.0
         if cfg.eval.interval and (rollout_id + 1) % cfg.eval.interval == 0 and rollout_id + 1 < cfg.num_rollouts:
             evaluating = time.monotonic()
+            await mode.weights_published()
             record.update(await calls.evaluate())
             eval_seconds = time.monotonic() - evaluating
         end = time.monotonic()

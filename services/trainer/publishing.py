@@ -5,9 +5,14 @@ and kept with the run."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
 import torch
 
-from rlmesh.common import weight_file
+from rlmesh.common import errors, weight_file
+from rlmesh.common.faults import fault_point
 from rlmesh.trainer.colocated import ColocatedPusher
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.run_state import Run
@@ -15,11 +20,13 @@ from rlmesh.trainer.weight_sync import PushResult, WeightPusher
 
 PUBLISH_METHODS = ("distributed", "disk", "colocated")
 
+log = logging.getLogger(__name__)
+
 
 async def push_weights(run: Run, settings: Settings, version: int, method: str, pause_mode: str = "") -> PushResult:
     """Push the run's current weights as `version` by `method` (one of PUBLISH_METHODS), the
     engines paused meanwhile in `pause_mode` ("": not paused); the caller holds the model."""
-    wire_dtype = getattr(torch, settings.weight_sync_dtype) if settings.weight_sync_dtype else None
+    wire_dtype = _wire_dtype(settings)
     if method == "colocated":
         if run.colocated is None:
             run.colocated = ColocatedPusher(
@@ -35,6 +42,54 @@ async def push_weights(run: Run, settings: Settings, version: int, method: str, 
             run.config.weight_sync.bucket_bytes,
             pause_mode,
         )
+    pusher = _pusher(run, settings)
+    if method == "distributed":
+        return await pusher.push_distributed(
+            list(run.backend.state_dict_for_sync()), version, run.config.weight_sync, wire_dtype, pause_mode
+        )
+    directory = settings.work_dir / run.run_id / "weights"
+    return await pusher.push_from_disk(run.backend.save_weights, directory, version, pause_mode)
+
+
+def start_background_push(run: Run, settings: Settings, version: int, pause_mode: str = "") -> PushResult:
+    """The run's current weights copied (on their device, in the wire dtype) and pushed from the
+    copy as `version` by a task kept in run.background_push, while the caller goes on training;
+    the caller holds the model and has waited for the run's previous background push. The
+    result says how long the copy took."""
+    start = time.monotonic()
+    wire_dtype = _wire_dtype(settings)
+    copy = [(name, t.to(wire_dtype or t.dtype, copy=True)) for name, t in run.backend.state_dict_for_sync()]
+    pusher = _pusher(run, settings)
+
+    async def push() -> PushResult:
+        try:
+            await fault_point("trainer.background_push")  # (the weights copied, nothing sent yet)
+            result = await pusher.push_distributed(copy, version, run.config.weight_sync, None, pause_mode)
+        except Exception as e:
+            log.warning("run %s: the background push of weights v%d failed: %s", run.run_id, version, e)
+            raise errors.Aborted(f"the background push of weights v{version} failed (push again): {e}") from None
+        result.version = version
+        log.info(
+            "run %s: weights v%d pushed in the background (%d bytes, %d buckets, %.2f s)",
+            run.run_id,
+            version,
+            result.bytes,
+            result.buckets,
+            result.seconds,
+        )
+        return result
+
+    task = asyncio.create_task(push(), name=f"push-{run.run_id}-v{version}")
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (its failure is WaitForPush's to report)
+    run.background_push = (version, task)
+    return PushResult(seconds=time.monotonic() - start, bytes=0, buckets=0, version=version)
+
+
+def _wire_dtype(settings: Settings) -> torch.dtype | None:
+    return getattr(torch, settings.weight_sync_dtype) if settings.weight_sync_dtype else None
+
+
+def _pusher(run: Run, settings: Settings) -> WeightPusher:
     if run.pusher is None:
         run.pusher = WeightPusher(
             settings.rollout_address,
@@ -43,9 +98,4 @@ async def push_weights(run: Run, settings: Settings, version: int, method: str, 
             settings.weight_sync_timeout_seconds,
             settings.weight_sync_bind_address,
         )
-    if method == "distributed":
-        return await run.pusher.push_distributed(
-            list(run.backend.state_dict_for_sync()), version, run.config.weight_sync, wire_dtype, pause_mode
-        )
-    directory = settings.work_dir / run.run_id / "weights"
-    return await run.pusher.push_from_disk(run.backend.save_weights, directory, version, pause_mode)
+    return run.pusher

@@ -22,6 +22,9 @@ class Run:
     weight_version: int = 0
     pushed_at_step: int | None = None  # backend.step when weight_version was pushed (None: not in this process)
     pusher: WeightPusher | None = None
+    # The last push PublishWeights started in the background (its version, its task): awaited
+    # before any other push and before the run ends; its outcome is WaitForPush's answer.
+    background_push: tuple[int, asyncio.Task] | None = None
     colocated: ColocatedPusher | None = None
     resumed_step: int = 0
     last_checkpoint_step: int = 0  # of the newest automatic checkpoint, or where the run started
@@ -61,6 +64,12 @@ class Run:
             else 0,
             vocab_size=self.backend.vocab_size,
         )
+
+    async def pushed(self) -> None:
+        """Wait for the background push under way, if any, whatever its outcome (WaitForPush
+        reports it); a caller that goes away does not cancel it."""
+        if self.background_push is not None:
+            await asyncio.wait([self.background_push[1]])
 
     async def saved(self) -> None:
         """Wait for the checkpoint being written, if any (it logs its own failure). Shielded:

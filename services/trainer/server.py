@@ -16,9 +16,20 @@ from rlmesh.trainer.config import Settings
 from rlmesh.trainer.metrics import TrainerMetrics
 from rlmesh.trainer.results import RunStatus, parse_run_config
 from rlmesh.trainer.trainer import Trainer
+from rlmesh.trainer.weight_sync import PushResult
 from rlmesh.v1 import check_pb2, trainer_pb2, trainer_pb2_grpc
 
 SERVICE_NAME = "rlmesh.v1.Trainer"
+
+
+def _push_response(result: PushResult) -> trainer_pb2.PublishWeightsResponse:
+    return trainer_pb2.PublishWeightsResponse(
+        version=result.version,
+        seconds=result.seconds,
+        bytes=result.bytes,
+        buckets=result.buckets,
+        engines_continued=result.engines_continued,
+    )
 
 
 def _status(status: RunStatus) -> trainer_pb2.TrainerStatus:
@@ -67,17 +78,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def PublishWeights(self, request, context):
         result = await self.trainer.publish_weights(
-            request.run_id, request.version, request.method, request.again, request.pause_mode
+            request.run_id, request.version, request.method, request.again, request.pause_mode, request.background
         )
+        if self.metrics is not None and not request.background:
+            self.metrics.publish(result.seconds, result.bytes)
+        return _push_response(result)
+
+    async def WaitForPush(self, request, context):
+        result = await self.trainer.wait_for_push(request.run_id, request.version)
         if self.metrics is not None:
             self.metrics.publish(result.seconds, result.bytes)
-        return trainer_pb2.PublishWeightsResponse(
-            version=result.version,
-            seconds=result.seconds,
-            bytes=result.bytes,
-            buckets=result.buckets,
-            engines_continued=result.engines_continued,
-        )
+        return _push_response(result)
 
     async def SaveCheckpoint(self, request, context):
         path = await self.trainer.save_checkpoint(request.run_id, request.path)

@@ -42,7 +42,7 @@ from rlmesh.trainer.final_model import (
     write_final_model,
 )
 from rlmesh.trainer.loading import resolve_device
-from rlmesh.trainer.publishing import PUBLISH_METHODS, push_weights
+from rlmesh.trainer.publishing import PUBLISH_METHODS, push_weights, start_background_push
 from rlmesh.trainer.ranks import open_backend
 from rlmesh.trainer.results import RunStatus, StepResult
 from rlmesh.trainer.run_paths import RunPaths, model_paths
@@ -180,6 +180,7 @@ class Trainer:
             status = run.status()
             if not shutting_down:
                 status.final_model = await self._write_final_model(run)
+            await run.pushed()
             if run.pusher is not None:
                 await run.pusher.close()
             if run.colocated is not None:
@@ -379,39 +380,65 @@ class Trainer:
     # ---------------------------------------------------------------- weights and checkpoints
 
     async def publish_weights(
-        self, run_id: str, version: int, method: str = "", again: bool = False, pause_mode: str = ""
+        self,
+        run_id: str,
+        version: int,
+        method: str = "",
+        again: bool = False,
+        pause_mode: str = "",
+        background: bool = False,
     ) -> PushResult:
         """The weights to the engines as `version`; `again` (to engines that fell behind): under
         the last push's version when nothing was trained since, as they are the same weights.
         With `pause_mode` the engines are paused in that mode while the weights move, and let
-        continue once all have them (not after a failed push: engine_pause.py). The result's
-        version is the one used."""
+        continue once all have them (not after a failed push: engine_pause.py). `background`:
+        return once the weights are copied, the push going on from the copy (wait_for_push
+        tells its outcome). The result's version is the one used."""
         run = self._get(run_id)
         method = method or run.config.weight_sync.method
         if method not in PUBLISH_METHODS:
             raise errors.InvalidArgument(
                 f"method must be one of {', '.join(PUBLISH_METHODS)} (or empty), got {method!r}"
             )
+        if background and method != "distributed":
+            raise errors.InvalidArgument(f"background pushes need method 'distributed', not {method!r}")
         if version < 0:
             raise errors.InvalidArgument(f"version must not be negative, got {version}")
         check_pause_mode(pause_mode)
         await fault_point("trainer.before_push")
         async with self._holding(run):
+            await run.pushed()  # (pushes share the weight group: one at a time)
             if again and run.weight_version and run.pushed_at_step == run.backend.step:
                 version = run.weight_version
-            result = await push_weights(run, self.settings, version, method, pause_mode)
+            if background:
+                result = start_background_push(run, self.settings, version, pause_mode)
+            else:
+                result = await push_weights(run, self.settings, version, method, pause_mode)
+                log.info(
+                    "run %s: weights v%d pushed (%s, %d bytes, %d buckets, %d as deltas, %.2f s)",
+                    run.run_id,
+                    version,
+                    method,
+                    result.bytes,
+                    result.buckets,
+                    result.delta_buckets,
+                    result.seconds,
+                )
             run.weight_version, run.pushed_at_step, result.version = version, run.backend.step, version
-            log.info(
-                "run %s: weights v%d pushed (%s, %d bytes, %d buckets, %d as deltas, %.2f s)",
-                run.run_id,
-                version,
-                method,
-                result.bytes,
-                result.buckets,
-                result.delta_buckets,
-                result.seconds,
-            )
             return result
+
+    async def wait_for_push(self, run_id: str, version: int) -> PushResult:
+        """The outcome of the background push of `version`, once it has ended: its result, or
+        its failure as Aborted (push again). FailedPrecondition when this trainer started no
+        such push (it restarted since, or another push came after it)."""
+        run = self._get(run_id)
+        pending = run.background_push
+        if pending is None or pending[0] != version:
+            raise errors.FailedPrecondition(
+                f"run {run_id!r}: this trainer has no background push of weights v{version} "
+                "(it restarted, or pushed since): push again"
+            )
+        return await asyncio.shield(pending[1])
 
     async def save_checkpoint(self, run_id: str, path: str = "") -> Path:
         """Save to `path`, or by default <checkpoint_dir or <run>/checkpoints>/step_<n>, all

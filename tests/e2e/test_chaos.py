@@ -22,6 +22,7 @@ from tests.helpers.chaos import (
     PROCESSES,
     TRAINER_BUFFER_OUTAGE,
     TRAINER_BUFFER_TIMEOUT,
+    accounting_problems,
     chaos_config,
     check_accounting,
     eventually,
@@ -270,5 +271,33 @@ def test_a_restarted_engine_generates_for_the_run_only_once_it_has_the_runs_weig
         assert max(staleness) <= (0 if mode == "sync" else 2), staleness  # (fully_async's default bound: 2)
         trained = trained_record(chaos.stack, run_id)
         assert len(trained) == len(set(trained)) == chaos.stats(run_id).acknowledged_groups
+    finally:
+        chaos.ensure_finished(run_id)
+
+
+@pytest.mark.slow
+def test_a_background_push_the_trainer_dies_in_is_pushed_again(chaos, tiny_model_dir):
+    """weight_sync.background: the trainer is killed while its push of a step's weights has
+    not gone out (the next step trains meanwhile). The coordinator finds the push lost once
+    the trainer is back, pushes again, and the run completes, each acknowledged group trained
+    once and no sample older than the bound."""
+    config = chaos_config(chaos.stack, tiny_model_dir)
+    config.update(mode="fully_async", num_rollouts=4)
+    config["weight_sync"] = {"background": True}
+    chaos.hold("trainer.background_push")
+    run_id = chaos.start_run(config)
+    try:
+        chaos.wait_reached("trainer.background_push")
+        chaos.kill("trainer")
+    finally:
+        chaos.release("trainer.background_push")
+    try:
+        run = chaos.run(run_id)
+        assert run["status"] == "completed", run["error"]
+        assert run["waiting_for"] == ""
+        # (fully_async leaves what it generated past the last step queued)
+        assert not accounting_problems(chaos.stack, chaos.stats(run_id), run_id, 4, queued_ok=True)
+        records = chaos.api.get(f"/runs/{run_id}/metrics", params={"fields": "train/staleness_max"}).json()
+        assert max(r["train/staleness_max"] for r in records["records"] if "train/staleness_max" in r) <= 2
     finally:
         chaos.ensure_finished(run_id)

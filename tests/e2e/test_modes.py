@@ -39,6 +39,30 @@ def test_each_mode_completes_within_its_staleness_bound(services, tmp_path, tiny
         assert s.groups_written == s.acknowledged_groups and s.queued_groups == 0
 
 
+@pytest.mark.slow
+def test_fully_async_pushes_weights_in_the_background_beside_the_next_step(services, tmp_path, tiny_model_dir):
+    """weight_sync.background: each push runs beside the next train step. The run completes
+    within its staleness bound; each step's record carries the push the step before it
+    started; an evaluation between steps and the run's end wait for the push under way."""
+    api, _ = services
+    config = {**run_config(tmp_path, tiny_model_dir, num_rollouts=4), "mode": "fully_async"}
+    config["weight_sync"] = {"background": True}
+    config["eval"]["interval"] = 2
+    r = api.post("/runs", json=config)
+    assert r.status_code == 201, r.text
+    run = wait_for_run(api, r.json()["id"])
+    assert run["status"] == "completed", run["error"]
+    rl = [m for m in run_metrics(api, run["id"]) if "iteration/seconds" in m]
+    assert [m["rollout_id"] for m in rl] == [1, 2, 3, 4]
+    assert all(m["train/samples"] == 6 for m in rl)
+    assert max(m.get("train/staleness_max", 0.0) for m in rl) <= 2
+    assert all(m["weights/copy_seconds"] >= 0 for m in rl)
+    pushed = [m["weights/version"] for m in rl[1:] if "weights/version" in m]
+    assert len(pushed) == 3 and pushed == sorted(set(pushed))
+    assert "eval/held_out/reward_mean" in rl[1] and "eval/held_out/reward_mean" in run["eval_after"]
+    assert_time_split(rl)
+
+
 def test_async_modes_need_a_staleness_bound_of_at_least_one(services, tmp_path, tiny_model_dir):
     api, _ = services
     r = api.post("/runs", json={**run_config(tmp_path, tiny_model_dir, 2), "mode": "fully_async", "max_staleness": 0})

@@ -436,6 +436,50 @@ def test_weights_pushed_again_to_a_restarted_engine_keep_their_version_until_the
     assert_engine_has(engine, weights)
 
 
+def test_a_background_push_sends_the_weights_of_its_call_while_training_goes_on(
+    rollout_address, engine, trainer_server, tiny_model_dir
+):
+    """PublishWeights(background) answers once the weights are copied; the push goes on from
+    the copy, so what changes the weights meanwhile (the next train step) is not in it, and
+    WaitForPush answers with its outcome. A version it never started is FAILED_PRECONDITION;
+    a method other than the broadcast is refused."""
+    stub = trainer_server(rollout_address=rollout_address)
+    stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=config(tiny_model_dir).model_dump_json()))
+    backend = trainer_server.trainers[-1]._run.backend
+    moved(backend, 0.01)
+    expected = params(backend)
+
+    started = stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=1, background=True))
+    assert started.version == 1 and started.bytes == 0
+    moved(backend, 0.01)  # a train step's change, after the copy
+    done = stub.WaitForPush(trainer_pb2.WaitForPushRequest(run_id="r1", version=1))
+    assert done.version == 1 and done.bytes == 137_728 * 4 and engine.weight_version() == "1"
+    assert_engine_has(engine, expected.items())
+    assert stub.WaitForPush(trainer_pb2.WaitForPushRequest(run_id="r1", version=1)).version == 1  # (asked again)
+
+    with pytest.raises(grpc.RpcError) as e:
+        stub.WaitForPush(trainer_pb2.WaitForPushRequest(run_id="r1", version=2))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "push again" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=2, method="disk", background=True))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "distributed" in e.value.details()
+
+
+def test_a_background_push_that_fails_is_aborted_for_wait_for_push(loop_thread, trainer_server, tiny_model_dir):
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    server, port = loop_thread.run(start_rollout(RolloutSettings(port=0, engine_urls=[down])))
+    try:
+        stub = trainer_server(rollout_address=f"127.0.0.1:{port}")
+        stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=config(tiny_model_dir).model_dump_json()))
+        stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=1, background=True))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.WaitForPush(trainer_pb2.WaitForPushRequest(run_id="r1", version=1))
+        assert e.value.code() == grpc.StatusCode.ABORTED
+        assert "push of weights v1 failed (push again)" in e.value.details() and down in e.value.details()
+    finally:
+        loop_thread.run(server.stop(None))
+
+
 def test_flattened_bf16_buckets_and_a_new_group_after_an_engine_restart(
     loop_thread, rollout_address, engine, tiny_model_dir
 ):

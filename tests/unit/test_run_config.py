@@ -97,6 +97,20 @@ def test_fully_async_resumes_what_a_weight_push_aborted_unless_the_run_says_othe
     assert sent("sync", partial_rollout=True)
 
 
+def test_background_pushes_are_for_fully_async_over_a_weight_group():
+    """weight_sync.background: only where something trains during a push (fully_async, rlmesh's
+    own generation) and only for the broadcast; refused elsewhere naming the field."""
+    base = {"model_path": "/m", "datasets": [{"name": "t", "path": "t.jsonl"}], "weight_sync": {"background": True}}
+    assert RunConfig.model_validate({**base, "mode": "fully_async"}).weight_sync.background
+    for refused in (
+        {"mode": "sync"},
+        {"mode": "one_step_off"},
+        {"mode": "fully_async", "weight_sync": {"background": True, "method": "disk"}},
+    ):
+        with pytest.raises(ValueError, match="weight_sync.background needs mode 'fully_async'"):
+            RunConfig.model_validate({**base, **refused})
+
+
 def test_generation_within_the_queue_cap_is_the_runs_choice_off_by_default():
     base = {"model_path": "/m", "datasets": [{"name": "t", "path": "t.jsonl"}], "mode": "fully_async"}
     assert not rollout_request("r", RunConfig.model_validate(base), 1).within_queue_cap

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlmesh.v1 import check_pb2 as rlmesh_dot_v1_dot_check__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/trainer.proto\x12\trlmesh.v1\x1a\x15rlmesh/v1/check.proto\"5\n\x0eInitRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\"\x87\x02\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nnum_groups\x18\x02 \x01(\x05\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\t\x12\x1c\n\x14\x61nswer_without_batch\x18\x05 \x01(\x08\x12R\n\x15min_groups_by_dataset\x18\x06 \x03(\x0b\x32\x33.rlmesh.v1.TrainStepRequest.MinGroupsByDatasetEntry\x1a\x39\n\x17MinGroupsByDatasetEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xee\x01\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0egroups_trained\x18\x02 \x01(\x05\x12\x17\n\x0fsamples_trained\x18\x03 \x01(\x05\x12:\n\x07metrics\x18\x04 \x03(\x0b\x32).rlmesh.v1.TrainStepResponse.MetricsEntry\x12\x10\n\x08no_batch\x18\x05 \x01(\x08\x12\x1c\n\x14stale_groups_dropped\x18\x06 \x01(\x05\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"k\n\x15PublishWeightsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\r\n\x05\x61gain\x18\x04 \x01(\x08\x12\x12\n\npause_mode\x18\x05 \x01(\t\"u\n\x16PublishWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x04 \x01(\x05\x12\x19\n\x11\x65ngines_continued\x18\x05 \x01(\x08\"5\n\x15SaveCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"&\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\"4\n\x10GetStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08held_run\x18\x02 \x01(\x08\"\x1f\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xe2\x01\n\rTrainerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x12\n\nmodel_path\x18\x04 \x01(\t\x12\x14\n\x0cresumed_step\x18\x05 \x01(\x03\x12\x16\n\x0estep_in_flight\x18\x06 \x01(\x08\x12\x1b\n\x13unacknowledged_step\x18\x07 \x01(\x03\x12\x13\n\x0bwaiting_for\x18\x08 \x03(\t\x12\x13\n\x0b\x66inal_model\x18\t \x01(\t\x12\x12\n\nvocab_size\x18\n \x01(\x03\"@\n\x16ListCheckpointsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_dir\x18\x02 \x01(\t\"v\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tautomatic\x18\x03 \x01(\x08\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x12\n\nwritten_at\x18\x05 \x01(\x01\x12\r\n\x05\x66inal\x18\x06 \x01(\x08\"&\n\x0f\x43heckRunRequest\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t\"E\n\x17ListCheckpointsResponse\x12*\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x15.rlmesh.v1.Checkpoint2\xdd\x04\n\x07Trainer\x12>\n\x07InitRun\x12\x19.rlmesh.v1.InitRunRequest\x1a\x18.rlmesh.v1.TrainerStatus\x12\x46\n\tTrainStep\x12\x1b.rlmesh.v1.TrainStepRequest\x1a\x1c.rlmesh.v1.TrainStepResponse\x12U\n\x0ePublishWeights\x12 .rlmesh.v1.PublishWeightsRequest\x1a!.rlmesh.v1.PublishWeightsResponse\x12U\n\x0eSaveCheckpoint\x12 .rlmesh.v1.SaveCheckpointRequest\x1a!.rlmesh.v1.SaveCheckpointResponse\x12\x42\n\tGetStatus\x12\x1b.rlmesh.v1.GetStatusRequest\x1a\x18.rlmesh.v1.TrainerStatus\x12<\n\x06\x45ndRun\x12\x18.rlmesh.v1.EndRunRequest\x1a\x18.rlmesh.v1.TrainerStatus\x12X\n\x0fListCheckpoints\x12!.rlmesh.v1.ListCheckpointsRequest\x1a\".rlmesh.v1.ListCheckpointsResponse\x12@\n\x08\x43heckRun\x12\x1a.rlmesh.v1.CheckRunRequest\x1a\x18.rlmesh.v1.CheckResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlmesh/v1/trainer.proto\x12\trlmesh.v1\x1a\x15rlmesh/v1/check.proto\"5\n\x0eInitRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\"\x87\x02\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nnum_groups\x18\x02 \x01(\x05\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\t\x12\x1c\n\x14\x61nswer_without_batch\x18\x05 \x01(\x08\x12R\n\x15min_groups_by_dataset\x18\x06 \x03(\x0b\x32\x33.rlmesh.v1.TrainStepRequest.MinGroupsByDatasetEntry\x1a\x39\n\x17MinGroupsByDatasetEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xee\x01\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0egroups_trained\x18\x02 \x01(\x05\x12\x17\n\x0fsamples_trained\x18\x03 \x01(\x05\x12:\n\x07metrics\x18\x04 \x03(\x0b\x32).rlmesh.v1.TrainStepResponse.MetricsEntry\x12\x10\n\x08no_batch\x18\x05 \x01(\x08\x12\x1c\n\x14stale_groups_dropped\x18\x06 \x01(\x05\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x7f\n\x15PublishWeightsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\r\n\x05\x61gain\x18\x04 \x01(\x08\x12\x12\n\npause_mode\x18\x05 \x01(\t\x12\x12\n\nbackground\x18\x06 \x01(\x08\"5\n\x12WaitForPushRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"u\n\x16PublishWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x04 \x01(\x05\x12\x19\n\x11\x65ngines_continued\x18\x05 \x01(\x08\"5\n\x15SaveCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"&\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\"4\n\x10GetStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08held_run\x18\x02 \x01(\x08\"\x1f\n\rEndRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xe2\x01\n\rTrainerStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x12\n\nmodel_path\x18\x04 \x01(\t\x12\x14\n\x0cresumed_step\x18\x05 \x01(\x03\x12\x16\n\x0estep_in_flight\x18\x06 \x01(\x08\x12\x1b\n\x13unacknowledged_step\x18\x07 \x01(\x03\x12\x13\n\x0bwaiting_for\x18\x08 \x03(\t\x12\x13\n\x0b\x66inal_model\x18\t \x01(\t\x12\x12\n\nvocab_size\x18\n \x01(\x03\"@\n\x16ListCheckpointsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63heckpoint_dir\x18\x02 \x01(\t\"v\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tautomatic\x18\x03 \x01(\x08\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x12\n\nwritten_at\x18\x05 \x01(\x01\x12\r\n\x05\x66inal\x18\x06 \x01(\x08\"&\n\x0f\x43heckRunRequest\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t\"E\n\x17ListCheckpointsResponse\x12*\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x15.rlmesh.v1.Checkpoint2\xae\x05\n\x07Trainer\x12>\n\x07InitRun\x12\x19.rlmesh.v1.InitRunRequest\x1a\x18.rlmesh.v1.TrainerStatus\x12\x46\n\tTrainStep\x12\x1b.rlmesh.v1.TrainStepRequest\x1a\x1c.rlmesh.v1.TrainStepResponse\x12U\n\x0ePublishWeights\x12 .rlmesh.v1.PublishWeightsRequest\x1a!.rlmesh.v1.PublishWeightsResponse\x12O\n\x0bWaitForPush\x12\x1d.rlmesh.v1.WaitForPushRequest\x1a!.rlmesh.v1.PublishWeightsResponse\x12U\n\x0eSaveCheckpoint\x12 .rlmesh.v1.SaveCheckpointRequest\x1a!.rlmesh.v1.SaveCheckpointResponse\x12\x42\n\tGetStatus\x12\x1b.rlmesh.v1.GetStatusRequest\x1a\x18.rlmesh.v1.TrainerStatus\x12<\n\x06\x45ndRun\x12\x18.rlmesh.v1.EndRunRequest\x1a\x18.rlmesh.v1.TrainerStatus\x12X\n\x0fListCheckpoints\x12!.rlmesh.v1.ListCheckpointsRequest\x1a\".rlmesh.v1.ListCheckpointsResponse\x12@\n\x08\x43heckRun\x12\x1a.rlmesh.v1.CheckRunRequest\x1a\x18.rlmesh.v1.CheckResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,27 +47,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=575
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=621
   _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=623
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=730
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=732
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=849
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=851
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=904
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=906
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=944
-  _globals['_GETSTATUSREQUEST']._serialized_start=946
-  _globals['_GETSTATUSREQUEST']._serialized_end=998
-  _globals['_ENDRUNREQUEST']._serialized_start=1000
-  _globals['_ENDRUNREQUEST']._serialized_end=1031
-  _globals['_TRAINERSTATUS']._serialized_start=1034
-  _globals['_TRAINERSTATUS']._serialized_end=1260
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1262
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1326
-  _globals['_CHECKPOINT']._serialized_start=1328
-  _globals['_CHECKPOINT']._serialized_end=1446
-  _globals['_CHECKRUNREQUEST']._serialized_start=1448
-  _globals['_CHECKRUNREQUEST']._serialized_end=1486
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1488
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1557
-  _globals['_TRAINER']._serialized_start=1560
-  _globals['_TRAINER']._serialized_end=2165
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=750
+  _globals['_WAITFORPUSHREQUEST']._serialized_start=752
+  _globals['_WAITFORPUSHREQUEST']._serialized_end=805
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=807
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=924
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=926
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=979
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=981
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1019
+  _globals['_GETSTATUSREQUEST']._serialized_start=1021
+  _globals['_GETSTATUSREQUEST']._serialized_end=1073
+  _globals['_ENDRUNREQUEST']._serialized_start=1075
+  _globals['_ENDRUNREQUEST']._serialized_end=1106
+  _globals['_TRAINERSTATUS']._serialized_start=1109
+  _globals['_TRAINERSTATUS']._serialized_end=1335
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1337
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1401
+  _globals['_CHECKPOINT']._serialized_start=1403
+  _globals['_CHECKPOINT']._serialized_end=1521
+  _globals['_CHECKRUNREQUEST']._serialized_start=1523
+  _globals['_CHECKRUNREQUEST']._serialized_end=1561
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1563
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1632
+  _globals['_TRAINER']._serialized_start=1635
+  _globals['_TRAINER']._serialized_end=2321
 # @@protoc_insertion_point(module_scope)

@@ -62,18 +62,28 @@ class TrainStepResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., groups_trained: _Optional[int] = ..., samples_trained: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., no_batch: _Optional[bool] = ..., stale_groups_dropped: _Optional[int] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
-    __slots__ = ("run_id", "version", "method", "again", "pause_mode")
+    __slots__ = ("run_id", "version", "method", "again", "pause_mode", "background")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     AGAIN_FIELD_NUMBER: _ClassVar[int]
     PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     version: int
     method: str
     again: bool
     pause_mode: str
-    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., method: _Optional[str] = ..., again: _Optional[bool] = ..., pause_mode: _Optional[str] = ...) -> None: ...
+    background: bool
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., method: _Optional[str] = ..., again: _Optional[bool] = ..., pause_mode: _Optional[str] = ..., background: _Optional[bool] = ...) -> None: ...
+
+class WaitForPushRequest(_message.Message):
+    __slots__ = ("run_id", "version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
     __slots__ = ("version", "seconds", "bytes", "buckets", "engines_continued")

@@ -50,6 +50,11 @@ class TrainerStub:
                 request_serializer=rlmesh_dot_v1_dot_trainer__pb2.PublishWeightsRequest.SerializeToString,
                 response_deserializer=rlmesh_dot_v1_dot_trainer__pb2.PublishWeightsResponse.FromString,
                 _registered_method=True)
+        self.WaitForPush = channel.unary_unary(
+                '/rlmesh.v1.Trainer/WaitForPush',
+                request_serializer=rlmesh_dot_v1_dot_trainer__pb2.WaitForPushRequest.SerializeToString,
+                response_deserializer=rlmesh_dot_v1_dot_trainer__pb2.PublishWeightsResponse.FromString,
+                _registered_method=True)
         self.SaveCheckpoint = channel.unary_unary(
                 '/rlmesh.v1.Trainer/SaveCheckpoint',
                 request_serializer=rlmesh_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.SerializeToString,
@@ -100,6 +105,16 @@ class TrainerServicer:
 
     def PublishWeights(self, request, context):
         """Push the current weights to the rollout service's engines as `version`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitForPush(self, request, context):
+        """The outcome of a push PublishWeights started in the background (`background`): waits for
+        it to end and answers as PublishWeights would have. Its failure is this call's error (the
+        engines may be left paused, holding part of it: push again); FAILED_PRECONDITION: this
+        trainer started no background push of that version (it restarted): push again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,6 +175,11 @@ def add_TrainerServicer_to_server(servicer, server):
             'PublishWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.PublishWeights,
                     request_deserializer=rlmesh_dot_v1_dot_trainer__pb2.PublishWeightsRequest.FromString,
+                    response_serializer=rlmesh_dot_v1_dot_trainer__pb2.PublishWeightsResponse.SerializeToString,
+            ),
+            'WaitForPush': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitForPush,
+                    request_deserializer=rlmesh_dot_v1_dot_trainer__pb2.WaitForPushRequest.FromString,
                     response_serializer=rlmesh_dot_v1_dot_trainer__pb2.PublishWeightsResponse.SerializeToString,
             ),
             'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
@@ -268,6 +288,33 @@ class Trainer:
             target,
             '/rlmesh.v1.Trainer/PublishWeights',
             rlmesh_dot_v1_dot_trainer__pb2.PublishWeightsRequest.SerializeToString,
+            rlmesh_dot_v1_dot_trainer__pb2.PublishWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitForPush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlmesh.v1.Trainer/WaitForPush',
+            rlmesh_dot_v1_dot_trainer__pb2.WaitForPushRequest.SerializeToString,
             rlmesh_dot_v1_dot_trainer__pb2.PublishWeightsResponse.FromString,
             options,
             channel_credentials,
