@@ -251,20 +251,17 @@ class FullyAsyncMode(RunMode):
         iteration's train step) has ended, then this iteration's starts. The metrics are those
         of the push that ended, and the copy's time; the time is what the iteration waited."""
         t0 = time.monotonic()
-        await self._pushed()
+        await self.weights_published()
         weights, self.pushed_metrics = self.pushed_metrics, {}
         self.pushing, copy_seconds = await self.calls.publish_in_background(self.calls.cfg.pause_mode)
         return {**weights, "weights/copy_seconds": copy_seconds}, time.monotonic() - t0
 
-    async def _pushed(self) -> None:
+    async def weights_published(self) -> None:
         """The background push under way, if any, has ended (pushed again if it failed); its
         metrics are kept for the next record."""
         version, self.pushing = self.pushing, 0
         if version:
             self.pushed_metrics = await self.calls.wait_for_push(version, self.calls.cfg.pause_mode)
-
-    async def weights_published(self) -> None:
-        await self._pushed()
 
     async def on_no_batch(self) -> str:
         """No full batch yet. Engines that restarted on their base weights generate nothing
@@ -273,7 +270,7 @@ class FullyAsyncMode(RunMode):
         generation loop reports. A background push under way ends first: one a restarted
         trainer lost left the engines paused, and they generate nothing until pushed again."""
         if self.pushing:
-            await self._pushed()
+            await self.weights_published()
             return "waited for the weight push under way (pushed again if it failed)"
         behind = await self.calls.engines_behind()
         if behind:
@@ -320,7 +317,7 @@ class FullyAsyncMode(RunMode):
         """The continuous generation stopped: its unfinished prompts go back to the buffer and
         its finished groups stay queued, so nothing is lost; the next iteration restarts it.
         A weight push under way in the background ends first."""
-        await self._pushed()
+        await self.weights_published()
         await self._stop_generation(patiently=True)
         if not keep_metrics:  # (a pause keeps them for the next iteration's record)
             self.generation_metrics = {}
