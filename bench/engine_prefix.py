@@ -3,9 +3,10 @@ with static batches, on the same tiny model, in the same run.
 
 The workload is what a rollout service sends: groups of n samples of one prompt arrive
 over time (one group every --interval seconds, on a fixed random schedule), each sample its
-own request (as the rollout service sends them); prompts share an instruction prefix and
-differ in length; each sample has its own output length (max_new_tokens, EOS ignored),
-as a group's samples end at different times. Sampling at temperature 1.
+own request (the rollout service now sends a group as one batch; this measures the engine
+alone); prompts share an instruction prefix and differ in length; each sample has its own
+output length (max_new_tokens, EOS ignored), as a group's samples end at different times.
+Sampling at temperature 1.
 
 - hf static: the baseline. Whenever the model is free, the requests that have arrived (up
   to --batch) go to `model.generate` as one left-padded batch, run until its longest

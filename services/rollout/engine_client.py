@@ -86,6 +86,8 @@ class EnginePool:
         self._generate_timeouts = (generate_timeout, seconds_per_token)
         self.metrics = metrics
         self.router = self._client(router_url) if router_url else None
+        if self.router:
+            self.router.batch_generate = False  # (it balances the engines request by request)
         self.engines = [self._client(u) for u in engine_urls]
         self._next = itertools.count()
         self._down: set[str] = set()  # urls whose last call broke or that did not answer a probe

@@ -114,7 +114,8 @@ async def default_generate(ctx: GenerateContext, sample: Sample, sampling_params
         params["min_new_tokens"] = min(left, params["max_new_tokens"])
     rid = sample.metadata.get("rid") or uuid.uuid4().hex
     sample.metadata["rid"] = rid
-    out = await ctx.engine.generate(sample.tokens, params, rid=rid)
+    # A prompt's samples (a GRPO group, started together) go to the engine as one batch.
+    out = await ctx.engine.generate(sample.tokens, params, rid=rid, batch_key=(sample.group_index, sample.prompt))
     return apply_engine_output(sample, out)
 
 

@@ -5,8 +5,10 @@ the same API on CPU, and this client cannot tell them apart."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import aiohttp
@@ -15,6 +17,7 @@ from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
 from rlmesh.common.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
+from rlmesh.rollout.generate_batches import BatchFailed, GenerateBatches
 from rlmesh.rollout.metrics import RolloutMetrics
 
 log = logging.getLogger(__name__)
@@ -103,9 +106,9 @@ class GenerateHTTP:
         # which was a third of the rollout service's CPU in a fully_async run.
         self._proxies: dict[str, tuple[URL | None, aiohttp.BasicAuth | None]] = {}
 
-    async def post(self, url: str, body: dict, timeout: float) -> tuple[int, bytes]:
-        """The answer's status and body. Raises aiohttp's errors, and asyncio.TimeoutError
-        past `timeout` seconds."""
+    async def post(self, url: str, body: dict, timeout: float, answers: int = 1) -> tuple[int, bytes]:
+        """The answer's status and body (`answers` requests' answers: a batch). Raises
+        aiohttp's errors, and asyncio.TimeoutError past `timeout` seconds."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.connections, keepalive_timeout=KEEPALIVE_EXPIRY_SECONDS),
@@ -117,8 +120,8 @@ class GenerateHTTP:
             chunks, size = [], 0
             async for chunk in r.content.iter_chunked(1024 * 1024):
                 size += len(chunk)
-                if size > MAX_GENERATE_ANSWER_BYTES:  # (not retried: the engine would answer the same)
-                    raise EngineError(f"{url} answered more than {MAX_GENERATE_ANSWER_BYTES} bytes")
+                if size > answers * MAX_GENERATE_ANSWER_BYTES:  # (not retried: the engine would answer the same)
+                    raise EngineError(f"{url} answered more than {answers * MAX_GENERATE_ANSWER_BYTES} bytes")
                 chunks.append(chunk)
             return r.status, b"".join(chunks)
 
@@ -174,6 +177,9 @@ class SGLangClient:
         self.first_answer_version = ""  # the weight version its first /generate answer reported
         self.generate_requests = self.in_flight = 0
         self.retired = False  # discovery dropped it: a broken request is retried on another engine
+        # Requests given one batch key (a prompt's samples) go out together (generate_batches.py).
+        self.batch_generate = True
+        self._batches = GenerateBatches(self._generate, self._generate_batch, lambda rid: self.abort(rid))
 
     async def _post(self, path: str, body: dict, timeout: float | None = None) -> httpx.Response:
         try:
@@ -198,8 +204,15 @@ class SGLangClient:
         return r.json()
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict, rid: str, return_logprob: bool = True
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        rid: str,
+        return_logprob: bool = True,
+        batch_key: Hashable | None = None,
     ) -> dict:
+        """One request's answer. Requests sent in the same turn of the event loop with the same
+        `batch_key` (not None) travel to the engine as one batched /generate."""
         body = {
             "input_ids": input_ids,
             "sampling_params": sampling_params,
@@ -217,7 +230,10 @@ class SGLangClient:
         self.generate_requests += 1
         self.in_flight += 1
         try:
-            answer = await self._generate(body, rid, timeout)
+            if batch_key is not None and self.batch_generate:
+                answer = await self._batches.generate(batch_key, body, rid, timeout)
+            else:
+                answer = await self._generate(body, rid, timeout)
             version = answer.get("meta_info", {}).get("weight_version") if isinstance(answer, dict) else None
             if version is not None:  # (SGLang before 0.4.10 does not say)
                 self.answered_version = version_number(str(version))
@@ -269,6 +285,28 @@ class SGLangClient:
             return decode_answer(answer, "/generate")
         except ValueError:
             raise EngineError(f"engine {self.url}: /generate answered something not JSON: {_text(answer)}") from None
+
+    async def _generate_batch(self, body: dict, rids: list[str], timeout: float, count: int) -> list[dict]:
+        """A batched /generate's answers, in order; BatchFailed when it has none to give (its
+        requests are then sent one at a time, each to its own retry or error)."""
+        try:
+            status, answer = await self.generate_http.post(self.url + "/generate", body, timeout, answers=count)
+        except asyncio.TimeoutError:
+            raise EngineError(f"engine {self.url}: POST /generate timed out after {timeout:.0f} s") from None
+        except aiohttp.ClientError as e:
+            for rid in rids:  # (a broken connection: none of them may linger)
+                with contextlib.suppress(EngineError):
+                    await self.abort(rid)
+            raise BatchFailed(f"{type(e).__name__}: {e}") from None
+        if status != 200:  # (one request refused or failed: alone, each meets its own answer)
+            raise BatchFailed(f"answered {status}")
+        try:
+            answers = decode_answer(answer, "/generate")
+        except ValueError:
+            raise BatchFailed("answered something not JSON") from None
+        if not isinstance(answers, list) or len(answers) != count or not all(isinstance(a, dict) for a in answers):
+            raise BatchFailed(f"answered no list of {count} answers")  # (an engine without the batch form)
+        return answers
 
     async def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort a request by the rid it was sent with (or the retry that replaced it)."""

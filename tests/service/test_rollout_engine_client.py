@@ -337,3 +337,21 @@ def test_an_engine_older_than_sglang_0_5_10_is_asked_by_the_older_info_names():
     assert [(s.healthy, s.tp_size, s.weight_version) for s in first + second] == [(True, 2, "4")] * 2
     assert asked.count("/model_info") + asked.count("/server_info") <= 2  # asked once, then never again
     assert asked.count("/get_model_info") == 2 and asked.count("/get_server_info") == 2
+
+
+def test_an_engine_without_the_batch_form_gets_a_prompts_samples_one_by_one():
+    """flaky_engine answers a batch with one answer, as an engine that takes no batches
+    might: each request is sent again on its own and answered."""
+
+    async def run():
+        server, port, seen = await flaky_engine(drop_first=0)
+        async with server, httpx.AsyncClient() as http, GenerateHTTP() as generate_http:
+            client = SGLangClient(
+                f"http://127.0.0.1:{port}", http, timeout=5, weight_timeout=5, generate_http=generate_http
+            )
+            calls = [client.generate([1], {"max_new_tokens": 1}, rid=f"s{i}", batch_key="g") for i in range(3)]
+            return await asyncio.gather(*calls), seen
+
+    answers, seen = asyncio.run(run())
+    assert [a["output_ids"] for a in answers] == [[5]] * 3
+    assert [s["rid"] for s in seen if s["path"] == "/generate"] == [["s0", "s1", "s2"], "s0", "s1", "s2"]

@@ -94,7 +94,9 @@ ANSWERS: dict[str, Any] = {
 }
 
 
-def generate_answer(body: dict) -> dict:
+def generate_answer(body: dict) -> dict | list[dict]:
+    if isinstance(body["rid"], list):  # a batch: each field a list, one answer per request
+        return [generate_answer({k: v[i] for k, v in body.items()}) for i in range(len(body["rid"]))]
     n = body["sampling_params"]["max_new_tokens"]
     return {
         "text": "x" * n,
@@ -220,6 +222,11 @@ async def send_everything(engine: RecordingEngine, url: str) -> None:
         engine.phase = "generate (a partial sample resumed)"
         partial = Sample(tokens=[1, 2, 3, 5, 6], response_length=2, metadata={"rid": "partial"})
         await default_generate(GenerateContext(tokenizer=None, engine=client), partial, params)
+        engine.phase = "generate (a prompt's samples, one batch)"
+        group = [Sample(tokens=[1, 2, 3], prompt="p"), Sample(tokens=[1, 2, 3], prompt="p")]
+        await asyncio.gather(
+            *(default_generate(GenerateContext(tokenizer=None, engine=client), s, params) for s in group)
+        )
         engine.phase = "generate (openai agent)"
         options = OpenAIAgentOptions(agent="a", honor_agent_sampling=True)
         session = AgentSession(GenerateContext(tokenizer=None, engine=client), options, params, "agent-rid")
@@ -341,12 +348,13 @@ def request_differences(sglang, requests) -> list[str]:
         fields = sglang["decls"].classes[route.body_class]
         found += [f"{where}: {p}" for p in sglang_source.body_problems(body or {}, fields, check, "body")]
         if path == "/generate":
-            params = body.get("sampling_params") or {}
-            sampling = sglang_source.body_problems(params, sglang["sampling"], check, "body.sampling_params")
-            found += [f"{where}: {p}" for p in sampling]
-            refused = sglang["verify_sampling"] and sglang["verify_sampling"](params, VOCAB_SIZE)
-            if refused:
-                found.append(f"{where}: SGLang's SamplingParams.verify refuses it: {refused}")
+            batch = body.get("sampling_params")
+            for params in batch if isinstance(batch, list) else [batch or {}]:
+                sampling = sglang_source.body_problems(params, sglang["sampling"], check, "body.sampling_params")
+                found += [f"{where}: {p}" for p in sampling]
+                refused = sglang["verify_sampling"] and sglang["verify_sampling"](params, VOCAB_SIZE)
+                if refused:
+                    found.append(f"{where}: SGLang's SamplingParams.verify refuses it: {refused}")
             if sglang["contract"] is not None:
                 try:
                     sglang["contract"].GenerateRequest.from_json_value(body)
