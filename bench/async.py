@@ -125,10 +125,11 @@ def main() -> None:
         help="what a pause aborts resumes from its partial response in every mode (default: the run config's)",
     )
     parser.add_argument(
-        "--within-queue-cap",
-        action="store_true",
-        help="fully_async: generation starts a group only while the queue cap has room for it "
-        "(rollout.within_queue_cap; default: the run config's, off)",
+        "--no-within-queue-cap",
+        dest="within_queue_cap",
+        action="store_false",
+        help="fully_async: generation keeps rollout_batch_size groups in flight whatever the queue holds "
+        "(rollout.within_queue_cap false; default: the run config's, on)",
     )
     parser.add_argument(
         "--background-push",
@@ -169,8 +170,8 @@ def main() -> None:
         config["pause_mode"] = args.pause_mode or config["pause_mode"]
         if args.partial_rollout:
             config["rollout"]["partial_rollout"] = True
-        if args.within_queue_cap:
-            config["rollout"]["within_queue_cap"] = True
+        if not args.within_queue_cap:
+            config["rollout"]["within_queue_cap"] = False
         if args.tis_cap:  # corrects for samples of older weights (async modes); ~1 on-policy
             config["algorithm"]["rollout_is_upper"] = args.tis_cap
         print("starting rlmesh (embedded Redis, CPU reference engine, tiny model):", flush=True)
@@ -214,7 +215,7 @@ def main() -> None:
         f"python -m bench.async: {args.seeds} seeds x {args.rollouts} rollouts x {samples_per_rollout} samples, "
         f"lr {config['optimizer']['lr']:g}, pause_mode {config['pause_mode']}"
         f"{', partial rollouts in every mode' if args.partial_rollout else ''}"
-        f"{', generation within the queue cap' if args.within_queue_cap else ''}"
+        f"{'' if args.within_queue_cap else ', generation not within the queue cap'}"
         f"{', fully_async pushing in the background' if args.background_push else ''}, preamble {args.preamble} chars, "
         f"{os.cpu_count()} CPUs"
     )

@@ -150,11 +150,12 @@ class RolloutConfig(StrictModel):
     )
     max_concurrency: int = Field(0, ge=0, description="Cap on in-flight engine requests (0 = service default).")
     within_queue_cap: bool = Field(
-        False,
+        True,
         description="fully_async: start a group only while the buffer's queue cap (max_queued_groups) has room "
         "for it, counting the groups being generated, so that no finished group waits for room and ages past "
-        "max_staleness (where training dominates a step: far fewer stale groups dropped, a faster run; off by "
-        "default: on the demo task the runs learned less with it, docs/training-modes.md).",
+        "max_staleness. Wherever generation outpaces training (the demo's task too, since a prompt's samples "
+        "travel as one request): far fewer stale groups dropped, a faster run "
+        "(docs/training-modes.md). Off: the loop keeps rollout_batch_size groups in flight whatever the queue holds.",
     )
     apply_chat_template: bool = Field(
         False, description="Template every dataset's prompts with the model's chat template (a dataset may also ask)."

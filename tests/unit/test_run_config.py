@@ -111,11 +111,11 @@ def test_background_pushes_are_for_fully_async_over_a_weight_group():
             RunConfig.model_validate({**base, **refused})
 
 
-def test_generation_within_the_queue_cap_is_the_runs_choice_off_by_default():
+def test_generation_within_the_queue_cap_is_the_runs_choice_on_by_default():
     base = {"model_path": "/m", "datasets": [{"name": "t", "path": "t.jsonl"}], "mode": "fully_async"}
-    assert not rollout_request("r", RunConfig.model_validate(base), 1).within_queue_cap
-    on = RunConfig.model_validate({**base, "rollout": {"within_queue_cap": True}})
-    assert rollout_request("r", on, 1).within_queue_cap
+    assert rollout_request("r", RunConfig.model_validate(base), 1).within_queue_cap
+    off = RunConfig.model_validate({**base, "rollout": {"within_queue_cap": False}})
+    assert not rollout_request("r", off, 1).within_queue_cap
 
 
 def test_the_oldest_weight_version_a_batch_may_hold():
