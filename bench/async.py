@@ -132,6 +132,13 @@ def main() -> None:
         "(rollout.within_queue_cap false; default: the run config's, on)",
     )
     parser.add_argument(
+        "--max-groups-ahead",
+        type=int,
+        default=0,
+        help="fully_async: at most this many groups queued or being generated (rollout.max_groups_ahead; "
+        "0 = the run config's default)",
+    )
+    parser.add_argument(
         "--background-push",
         action="store_true",
         help="fully_async: the trainer pushes its weights beside the next train step (weight_sync.background)",
@@ -185,6 +192,8 @@ def main() -> None:
                         own = {}  # (fully_async's own settings)
                         if mode == "fully_async" and args.max_staleness:
                             own["max_staleness"] = args.max_staleness
+                        if mode == "fully_async" and args.max_groups_ahead:
+                            own["rollout"] = {**config["rollout"], "max_groups_ahead": args.max_groups_ahead}
                         if mode == "fully_async" and args.background_push:
                             own["weight_sync"] = {**config["weight_sync"], "background": True}
                         runs[mode].append(run_mode(api, {**seeded, **own}, mode))
@@ -216,6 +225,7 @@ def main() -> None:
         f"lr {config['optimizer']['lr']:g}, pause_mode {config['pause_mode']}"
         f"{', partial rollouts in every mode' if args.partial_rollout else ''}"
         f"{'' if args.within_queue_cap else ', generation not within the queue cap'}"
+        f"{f', fully_async at most {args.max_groups_ahead} groups ahead' if args.max_groups_ahead else ''}"
         f"{', fully_async pushing in the background' if args.background_push else ''}, preamble {args.preamble} chars, "
         f"{os.cpu_count()} CPUs"
     )
@@ -263,6 +273,7 @@ def main() -> None:
                 "pause_mode": config["pause_mode"],
                 "partial_rollout": "every mode" if args.partial_rollout else "the modes' defaults",
                 "within_queue_cap": args.within_queue_cap,
+                "fully_async_max_groups_ahead": args.max_groups_ahead or None,
                 "tis_cap": args.tis_cap,
                 "async_off_policy": None if args.tis_cap else ASYNC_DEFAULT.model_dump(),
                 "lr": config["optimizer"]["lr"],

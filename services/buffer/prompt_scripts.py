@@ -15,9 +15,10 @@ from rlmesh.buffer.scripts import NOW
 # comes from the dataset with the smallest (drawn + 1) / weight (exact proportions at
 # every point, deterministic, no randomness to replay).
 # With within_cap = 1 and the run's max_queued_groups set, n shrinks so that queued groups
-# plus live prompt leases (groups being generated) stay within that cap.
+# plus live prompt leases (groups being generated) stay within that cap, or within `ahead`
+# when that is set and tighter.
 #   KEYS: spec cursor prompt_leases prompts partial partial_groups stats closed queue
-#   ARGV: lease_seconds n within_cap
+#   ARGV: lease_seconds n within_cap ahead
 # Returns {-1} unknown run, {-3} closed run (its datasets are gone), else {1, id, value, id, value, ...}.
 GET_PROMPTS = (
     NOW
@@ -31,7 +32,8 @@ local now = redis_now()
 local expiry, n = now + tonumber(ARGV[1]), tonumber(ARGV[2])
 local out, count, reissued = {1}, 0, 0
 local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, n)
-local cap = tonumber(spec.max_queued_groups) or 0
+local cap, ahead = tonumber(spec.max_queued_groups) or 0, tonumber(ARGV[4])
+if ahead > 0 and (cap == 0 or ahead < cap) then cap = ahead end
 if ARGV[3] == '1' and cap > 0 then
   local room = cap - redis.call('LLEN', KEYS[9]) - redis.call('ZCOUNT', leases, '(' .. now, '+inf')
   n = math.max(math.min(n, room), #expired)

@@ -56,15 +56,23 @@ class PromptSource:
         return sizes, skipped
 
     async def get_prompts(
-        self, run_id: str, num_groups: int, lease_seconds: float, within_queue_cap: bool = False
+        self,
+        run_id: str,
+        num_groups: int,
+        lease_seconds: float,
+        within_queue_cap: bool = False,
+        max_groups_ahead: int = 0,
     ) -> list[bytes]:
         """Serialized prompt groups, leased: expired leases first, then partial groups,
         then fresh prompts from the cursor (see prompt_scripts.GET_PROMPTS); with
-        `within_queue_cap`, no more than keep queued + being generated within the run's cap."""
+        `within_queue_cap`, no more than keep queued + being generated within the run's cap
+        (or within `max_groups_ahead`, when set and tighter)."""
         if num_groups < 1:
             raise InvalidArgument("num_groups must be at least 1")
         if lease_seconds <= 0:
             raise InvalidArgument("lease_seconds must be positive (0 = the service default)")
+        if max_groups_ahead < 0:
+            raise InvalidArgument("max_groups_ahead must be 0 (the queue cap alone) or positive")
         k = run_keys(self.key_prefix, run_id)
         out = await self._get_prompts(
             keys=[
@@ -78,7 +86,12 @@ class PromptSource:
                 k.closed,
                 k.queue,
             ],
-            args=[lease_seconds, num_groups, int(within_queue_cap)],  # (the expiry is set on Redis's clock)
+            args=[
+                lease_seconds,
+                num_groups,
+                int(within_queue_cap),
+                max_groups_ahead,
+            ],  # (the expiry is set on Redis's clock)
         )
         if out[0] == -1:
             raise unknown_run(run_id)

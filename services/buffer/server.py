@@ -83,7 +83,11 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         at_most(request.num_groups, self.settings.limits.max_groups_per_call, "num_groups", "max_groups_per_call")
         lease = seconds(request.lease_seconds, "lease_seconds") or self.settings.prompt_lease_seconds
         groups = await self.store.prompts.get_prompts(
-            request.run_id, request.num_groups, lease, within_queue_cap=request.within_queue_cap
+            request.run_id,
+            request.num_groups,
+            lease,
+            within_queue_cap=request.within_queue_cap,
+            max_groups_ahead=request.max_groups_ahead,
         )
         return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 

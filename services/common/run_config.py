@@ -151,11 +151,20 @@ class RolloutConfig(StrictModel):
     max_concurrency: int = Field(0, ge=0, description="Cap on in-flight engine requests (0 = service default).")
     within_queue_cap: bool = Field(
         True,
-        description="fully_async: start a group only while the buffer's queue cap (max_queued_groups) has room "
-        "for it, counting the groups being generated, so that no finished group waits for room and ages past "
+        description="fully_async: start a group only while the buffer's queue cap (max_queued_groups; "
+        "max_groups_ahead when tighter, as by default) has room for it, counting the groups being generated, so that no finished group waits for room and ages past "
         "max_staleness. Wherever generation outpaces training (the demo's task too, since a prompt's samples "
         "travel as one request): far fewer stale groups dropped, a faster run "
         "(docs/training-modes.md). Off: the loop keeps rollout_batch_size groups in flight whatever the queue holds.",
+    )
+    max_groups_ahead: int = Field(
+        0,
+        ge=0,
+        le=2**40,
+        description="fully_async within the queue cap: at most this many groups queued or being generated at "
+        "once, when tighter than max_queued_groups (0 = rollout_batch_size x max_staleness less half a batch, at "
+        "least a batch: the groups a push catches mid-generation finish a version later, and a full "
+        "max_staleness of batches ahead left the last of them too old to train).",
     )
     apply_chat_template: bool = Field(
         False, description="Template every dataset's prompts with the model's chat template (a dataset may also ask)."
@@ -342,6 +351,12 @@ class RunConfig(TrainingConfig):
                 f"max_queued_groups ({self.max_queued_groups}) must be 0 (no cap) or at least a "
                 f"batch ({batch} groups: rollout_batch_size, sft_warmup.batch_groups)"
             )
+        ahead = self.rollout.max_groups_ahead
+        if ahead and ahead < self.rollout.rollout_batch_size:  # (the trainer waits for a whole batch)
+            raise ValueError(
+                f"rollout.max_groups_ahead ({ahead}) must be 0 (the default) or at least "
+                f"rollout_batch_size ({self.rollout.rollout_batch_size})"
+            )
         return self
 
     @model_validator(mode="after")
@@ -405,6 +420,14 @@ class RunConfig(TrainingConfig):
             return self.max_queued_groups
         sft_batch = self.sft_warmup.batch_groups if self.sft_warmup.steps else 0  # written at once
         return max(self.rollout.rollout_batch_size * (self.staleness_bound or 1), sft_batch)
+
+    @property
+    def groups_ahead(self) -> int:
+        """rollout.max_groups_ahead, or fully_async's default (0: the queue cap alone)."""
+        ahead, batch = self.rollout.max_groups_ahead, self.rollout.rollout_batch_size
+        if ahead or self.mode != "fully_async" or not self.staleness_bound:
+            return ahead
+        return max(batch * self.staleness_bound - batch // 2, batch)
 
     def trainer_config(self) -> TrainerRunConfig:
         return TrainerRunConfig(

@@ -53,6 +53,7 @@ def rollout_request(
         over_sampling_groups=ro.over_sampling_groups,
         partial_rollout=cfg.partial_rollouts,
         within_queue_cap=ro.within_queue_cap,
+        max_groups_ahead=cfg.groups_ahead,
         mode="rl",
         max_concurrency=ro.max_concurrency,
         apply_chat_template=ro.apply_chat_template,

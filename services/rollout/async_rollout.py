@@ -99,7 +99,10 @@ class AsyncLoop:
                 try:
                     resp = await self.manager.buffer.GetPrompts(
                         buffer_pb2.GetPromptsRequest(
-                            run_id=self.req.run_id, num_groups=free, within_queue_cap=self.req.within_queue_cap
+                            run_id=self.req.run_id,
+                            num_groups=free,
+                            within_queue_cap=self.req.within_queue_cap,
+                            max_groups_ahead=self.req.max_groups_ahead,
                         ),
                         timeout=self.manager.settings.buffer_timeout_seconds,
                     )

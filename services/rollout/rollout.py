@@ -76,6 +76,7 @@ class RolloutRequest:
     over_sampling_groups: int = 0
     partial_rollout: bool = False
     within_queue_cap: bool = False  # the continuous generation: see AsyncLoop
+    max_groups_ahead: int = 0  # (with within_queue_cap; 0 = the queue cap alone)
     mode: str = "rl"  # "sft": each prompt's label becomes its response
     max_concurrency: int = 0  # 0 = the service default
     apply_chat_template: bool = False

@@ -168,6 +168,7 @@ def rollout_request_from_proto(r: rollout_pb2.GenerateRolloutRequest) -> Rollout
         over_sampling_groups=r.over_sampling_groups,
         partial_rollout=r.partial_rollout,
         within_queue_cap=r.within_queue_cap,
+        max_groups_ahead=max(r.max_groups_ahead, 0),
         mode=r.mode or "rl",
         max_concurrency=r.max_concurrency,
         apply_chat_template=r.apply_chat_template,

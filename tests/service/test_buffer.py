@@ -282,6 +282,18 @@ def test_prompts_within_the_cap_count_the_groups_being_generated(buffer, dataset
     assert len(prompts(stub, 3)) == 3  # without the flag (a sync rollout's batch), as before
 
 
+def test_prompts_within_a_tighter_bound_than_the_cap(buffer, dataset):
+    stub = buffer()
+    create(stub, dataset, cap=6)
+    generating = prompts(stub, 10, within_queue_cap=True, max_groups_ahead=4)
+    assert len(generating) == 4  # the tighter bound, not the cap
+    put(stub, [completed(g) for g in generating[:2]])
+    assert prompts(stub, 10, within_queue_cap=True, max_groups_ahead=4) == []  # 2 queued + 2 being generated
+    assert len(prompts(stub, 10, within_queue_cap=True, max_groups_ahead=9)) == 2  # a looser one: the cap's
+    code, details = code_of(lambda: prompts(stub, 1, within_queue_cap=True, max_groups_ahead=-1))
+    assert code == INVALID and "max_groups_ahead" in details
+
+
 def test_put_groups_errors(buffer, dataset):
     stub = buffer(max_message_bytes=64 * 1024)
     code, _ = code_of(

@@ -103,23 +103,26 @@ def test_groups_keep_arriving_across_steps_and_a_stop_hands_the_rest_back(make_s
 
 
 @pytest.mark.slow
-def test_within_the_queue_cap_the_loop_starts_no_group_that_would_wait_for_room(make_stack):
+@pytest.mark.parametrize("ahead, bound", [(0, 4), (3, 3)])
+def test_within_the_queue_cap_the_loop_starts_no_group_that_would_wait_for_room(make_stack, ahead, bound):
     buffer, rollout = make_stack()
-    assert rollout.StartAsyncRollout(request(num_groups=2, within_queue_cap=True)).running
-    # The queue cap of 4 counts the groups being generated: once 4 are queued the loop starts
-    # none (none would wait for room, aging as the trainer steps on).
+    assert rollout.StartAsyncRollout(request(num_groups=2, within_queue_cap=True, max_groups_ahead=ahead)).running
+    # The queue cap of 4 (or the tighter max_groups_ahead) counts the groups being generated:
+    # once that many are queued the loop starts none (none would wait for room, aging as the
+    # trainer steps on).
     deadline = time.monotonic() + 30
-    while stats(buffer).queued_groups < 4 and time.monotonic() < deadline:
+    while stats(buffer).queued_groups < bound and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.3)
     s = stats(buffer)
-    assert s.queued_groups == 4 and s.prompts_handed_out == s.acknowledged_groups + 4
+    assert s.queued_groups == bound and s.prompts_handed_out == s.acknowledged_groups + bound
     lease_and_ack(buffer, 2)  # room for 2: the loop generates 2 more
-    while stats(buffer).queued_groups < 4 and time.monotonic() < deadline:
+    while stats(buffer).queued_groups < bound and time.monotonic() < deadline:
         time.sleep(0.05)
     rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r"))
     s = stats(buffer)
-    assert s.queued_groups == 4 and s.partial_groups == 0 and s.prompts_handed_out == s.acknowledged_groups + 4
+    assert s.queued_groups == bound and s.partial_groups == 0
+    assert s.prompts_handed_out == s.acknowledged_groups + bound
 
 
 @pytest.mark.slow

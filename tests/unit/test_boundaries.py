@@ -7,7 +7,11 @@ anything. And no module imports another module's private (_underscored) names.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 SERVICES = Path(__file__).resolve().parents[2] / "services"
 SHARED = {"common", "v1"}
@@ -70,6 +74,15 @@ def test_no_module_imports_another_modules_private_names():
         for o in private_imports(SERVICES.parent / folder, shown_as=folder)
     ]
     assert offenders == [], "make these public, or keep them in their module:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("module", ["rlmesh.coordinator.app", "rlmesh.buffer.server", "rlmesh.reward.server"])
+def test_services_without_tensors_start_without_torch(module):
+    # torch costs seconds of start-up and hundreds of MB; the services that never hold a
+    # tensor keep it out (the torch-free declaration of the algorithms is rlmesh.common.algorithm).
+    probe = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:5])"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", f"{module} imports torch through: {loaded.strip()}"
 
 
 def test_the_checks_see_a_break(tmp_path):

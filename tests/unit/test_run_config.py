@@ -118,6 +118,18 @@ def test_generation_within_the_queue_cap_is_the_runs_choice_on_by_default():
     assert not rollout_request("r", off, 1).within_queue_cap
 
 
+def test_fully_async_generates_half_a_batch_less_than_max_staleness_ahead():
+    base = {"model_path": "/m", "datasets": [{"name": "t", "path": "t.jsonl"}], "mode": "fully_async"}
+    batch = {"rollout_batch_size": 16}
+    assert rollout_request("r", RunConfig.model_validate({**base, "rollout": batch}), 1).max_groups_ahead == 24
+    one = RunConfig.model_validate({**base, "rollout": batch, "max_staleness": 1})
+    assert one.groups_ahead == 16  # at least a batch: the trainer waits for a whole one
+    assert RunConfig.model_validate({**base, "rollout": {**batch, "max_groups_ahead": 40}}).groups_ahead == 40
+    assert RunConfig.model_validate({**base, "mode": "sync", "rollout": batch}).groups_ahead == 0
+    with pytest.raises(ValueError, match=r"rollout.max_groups_ahead \(8\) must be 0 \(the default\) or at least"):
+        RunConfig.model_validate({**base, "rollout": {**batch, "max_groups_ahead": 8}})
+
+
 def test_the_oldest_weight_version_a_batch_may_hold():
     assert oldest_weight_version(5, None) == 0  # no bound
     assert oldest_weight_version(5, 2) == 3

@@ -38,7 +38,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., no_stop_trim: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRolloutRequest(_message.Message):
-    __slots__ = ("run_id", "num_groups", "sampling", "reward", "group_filter", "over_sampling_groups", "partial_rollout", "mode", "max_concurrency", "apply_chat_template", "generate", "min_weight_version", "dataset", "dataset_offset", "weight_version", "within_queue_cap")
+    __slots__ = ("run_id", "num_groups", "sampling", "reward", "group_filter", "over_sampling_groups", "partial_rollout", "mode", "max_concurrency", "apply_chat_template", "generate", "min_weight_version", "dataset", "dataset_offset", "weight_version", "within_queue_cap", "max_groups_ahead")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class GenerateRolloutRequest(_message.Message):
     DATASET_OFFSET_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WITHIN_QUEUE_CAP_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUPS_AHEAD_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_groups: int
     sampling: SamplingParams
@@ -71,7 +72,8 @@ class GenerateRolloutRequest(_message.Message):
     dataset_offset: int
     weight_version: int
     within_queue_cap: bool
-    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[_Union[_reward_pb2.RewardSpec, _Mapping]] = ..., group_filter: _Optional[str] = ..., over_sampling_groups: _Optional[int] = ..., partial_rollout: _Optional[bool] = ..., mode: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ..., generate: _Optional[_Union[GenerateFunction, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., dataset: _Optional[str] = ..., dataset_offset: _Optional[int] = ..., weight_version: _Optional[int] = ..., within_queue_cap: _Optional[bool] = ...) -> None: ...
+    max_groups_ahead: int
+    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reward: _Optional[_Union[_reward_pb2.RewardSpec, _Mapping]] = ..., group_filter: _Optional[str] = ..., over_sampling_groups: _Optional[int] = ..., partial_rollout: _Optional[bool] = ..., mode: _Optional[str] = ..., max_concurrency: _Optional[int] = ..., apply_chat_template: _Optional[bool] = ..., generate: _Optional[_Union[GenerateFunction, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., dataset: _Optional[str] = ..., dataset_offset: _Optional[int] = ..., weight_version: _Optional[int] = ..., within_queue_cap: _Optional[bool] = ..., max_groups_ahead: _Optional[int] = ...) -> None: ...
 
 class GenerateFunction(_message.Message):
     __slots__ = ("name", "options_json")
