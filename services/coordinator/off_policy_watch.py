@@ -1,6 +1,7 @@
-"""Warnings a run raises when its samples of older weights drift far from the trainer: read
-from the trainer's off-policy metrics of the last iterations (docs/training-modes.md says
-what each means and what to change). The run driver calls record_warnings after each
+"""Warnings a run raises when its samples of older weights drift far from the trainer, and
+when its batches stop teaching anything after its reward fell: read from the trainer's
+metrics of the last iterations (docs/training-modes.md says what each means and what to
+change). The run driver calls record_warnings after each
 iteration; the warnings are kept with the run (`warnings` in GET /runs/{id})."""
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ log = logging.getLogger(__name__)
 # noise, two in a row is a trend (in the collapses measured, the gap grew over several).
 WINDOW = 2
 MAX_WARNINGS = 16
+# The iterations read for the reward's best so far (a fall is measured from it).
+HISTORY = 64
 
 # (metric, comparison, threshold, what it means)
 CHECKS: tuple[tuple[str, Callable[[float, float], bool], float, str], ...] = (
@@ -47,7 +50,7 @@ def new_warnings(records: list[dict], raised: list[str]) -> list[str]:
     run's warnings so far)."""
     out: list[str] = []
     for name, crossed, threshold, meaning in CHECKS:
-        values = [r[name] for r in records if isinstance(r.get(name), (int, float))][-WINDOW:]
+        values = [r[name] for r in records[-WINDOW:] if isinstance(r.get(name), (int, float))]
         if len(values) < WINDOW or not all(crossed(v, threshold) for v in values):
             continue
         if any(w.startswith(name + " ") for w in raised) or len(raised) + len(out) >= MAX_WARNINGS:
@@ -58,12 +61,38 @@ def new_warnings(records: list[dict], raised: list[str]) -> list[str]:
             f"{name} {sign} {threshold:g} for {WINDOW} iterations (last {values[-1]:.3g}, at rollout {where}): "
             f"{meaning}; a run may collapse next (see docs/training-modes.md#off-policy-correction)"
         )
+    if (nothing := nothing_learned(records)) and not any(w.startswith(NOTHING_LEARNED) for w in raised):
+        out += [nothing][: MAX_WARNINGS - len(raised) - len(out)]
     return out
+
+
+NOTHING_LEARNED = "train/advantage_abs_mean"
+
+
+def nothing_learned(records: list[dict]) -> str:
+    """A warning when each of the last WINDOW batches had no advantage (every group's samples
+    scored alike: GRPO and its relatives then learn nothing) at a train reward that fell more
+    than half the way from its best in `records` to its lowest there. In the collapses
+    measured every group then scored 0 and the run never recovered; a run at its reward's
+    ceiling (the task learned, a few groups all wrong) is not warned of."""
+    last = records[-WINDOW:]
+    if len(records) <= WINDOW or any(not abs(r.get(NOTHING_LEARNED, 1)) < 1e-9 for r in last):
+        return ""
+    rewards = [r["train/reward_mean"] for r in records if isinstance(r.get("train/reward_mean"), (int, float))]
+    reward = last[-1].get("train/reward_mean")
+    if not isinstance(reward, (int, float)) or reward >= (max(rewards) + min(rewards)) / 2:
+        return ""
+    return (
+        f"{NOTHING_LEARNED} = 0 for {WINDOW} iterations (at rollout {last[-1].get('rollout_id', '?')}, train reward "
+        f"{reward:.3g}, its best {max(rewards):.3g}): every group's samples scored alike, so the batches teach "
+        "nothing, and a run that fell this far has not recovered by itself in the runs measured: resume from a "
+        "checkpoint before the fall with a lower learning rate or max_staleness (see docs/training-modes.md)"
+    )
 
 
 async def record_warnings(store: RunStore, run_id: str) -> None:
     """Add to the run the warnings its newest iteration records call for."""
     raised = (await store.get(run_id))["warnings"]
-    if added := new_warnings(await store.metrics(run_id, WINDOW), raised):
+    if added := new_warnings(await store.metrics(run_id, HISTORY), raised):
         log.warning("run %s: %s", run_id, "; ".join(added))
         await store.update(run_id, warnings=raised + added)

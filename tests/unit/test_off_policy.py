@@ -214,3 +214,23 @@ def test_a_warning_needs_two_iterations_past_the_threshold_and_is_raised_once():
     assert new_warnings(low, warned) == []  # raised once per run
     gap = [{"rollout_id": i, "train/train_rollout_logprob_abs_diff": 0.4} for i in (5, 6)]
     assert new_warnings(gap, warned)[0].startswith("train/train_rollout_logprob_abs_diff > 0.2")
+    assert new_warnings([*gap[:1], {"rollout_id": 7}], []) == []  # the last two iterations, not any two
+
+
+def test_batches_that_teach_nothing_after_a_fall_are_warned_of():
+    from rlmesh.coordinator.off_policy_watch import new_warnings
+
+    def it(i, reward, advantage):
+        return {"rollout_id": i, "train/reward_mean": reward, "train/advantage_abs_mean": advantage}
+
+    # (a collapsed fully_async run of the demo's task: every group scored 0 from rollout 35 on)
+    falling = [it(30, 0.8, 0.5), it(34, 0.28, 0.2), it(35, 0.0, 0.0), it(36, 0.0, 0.0)]
+    (warned,) = new_warnings(falling, [])
+    assert warned.startswith(
+        "train/advantage_abs_mean = 0 for 2 iterations (at rollout 36, train reward 0, its best 0.8)"
+    )
+    assert new_warnings(falling, [warned]) == []  # raised once per run
+    assert new_warnings(falling[:3], []) == []  # one iteration is not a trend
+    learned = [it(29, 0.3, 0.5), it(30, 1.0, 0.0), it(31, 0.94, 0.0), it(32, 0.94, 0.0)]
+    assert new_warnings(learned, []) == []  # at the reward's ceiling (a group all wrong): the task is learned
+    assert new_warnings([it(1, 0.0, 0.0), it(2, 0.0, 0.0), it(3, 0.0, 0.0)], []) == []  # never rose
