@@ -86,12 +86,8 @@ class PromptSource:
                 k.closed,
                 k.queue,
             ],
-            args=[
-                lease_seconds,
-                num_groups,
-                int(within_queue_cap),
-                max_groups_ahead,
-            ],  # (the expiry is set on Redis's clock)
+            # (the lease's expiry is set on Redis's clock)
+            args=[lease_seconds, num_groups, int(within_queue_cap), max_groups_ahead],
         )
         if out[0] == -1:
             raise unknown_run(run_id)

@@ -1,8 +1,8 @@
 """Warnings a run raises when its samples of older weights drift far from the trainer, and
 when its batches stop teaching anything after its reward fell: read from the trainer's
 metrics of the last iterations (docs/training-modes.md says what each means and what to
-change). The run driver calls record_warnings after each
-iteration; the warnings are kept with the run (`warnings` in GET /runs/{id})."""
+change). The run driver calls record_warnings after each iteration; the warnings are kept
+with the run (`warnings` in GET /runs/{id})."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def nothing_learned(records: list[dict]) -> str:
     measured every group then scored 0 and the run never recovered; a run at its reward's
     ceiling (the task learned, a few groups all wrong) is not warned of."""
     last = records[-WINDOW:]
-    if len(records) <= WINDOW or any(not abs(r.get(NOTHING_LEARNED, 1)) < 1e-9 for r in last):
+    advantages = [r.get(NOTHING_LEARNED) for r in last]
+    if len(records) <= WINDOW or not all(isinstance(a, (int, float)) and abs(a) < 1e-9 for a in advantages):
         return ""
     rewards = [r["train/reward_mean"] for r in records if isinstance(r.get("train/reward_mean"), (int, float))]
     reward = last[-1].get("train/reward_mean")

@@ -39,6 +39,8 @@ MAX_ABORTS_PER_GROUP = 16
 # How long to wait before asking for prompts again when none came (within_queue_cap: the
 # queue is at its cap).
 NO_PROMPTS_WAIT_SECONDS = 0.05
+# What the buffer answers for prompts of a run that has ended (CloseRun) or is gone.
+RUN_ENDED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
 HAND_BACK_TIMEOUT_SECONDS = 10.0
 
 
@@ -112,6 +114,9 @@ class AsyncLoop:
                 except grpc.aio.AioRpcError as e:
                     failures += 1
                     self._failed("asking the buffer for prompts", e)
+                    if e.code() in RUN_ENDED:  # nobody would take its groups: free the service
+                        await self._abandon()
+                        return
                     await asyncio.sleep(backoff.delay(failures))
                     continue
             if not self.groups:
@@ -194,11 +199,7 @@ class AsyncLoop:
 
     # ---- stopping -----------------------------------------------------------------------
 
-    async def stop(self) -> AsyncStatus:
-        """Abort what is in flight and hand the unfinished groups back (with their partial
-        responses when partial_rollout is on)."""
-        self.stopping.set()
-        await cancel_and_wait(self.task)
+    async def _abort_in_flight(self) -> None:
         for engine, sample in list(self.inflight.values()):
             rid = sample.metadata.get("rid")
             if rid:  # never an empty rid: engines abort every rid with that prefix
@@ -206,6 +207,25 @@ class AsyncLoop:
                     await engine.abort(rid)
                 except Exception as e:  # the engine may be gone; its requests end with it
                     log.warning("could not abort %s: %s", rid, e)
+
+    async def _abandon(self) -> None:
+        """The run has ended in the buffer (closed or deleted; a loop its coordinator could not
+        stop): end its requests and groups, which the buffer would refuse, so that the loop
+        ends and another run's generation may start."""
+        log.warning("run %s: ended in the buffer; its asynchronous generation stops", self.req.run_id)
+        self.stopping.set()
+        await self._abort_in_flight()
+        for task in self.groups:
+            task.cancel()
+        await asyncio.gather(*self.groups, return_exceptions=True)
+        self.groups.clear()
+
+    async def stop(self) -> AsyncStatus:
+        """Abort what is in flight and hand the unfinished groups back (with their partial
+        responses when partial_rollout is on)."""
+        self.stopping.set()
+        await cancel_and_wait(self.task)
+        await self._abort_in_flight()
         results = await asyncio.gather(*self.groups, return_exceptions=True)
         back = []
         for prompt, result in zip(self.groups.values(), results):

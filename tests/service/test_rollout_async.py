@@ -102,6 +102,26 @@ def test_groups_keep_arriving_across_steps_and_a_stop_hands_the_rest_back(make_s
     assert s.partial_groups >= 1
 
 
+def test_a_loop_whose_run_ended_in_the_buffer_ends_and_lets_another_run_start(make_stack, tmp_path):
+    # (a coordinator that closed its run but could not stop the loop: say, down at that moment)
+    buffer, rollout = make_stack()
+    assert rollout.StartAsyncRollout(request(num_groups=2)).running
+    data = buffer_pb2.DatasetSpec(name="train", path=str(tmp_path / "train.jsonl"))
+    buffer.CreateRun(buffer_pb2.CreateRunRequest(run_id="other", n_samples_per_prompt=3, datasets=[data]))
+    buffer.CloseRun(buffer_pb2.CloseRunRequest(run_id="r"))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            started = rollout.StartAsyncRollout(request(run_id="other", num_groups=2))
+            break
+        except grpc.RpcError as e:  # refused while r's loop still runs
+            assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline
+            time.sleep(0.2)
+    assert started.running and started.error == ""
+    assert not rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r")).running
+    rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="other"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ahead, bound", [(0, 4), (3, 3)])
 def test_within_the_queue_cap_the_loop_starts_no_group_that_would_wait_for_room(make_stack, ahead, bound):
