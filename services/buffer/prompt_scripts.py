@@ -32,7 +32,7 @@ local now = redis_now()
 local expiry, n = now + tonumber(ARGV[1]), tonumber(ARGV[2])
 local out, count, reissued = {1}, 0, 0
 local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, n)
-local cap, ahead = tonumber(spec.max_queued_groups) or 0, tonumber(ARGV[4])
+local cap, ahead = tonumber(spec.max_queued_groups) or 0, tonumber(ARGV[4]) or 0
 if ahead > 0 and (cap == 0 or ahead < cap) then cap = ahead end
 if ARGV[3] == '1' and cap > 0 then
   local room = cap - redis.call('LLEN', KEYS[9]) - redis.call('ZCOUNT', leases, '(' .. now, '+inf')

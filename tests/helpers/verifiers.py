@@ -18,7 +18,9 @@ def hang(response: str, label: str, metadata: dict[str, Any]) -> float:
 
 
 def held(response: str, label: str, metadata: dict[str, Any]) -> float:
-    """Busy until the file the label names exists: a worker the test holds and releases."""
+    """Busy until the file the label names exists: a worker the test holds and releases. It
+    first creates `label`.started, so the test knows the worker holds it."""
+    Path(label + ".started").touch()
     while not Path(label).exists():
         time.sleep(0.01)
     return 1.0

@@ -202,6 +202,8 @@ def test_health_is_not_serving_while_the_pool_is_overloaded(reward_server, tmp_p
 
     release = tmp_path / "release"
     busy = server.score_async([make_sample(0, "x", str(release), metadata={"reward": "held"})])
+    # (sent together, both calls could go to the worker as one batch, and none would wait)
+    wait_until((tmp_path / "release.started").exists, "the held call reaching the worker")
     waiting = server.score_async(ordinary_samples())
     wait_until(lambda: server.status() == NOT_SERVING, "NOT_SERVING while a call waits for the held worker")
     assert server.status("") == NOT_SERVING  # the server as a whole, as load balancers probe it
