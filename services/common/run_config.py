@@ -155,7 +155,8 @@ class RolloutConfig(StrictModel):
         "max_groups_ahead when tighter, as by default) has room for it, counting the groups being generated, "
         "so that no finished group waits for room and ages past max_staleness. Wherever generation outpaces "
         "training (the demo's task too, since a prompt's samples travel as one request): far fewer stale groups "
-        "dropped, a faster run (docs/training-modes.md). Off: the loop keeps rollout_batch_size groups in flight whatever the queue holds.",
+        "dropped, a faster run (docs/training-modes.md). Off: the loop keeps rollout_batch_size groups in flight "
+        "whatever the queue holds.",
     )
     max_groups_ahead: int = Field(
         0,

@@ -20,6 +20,8 @@ WINDOW = 2
 MAX_WARNINGS = 16
 # The iterations read for the reward's best so far (a fall is measured from it).
 HISTORY = 64
+# The metric that is 0 when every group's samples scored alike (see nothing_learned).
+NOTHING_LEARNED = "train/advantage_abs_mean"
 
 # (metric, comparison, threshold, what it means)
 CHECKS: tuple[tuple[str, Callable[[float, float], bool], float, str], ...] = (
@@ -61,12 +63,10 @@ def new_warnings(records: list[dict], raised: list[str]) -> list[str]:
             f"{name} {sign} {threshold:g} for {WINDOW} iterations (last {values[-1]:.3g}, at rollout {where}): "
             f"{meaning}; a run may collapse next (see docs/training-modes.md#off-policy-correction)"
         )
-    if (nothing := nothing_learned(records)) and not any(w.startswith(NOTHING_LEARNED) for w in raised):
-        out += [nothing][: MAX_WARNINGS - len(raised) - len(out)]
+    nothing = nothing_learned(records)
+    if nothing and not any(w.startswith(NOTHING_LEARNED) for w in raised) and len(raised) + len(out) < MAX_WARNINGS:
+        out.append(nothing)
     return out
-
-
-NOTHING_LEARNED = "train/advantage_abs_mean"
 
 
 def nothing_learned(records: list[dict]) -> str:
@@ -83,9 +83,10 @@ def nothing_learned(records: list[dict]) -> str:
     reward = last[-1].get("train/reward_mean")
     if not isinstance(reward, (int, float)) or reward >= (max(rewards) + min(rewards)) / 2:
         return ""
+    best = max(rewards)
     return (
         f"{NOTHING_LEARNED} = 0 for {WINDOW} iterations (at rollout {last[-1].get('rollout_id', '?')}, train reward "
-        f"{reward:.3g}, its best {max(rewards):.3g}): every group's samples scored alike, so the batches teach "
+        f"{reward:.3g}, its best {best:.3g}): every group's samples scored alike, so the batches teach "
         "nothing, and a run that fell this far has not recovered by itself in the runs measured: resume from a "
         "checkpoint before the fall with a lower learning rate or max_staleness (see docs/training-modes.md)"
     )
