@@ -213,6 +213,9 @@ class RunDriver:
             try:
                 await self.store.update(run_id, **fields)
                 break
+            except NotFound:  # (Redis lost it: wiped, or a failover to a replica without it)
+                log.error("run %s: its end (%s) cannot be recorded: its record is gone", run_id, fields["status"])
+                break
             except RedisError as e:
                 log.error("run %s: its end (%s) cannot be recorded yet, Redis fails: %s", run_id, fields["status"], e)
                 await asyncio.sleep(self.backoff.max_seconds)

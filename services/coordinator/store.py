@@ -145,6 +145,15 @@ _APPEND_ONCE = (
     "if redis.call('LINDEX', KEYS[1], -1) == ARGV[1] then return 0 end return redis.call('RPUSH', KEYS[1], ARGV[1])"
 )
 
+# HSET (ARGV: field, value, ...) or HINCRBY (ARGV: field, increment) into the run's record
+# KEYS[1] only while it exists: after a Redis that lost it (wiped, or a failover to a replica
+# without it), a write would leave a record of a few fields, which the API cannot show.
+# Returns 0 when there is no record.
+_UPDATE = "if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end redis.call('HSET', KEYS[1], unpack(ARGV)) return 1"
+_COUNT = (
+    "if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2]) return 1"
+)
+
 # Record where the trainer stands after a train step (ARGV[2] = '1': it answered that it left
 # the trainer at step ARGV[1]) or when asked (ARGV[2] = '0'), on the run's train steps list
 # (KEYS[2]; KEYS[1] is its record): the list is nondecreasing, so keeping the steps at or
@@ -370,8 +379,9 @@ class RunStore:
             return None
 
     async def count(self, run_id: str, name: str, n: int = 1) -> None:
-        """Add n to the run record's counter `name`."""
-        await self.redis.hincrby(self._key(run_id), name, n)
+        """Add n to the run record's counter `name` (NotFound: no such record)."""
+        if not await self.redis.eval(_COUNT, 1, self._key(run_id), name, n):
+            raise NotFound(f"unknown run {run_id!r}")
 
     async def delete(self, run_id: str) -> None:
         key = self._key(run_id)
@@ -419,8 +429,11 @@ class RunStore:
         return [int(s) for s in await self.redis.lrange(key + ":train_steps", 0, -1)]
 
     async def update(self, run_id: str, **fields) -> None:
+        """Set fields of the run's record (NotFound: no such record, none is made)."""
         fields = {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in fields.items()}
-        await self.redis.hset(self._key(run_id), mapping={**fields, "updated_at": time.time()})
+        pairs = [x for item in {**fields, "updated_at": time.time()}.items() for x in item]
+        if not await self.redis.eval(_UPDATE, 1, self._key(run_id), *pairs):
+            raise NotFound(f"unknown run {run_id!r}")
 
     async def is_active(self, run_id: str) -> bool:
         """Whether the run exists and has not ended."""

@@ -13,7 +13,7 @@ import random
 import pytest
 import redis.asyncio as aioredis
 
-from rlmesh.common.errors import FailedPrecondition
+from rlmesh.common.errors import FailedPrecondition, NotFound
 from rlmesh.common.run_config import RunConfig
 from rlmesh.coordinator.runs import steps_after_train_step, steps_held
 from rlmesh.coordinator.store import RunStore
@@ -110,6 +110,33 @@ def test_with_no_queue_a_second_run_is_refused(loop_thread, redis_url):
         first = await store.create(RunConfig.model_validate(CONFIG))
         with pytest.raises(FailedPrecondition, match=f"run {first.id} is still active; stop it first"):
             await store.create(RunConfig.model_validate(CONFIG))
+        await redis.aclose()
+
+    loop_thread.run(scenario())
+
+
+def test_a_record_that_redis_lost_is_not_written_into(loop_thread, redis_url):
+    """After a Redis that lost the run (wiped, a failover to a replica without it), the run
+    driver's writes make no record of a few fields (which the API answered with a 500): the
+    run stays unknown (404)."""
+
+    async def scenario() -> None:
+        redis = aioredis.Redis.from_url(redis_url)
+        store = RunStore(redis, "test")
+        run_id = (await store.create(RunConfig.model_validate(CONFIG))).id
+        await store.update(run_id, waiting_for="the trainer", eval_before={"eval/reward": 0.5})
+        await store.count(run_id, "environment_groups_received", 3)
+        record = await store.get(run_id)
+        assert (record["waiting_for"], record["eval_before"]) == ("the trainer", {"eval/reward": 0.5})
+        assert record["environment_groups_received"] == "3"  # (the API converts its counters)
+
+        await redis.delete(f"test:coord:run:{run_id}")
+        for write in (store.update(run_id, status="failed", waiting_for=""), store.count(run_id, "x")):
+            with pytest.raises(NotFound, match=run_id):
+                await write
+        assert not await redis.exists(f"test:coord:run:{run_id}")
+        with pytest.raises(NotFound):
+            await store.get(run_id)
         await redis.aclose()
 
     loop_thread.run(scenario())
