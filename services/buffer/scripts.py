@@ -391,29 +391,45 @@ local function finalize(groups, meta, deliveries, rollbacks, acked, id)
   redis.call('SADD', acked, id)
 end
 
--- Provisional acknowledgments of steps <= `step` become final; returns how many, and the
--- later ones (in the order they were acknowledged), which stay provisional unless the
--- caller requeues them.
-local function commit_through(groups, meta, deliveries, rollbacks, acked, stats, provisional, steps, step)
+-- A provisional acknowledgment's record in provisional_steps: "<step>/<load_id>" (a bare
+-- "<step>": an unnamed load, as written before loads were named).
+local function trained_at(steps, id)
+  local v = redis.call('HGET', steps, id) or '0'
+  local slash = string.find(v, '/', 1, true)
+  if not slash then return tonumber(v), '' end
+  return tonumber(string.sub(v, 1, slash - 1)), string.sub(v, slash + 1)
+end
+
+-- Provisional acknowledgments of steps <= `step` become final; returns how many, the later
+-- ones (in the order they were acknowledged), which stay provisional unless the caller
+-- requeues them, and those of another load than `load` (named, both) past `loaded_step`:
+-- a dead trainer's, trained after the checkpoint its successor loaded (for the caller to
+-- requeue; ones through `loaded_step` are in that checkpoint, and final).
+local function commit_through(groups, meta, deliveries, rollbacks, acked, stats, provisional, steps, step,
+                              load, loaded_step)
   local ids = redis.call('LRANGE', provisional, 0, -1)
-  local later, n = {}, 0
+  local later, undone, n = {}, {}, 0
   for _, id in ipairs(ids) do
-    if tonumber(redis.call('HGET', steps, id) or '0') <= step then
+    local at, by = trained_at(steps, id)
+    local dead = load ~= '' and by ~= '' and by ~= load
+    if at <= (dead and loaded_step or step) then
       finalize(groups, meta, deliveries, rollbacks, acked, id)
       redis.call('HDEL', steps, id)
       n = n + 1
+    elseif dead then
+      undone[#undone + 1] = id
     else
       later[#later + 1] = id
     end
   end
-  if n > 0 then
+  if n > 0 or #undone > 0 then
     redis.call('DEL', provisional)
     for i = 1, #later, 1000 do
       redis.call('RPUSH', provisional, unpack(later, i, math.min(i + 999, #later)))
     end
-    redis.call('HINCRBY', stats, 'acknowledged_groups', n)
   end
-  return n, later
+  if n > 0 then redis.call('HINCRBY', stats, 'acknowledged_groups', n) end
+  return n, later, undone
 end
 """
 )
@@ -424,7 +440,7 @@ end
 # in acked_lease_order).
 #   KEYS: spec batch_leases batch:<lease_id> groups acked stats meta deliveries provisional provisional_steps
 #         acked_leases acked_lease_order rollbacks
-#   ARGV: lease_id provisional(0|1) step remembered_leases
+#   ARGV: lease_id provisional(0|1) step remembered_leases load_id
 # Returns -2 unknown run, -1 unknown or redelivered lease, else groups acknowledged.
 ACK_BATCH = (
     _FINAL
@@ -439,7 +455,7 @@ local ids = redis.call('LRANGE', KEYS[3], 0, -1)
 for _, id in ipairs(ids) do
   if ARGV[2] == '1' then
     redis.call('RPUSH', KEYS[9], id)
-    redis.call('HSET', KEYS[10], id, ARGV[3])
+    redis.call('HSET', KEYS[10], id, (ARGV[5] or '') == '' and ARGV[3] or (ARGV[3] .. '/' .. ARGV[5]))
   else
     finalize(KEYS[4], KEYS[7], KEYS[8], KEYS[13], KEYS[5], id)
   end
@@ -455,47 +471,61 @@ return #ids
 """
 )
 
-#   KEYS: spec groups acked stats meta deliveries provisional provisional_steps rollbacks;  ARGV: through_step
-# Returns -2 unknown run, else groups committed.
+# Provisional groups a dead trainer trained after the checkpoint its successor loaded go
+# back to the very front of the queue in the order they were trained (their delivery did not
+# fail: it is taken back, and not counted as a rollback either). KEYS: as the lease scripts,
+# then acked provisional provisional_steps.
+_REQUEUE_TRAINED = r"""
+local function requeue_trained(k, ids)
+  local samples = 0
+  for i = #ids, 1, -1 do
+    redis.call('LPUSH', k.queue, ids[i])
+    redis.call('HDEL', KEYS[16], ids[i])
+    redis.call('HINCRBY', k.deliveries, ids[i], -1)
+    samples = samples + (meta_of(k.meta, ids[i]))
+  end
+  if #ids > 0 then
+    redis.call('HINCRBY', k.stats, 'rolled_back_groups', #ids)
+    redis.call('HINCRBY', k.stats, 'queued_samples', samples)
+  end
+end
+"""
+
+#   KEYS: as _REQUEUE_TRAINED;  ARGV: through_step load_id loaded_step (CommitAcksRequest)
+# Returns {-2} unknown run, else {committed, requeued}.
 COMMIT_ACKS = (
-    _FINAL
+    _HELPERS
+    + _FINAL
+    + _REQUEUE_TRAINED
     + r"""
-if redis.call('EXISTS', KEYS[1]) == 0 then return -2 end
-local n = commit_through(KEYS[2], KEYS[5], KEYS[6], KEYS[9], KEYS[3], KEYS[4], KEYS[7], KEYS[8], tonumber(ARGV[1]))
-return n
+local k = lease_keys()
+if redis.call('EXISTS', k.spec) == 0 then return {-2} end
+local n, _, undone = commit_through(k.groups, k.meta, k.deliveries, k.rollbacks, KEYS[14], k.stats, KEYS[15],
+                                    KEYS[16], tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]))
+requeue_trained(k, undone)
+return {n, #undone}
 """
 )
 
 # A trainer restarted from its checkpoint at `step`: provisional acknowledgments up to it
-# become final; later ones go back to the very front of the queue in the order they were
-# trained (their delivery did not fail: it is taken back, and not counted as a rollback
-# either); every batch lease (live or expired: the dead trainer's) is released, counted as a
-# rollback, not as a failed delivery (see poisoned).
-#   KEYS: as the lease scripts, then acked provisional provisional_steps
-#   ARGV: batch_prefix step max_deliveries max_rollbacks
+# become final; later ones are requeued (_REQUEUE_TRAINED); every batch lease (live or
+# expired: the dead trainer's) is released, counted as a rollback, not as a failed delivery
+# (see poisoned).
+#   KEYS: as _REQUEUE_TRAINED;  ARGV: batch_prefix step max_deliveries max_rollbacks
 # Returns {-2} unknown run, else {committed, requeued, leases released}.
 ROLLBACK_TO_CHECKPOINT = (
     _HELPERS
     + _FINAL
+    + _REQUEUE_TRAINED
     + r"""
 local k = lease_keys()
 if redis.call('EXISTS', k.spec) == 0 then return {-2} end
 local released = redis.call('ZCARD', k.leases)
 requeue_expired(k, '+inf', ARGV[1], tonumber(ARGV[3]), tonumber(ARGV[4]))
 local committed, later = commit_through(k.groups, k.meta, k.deliveries, k.rollbacks, KEYS[14], k.stats, KEYS[15],
-                                        KEYS[16], tonumber(ARGV[2]))
-local samples = 0
-for i = #later, 1, -1 do
-  redis.call('LPUSH', k.queue, later[i])
-  redis.call('HDEL', KEYS[16], later[i])
-  redis.call('HINCRBY', k.deliveries, later[i], -1)
-  samples = samples + (meta_of(k.meta, later[i]))
-end
+                                        KEYS[16], tonumber(ARGV[2]), '', 0)
+requeue_trained(k, later)
 redis.call('DEL', KEYS[15])
-if #later > 0 then
-  redis.call('HINCRBY', k.stats, 'rolled_back_groups', #later)
-  redis.call('HINCRBY', k.stats, 'queued_samples', samples)
-end
 return {committed, #later, released}
 """
 )

@@ -161,13 +161,16 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
 
     async def AckBatch(self, request, context):
         return buffer_pb2.AckBatchResponse(
-            acknowledged=await self.store.ack_batch(request.run_id, request.lease_id, request.step, request.provisional)
+            acknowledged=await self.store.ack_batch(
+                request.run_id, request.lease_id, request.step, request.provisional, request.load_id
+            )
         )
 
     async def CommitAcks(self, request, context):
-        return buffer_pb2.CommitAcksResponse(
-            committed=await self.store.commit_acks(request.run_id, request.through_step)
+        committed, requeued = await self.store.commit_acks(
+            request.run_id, request.through_step, request.load_id, request.loaded_step
         )
+        return buffer_pb2.CommitAcksResponse(committed=committed, requeued=requeued)
 
     async def RollbackToCheckpoint(self, request, context):
         committed, requeued, released = await self.store.rollback_to_checkpoint(request.run_id, request.step)

@@ -21,7 +21,8 @@ Keys of a run live under `<prefix>:run:<run_id>:` (rlmesh.buffer.keys.RunKeys li
   acked_leases    hash: lease_id -> groups it acknowledged, for the newest leases (oldest
                   first in acked_lease_order): a retried AckBatch answers as the first did
   provisional     list of group ids acknowledged provisionally (oldest first) +
-                  provisional_steps hash (group_id -> the step that trained it): kept in
+                  provisional_steps hash (group_id -> "<step>/<load_id>": the step that
+                  trained it, and which load of the trainer's model did): kept in
                   `groups` until a checkpoint holding the step is committed (CommitAcks)
                   or the trainer restarts from an older one (RollbackToCheckpoint)
   discarded       set of dropped or dead-lettered group ids (stale, filtered out by the
@@ -469,12 +470,16 @@ class BufferStore:
                 return result
         return [0, 0]  # contended: try again at the next poll
 
-    async def ack_batch(self, run_id: str, lease_id: str, step: int = 0, provisional: bool = False) -> int:
-        """The lease's groups were trained (at `step`): final now, or, `provisional`, once
-        a checkpoint holding the step is committed (commit_acks / rollback_to_checkpoint)."""
+    async def ack_batch(
+        self, run_id: str, lease_id: str, step: int = 0, provisional: bool = False, load_id: str = ""
+    ) -> int:
+        """The lease's groups were trained (at `step`, by the trainer's load `load_id` of the
+        model): final now, or, `provisional`, once a checkpoint holding the step is committed
+        (commit_acks / rollback_to_checkpoint)."""
         if not lease_id:
             raise InvalidArgument("lease_id is required")
         _check_step(step, "step")
+        _check_load_id(load_id)
         k = self.keys(run_id)
         n = await self._ack(
             keys=[
@@ -492,7 +497,7 @@ class BufferStore:
                 k.acked_lease_order,
                 k.rollbacks,
             ],
-            args=[lease_id, int(provisional), step, _REMEMBERED_ACKED_LEASES],
+            args=[lease_id, int(provisional), step, _REMEMBERED_ACKED_LEASES, load_id],
         )
         if n == -2:
             raise unknown_run(run_id)
@@ -503,20 +508,22 @@ class BufferStore:
         await fault_point("buffer.after_ack")  # (acknowledged in Redis; the reply is not sent yet)
         return n
 
-    async def commit_acks(self, run_id: str, through_step: int) -> int:
-        """Provisional acknowledgments of steps <= through_step become final."""
+    async def commit_acks(
+        self, run_id: str, through_step: int, load_id: str = "", loaded_step: int = 0
+    ) -> tuple[int, int]:
+        """Provisional acknowledgments of steps <= through_step become final: (committed,
+        requeued). Those of another load than `load_id` (a dead trainer's, which its successor's
+        rollback_to_checkpoint, a write Redis may have lost, should have settled) are settled
+        as that rollback would: final through `loaded_step`, queued again past it."""
         _check_step(through_step, "through_step")
+        _check_step(loaded_step, "loaded_step")
+        _check_load_id(load_id)
         k = self.keys(run_id)
-        n = await self._commit_acks(
-            keys=[
-                *(k.spec, k.groups, k.acked, k.stats, k.meta, k.deliveries, k.provisional, k.provisional_steps),
-                k.rollbacks,
-            ],
-            args=[through_step],
-        )
-        if n == -2:
+        keys = [*self._lease_keys(k, ""), k.acked, k.provisional, k.provisional_steps]
+        result = await self._commit_acks(keys=keys, args=[through_step, load_id, loaded_step])
+        if result[0] == -2:
             raise unknown_run(run_id)
-        return n
+        return result[0], result[1]
 
     async def rollback_to_checkpoint(self, run_id: str, step: int) -> tuple[int, int, int]:
         """A trainer (re)started from its checkpoint at `step`: (committed, requeued, leases released)."""
@@ -572,6 +579,11 @@ class BufferStore:
 def _check_step(step: int, name: str) -> None:
     if step < 0:
         raise InvalidArgument(f"{name} must not be negative, got {step}")
+
+
+def _check_load_id(load_id: str) -> None:
+    if load_id and not _LEASE_ID.fullmatch(load_id):
+        raise InvalidArgument("load_id must be empty or 1-64 letters, digits, '_' or '-'")
 
 
 def _meta(g: sample_pb2.SampleGroup) -> str:

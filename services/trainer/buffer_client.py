@@ -9,6 +9,7 @@ place; errors are raised as rlmesh.common.errors."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -20,6 +21,9 @@ from rlmesh.common.waits import Waits
 from rlmesh.trainer.config import Settings
 from rlmesh.v1 import buffer_pb2
 from rlmesh.v1.buffer_pb2_grpc import BufferStub
+
+if TYPE_CHECKING:
+    from rlmesh.trainer.run_state import Run
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +94,15 @@ class BufferClient:
             log.warning("run %s: lease %s could not be given back (%s); it will expire", run_id, lease_id, e.details())
             return False
 
-    async def ack(self, run_id: str, lease_id: str, step: int, provisional: bool) -> bool:
+    async def ack(self, run_id: str, lease_id: str, step: int, provisional: bool, load_id: str = "") -> bool:
         """Acknowledge a lease after its optimizer step (`provisional` until a checkpoint holds
         the step, see commit_acks), retried through a buffer outage for as long as it takes:
         the model holds the step. False when the buffer no longer knows the lease (a write
         its Redis lost, or an expiry): its groups were queued again, and come back to a
         trainer that acknowledges them without training them again."""
-        request = buffer_pb2.AckBatchRequest(run_id=run_id, lease_id=lease_id, step=step, provisional=provisional)
+        request = buffer_pb2.AckBatchRequest(
+            run_id=run_id, lease_id=lease_id, step=step, provisional=provisional, load_id=load_id
+        )
         while True:
             try:
                 await self._call("AckBatch", request)
@@ -133,22 +139,35 @@ class BufferClient:
                 reply.leases_released,
             )
 
-    async def commit_acks(self, run_id: str, step: int, patiently: bool = False) -> None:
-        """Make acknowledgments up to `step` final (a checkpoint holding it is written). A
-        failure only delays that: the next commit, or a rollback, covers these steps too;
-        `patiently`, it is retried through a buffer outage and then raised (no later commit
-        comes after the run's last)."""
+    async def commit_acks(self, run: Run, step: int, patiently: bool = False) -> None:
+        """Make the run's acknowledgments up to `step` final (a checkpoint holding it is
+        written), and settle any a dead trainer left (its groups trained after the checkpoint
+        this load started from go back to the queue: the rollback that should have sent them
+        back was lost). A failure only delays that: the next commit, or a rollback, covers
+        these steps too; `patiently`, it is retried through a buffer outage and then raised
+        (no later commit comes after the run's last)."""
         if not self.settings.buffer_address:
             return
-        request = buffer_pb2.CommitAcksRequest(run_id=run_id, through_step=step)
-        if patiently:
-            await self._call("CommitAcks", request, missing_run_ok=True)
-            return
+        request = buffer_pb2.CommitAcksRequest(
+            run_id=run.run_id, through_step=step, load_id=run.load_id, loaded_step=run.resumed_step
+        )
         try:
-            await self._stub().CommitAcks(request, timeout=self.settings.buffer_timeout_seconds)
+            if patiently:
+                reply = await self._call("CommitAcks", request, missing_run_ok=True)
+            else:
+                reply = await self._stub().CommitAcks(request, timeout=self.settings.buffer_timeout_seconds)
         except grpc.aio.AioRpcError as e:
             log.warning(
-                "run %s: acknowledgments through step %d stay provisional for now: %s", run_id, step, e.details()
+                "run %s: acknowledgments through step %d stay provisional for now: %s", run.run_id, step, e.details()
+            )
+            return
+        if reply is not None and reply.requeued:
+            log.warning(
+                "run %s: the buffer still held %d groups a previous trainer trained after step %d, where this "
+                "one started: queued again",
+                run.run_id,
+                reply.requeued,
+                run.resumed_step,
             )
 
     async def reject(self, run_id: str, lease_id: str, reasons: dict[str, str]) -> None:
@@ -163,21 +182,23 @@ class BufferClient:
         )
         await self._call("RejectGroups", request)
 
-    async def _call(self, method: str, request, missing_run_ok: bool = False) -> None:
+    async def _call(self, method: str, request, missing_run_ok: bool = False):
         """A buffer call that changes state (acknowledge, reject, commit: safe to repeat),
         retried while the buffer or its Redis is down or restarting, for up to
         buffer_outage_seconds: giving up would leave the batch leased until its lease
-        expires. `missing_run_ok`: a run the buffer does not know has nothing to change."""
+        expires. Returns the reply; `missing_run_ok`: a run the buffer does not know has
+        nothing to change (None)."""
 
         async def call():
             try:
-                await getattr(self._stub(), method)(request, timeout=self.settings.buffer_timeout_seconds)
+                return await getattr(self._stub(), method)(request, timeout=self.settings.buffer_timeout_seconds)
             except grpc.aio.AioRpcError as e:
                 if not (missing_run_ok and e.code() == grpc.StatusCode.NOT_FOUND):
                     raise
+                return None
 
         try:
-            await retry(
+            return await retry(
                 call,
                 service=f"the buffer at {self.settings.buffer_address} ({method})",
                 budget_seconds=self.settings.buffer_outage_seconds,

@@ -4,6 +4,7 @@ checkpoints and acknowledgments (Trainer in trainer.py drives it)."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass, field
 
 from rlmesh.common.run_config import TrainerRunConfig
@@ -36,6 +37,10 @@ class Run:
     trained: TrainedLog | None = None
     # The buffer was told where this model stands (RollbackToCheckpoint) since it was loaded.
     buffer_rewound: bool = False
+    # This load of the model (at resumed_step), named in its acknowledgments and commits: a
+    # commit settles a dead trainer's provisional acks itself when the rollback that should
+    # have (a write Redis lost) did not (BufferClient.commit_acks).
+    load_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     step_in_flight: bool = False  # a TrainStep leases, trains or acknowledges
     # The last step's acknowledgment (step, task) while it has not landed: retried until it
     # does, and awaited before the next lease, checkpoint commit or EndRun.

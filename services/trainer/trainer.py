@@ -9,9 +9,11 @@ server.py); the model work runs on a worker thread so the event loop stays respo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -53,6 +55,10 @@ from rlmesh.trainer.weight_sync import PushResult
 log = logging.getLogger(__name__)
 
 LOSSES = ("", "sft")
+# EndRun's answers kept for runs that ended here (the newest): a retried EndRun whose first
+# answer was lost gets it again rather than NOT_FOUND (which a coordinator takes for a
+# trainer that lost the run, and sets it up again).
+ENDED_RUNS_KEPT = 16
 
 
 class Trainer:
@@ -64,6 +70,8 @@ class Trainer:
         self._run: Run | None = None
         self._lock = asyncio.Lock()  # one user of the model at a time (steps, pushes, saves)
         self._buffer = BufferClient(settings)
+        self._ending: dict[str, asyncio.Future[RunStatus]] = {}  # EndRun under way, by run
+        self._ended: OrderedDict[str, RunStatus] = OrderedDict()  # EndRun's answer, by run
 
     # ---------------------------------------------------------------- runs
 
@@ -123,6 +131,7 @@ class Trainer:
                 trained=trained,
             )
             self._run = run
+            self._ended.pop(run_id, None)
             log.info("run %s: %s on %s (step %d)", run_id, resume or config.model_path, device, backend.step)
             try:
                 await self._rewind_buffer(run)
@@ -149,6 +158,31 @@ class Trainer:
             yield
 
     async def end_run(self, run_id: str, shutting_down: bool = False) -> RunStatus:
+        """_end_run, carried through whatever happens to its caller: a caller that gives up (its
+        deadline passed while a large final model was written) leaves it going, and EndRun
+        again waits for that same work; once it is done, EndRun again answers as it did (for
+        the newest ENDED_RUNS_KEPT runs) instead of NOT_FOUND."""
+        validate_run_id(run_id)
+        ending = self._ending.get(run_id)
+        if ending is None:
+            held = self._run is not None and self._run.run_id == run_id
+            if not held and run_id in self._ended:
+                return dataclasses.replace(self._ended[run_id])
+            ending = asyncio.ensure_future(self._end_run(run_id, shutting_down))
+            self._ending[run_id] = ending
+            ending.add_done_callback(lambda done: self._ended_with(run_id, done, shutting_down))
+        return dataclasses.replace(await asyncio.shield(ending))
+
+    def _ended_with(self, run_id: str, ending: asyncio.Future[RunStatus], shutting_down: bool) -> None:
+        del self._ending[run_id]
+        if ending.cancelled() or ending.exception() is not None or shutting_down:
+            return  # (the run stays set up, or goes on with a restarted trainer)
+        self._ended[run_id] = ending.result()
+        self._ended.move_to_end(run_id)
+        while len(self._ended) > ENDED_RUNS_KEPT:
+            self._ended.popitem(last=False)
+
+    async def _end_run(self, run_id: str, shutting_down: bool) -> RunStatus:
         """The run's last steps made durable, then the model let go. With checkpoints on, the
         steps since the last checkpoint are written to one and their acknowledgments made
         final before this returns (retried through a buffer outage, except when the trainer
@@ -176,7 +210,7 @@ class Trainer:
                             f"run {run_id!r}: the checkpoint of its last step ({run.backend.step}) could not be "
                             "written (the trainer's log says why); the run stays set up: EndRun again to retry"
                         )
-                await self._buffer.commit_acks(run.run_id, run.written_step, patiently=not shutting_down)
+                await self._buffer.commit_acks(run, run.written_step, patiently=not shutting_down)
             status = run.status()
             if not shutting_down:
                 status.final_model = await self._write_final_model(run)
@@ -319,7 +353,7 @@ class Trainer:
         acknowledgment goes on in the background (GetStatus shows it), awaited before the next
         step, checkpoint commit or EndRun."""
         task = asyncio.create_task(
-            self._buffer.ack(run.run_id, lease_id, step, provisional=run.acks_wait_for_checkpoints),
+            self._buffer.ack(run.run_id, lease_id, step, run.acks_wait_for_checkpoints, run.load_id),
             name=f"ack-{run.run_id}-{step}",
         )
         run.unacknowledged = (step, task)
@@ -461,7 +495,7 @@ class Trainer:
                 written.name
             )
             if run.acks_wait_for_checkpoints and resumable:
-                await self._buffer.commit_acks(run.run_id, run.backend.step)  # a restart would resume from it
+                await self._buffer.commit_acks(run, run.backend.step)  # a restart would resume from it
             return written
 
     async def _checkpoint_if_due(self, run: Run) -> None:
@@ -496,7 +530,7 @@ class Trainer:
 
         async def written() -> None:
             run.written_step = max(run.written_step, step)
-            await self._buffer.commit_acks(run.run_id, step)
+            await self._buffer.commit_acks(run, step)
 
         run.saving = asyncio.create_task(
             write_in_background(

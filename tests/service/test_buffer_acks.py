@@ -18,10 +18,14 @@ def setup(stub, dataset, groups: int) -> list:
     return written
 
 
-def train(stub, n: int, step: int, provisional: bool = True) -> list[str]:
-    """Lease n groups and acknowledge them as trained at `step`."""
+def train(stub, n: int, step: int, provisional: bool = True, load: str = "") -> list[str]:
+    """Lease n groups and acknowledge them as trained at `step` (by the trainer's load `load`)."""
     batch = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=n))
-    stub.AckBatch(buffer_pb2.AckBatchRequest(run_id="r1", lease_id=batch.lease_id, step=step, provisional=provisional))
+    stub.AckBatch(
+        buffer_pb2.AckBatchRequest(
+            run_id="r1", lease_id=batch.lease_id, step=step, provisional=provisional, load_id=load
+        )
+    )
     return [g.group_id for g in batch.groups]
 
 
@@ -78,6 +82,31 @@ def test_a_trainer_starting_from_scratch_rolls_back_everything_provisional(buffe
     r = rollback(stub, 0)
     assert (r.committed, r.requeued) == (0, 2)
     assert [g.group_id for g in stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2)).groups] == ids
+
+
+def test_a_commit_settles_what_a_lost_rollback_left_of_a_dead_trainer(buffer, dataset):
+    """Trainer A trains steps 1-3 provisionally and dies; B loads A's checkpoint of step 1,
+    and its RollbackToCheckpoint is lost (a Redis that lost the write, a failover). B's
+    steps are numbered 2, 3, ... too: its first commit must not take A's steps 2-3 for its
+    own (final, though no checkpoint of B's holds them). It settles them as the rollback
+    would have: A's step 1 final, A's steps 2-3 queued again, first, in order."""
+    stub = buffer()
+    ids = [g.group_id for g in setup(stub, dataset, 10)]
+    for step in (1, 2, 3):
+        train(stub, 2, step=step, load="a")
+    assert train(stub, 2, step=2, load="b") == ids[6:8]
+    reply = stub.CommitAcks(buffer_pb2.CommitAcksRequest(run_id="r1", through_step=2, load_id="b", loaded_step=1))
+    assert (reply.committed, reply.requeued) == (4, 4)  # A's step 1 and B's step 2; A's steps 2-3
+    s = stats(stub)
+    assert (s.acknowledged_groups, s.provisional_groups, s.queued_groups, s.rolled_back_groups) == (4, 0, 6, 4)
+    again = stub.LeaseBatch(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=6)).groups
+    assert [g.group_id for g in again] == ids[2:6] + ids[8:]
+    reply = stub.CommitAcks(buffer_pb2.CommitAcksRequest(run_id="r1", through_step=9, load_id="b", loaded_step=1))
+    assert (reply.committed, reply.requeued) == (0, 0)  # idempotent
+    code, message = code_of(
+        lambda: stub.CommitAcks(buffer_pb2.CommitAcksRequest(run_id="r1", through_step=1, load_id="b/../c"))
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "load_id" in message
 
 
 def test_final_acks_are_unchanged_and_bad_requests_are_refused(buffer, dataset):

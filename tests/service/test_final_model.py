@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.common import errors
+from rlmesh.common.faults import FAULTS_DIR_ENV
 from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.trainer.backend import TorchBackend
@@ -99,6 +100,46 @@ def test_a_trainer_shutting_down_writes_no_final_model(tiny_model_dir, tmp_path)
 
     asyncio.run(scenario())
     assert not (tmp_path / "work" / "r1" / "checkpoints" / "final").exists()
+
+
+def test_end_run_carries_on_when_its_caller_gives_up_and_answers_a_retry_alike(tiny_model_dir, tmp_path, monkeypatch):
+    """A final model that takes longer than the caller's deadline: the work goes on without
+    the caller, a retry waits for that same work, and EndRun after the end answers as before
+    (not NOT_FOUND, which a coordinator takes for a trainer that lost the run)."""
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    monkeypatch.setenv(FAULTS_DIR_ENV, str(faults))
+    hold = faults / "trainer.end_run.hold"
+    hold.touch()
+
+    async def scenario():
+        trainer = Trainer(Settings(work_dir=tmp_path / "work"))
+        await trainer.init_run("r1", config(tiny_model_dir, checkpoint_interval_seconds=0))
+        await trainer.train_on_groups("r1", make_groups())
+        with pytest.raises(TimeoutError):  # the caller's deadline passes (held: a slow final model)
+            await asyncio.wait_for(trainer.end_run("r1"), 0.5)
+        retried = asyncio.ensure_future(trainer.end_run("r1"))
+        await asyncio.sleep(0.3)
+        assert not retried.done() and trainer.held_status().run_id == "r1"
+        hold.unlink()
+        status = await retried
+        assert trainer.held_status().run_id == ""
+        final = tmp_path / "work" / status.final_model
+        written = (final / "model.safetensors").stat().st_mtime_ns
+        again = await trainer.end_run("r1")
+        assert (again.final_model, again.step) == ("r1/checkpoints/final", 1) == (status.final_model, status.step)
+        assert (final / "model.safetensors").stat().st_mtime_ns == written  # answered, not written again
+
+        # A run set up again is that run again: its EndRun is done anew.
+        await trainer.init_run("r1", config(tiny_model_dir, checkpoint_interval_seconds=0))
+        await trainer.train_on_groups("r1", make_groups())
+        await trainer.end_run("r1")
+        assert trainer.held_status().run_id == ""
+        assert (final / "model.safetensors").stat().st_mtime_ns != written
+        with pytest.raises(errors.NotFound):
+            await trainer.end_run("r2")
+
+    asyncio.run(scenario())
 
 
 def test_any_checkpoint_exports_as_a_model_with_rlmesh_export(tiny_model_dir, tmp_path):

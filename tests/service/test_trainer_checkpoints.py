@@ -367,3 +367,51 @@ def test_a_save_never_replaces_another_runs_checkpoint(tiny_model_dir, tmp_path)
     with pytest.raises(errors.FailedPrecondition, match="a checkpoint of run 'a'"):
         asyncio.run(save("b"))
     assert json.loads((written / "trainer_state.json").read_text())["run_id"] == "a"
+
+
+def test_a_lost_rollback_does_not_make_a_dead_trainers_later_steps_final(
+    redis_url, start_in_loop, dataset, serve, tiny_model_dir, tmp_path, monkeypatch
+):
+    """Trainer A checkpoints step 1, trains steps 2-3 (acknowledged provisionally) and dies; B
+    loads step 1, and its RollbackToCheckpoint is lost (a Redis that lost the write). B's own
+    steps are numbered 2, 3 too: its commit must not make A's final (no checkpoint holds
+    them). They come back to be trained again; nothing is lost, nothing counted twice."""
+    _, port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
+    buffer = BufferStub(sync_channel(f"127.0.0.1:{port}"))
+    create(buffer, dataset, run_id="r1")
+    settings = Settings(work_dir=tmp_path, buffer_address=f"127.0.0.1:{port}", port=0)
+    cfg = config(tiny_model_dir, checkpoint_interval=100)
+
+    def init(stub) -> int:
+        return stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=cfg.model_dump_json())).step
+
+    def step(stub, number: int, groups: int = 1) -> trainer_pb2.TrainStepResponse:
+        put(buffer, [scored(p, number) for p in prompts(buffer, 1, run_id="r1")], run_id="r1")
+        return stub.TrainStep(trainer_pb2.TrainStepRequest(run_id="r1", num_groups=groups, wait_seconds=5))
+
+    def counts() -> tuple[int, int, int]:
+        s = buffer.GetStats(buffer_pb2.GetStatsRequest(run_id="r1"))
+        return s.acknowledged_groups, s.provisional_groups, s.queued_groups
+
+    a, kill_a = serve(Trainer(settings))
+    init(a)
+    step(a, 1)
+    a.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id="r1"))
+    step(a, 2)
+    step(a, 3)
+    kill_a()
+    assert counts() == (1, 2, 0)
+
+    async def lost(self, run_id: str, step: int) -> None:  # answered, but Redis lost the write
+        return None
+
+    monkeypatch.setattr("rlmesh.trainer.buffer_client.BufferClient.rewind", lost)
+    b, _ = serve(Trainer(settings))
+    assert init(b) == 1
+    step(b, 2)
+    b.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id="r1"))  # commits through B's step 2
+    assert counts() == (2, 0, 2)  # A's step 1 and B's step 2 final; A's steps 2-3 queued again
+    again = b.TrainStep(trainer_pb2.TrainStepRequest(run_id="r1", num_groups=2, wait_seconds=5))
+    assert (again.groups_trained, again.step) == (2, 3)  # trained into B's model, not skipped
+    b.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id="r1"))
+    assert counts() == (4, 0, 0)

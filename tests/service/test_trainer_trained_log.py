@@ -18,7 +18,7 @@ from rlmesh.buffer.server import start as start_buffer
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.sample import group_to_proto
 from rlmesh.trainer.config import Settings
-from rlmesh.trainer.trained_log import COUNT_KEY, LEGACY_KEY, LOG_KEY, log_path, resume_log
+from rlmesh.trainer.trained_log import COUNT_KEY, LEGACY_KEY, LOG_KEY, GroupIds, log_path, resume_log
 from rlmesh.trainer.trainer import Trainer
 from rlmesh.v1.buffer_pb2_grpc import BufferStub
 from tests.helpers.buffer import create, put
@@ -31,6 +31,11 @@ def step_groups(step: int):
     for i, g in enumerate(groups):
         g.group_id = f"s{step}-{i}"
     return [group_to_proto(g) for g in groups]
+
+
+def holds(trained, ids: set[str]) -> bool:
+    """Whether a record holds exactly these ids (it keeps their digests, not the ids)."""
+    return len(trained.ids) == len(ids) and all(gid in trained for gid in ids)
 
 
 def ids_through(step: int) -> set[str]:
@@ -114,7 +119,7 @@ def test_each_checkpoint_writes_only_its_own_steps_and_a_resume_rebuilds_the_who
         stack.kill(first)
         second = stack.trainer()
         assert second._run.backend.step == 4
-        assert second._run.trained.ids == ids_through(4)
+        assert holds(second._run.trained, ids_through(4))
         assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4]
 
         # The buffer hands out again step 5's groups (rolled back): trained again. Then a
@@ -126,7 +131,7 @@ def test_each_checkpoint_writes_only_its_own_steps_and_a_resume_rebuilds_the_who
         result = stack.train(second, 6, write=False)
         assert (result.step, result.groups_trained, result.metrics["repeated_groups"]) == (6, 1, 1)
         third = (stack.close(), stack.trainer())[1]
-        assert third._run.trained.ids == ids_through(5) | {"s6-1"}
+        assert holds(third._run.trained, ids_through(5) | {"s6-1"})
     finally:
         stack.close()
 
@@ -148,14 +153,14 @@ def test_a_checkpoint_written_before_the_log_still_loads(
         log_path(stack.checkpoints, "r1").unlink()
 
         second = stack.trainer()
-        assert second._run.trained.ids == ids_through(2)
+        assert holds(second._run.trained, ids_through(2))
         stack.hand_out_again("s1-1", 1)
         put(stack.buffer, step_groups(3)[:1])
         result = stack.train(second, 3, write=False)
         assert (result.groups_trained, result.metrics["repeated_groups"]) == (1, 1)
         # The resume wrote the log from the old checkpoint, and the new ones carry on from it.
         third = (stack.close(), stack.trainer())[1]
-        assert third._run.trained.ids == ids_through(2) | {"s3-0"}
+        assert holds(third._run.trained, ids_through(2) | {"s3-0"})
     finally:
         stack.close()
 
@@ -163,13 +168,13 @@ def test_a_checkpoint_written_before_the_log_still_loads(
 def test_a_resume_takes_no_record_from_another_runs_checkpoint_or_a_torn_line(tmp_path):
     checkpoint = tmp_path / "step-000003"
     theirs = {"run_id": "r0", "step": 3, LEGACY_KEY: {"1": ["g0"]}}
-    assert resume_log(tmp_path, "r1", checkpoint, theirs).ids == set()  # (their g0 is not r1's g0)
+    assert holds(resume_log(tmp_path, "r1", checkpoint, theirs), set())  # (their g0 is not r1's g0)
 
     log = log_path(tmp_path, "r1")
     log.write_text('{"step":1,"ids":["g0"]}\n{"step":2,"ids":["g1"]}\n{"step":3,"ids":["g2"]}\n{"step":4,"id')
     mine = {"run_id": "r1", "step": 2, LOG_KEY: f"../{log.name}", COUNT_KEY: 2}
     trained = resume_log(tmp_path, "r1", tmp_path / "step-000002", mine)
-    assert (trained.ids, trained.count) == ({"g0", "g1"}, 2)
+    assert holds(trained, {"g0", "g1"}) and trained.count == 2
     assert log.read_text() == '{"step":1,"ids":["g0"]}\n{"step":2,"ids":["g1"]}\n'
     trained.add(3, ["g5"])
     trained.flush()
@@ -184,4 +189,16 @@ def test_a_record_named_outside_the_checkpoint_directory_is_not_read(tmp_path):
     for named in ("../elsewhere/trained-groups.r1.jsonl", "../notes.jsonl", "/etc/hostname"):
         state = {"run_id": "r1", "step": 1, LOG_KEY: named, COUNT_KEY: 1}
         trained = resume_log(tmp_path, "r1", tmp_path / "step-000001", state)
-        assert (trained.ids, trained.count) == (set(), 0), named
+        assert holds(trained, set()) and trained.count == 0, named
+
+
+def test_the_record_keeps_ids_compactly_and_finds_each_one():
+    """Membership at 8 bytes an id, the newest ids merged into a sorted array as they come."""
+    trained = GroupIds(f"ref:train:0:{i}" for i in range(5000))
+    for step in range(20):
+        trained.update(f"ref:train:1:{step}-{i}" for i in range(512))
+    assert len(trained) == 5000 + 20 * 512
+    assert all(f"ref:train:0:{i}" in trained for i in range(0, 5000, 7))
+    assert all(f"ref:train:1:{step}-{i}" in trained for step in range(20) for i in range(0, 512, 5))
+    assert not any(f"ref:train:2:{i}" in trained for i in range(5000))
+    assert trained._sorted.nbytes <= 8 * len(trained)

@@ -209,16 +209,18 @@ class LeaseBatchResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[_sample_pb2.SampleGroup, _Mapping]]] = ..., stale_groups: _Optional[int] = ..., stale_groups_dropped: _Optional[int] = ...) -> None: ...
 
 class AckBatchRequest(_message.Message):
-    __slots__ = ("run_id", "lease_id", "step", "provisional")
+    __slots__ = ("run_id", "lease_id", "step", "provisional", "load_id")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PROVISIONAL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     lease_id: str
     step: int
     provisional: bool
-    def __init__(self, run_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., step: _Optional[int] = ..., provisional: _Optional[bool] = ...) -> None: ...
+    load_id: str
+    def __init__(self, run_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., step: _Optional[int] = ..., provisional: _Optional[bool] = ..., load_id: _Optional[str] = ...) -> None: ...
 
 class AckBatchResponse(_message.Message):
     __slots__ = ("acknowledged",)
@@ -227,18 +229,24 @@ class AckBatchResponse(_message.Message):
     def __init__(self, acknowledged: _Optional[int] = ...) -> None: ...
 
 class CommitAcksRequest(_message.Message):
-    __slots__ = ("run_id", "through_step")
+    __slots__ = ("run_id", "through_step", "load_id", "loaded_step")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     THROUGH_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    LOADED_STEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     through_step: int
-    def __init__(self, run_id: _Optional[str] = ..., through_step: _Optional[int] = ...) -> None: ...
+    load_id: str
+    loaded_step: int
+    def __init__(self, run_id: _Optional[str] = ..., through_step: _Optional[int] = ..., load_id: _Optional[str] = ..., loaded_step: _Optional[int] = ...) -> None: ...
 
 class CommitAcksResponse(_message.Message):
-    __slots__ = ("committed",)
+    __slots__ = ("committed", "requeued")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    REQUEUED_FIELD_NUMBER: _ClassVar[int]
     committed: int
-    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+    requeued: int
+    def __init__(self, committed: _Optional[int] = ..., requeued: _Optional[int] = ...) -> None: ...
 
 class RollbackToCheckpointRequest(_message.Message):
     __slots__ = ("run_id", "step")
