@@ -191,7 +191,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
         )
 
     async def GetStats(self, request, context):
-        return buffer_pb2.BufferStats(**await self.store.stats(request.run_id))
+        return buffer_pb2.BufferStats(**await self.store.stats(request.run_id, request.min_weight_version))
 
     async def ExportGroups(self, request, context):
         exported = await transfer.export_groups(

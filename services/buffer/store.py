@@ -122,6 +122,7 @@ class BufferStore:
         self._ack = redis.register_script(scripts.ACK_BATCH)
         self._commit_acks = redis.register_script(scripts.COMMIT_ACKS)
         self._rollback = redis.register_script(scripts.ROLLBACK_TO_CHECKPOINT)
+        self._count_queued_from = redis.register_script(scripts.COUNT_QUEUED_FROM)
         self._reject = redis.register_script(scripts.REJECT_GROUPS)
         self._release = redis.register_script(scripts.RELEASE_BATCH)
         self._return_partial = redis.register_script(scripts.RETURN_PARTIAL)
@@ -570,10 +571,17 @@ class BufferStore:
 
     # ---- stats --------------------------------------------------------------------------
 
-    async def stats(self, run_id: str) -> dict:
+    async def stats(self, run_id: str, min_weight_version: int = 0) -> dict:
         """The run's counters, by the field names of the BufferStats message (see rlmesh.buffer.stats)."""
         spec = await self._spec(run_id)
-        return await run_stats(self.redis, self.keys(run_id), spec, self.rate_window_seconds)
+        k = self.keys(run_id)
+        stats = await run_stats(self.redis, k, spec, self.rate_window_seconds)
+        stats["queued_groups_from"] = stats["queued_groups"]
+        if min_weight_version > 0:  # (a scan of the queue, bounded by its cap)
+            stats["queued_groups_from"] = await self._count_queued_from(
+                keys=self._lease_keys(k, ""), args=[min_weight_version]
+            )
+        return stats
 
 
 def _check_step(step: int, name: str) -> None:

@@ -445,18 +445,24 @@ class RunCalls:
     # ---- the rollout service -----------------------------------------------------------------
 
     async def generate(
-        self, batch: int, request: Callable[[int, int], rollout_pb2.GenerateRolloutRequest]
+        self,
+        batch: int,
+        request: Callable[[int, int], rollout_pb2.GenerateRolloutRequest],
+        oldest: Callable[[int], int] | None = None,
     ) -> rollout_pb2.GenerateRolloutResponse:
         """Generate what the batch still misses (`request(missing, weight_version)`), on engines
         holding the run's weights. Safe to retry: groups an interrupted call wrote stay queued
-        and are counted; prompts it held are handed back (or their lease expires)."""
+        and are counted, unless the batch's lease will drop them as too old (`oldest(version)`:
+        the oldest weight version it takes; say, groups a restarted trainer's rollback queued
+        again); prompts it held are handed back (or their lease expires)."""
 
         async def attempt():
-            # (both reads at once: one round trip's wait, not two)
-            missing, run = await asyncio.gather(self.missing_groups(batch), self.store.get(self.run_id))
+            version = (await self.store.get(self.run_id))["weight_version"]
+            keeps_all = oldest is None or self.cfg.stale_policy == "keep"
+            missing = await self.missing_groups(batch, 0 if keeps_all else oldest(version))
             if not missing:
                 return rollout_pb2.GenerateRolloutResponse()
-            req = request(missing, run["weight_version"])
+            req = request(missing, version)
             return await self.on_current_engines(
                 lambda: self.watched(
                     self.clients.rollout.GenerateRollout(
@@ -477,11 +483,14 @@ class RunCalls:
         # The trainer leases this batch with the same bound; one_step_off trains it one version
         # later than the weights it is generated with.
         ahead = int(cfg.mode == "one_step_off")
+
+        def oldest(version: int) -> int:
+            return oldest_weight_version(version, cfg.staleness_bound, ahead=ahead)
+
         g = await self.generate(
             cfg.rollout.rollout_batch_size * batches,
-            lambda missing, version: requests.rollout_request(
-                self.run_id, cfg, missing, oldest_weight_version(version, cfg.staleness_bound, ahead=ahead), version
-            ),
+            lambda missing, version: requests.rollout_request(self.run_id, cfg, missing, oldest(version), version),
+            oldest,
         )
         return dict(g.metrics), time.monotonic() - t0
 
@@ -555,12 +564,11 @@ class RunCalls:
 
     # ---- the buffer ----------------------------------------------------------------------
 
-    async def stats(self) -> buffer_pb2.BufferStats:
+    async def stats(self, min_weight_version: int = 0) -> buffer_pb2.BufferStats:
+        request = buffer_pb2.GetStatsRequest(run_id=self.run_id, min_weight_version=min_weight_version)
         return await self.patiently(
             self.service("buffer"),
-            lambda: self.clients.buffer.GetStats(
-                buffer_pb2.GetStatsRequest(run_id=self.run_id), timeout=self.settings.call_deadline_seconds
-            ),
+            lambda: self.clients.buffer.GetStats(request, timeout=self.settings.call_deadline_seconds),
         )
 
     async def buffer_metrics(self) -> dict[str, float]:
@@ -582,7 +590,9 @@ class RunCalls:
         out.update({f"buffer/dropped/{reason}": float(n) for reason, n in s.dropped_by_reason.items()})
         return out
 
-    async def missing_groups(self, batch: int) -> int:
+    async def missing_groups(self, batch: int, min_weight_version: int = 0) -> int:
         """Groups to generate for a batch: an interrupted iteration (a coordinator restart, a
-        failed GenerateRollout) may have written some already (queued, not lost); only the rest."""
-        return max(batch - (await self.stats()).queued_groups, 0)
+        failed GenerateRollout) may have written some already (queued, not lost); only the rest.
+        Queued groups older than `min_weight_version` (> 0) are not counted: the batch's lease
+        drops them."""
+        return max(batch - (await self.stats(min_weight_version)).queued_groups_from, 0)

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from rlmesh.cli.demo import demo_config, write_task
+from rlmesh.cli.demo import demo_config, run_metrics, write_task
 from rlmesh.cli.launcher import datasets_dir
 from tests.helpers.chaos import (
     PROCESSES,
@@ -81,6 +81,36 @@ def test_a_run_survives_a_killed_process(chaos, tmp_path, tiny_model_dir, victim
             f"\n| {victim} | {moment} | completed | {after:.1f} | {s.groups_written} | {s.acknowledged_groups} | "
             f"{s.rolled_back_groups} |"
         )
+    finally:
+        chaos.ensure_finished(run_id)
+
+
+@pytest.mark.slow
+def test_one_step_off_goes_on_when_a_restart_requeues_groups_too_old_to_train(chaos, tiny_model_dir):
+    """one_step_off (max_staleness 1): a trainer killed while it writes a checkpoint restarts
+    two steps back, and its rollback queues again groups too old for the next batch (its
+    lease drops them). They are not counted as that batch's groups: a fresh batch is
+    generated, every iteration trains a whole one, and the accounting balances."""
+    point = "trainer.checkpoint_written"
+    chaos.hold(point)
+    config = chaos_config(chaos.stack, tiny_model_dir, num_rollouts=4)
+    config["mode"] = "one_step_off"
+    run_id = chaos.start_run(config)
+    try:
+        chaos.wait_reached(point)
+        eventually(lambda: chaos.stats(run_id).provisional_groups >= 4, "the next step acknowledged")
+        chaos.release(point)
+        chaos.kill("trainer")
+    finally:
+        chaos.release(point)
+    try:
+        run = chaos.run(run_id)
+        assert run["status"] == "completed", run["error"]
+        rl = [m for m in run_metrics(chaos.api, run_id) if "iteration/seconds" in m]
+        samples = config["rollout"]["rollout_batch_size"] * config["rollout"]["n_samples_per_prompt"]
+        assert [m["train/samples"] for m in rl][-4:] == [samples] * 4, rl
+        s = check_accounting(chaos, run_id)
+        assert s.rolled_back_groups and s.stale_groups_dropped, s
     finally:
         chaos.ensure_finished(run_id)
 

@@ -235,6 +235,12 @@ def test_staleness_bound_drops_or_keeps_old_groups_and_counts_them(buffer, datas
             completed(g[4], version=4),
         ],
     )
+
+    # Counted before any lease as a lease with that bound would take them (no versions: never stale).
+    def queued_from(version: int) -> int:
+        return stub.GetStats(buffer_pb2.GetStatsRequest(run_id="r1", min_weight_version=version)).queued_groups_from
+
+    assert [queued_from(v) for v in (0, 2, 4, 5)] == [5, 3, 2, 1]
     # KEEP: delivered, counted
     kept = lease(stub, num_groups=1, min_weight_version=2, stale_policy=buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP)
     assert [x.group_id for x in kept.groups] == ["g0"] and kept.stale_groups == 1
