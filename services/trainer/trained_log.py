@@ -53,7 +53,7 @@ class GroupIds:
     """A set of group ids for membership only, at 8 bytes an id: each id's 64-bit digest, in a
     sorted array plus a set of the newest, merged in when it grows past an eighth of the
     array (a run of millions of groups keeps megabytes, not the ids' hundreds). Two ids with
-    one digest (about 1 in 10^7 for a run of a million groups) would have the second
+    one digest (about 3 in 10^8 for a run of a million groups) would have the second
     acknowledged untrained if the buffer ever handed it out again."""
 
     def __init__(self, ids: Iterable[str] = ()) -> None:
