@@ -573,6 +573,7 @@ class BufferStore:
 
     async def stats(self, run_id: str, min_weight_version: int = 0) -> dict:
         """The run's counters, by the field names of the BufferStats message (see rlmesh.buffer.stats)."""
+        _check_step(min_weight_version, "min_weight_version")
         spec = await self._spec(run_id)
         k = self.keys(run_id)
         stats = await run_stats(self.redis, k, spec, self.rate_window_seconds)

@@ -241,6 +241,8 @@ def test_staleness_bound_drops_or_keeps_old_groups_and_counts_them(buffer, datas
         return stub.GetStats(buffer_pb2.GetStatsRequest(run_id="r1", min_weight_version=version)).queued_groups_from
 
     assert [queued_from(v) for v in (0, 2, 4, 5)] == [5, 3, 2, 1]
+    code, details = code_of(lambda: queued_from(-1))
+    assert code == INVALID and "min_weight_version" in details
     # KEEP: delivered, counted
     kept = lease(stub, num_groups=1, min_weight_version=2, stale_policy=buffer_pb2.LeaseBatchRequest.STALE_POLICY_KEEP)
     assert [x.group_id for x in kept.groups] == ["g0"] and kept.stale_groups == 1
