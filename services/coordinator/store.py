@@ -140,10 +140,13 @@ redis.call('ZREM', KEYS[4], ARGV[1])
 return 'deleted'
 """
 
-# RPUSH, unless the list already ends with this element (a retried call that had succeeded).
-_APPEND_ONCE = (
-    "if redis.call('LINDEX', KEYS[1], -1) == ARGV[1] then return 0 end return redis.call('RPUSH', KEYS[1], ARGV[1])"
-)
+# RPUSH to the list KEYS[1] of the run whose record is KEYS[2] (-1: no such record), unless the
+# list already ends with this element (a retried call that had succeeded).
+_APPEND_ONCE = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+if redis.call('LINDEX', KEYS[1], -1) == ARGV[1] then return 0 end
+return redis.call('RPUSH', KEYS[1], ARGV[1])
+"""
 
 # HSET (ARGV: field, value, ...) or HINCRBY (ARGV: field, increment) into the run's record
 # KEYS[1] only while it exists: after a Redis that lost it (wiped, or a failover to a replica
@@ -478,7 +481,9 @@ class RunStore:
     async def append_metrics(self, run_id: str, record: dict) -> None:
         """Appended once, even when the client sends it again after a lost reply (the record
         carries its time, so the same bytes at the end of the list are this very record)."""
-        await self.redis.eval(_APPEND_ONCE, 1, self._key(run_id) + ":metrics", json.dumps(record))
+        key = self._key(run_id)
+        if await self.redis.eval(_APPEND_ONCE, 2, key + ":metrics", key, json.dumps(record)) == -1:
+            raise NotFound(f"unknown run {run_id!r}")
 
     async def raw_metrics_since(self, run_id: str, since: int, limit: int) -> tuple[list[bytes], int]:
         """Up to `limit` metric records from position `since` (0 = the first ever written) as

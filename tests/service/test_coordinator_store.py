@@ -131,10 +131,15 @@ def test_a_record_that_redis_lost_is_not_written_into(loop_thread, redis_url):
         assert record["environment_groups_received"] == "3"  # (the API converts its counters)
 
         await redis.delete(f"test:coord:run:{run_id}")
-        for write in (store.update(run_id, status="failed", waiting_for=""), store.count(run_id, "x")):
+        writes = (
+            store.update(run_id, status="failed", waiting_for=""),
+            store.count(run_id, "x"),
+            store.append_metrics(run_id, {"rollout_id": 1}),
+        )
+        for write in writes:
             with pytest.raises(NotFound, match=run_id):
                 await write
-        assert not await redis.exists(f"test:coord:run:{run_id}")
+        assert not await redis.exists(f"test:coord:run:{run_id}", f"test:coord:run:{run_id}:metrics")
         with pytest.raises(NotFound):
             await store.get(run_id)
         await redis.aclose()
