@@ -290,6 +290,7 @@ def test_a_metric_record_whose_reply_was_lost_is_kept_once(redis_url):
         store = RunStore(client, "lost-reply")
         try:
             async with proxy:
+                await client.hset("lost-reply:coord:run:r1", "status", "running")  # (the run's record)
                 await store.append_metrics("r1", {"rollout_id": 1, "time": 1.5})
                 return await store.metrics("r1")
         finally:
