@@ -2,40 +2,7 @@
 atomic Lua script (rlmesh.buffer.scripts), so several buffer replicas can serve one
 Redis and a crash at any point loses nothing and hands nothing out twice.
 
-Keys of a run live under `<prefix>:run:<run_id>:` (rlmesh.buffer.keys.RunKeys lists them):
-  spec            run spec (JSON); its existence is the run's existence
-  data:<dataset>  prompt records (list of JSON, see rlmesh.buffer.datasets)
-  cursor          hash: <dataset> -> prompts drawn so far; __groups__ -> next group index
-  prompts         hash: group_id -> handed-out prompt group (bytes, or a "ref:" to build it)
-  prompt_leases   zset: group_id -> lease expiry (unix seconds on Redis's clock: TIME)
-  partial         list of group ids + partial_groups hash: aborted groups waiting to resume
-  groups          hash: group_id -> completed SampleGroup (bytes), until acknowledged
-  meta            hash: group_id -> summary (samples, oldest weight version, rewards...)
-  queue           list of completed group ids waiting for training (oldest first)
-  batch_leases    zset: lease_id -> expiry (as prompt_leases');  batch:<lease_id>  list of its group ids
-  deliveries      hash: group_id -> its leases that expired or are live (bounded by
-                  max_deliveries), until acknowledged
-  rollbacks       hash: group_id -> its leases released by a trainer's restart
-                  (RollbackToCheckpoint; bounded by max_rollbacks), until acknowledged
-  acked           set of acknowledged group ids (never delivered or stored again)
-  acked_leases    hash: lease_id -> groups it acknowledged, for the newest leases (oldest
-                  first in acked_lease_order): a retried AckBatch answers as the first did
-  provisional     list of group ids acknowledged provisionally (oldest first) +
-                  provisional_steps hash (group_id -> "<step>/<load_id>": the step that
-                  trained it, and which load of the trainer's model did): kept in
-                  `groups` until a checkpoint holding the step is committed (CommitAcks)
-                  or the trainer restarts from an older one (RollbackToCheckpoint)
-  discarded       set of dropped or dead-lettered group ids (stale, filtered out by the
-                  rollout, rejected by a trainer, delivered max_deliveries or
-                  max_rollbacks times)
-  dead_letters    list of dead-lettered group ids (oldest first) + dead_groups hash
-                  (group_id -> bytes) + dead_reasons hash (group_id -> why)
-  stats           hash of counters;  rate_snapshots  zset of counter snapshots (rates)
-  recent_ids      list of the newest stored group ids (newest first), capped at
-                  recent_groups: what a person watching the run browses (GetRecentGroups);
-                  their bytes stay in `groups` after they leave it (`retained`: those ids)
-  closed          set by CloseRun when the run is over: no more prompts or groups taken
-                  (keys.CLOSED_RUN_DROPS and the dataset copies are deleted then)
+Where each thing lives in Redis: rlmesh.buffer.keys.
 
 Groups stay serialized protobuf bytes from the writer to the trainer: the buffer checks
 them but never re-encodes them (see rlmesh.buffer.wire).
