@@ -20,6 +20,12 @@ FIELDS = [
     ("queued_groups", "queued_groups", "gauge", "Completed groups waiting for training."),
     ("queued_samples", "queued_samples", "gauge", "Samples in the queued groups."),
     ("leased_groups", "leased_groups", "gauge", "Groups leased to a trainer, not yet acknowledged."),
+    (
+        "expired_lease_groups",
+        "expired_lease_groups",
+        "gauge",
+        "Groups of leases past their expiry; the next lease queues them again.",
+    ),
     ("partial_groups", "partial_groups", "gauge", "Aborted groups waiting to resume."),
     (
         "dead_letter_groups",

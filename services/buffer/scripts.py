@@ -231,25 +231,6 @@ return leased(k, take, ARGV[2], now + tonumber(ARGV[3]), stale_kept, #drop)
 """
 )
 
-# The queued groups a lease with min_weight_version ARGV[1] would not drop as stale (a group
-# of unknown version counts, as a lease takes it).  KEYS: as the lease scripts.
-COUNT_QUEUED_FROM = (
-    _HELPERS
-    + r"""
-local k = lease_keys()
-local min_v, n, scanned = tonumber(ARGV[1]), 0, 0
-while true do
-  local chunk = redis.call('LRANGE', k.queue, scanned, scanned + 255)
-  if #chunk == 0 then return n end
-  for _, id in ipairs(chunk) do
-    local _, v = meta_of(k.meta, id)
-    if v < 0 or v >= min_v then n = n + 1 end
-  end
-  scanned = scanned + #chunk
-end
-"""
-)
-
 # A buffer filter chose the groups (from a snapshot of the queue): claim exactly those,
 # or nothing if another replica took one meanwhile ({-2}: choose again).
 #   ARGV: batch_prefix lease_id lease_seconds max_deliveries n_take n_drop stale_kept take_ids... drop_ids...

@@ -9,13 +9,46 @@ import time
 import redis.asyncio as aioredis
 
 from rlmesh.buffer.keys import RunKeys
+from rlmesh.buffer.scripts import NOW
 
 _RATE_COUNTERS = ("groups_written", "acknowledged_groups", "prompts_handed_out")
 
+# Groups of batch leases past their expiry (a trainer that died or gave up), which the next
+# lease queues again first.  KEYS: batch_leases;  ARGV: batch_prefix.
+_EXPIRED_LEASE_GROUPS = (
+    NOW
+    + r"""
+local n = 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', redis_now())) do
+  n = n + redis.call('LLEN', ARGV[1] .. id)
+end
+return n
+"""
+)
 
-async def run_stats(redis: aioredis.Redis, k: RunKeys, spec: dict, rate_window_seconds: float) -> dict:
+# The queued groups a lease with min_weight_version ARGV[1] would not drop as stale: those
+# whose oldest weight version (the second field of their meta) is at least it, or unknown.
+#   KEYS: queue meta
+_QUEUED_FROM = r"""
+local min_v, n, scanned = tonumber(ARGV[1]), 0, 0
+while true do
+  local chunk = redis.call('LRANGE', KEYS[1], scanned, scanned + 255)
+  if #chunk == 0 then return n end
+  for _, id in ipairs(chunk) do
+    local v = tonumber(string.match(redis.call('HGET', KEYS[2], id) or '', '^%d+ (%-?%d+)') or '-1')
+    if v < 0 or v >= min_v then n = n + 1 end
+  end
+  scanned = scanned + #chunk
+end
+"""
+
+
+async def run_stats(
+    redis: aioredis.Redis, k: RunKeys, spec: dict, rate_window_seconds: float, min_weight_version: int = 0
+) -> dict:
     """The run's counters, by the field names of the BufferStats message; the counts are read
-    in one transaction (leased_groups is derived from three of them)."""
+    in one transaction (leased_groups is derived from four of them). With min_weight_version
+    (> 0), queued_groups_from scans the queue (bounded by its cap)."""
     pipe = redis.pipeline(transaction=True)
     pipe.llen(k.queue)
     pipe.hlen(k.groups)
@@ -25,7 +58,10 @@ async def run_stats(redis: aioredis.Redis, k: RunKeys, spec: dict, rate_window_s
     pipe.llen(k.dead_letters)
     pipe.llen(k.provisional)
     pipe.scard(k.retained)  # (bytes kept in `groups` only for GetRecentGroups)
-    queued, stored, partial, raw_counters, cursor, dead, provisional, retained = await pipe.execute()
+    pipe.eval(_EXPIRED_LEASE_GROUPS, 1, k.batch_leases, k.batch(""))
+    if min_weight_version > 0:
+        pipe.eval(_QUEUED_FROM, 2, k.queue, k.meta, min_weight_version)
+    queued, stored, partial, raw_counters, cursor, dead, provisional, retained, expired, *fresh = await pipe.execute()
     stored -= retained
     counters = {kk.decode(): int(v) for kk, v in raw_counters.items()}
     first = next(d for d in spec["datasets"] if not d["eval"])
@@ -35,7 +71,9 @@ async def run_stats(redis: aioredis.Redis, k: RunKeys, spec: dict, rate_window_s
     rates, window = await _rates(redis, k, counters, rate_window_seconds)
     return dict(
         queued_groups=queued,
-        leased_groups=stored - queued - provisional,
+        queued_groups_from=fresh[0] if fresh else queued,
+        leased_groups=max(stored - queued - provisional - expired, 0),
+        expired_lease_groups=expired,
         partial_groups=partial,
         acknowledged_groups=counters.get("acknowledged_groups", 0),
         dropped_groups=counters.get("dropped_groups", 0),

@@ -89,7 +89,6 @@ class BufferStore:
         self._ack = redis.register_script(scripts.ACK_BATCH)
         self._commit_acks = redis.register_script(scripts.COMMIT_ACKS)
         self._rollback = redis.register_script(scripts.ROLLBACK_TO_CHECKPOINT)
-        self._count_queued_from = redis.register_script(scripts.COUNT_QUEUED_FROM)
         self._reject = redis.register_script(scripts.REJECT_GROUPS)
         self._release = redis.register_script(scripts.RELEASE_BATCH)
         self._return_partial = redis.register_script(scripts.RETURN_PARTIAL)
@@ -542,14 +541,7 @@ class BufferStore:
         """The run's counters, by the field names of the BufferStats message (see rlmesh.buffer.stats)."""
         _check_step(min_weight_version, "min_weight_version")
         spec = await self._spec(run_id)
-        k = self.keys(run_id)
-        stats = await run_stats(self.redis, k, spec, self.rate_window_seconds)
-        stats["queued_groups_from"] = stats["queued_groups"]
-        if min_weight_version > 0:  # (a scan of the queue, bounded by its cap)
-            stats["queued_groups_from"] = await self._count_queued_from(
-                keys=self._lease_keys(k, ""), args=[min_weight_version]
-            )
-        return stats
+        return await run_stats(self.redis, self.keys(run_id), spec, self.rate_window_seconds, min_weight_version)
 
 
 def _check_step(step: int, name: str) -> None:

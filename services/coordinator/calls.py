@@ -363,7 +363,7 @@ class RunCalls:
             if tried:
                 await self._wait_for_a_step_in_flight()
                 stats = await self.stats()
-                if not stats.queued_groups and not stats.leased_groups:
+                if not (stats.queued_groups or stats.leased_groups or stats.expired_lease_groups):
                     log.warning("run %s: the interrupted train step was taken (its metrics are lost)", self.run_id)
                     return trainer_pb2.TrainStepResponse()
             tried = True

@@ -120,7 +120,9 @@ class RunMode:
         restart's rollback requeued groups that are now too old, and they were dropped as
         stale): generate what is missing. Returns what it did, for the run's waiting_for."""
         stats = await self.calls.stats()
-        if stats.queued_groups + stats.leased_groups >= self.calls.cfg.rollout.rollout_batch_size:
+        # (an expired lease's groups are queued again by the next lease)
+        held = stats.queued_groups + stats.leased_groups + stats.expired_lease_groups
+        if held >= self.calls.cfg.rollout.rollout_batch_size:
             return ""
         await self.calls.generate_batch()
         return "generated the missing groups"

@@ -240,8 +240,11 @@ def accounting_problems(
         problems.append(f"{s.queued_groups} groups still queued")
     if s.dead_letter_groups:
         problems.append(f"{s.dead_letter_groups} groups dead-lettered (never to be trained)")
-    if s.leased_groups or s.provisional_groups:
-        problems.append(f"{s.leased_groups} groups still leased, {s.provisional_groups} still provisional")
+    if s.leased_groups or s.expired_lease_groups or s.provisional_groups:
+        problems.append(
+            f"{s.leased_groups} groups still leased ({s.expired_lease_groups} more in expired leases), "
+            f"{s.provisional_groups} still provisional"
+        )
     trained = trained_record(stack, run_id)
     twice = sorted(g for g, n in Counter(trained).items() if n > 1)
     if twice:

@@ -4,6 +4,7 @@ and each error code it answers with."""
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import httpx
@@ -189,7 +190,11 @@ def test_expired_batch_lease_is_redelivered(buffer, dataset):
     create(stub, dataset)
     put(stub, [completed(g) for g in prompts(stub, 1)])
     first = lease(stub, num_groups=1, lease_seconds=0.05)
+    assert (stats(stub).leased_groups, stats(stub).expired_lease_groups) == (1, 0)
+    time.sleep(0.1)  # (past its expiry: counted apart until the next lease queues it again)
+    assert (stats(stub).leased_groups, stats(stub).expired_lease_groups) == (0, 1)
     again = lease(stub, num_groups=1, wait_seconds=5)
+    assert (stats(stub).leased_groups, stats(stub).expired_lease_groups) == (1, 0)
     assert again.groups[0].group_id == first.groups[0].group_id
     code, details = code_of(lambda: ack(stub, first.lease_id))
     assert code == NOT_FOUND and "expired" in details

@@ -312,7 +312,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., min_weight_version: _Optional[int] = ...) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("queued_groups", "leased_groups", "partial_groups", "acknowledged_groups", "dropped_groups", "prompts_handed_out", "epoch", "offset", "next_sample_index", "groups_written", "redelivered_groups", "stale_groups_dropped", "stale_groups_kept", "prompts_skipped", "prompts_skipped_by_dataset", "prompts_reissued", "partial_groups_returned", "dropped_by_reason", "groups_written_per_second", "groups_acknowledged_per_second", "prompts_handed_out_per_second", "rate_window_seconds", "queued_samples", "dead_letter_groups", "provisional_groups", "rolled_back_groups", "dataset_rows", "queued_groups_from")
+    __slots__ = ("queued_groups", "leased_groups", "partial_groups", "acknowledged_groups", "dropped_groups", "prompts_handed_out", "epoch", "offset", "next_sample_index", "groups_written", "redelivered_groups", "stale_groups_dropped", "stale_groups_kept", "prompts_skipped", "prompts_skipped_by_dataset", "prompts_reissued", "partial_groups_returned", "dropped_by_reason", "groups_written_per_second", "groups_acknowledged_per_second", "prompts_handed_out_per_second", "rate_window_seconds", "queued_samples", "dead_letter_groups", "provisional_groups", "rolled_back_groups", "dataset_rows", "queued_groups_from", "expired_lease_groups")
     class PromptsSkippedByDatasetEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +362,7 @@ class BufferStats(_message.Message):
     ROLLED_BACK_GROUPS_FIELD_NUMBER: _ClassVar[int]
     DATASET_ROWS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_GROUPS_FROM_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     queued_groups: int
     leased_groups: int
     partial_groups: int
@@ -390,7 +391,8 @@ class BufferStats(_message.Message):
     rolled_back_groups: int
     dataset_rows: _containers.ScalarMap[str, int]
     queued_groups_from: int
-    def __init__(self, queued_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., partial_groups: _Optional[int] = ..., acknowledged_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., prompts_handed_out: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., next_sample_index: _Optional[int] = ..., groups_written: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., stale_groups_dropped: _Optional[int] = ..., stale_groups_kept: _Optional[int] = ..., prompts_skipped: _Optional[int] = ..., prompts_skipped_by_dataset: _Optional[_Mapping[str, int]] = ..., prompts_reissued: _Optional[int] = ..., partial_groups_returned: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_written_per_second: _Optional[float] = ..., groups_acknowledged_per_second: _Optional[float] = ..., prompts_handed_out_per_second: _Optional[float] = ..., rate_window_seconds: _Optional[float] = ..., queued_samples: _Optional[int] = ..., dead_letter_groups: _Optional[int] = ..., provisional_groups: _Optional[int] = ..., rolled_back_groups: _Optional[int] = ..., dataset_rows: _Optional[_Mapping[str, int]] = ..., queued_groups_from: _Optional[int] = ...) -> None: ...
+    expired_lease_groups: int
+    def __init__(self, queued_groups: _Optional[int] = ..., leased_groups: _Optional[int] = ..., partial_groups: _Optional[int] = ..., acknowledged_groups: _Optional[int] = ..., dropped_groups: _Optional[int] = ..., prompts_handed_out: _Optional[int] = ..., epoch: _Optional[int] = ..., offset: _Optional[int] = ..., next_sample_index: _Optional[int] = ..., groups_written: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., stale_groups_dropped: _Optional[int] = ..., stale_groups_kept: _Optional[int] = ..., prompts_skipped: _Optional[int] = ..., prompts_skipped_by_dataset: _Optional[_Mapping[str, int]] = ..., prompts_reissued: _Optional[int] = ..., partial_groups_returned: _Optional[int] = ..., dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_written_per_second: _Optional[float] = ..., groups_acknowledged_per_second: _Optional[float] = ..., prompts_handed_out_per_second: _Optional[float] = ..., rate_window_seconds: _Optional[float] = ..., queued_samples: _Optional[int] = ..., dead_letter_groups: _Optional[int] = ..., provisional_groups: _Optional[int] = ..., rolled_back_groups: _Optional[int] = ..., dataset_rows: _Optional[_Mapping[str, int]] = ..., queued_groups_from: _Optional[int] = ..., expired_lease_groups: _Optional[int] = ...) -> None: ...
 
 class ExportGroupsRequest(_message.Message):
     __slots__ = ("run_id", "path", "dead_letters")
