@@ -7,6 +7,7 @@ import json
 import time
 
 import redis.asyncio as aioredis
+from redis.exceptions import OutOfMemoryError, ReadOnlyError
 
 from rlmesh.buffer.keys import RunKeys
 from rlmesh.buffer.scripts import NOW
@@ -117,7 +118,10 @@ async def _rates(
         pipe = redis.pipeline(transaction=False)
         pipe.zadd(k.rate_snapshots, {snapshot: now})
         pipe.zremrangebyscore(k.rate_snapshots, "-inf", now - 2 * window)
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except (OutOfMemoryError, ReadOnlyError):  # (a full Redis, or a replica: the read still answers)
+            pass
     rates = dict.fromkeys(_RATE_COUNTERS, 0.0)
     if base and now - base[0][1] > 0:
         then = json.loads(base[0][0])
