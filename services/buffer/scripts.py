@@ -36,21 +36,26 @@ local function redis_now()
 end
 """
 
-_HELPERS = (
-    _LEAVE
-    + NOW
-    + r"""
--- The run's incarnation token (a new one each time the run is created).
-local function run_token(spec_key)
-  local spec = redis.call('GET', spec_key)
-  return spec and string.match(spec, '"token": "(%w+)"') or ''
-end
-
+# A group's meta ("<samples> <oldest weight version> ..."): its sample count and oldest
+# version (1, -1 when it has none). The one reader of that format; stats.py uses it too.
+META_OF = r"""
 local function meta_of(meta_key, id)
   local m = redis.call('HGET', meta_key, id)
   if not m then return 1, -1 end
   local n, v = string.match(m, '^(%d+) (%-?%d+)')
   return tonumber(n), tonumber(v)
+end
+"""
+
+_HELPERS = (
+    _LEAVE
+    + NOW
+    + META_OF
+    + r"""
+-- The run's incarnation token (a new one each time the run is created).
+local function run_token(spec_key)
+  local spec = redis.call('GET', spec_key)
+  return spec and string.match(spec, '"token": "(%w+)"') or ''
 end
 
 local function push_all(key, ids)

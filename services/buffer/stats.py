@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, ReadOnlyError
 
 from rlmesh.buffer.keys import RunKeys
-from rlmesh.buffer.scripts import NOW
+from rlmesh.buffer.scripts import META_OF, NOW
 
 _RATE_COUNTERS = ("groups_written", "acknowledged_groups", "prompts_handed_out")
 
@@ -30,18 +30,21 @@ return n
 # The queued groups a lease with min_weight_version ARGV[1] would not drop as stale: those
 # whose oldest weight version (the second field of their meta) is at least it, or unknown.
 #   KEYS: queue meta
-_QUEUED_FROM = r"""
+_QUEUED_FROM = (
+    META_OF
+    + r"""
 local min_v, n, scanned = tonumber(ARGV[1]), 0, 0
 while true do
   local chunk = redis.call('LRANGE', KEYS[1], scanned, scanned + 255)
   if #chunk == 0 then return n end
   for _, id in ipairs(chunk) do
-    local v = tonumber(string.match(redis.call('HGET', KEYS[2], id) or '', '^%d+ (%-?%d+)') or '-1')
+    local _, v = meta_of(KEYS[2], id)
     if v < 0 or v >= min_v then n = n + 1 end
   end
   scanned = scanned + #chunk
 end
 """
+)
 
 
 async def run_stats(
