@@ -123,7 +123,9 @@ def load_tokenizer(path: str):
 
         return AutoTokenizer.from_pretrained(path, local_files_only=True)  # never a download
     except Exception as e:
-        raise InvalidArgument(f"cannot load a tokenizer from {path!r} (tokenizer_path): {e}") from None
+        # (the message names the setting, not this machine's directory)
+        reason = str(e).replace(path, "<tokenizer_path>")[:300]
+        raise InvalidArgument(f"cannot load a tokenizer from tokenizer_path: {type(e).__name__}: {reason}") from None
 
 
 def _chat(record: dict) -> list[dict[str, str]]:

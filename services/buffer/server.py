@@ -67,9 +67,9 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
                 problems.append(check_pb2.FieldProblem(field=f"datasets.{i}", message=str(e)))
                 continue
             # (a tokenizer the dataset does not name is the run's model)
-            tokenizer_field = "tokenizer_path" if spec.tokenizer_path else "model_path"
-            for name, message in self.store.prompts.data_files.check(dataset, tokenizer_field):
-                field = f"datasets.{i}.{name}" if name == "path" or spec.tokenizer_path else "model_path"
+            named = bool(spec.tokenizer_path)
+            for name, message in self.store.prompts.data_files.check(dataset, named):
+                field = f"datasets.{i}.{name}" if name == "path" or named else "model_path"
                 problems.append(check_pb2.FieldProblem(field=field, message=message))
         return check_pb2.CheckResponse(problems=problems)
 

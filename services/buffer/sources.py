@@ -39,10 +39,12 @@ class DataFiles:
             raise InvalidArgument(f"{what} {path!r}: no tokenizer directory there (under the buffer's model_roots)")
         return resolved
 
-    def check(self, dataset: DatasetConfig, tokenizer_field: str) -> list[tuple[str, str]]:
+    def check(self, dataset: DatasetConfig, tokenizer_named: bool) -> list[tuple[str, str]]:
         """What loading `dataset` would refuse before reading a byte, as (field, message):
         its path outside the data roots or with nothing there, its tokenizer outside the
-        model roots (checked when it is used: templating, or a max_prompt_length)."""
+        model roots: always when the dataset names one (`tokenizer_named`), else (the run's
+        model, which the buffer's machine may not hold) when it is used: templating, or a
+        max_prompt_length."""
         problems = []
         try:
             if not _Reader(dataset.name, self).inside(dataset.path).exists():
@@ -54,7 +56,8 @@ class DataFiles:
                 )
         except InvalidArgument as e:
             problems.append(("path", str(e)))
-        if needs_tokenizer(dataset):
+        if tokenizer_named or needs_tokenizer(dataset):
+            tokenizer_field = "tokenizer_path" if tokenizer_named else "model_path"
             try:
                 self.tokenizer_dir(dataset.tokenizer_path, f"dataset {dataset.name!r}: {tokenizer_field}")
             except InvalidArgument as e:

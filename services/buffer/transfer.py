@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rlmesh.buffer.store import BufferStore
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from rlmesh.common.paths import resolve_roots, resolve_under
+from rlmesh.common.paths import resolve_roots, resolve_under, shown
 from rlmesh.common.sample import (
     ConversionError,
     SampleGroup,
@@ -44,10 +44,12 @@ async def export_groups(
     try:
         export_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise FailedPrecondition(f"cannot create the buffer's export_dir {str(export_dir)!r}: {e.strerror}") from None
+        raise FailedPrecondition(f"cannot create the buffer's export_dir: {e.strerror}") from None
     target = _path(path, export_dir)
     if not target.parent.is_dir():
-        raise InvalidArgument(f"cannot export to {path}: directory {target.parent} does not exist in export_dir")
+        raise InvalidArgument(
+            f"cannot export to {shown(path)}: its directory does not exist in the buffer's export_dir"
+        )
     if target.exists():
         raise _taken(path)
     extras: list[dict] = []

@@ -111,27 +111,32 @@ class AlgorithmConfig(BaseModel):
     eps_clip: float = Field(
         0.2,
         gt=0,
+        le=100,
         description="Lower clip range of the ratio (1 - eps_clip); for cispo, of its importance weight "
         "(default 1: no lower bound).",
     )
     eps_clip_high: float | None = Field(
         None,
         gt=0,
+        le=100,
         description="Upper clip range (DAPO clip-higher; for cispo, of its importance weight, "
         "default 3); default eps_clip.",
     )
-    dual_clip_c: float | None = Field(None, gt=1, description="Dual clip for negative advantages (c > 1).")
+    dual_clip_c: float | None = Field(None, gt=1, le=1e3, description="Dual clip for negative advantages (c > 1).")
     loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"] = Field(
         "seq_mean_token_mean",
         description="How per-token losses are averaged: per sequence then over the batch, "
         "over all tokens of the batch, or summed per sequence (Dr. GRPO).",
     )
-    kl_loss_coef: float = Field(0.0, ge=0, description="KL-to-reference loss term (needs a reference model).")
+    kl_loss_coef: float = Field(0.0, ge=0, le=1e3, description="KL-to-reference loss term (needs a reference model).")
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
         "low_var_kl", description="Estimator of the per-token KL (Schulman's k1/k2/k3; low_var_kl = k3 clipped)."
     )
     kl_coef: float = Field(
-        0.0, ge=0, description="KL to the reference as a reward penalty (see kl_reward_level); not with kl_loss_coef."
+        0.0,
+        ge=0,
+        le=1e3,
+        description="KL to the reference as a reward penalty (see kl_reward_level); not with kl_loss_coef.",
     )
     kl_reward_level: Literal["token", "sequence"] = Field(
         "token",
@@ -139,7 +144,7 @@ class AlgorithmConfig(BaseModel):
         "(REINFORCE++ only); 'sequence' subtracts kl_coef * the sample's KL summed over its trained tokens from "
         "its reward before the advantage estimator runs (any estimator).",
     )
-    entropy_coef: float = Field(0.0, description="Weight of an entropy bonus in the loss (0 = off).")
+    entropy_coef: float = Field(0.0, ge=-1e3, le=1e3, description="Weight of an entropy bonus in the loss (0 = off).")
     gamma: float = Field(
         1.0, ge=0, le=1, description="Discount of REINFORCE++ returns and of GAE (advantage_estimator 'gae')."
     )
@@ -151,17 +156,19 @@ class AlgorithmConfig(BaseModel):
         "value, 0 = one-step TD errors.",
     )
     value_loss_coef: float = Field(
-        0.5, ge=0, description="Weight of the critic's value loss in the loss (advantage_estimator 'gae')."
+        0.5, ge=0, le=1e3, description="Weight of the critic's value loss in the loss (advantage_estimator 'gae')."
     )
     value_clip: float | None = Field(
         0.2,
         gt=0,
+        le=1e6,
         description="PPO's value clipping: the new value is kept within this distance of the old one in "
         "the loss (None = plain squared error; advantage_estimator 'gae').",
     )
     rollout_is_upper: float | None = Field(
         None,
         ge=1,
+        le=1e6,
         description="Importance sampling against the engine's log-probs (trainer / engine ratio), "
         "on when set: the upper bound of the ratio (formerly tis_cap).",
     )

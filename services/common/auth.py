@@ -62,9 +62,10 @@ def bearer(token: str | None) -> str | None:
 
 def token_matches(expected: str, header_value: str | None) -> bool:
     """Constant-time check of an `authorization` header against the expected token."""
-    if not header_value or not header_value.startswith("Bearer "):
+    scheme, _, token = (header_value or "").partition(" ")
+    if scheme.lower() != "bearer":  # (an auth scheme is case-insensitive, RFC 9110)
         return False
-    return hmac.compare_digest(header_value[len("Bearer ") :].encode(), expected.encode())
+    return hmac.compare_digest(token.encode(), expected.encode())
 
 
 def ensure_stack_token() -> str:

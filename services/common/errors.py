@@ -93,3 +93,11 @@ def validation_problems(e: ValidationError, whole: str = "value", most: int = 0)
     names the object itself when the problem is not a field's; `most` > 0 caps the count)."""
     found = e.errors()[:most] if most else e.errors()
     return "; ".join(f"{'.'.join(map(str, err['loc'])) or whole}: {err['msg']}" for err in found)
+
+
+def unexpected(e: BaseException) -> str:
+    """An unexpected error as a caller sees it: an OSError without its file names (this
+    machine's directories are the operator's business; the log has them)."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{type(e).__name__}: {e.strerror}" + (f" (errno {e.errno})" if e.errno else "")
+    return f"{type(e).__name__}: {e}"

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rlmesh.common import auth, tls
+from rlmesh.common import auth, errors, tls
 from rlmesh.common.errors import RlmeshError
 from rlmesh.common.prometheus import GrpcMetricsInterceptor, ServiceMetrics, start_metrics_server
 from rlmesh.common.sample import ConversionError
@@ -253,7 +253,7 @@ class _StatusInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(e.code(), f"{e.details()} (reported by an upstream rlmesh service)")
             except Exception as e:
                 log.exception("unhandled error in %s", method)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}")
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {errors.unexpected(e)}")
 
         return grpc.unary_unary_rpc_method_handler(
             guarded,

@@ -24,6 +24,16 @@ MAX_REMOTE_TIMEOUT_SECONDS = 3600
 MAX_REMOTE_CONCURRENCY = 1024
 MAX_REMOTE_BATCH_SIZE = 100_000
 MAX_TOKEN_CHARS = 4096
+# A reward component's weight, in a run config or a reward service's registration.
+MAX_REWARD_WEIGHT = 1e6
+# A sample's reward and each of its components: larger ones are a reward function's bug (scale
+# it down), and their squares and sums would overflow the trainer's float32 statistics.
+MAX_ABS_REWARD = 1e9
+# A stored sample: tokens (prompt and response; beyond any model's context today), the weight
+# versions that generated it (one more per weight push it spanned), and its group's id.
+MAX_SAMPLE_TOKENS = 1 << 22
+MAX_WEIGHT_VERSIONS = 4096
+MAX_GROUP_ID_CHARS = 512
 
 
 class Limits(BaseModel):

@@ -49,13 +49,17 @@ class OffPolicyCorrection(BaseModel):
         "token",
         description="tis and mis: one ratio per token, or per sequence (the product of its token ratios).",
     )
-    lower: float | None = Field(None, ge=0, description="Lower bound of rho (default: 0; icepop 0.5). Not for m2po.")
-    upper: float | None = Field(None, gt=1, description="Upper bound of rho (default: 2; decoupled 5). Not for m2po.")
+    lower: float | None = Field(
+        None, ge=0, le=1e6, description="Lower bound of rho (default: 0; icepop 0.5). Not for m2po."
+    )
+    upper: float | None = Field(
+        None, gt=1, le=1e6, description="Upper bound of rho (default: 2; decoupled 5). Not for m2po."
+    )
     negative_upper: float = Field(
-        1.0, gt=0, description="asymmetric: the cap of rho for tokens with a negative advantage."
+        1.0, gt=0, le=1e6, description="asymmetric: the cap of rho for tokens with a negative advantage."
     )
     m2_threshold: float = Field(
-        0.04, gt=0, description="m2po: the bound on the batch's second moment mean((log rho)^2)."
+        0.04, gt=0, le=1e6, description="m2po: the bound on the batch's second moment mean((log rho)^2)."
     )
     ess_step_scaling: bool = Field(
         False,

@@ -18,10 +18,14 @@ from rlmesh.common.limits import (
     MAX_REMOTE_BATCH_SIZE,
     MAX_REMOTE_CONCURRENCY,
     MAX_REMOTE_TIMEOUT_SECONDS,
+    MAX_REWARD_WEIGHT,
     MAX_TOKEN_CHARS,
 )
 from rlmesh.common.run_config import StrictModel
 from rlmesh.v1 import reward_pb2
+
+# A service's name: the reward component runs name it by (also the REST API's path parameter).
+SERVICE_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$"
 
 
 class RemoteServiceSpec(StrictModel):
@@ -38,7 +42,9 @@ class RemoteServiceSpec(StrictModel):
     max_concurrency: int = Field(
         0, ge=0, le=MAX_REMOTE_CONCURRENCY, description="Calls in flight at once; 0 = the default."
     )
-    weight: float = Field(0.0, ge=-1e6, le=1e6, description="Weight when a run names no components.")
+    weight: float = Field(
+        0.0, ge=-MAX_REWARD_WEIGHT, le=MAX_REWARD_WEIGHT, description="Weight when a run names no components."
+    )
     max_batch_size: int = Field(
         0, ge=0, le=MAX_REMOTE_BATCH_SIZE, description="Samples per call (groups are kept whole); 0 = the default."
     )

@@ -5,11 +5,11 @@ once here. The coordinator hands each service its section (the trainer gets
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
-from rlmesh.common.limits import INT32_MAX, INT64_MAX, MAX_DATASETS, Limits
+from rlmesh.common.limits import INT32_MAX, INT64_MAX, MAX_DATASETS, MAX_REWARD_WEIGHT, Limits
 from rlmesh.common.off_policy import resolve
 from rlmesh.common.strict_model import Key, StrictModel, TokenId
 from rlmesh.common.training_config import (
@@ -53,8 +53,8 @@ class DatasetConfig(StrictModel):
     path: str = Field(
         min_length=1,
         description="Local file or directory on the buffer's machine, under the buffer's data_roots (relative "
-        "to the first): JSONL, Parquet (file or directory), or a Hugging Face datasets directory written by "
-        "save_to_disk.",
+        "to the first that holds it): JSONL, Parquet (file or directory), or a Hugging Face datasets directory "
+        "written by save_to_disk.",
     )
     prompt_key: Key = Field("prompt", description="Key of the prompt: text, or a list of chat messages.")
     label_key: Key = Field("label", description="Key of the label the verifiers compare against.")
@@ -76,7 +76,7 @@ class DatasetConfig(StrictModel):
         0, ge=0, le=INT32_MAX, description="Skip (and count) longer prompts; tokens, 0 = no limit."
     )
     split: str = Field("", max_length=128, description="Split of a saved DatasetDict directory (default 'train').")
-    weight: float = Field(1.0, gt=0, description="Mixing weight among training datasets.")
+    weight: float = Field(1.0, gt=0, le=1e6, description="Mixing weight among training datasets.")
     shuffle: bool = Field(True, description="Shuffle each epoch (the order depends only on seed and epoch).")
     seed: int = Field(0, ge=0, le=INT64_MAX, description="Seed of the per-epoch shuffle.")
     eval: bool = Field(False, description="An evaluation dataset (held out, handed out separately).")
@@ -88,7 +88,7 @@ class SamplingConfig(StrictModel):
     max_new_tokens: int = Field(
         128, ge=1, description="Most tokens generated per response (at most limits.max_new_tokens)."
     )
-    temperature: float = Field(1.0, ge=0, description="Softmax temperature; 0 = greedy.")
+    temperature: float = Field(1.0, ge=0, le=100, description="Softmax temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: smallest token set with this probability.")
     top_k: int = Field(-1, ge=-1, le=INT32_MAX, description="Sample among the k most likely tokens (-1 = all).")
     min_p: float = Field(0.0, ge=0, le=1, description="Drop tokens less likely than min_p times the most likely one.")
@@ -101,7 +101,17 @@ class SamplingConfig(StrictModel):
     repetition_penalty: float = Field(1.0, gt=0, le=2, description="Divides logits of tokens already seen (1 = off).")
     frequency_penalty: float = Field(0.0, ge=-2, le=2, description="Subtracted per earlier occurrence of a token.")
     presence_penalty: float = Field(0.0, ge=-2, le=2, description="Subtracted once from every token already generated.")
-    min_new_tokens: int = Field(0, ge=0, le=INT32_MAX, description="Do not stop before this many tokens.")
+    min_new_tokens: int = Field(
+        0, ge=0, le=INT32_MAX, description="Do not stop before this many tokens (at most max_new_tokens)."
+    )
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingConfig:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) is more than max_new_tokens ({self.max_new_tokens})"
+            )
+        return self
 
 
 # Room for a run's generate options (JSON).
@@ -176,7 +186,7 @@ class RolloutConfig(StrictModel):
 
 
 class RewardConfig(StrictModel):
-    components: dict[Key, float] = Field(
+    components: dict[Key, Annotated[float, Field(ge=-MAX_REWARD_WEIGHT, le=MAX_REWARD_WEIGHT)]] = Field(
         default_factory=lambda: {"exact_match": 1.0},
         max_length=64,
         description="Reward component name -> weight; the sample's reward is the weighted sum.",
@@ -272,7 +282,13 @@ class RunConfig(TrainingConfig):
     """The body of `POST /runs`: the run's own fields, the services' sections, and the
     trainer's fields (TrainingConfig) at the top level."""
 
-    name: str = Field("", max_length=256, description="A name for people; the run id is generated.")
+    name: str = Field(
+        "",
+        max_length=256,
+        # (no control or bidirectional-override characters: the name is shown on the page and in logs)
+        pattern=r"^[^\x00-\x1f\x7f\u202a-\u202e\u2066-\u2069]*$",
+        description="A name for people; the run id is generated. Printable characters only.",
+    )
     datasets: list[DatasetConfig] = Field(
         min_length=1, max_length=MAX_DATASETS, description="Training and evaluation datasets."
     )
@@ -341,6 +357,11 @@ class RunConfig(TrainingConfig):
         warm = self.sft_warmup.dataset
         if warm and warm not in names:
             raise ValueError(f"sft_warmup.dataset: the run has no dataset {warm!r}; it has {names}")
+        if any(d.name == warm and d.eval for d in self.datasets):
+            raise ValueError(
+                f"sft_warmup.dataset: {warm!r} is an evaluation dataset (eval: true); the warm start would train "
+                "on the data that measures the run: name a dataset with eval: false"
+            )
         if not any(not d.eval and d.name != warm for d in self.datasets):
             raise ValueError("datasets: at least one training dataset (eval: false, not the warm start's) is needed")
         if len(set(names)) != len(names):

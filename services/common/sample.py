@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from rlmesh.common import safe_json
+from rlmesh.common.limits import MAX_ABS_REWARD, MAX_GROUP_ID_CHARS, MAX_SAMPLE_TOKENS, MAX_WEIGHT_VERSIONS
 from rlmesh.v1 import sample_pb2
 
 _TOKEN_DTYPE = np.dtype("<i4")
@@ -266,6 +267,8 @@ def validate_group_proto(msg: sample_pb2.SampleGroup, vocab_size: int = 0) -> No
     every delivery is refused at the door. vocab_size (0 = unknown) bounds token ids."""
     if not msg.group_id:
         raise ConversionError("group has no group_id (writes are idempotent on it)")
+    if len(msg.group_id) > MAX_GROUP_ID_CHARS:
+        raise ConversionError(f"a group_id of {len(msg.group_id)} characters (at most {MAX_GROUP_ID_CHARS})")
     if not msg.samples:
         raise ConversionError(f"group {msg.group_id!r} has no samples")
     try:
@@ -283,6 +286,15 @@ def _validate_sample_proto(s: sample_pb2.Sample, vocab_size: int) -> None:
     tokens = np.frombuffer(s.tokens, dtype=_TOKEN_DTYPE)
     log_probs = np.frombuffer(s.rollout_log_probs, dtype=_LOGPROB_DTYPE)
     validate_arrays(s.index, len(tokens), s.response_length, len(s.loss_mask), len(log_probs))
+    if len(tokens) > MAX_SAMPLE_TOKENS:
+        raise ConversionError(f"sample {s.index}: {len(tokens)} tokens (at most {MAX_SAMPLE_TOKENS})")
+    if s.loss_mask.translate(None, b"\x00\x01"):
+        raise ConversionError(f"sample {s.index}: loss_mask holds a value other than 0 and 1")
+    versions = s.weight_versions
+    if len(versions) > MAX_WEIGHT_VERSIONS or (versions and min(versions) < 0):
+        raise ConversionError(
+            f"sample {s.index}: weight_versions must be at most {MAX_WEIGHT_VERSIONS} versions, none negative"
+        )
     _status(s)
     _metadata(s)
     if len(tokens) and (tokens.min() < 0 or (vocab_size and tokens.max() >= vocab_size)):
@@ -298,6 +310,8 @@ def _validate_sample_proto(s: sample_pb2.Sample, vocab_size: int) -> None:
     for name, value in rewards:
         if not math.isfinite(value):
             raise ConversionError(f"sample {s.index}: {name} is {value}, not a finite number")
+        if abs(value) > MAX_ABS_REWARD:
+            raise ConversionError(f"sample {s.index}: {name} is {value:g}, outside ±{MAX_ABS_REWARD:g}")
 
 
 _STATUSES = frozenset(Status)
@@ -316,26 +330,30 @@ def validate_groups_proto(groups, vocab_size: int = 0) -> None:
 def _groups_pass(groups, vocab_size: int) -> bool:
     tokens: list[bytes] = []
     log_probs: list[bytes] = []
+    masks: list[bytes] = []
     metadata_ok: set[str] = set()  # metadata texts found to be JSON objects (samples of a group share them)
-    isfinite = math.isfinite
+    most = MAX_ABS_REWARD
     for g in groups:
-        if not g.group_id or not g.samples:
+        if not g.group_id or not g.samples or len(g.group_id) > MAX_GROUP_ID_CHARS:
             return False
         for s in g.samples:
             t, lp = s.tokens, s.rollout_log_probs
             n_tokens, n_log_probs, n_mask = len(t) >> 2, len(lp) >> 2, len(s.loss_mask)
             response_length = s.response_length
+            versions = s.weight_versions
             if (
                 len(t) & 3
                 or len(lp) & 3
                 or not 0 <= response_length <= n_tokens
+                or n_tokens > MAX_SAMPLE_TOKENS
                 or (n_mask and n_mask != response_length)
                 or (n_log_probs and n_log_probs != response_length)
                 or s.status not in _STATUSES
-                or not isfinite(s.reward)
+                or not -most <= s.reward <= most  # (NaN and infinities fail too)
+                or (versions and (len(versions) > MAX_WEIGHT_VERSIONS or min(versions) < 0))
             ):
                 return False
-            if s.reward_components and not all(isfinite(v) for v in s.reward_components.values()):
+            if s.reward_components and not all(-most <= v <= most for v in s.reward_components.values()):
                 return False
             text = s.metadata_json
             if text and text not in metadata_ok:
@@ -346,6 +364,9 @@ def _groups_pass(groups, vocab_size: int) -> bool:
                 metadata_ok.add(text)
             tokens.append(t)
             log_probs.append(lp)
+            masks.append(s.loss_mask)
+    if b"".join(masks).translate(None, b"\x00\x01"):
+        return False
     ids = np.frombuffer(b"".join(tokens), dtype=_TOKEN_DTYPE)
     if len(ids) and (ids.min() < 0 or (vocab_size and ids.max() >= vocab_size)):
         return False

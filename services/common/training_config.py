@@ -25,12 +25,12 @@ KL_REFERENCES = ("after_warm_start", "initial")
 
 
 class OptimizerConfig(StrictModel):
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    lr: float = Field(1e-5, gt=0, le=1, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, le=10, description="AdamW weight decay.")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
         (0.9, 0.999), description="AdamW betas."
     )
-    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
+    grad_clip: float = Field(1.0, gt=0, le=1e6, description="Clip the global gradient norm to this value.")
     warmup_steps: int = Field(
         0, ge=0, le=INT32_MAX, description="Linear learning-rate warm-up over this many optimizer steps."
     )
@@ -85,7 +85,7 @@ class LoraConfig(StrictModel):
     """LoRA adapters (PEFT) on the policy: only they train; the engines get merged weights."""
 
     rank: int = Field(8, ge=1, le=1024, description="Rank r of each adapter's B A.")
-    alpha: float = Field(16.0, gt=0, description="Scale numerator: the update is (alpha / rank) * B A.")
+    alpha: float = Field(16.0, gt=0, le=1e6, description="Scale numerator: the update is (alpha / rank) * B A.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input, in training passes only.")
     target_modules: Literal["all-linear"] | list[ModuleName] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],

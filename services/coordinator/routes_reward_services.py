@@ -5,13 +5,14 @@ would change."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from rlmesh.common.errors import FailedPrecondition
 from rlmesh.common.reward_service import remote_service_to_proto
 from rlmesh.common.run_config import RunConfig
 from rlmesh.coordinator.config import Settings
-from rlmesh.coordinator.schemas import RELAYED, RewardServiceRegistration, error_responses
+from rlmesh.coordinator.schemas import RELAYED, SERVICE_NAME, RewardServiceRegistration, error_responses
 from rlmesh.v1 import reward_pb2
 
 
@@ -37,7 +38,34 @@ def check_reward_service_change(
 
 
 def _service_dict(msg) -> dict:
-    return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    """A reply as JSON, every field present, its 64-bit counts as numbers (proto3's JSON
+    mapping writes them as strings, which no client adds up)."""
+    return _counts_as_numbers(
+        msg.DESCRIPTOR, MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    )
+
+
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64}
+
+
+def _counts_as_numbers(descriptor, d: dict) -> dict:
+    for field in descriptor.fields:
+        if field.name not in d:
+            continue
+        value, kind = d[field.name], field.message_type
+        if kind is not None and kind.GetOptions().map_entry:
+            item = kind.fields_by_name["value"]
+            if item.type in _INT64:
+                d[field.name] = {k: int(v) for k, v in value.items()}
+        elif kind is not None:
+            d[field.name] = (
+                [_counts_as_numbers(kind, v) for v in value]
+                if isinstance(value, list)
+                else _counts_as_numbers(kind, value)
+            )
+        elif field.type in _INT64:
+            d[field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
+    return d
 
 
 def reward_services_router(settings: Settings) -> APIRouter:
@@ -74,7 +102,7 @@ def reward_services_router(settings: Settings) -> APIRouter:
         return [_service_dict(s) for s in resp.services]
 
     @router.delete("/reward-services/{name}", responses=error_responses(*RELAYED))
-    async def unregister_reward_service(name: str, request: Request):
+    async def unregister_reward_service(request: Request, name: str = SERVICE_NAME):
         """Unregister a remote reward service; 409 while the active run uses it."""
         await refuse_if_the_active_run_uses(request, name, removes=True)
         resp = await request.app.state.reward.UnregisterService(

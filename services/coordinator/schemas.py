@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import Path
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from rlmesh.common.paths import RUN_ID_PATTERN
-from rlmesh.common.reward_service import RemoteServiceSpec
+from rlmesh.common.reward_service import SERVICE_NAME_PATTERN, RemoteServiceSpec
 
 RUN_ID = Path(pattern=RUN_ID_PATTERN, description="The run's id (from POST /runs).")
+SERVICE_NAME = Path(pattern=SERVICE_NAME_PATTERN, description="The reward service's name (its component name).")
 
 
 class Problem(BaseModel):
@@ -59,6 +60,8 @@ class RunQueued(RunCreated):
 
 class QueuePosition(BaseModel):
     """The body of POST /runs/{id}/queue-position."""
+
+    model_config = ConfigDict(extra="forbid")  # (a misspelt field is refused, as in a run config)
 
     position: int = Field(
         ge=1, le=10_000, description="The run's new place in the queue: 1 = next; past the end = last."
@@ -170,7 +173,9 @@ class RecentGroups(BaseModel):
 
 class CheckpointInfo(BaseModel):
     step: int
-    path: str = Field(description="On the trainer's machine, under its work_dir.")
+    path: str = Field(
+        description="Relative to the trainer's work_dir, as final_model: a model_path (or kl_reference) takes it as it is."
+    )
     automatic: bool = Field(
         description="Written every checkpoint_interval steps (pruned to keep_last); else saved on request."
     )

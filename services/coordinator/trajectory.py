@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, field_validator
 
+from rlmesh.common.limits import MAX_ABS_REWARD, MAX_REWARD_WEIGHT, MAX_SAMPLE_TOKENS
 from rlmesh.common.sample import Sample, SampleGroup, Status
 
 API_PREFIX = "/atropos"
@@ -127,8 +128,10 @@ class Environments:
             )
         if not 1 <= body.group_size <= max_group_size:
             raise BadGroup(f"group_size is {body.group_size}; it must be 1..{max_group_size} (limits)")
-        if not math.isfinite(body.weight):
-            raise BadGroup(f"weight is {body.weight}, not a finite number")
+        if not 0 <= body.weight <= MAX_REWARD_WEIGHT:  # (NaN too)
+            raise BadGroup(f"weight is {body.weight}; it must be within 0..{MAX_REWARD_WEIGHT:g}")
+        if not 1 <= body.max_token_length <= MAX_SAMPLE_TOKENS:
+            raise BadGroup(f"max_token_length is {body.max_token_length}; it must be 1..{MAX_SAMPLE_TOKENS}")
         allocation = body.min_batch_allocation
         if allocation is not None and not (math.isfinite(allocation) and 0 <= allocation <= 1):
             raise BadGroup(f"min_batch_allocation is {allocation}; it must be within 0..1")
@@ -150,6 +153,14 @@ class Environments:
 
     def get(self, env_id: int | None) -> Environment | None:
         return self.envs[env_id] if env_id is not None and 0 <= env_id < len(self.envs) else None
+
+    def poster(self, env_id: int | None) -> Environment | None:
+        """The environment a scored group names (None: it names none); one it names that is not
+        registered is refused, rather than its groups taken unchecked."""
+        env = self.get(env_id)
+        if env_id is not None and env is None:
+            raise BadGroup(f"env_id {env_id} is not registered with this run ({len(self.envs)} are)")
+        return env
 
     def status(self, env_id: int, step: int, queued_samples: int) -> dict:
         """/status-env's answer. The buffer's queue is one FIFO for all environments, so an
@@ -225,7 +236,9 @@ def _refuse_unused(data: ScoredData) -> None:
 
 def _expected_size(data: ScoredData, env: Environment | None) -> int | None:
     override = (data.group_overrides or {}).get("group_size")
-    if isinstance(override, int) and not isinstance(override, bool):
+    if override is not None and (not isinstance(override, int) or isinstance(override, bool)):
+        raise BadGroup(f"group_overrides' group_size is {override!r}, not a whole number")
+    if override is not None:
         return override
     return env.group_size if env is not None else None
 
@@ -256,6 +269,10 @@ def _check_lengths(data: ScoredData, run: RunView, env: Environment | None) -> i
     return n
 
 
+# A log-probability is at most 0; a little above it is an engine's rounding.
+_MOST_LOG_PROB = 1e-3
+
+
 def _sample(data: ScoredData, i: int, run: RunView, env_name: str) -> Sample:
     tokens, masks, score = data.tokens[i], data.masks[i], data.scores[i]
     if not 1 <= len(tokens) <= run.max_token_length:
@@ -271,6 +288,8 @@ def _sample(data: ScoredData, i: int, run: RunView, env_name: str) -> Sample:
         raise BadGroup(f"tokens[{i}] holds id {bad} at position {tokens.index(bad)}, outside {bound}")
     if not math.isfinite(score):
         raise BadGroup(f"scores[{i}] is {score}, not a finite number")
+    if abs(score) > MAX_ABS_REWARD:
+        raise BadGroup(f"scores[{i}] is {score:g}, outside ±{MAX_ABS_REWARD:g} (scale the scores down)")
     # The response starts at the first trained token; later -100s (tool output) stay untrained.
     prompt = next((j for j, m in enumerate(masks) if m != IGNORED), len(masks))
     if prompt == len(masks):
@@ -288,9 +307,12 @@ def _sample(data: ScoredData, i: int, run: RunView, env_name: str) -> Sample:
                 f"inference_logprobs[{i}] has {len(given)} entries; one per token ({len(tokens)}) or per "
                 f"response token ({response}) is needed"
             )
-        where = next((j for j, v in enumerate(log_probs) if not math.isfinite(v)), None)
+        where = next((j for j, v in enumerate(log_probs) if not (math.isfinite(v) and v <= _MOST_LOG_PROB)), None)
         if where is not None:
-            raise BadGroup(f"inference_logprobs[{i}] holds {log_probs[where]} at position {prompt + where}, not finite")
+            raise BadGroup(
+                f"inference_logprobs[{i}] holds {log_probs[where]} at position {prompt + where}: a log-probability "
+                "is a finite number at most 0"
+            )
     messages = [_message(m) for m in data.messages[i]] if data.messages else []
     return Sample(
         index=i,

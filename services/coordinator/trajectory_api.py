@@ -163,7 +163,7 @@ class Trajectory:
         view, groups = self.view(run), []
         for i, data in enumerate(posted):
             try:
-                groups.append(scored_group(data, view, envs.get(data.env_id)))
+                groups.append(scored_group(data, view, envs.poster(data.env_id)))
             except BadGroup as e:
                 raise BadGroup(f"group {i}: {e}" if len(posted) > 1 else str(e)) from None
         return groups

@@ -21,7 +21,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from rlmesh.common import auth
+from rlmesh.common import auth, errors
 from rlmesh.common.http_guard import BodyLimit
 from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.prometheus import metrics_response
@@ -109,7 +109,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error in %s", request.url.path)
-        return error_response(500, f"internal error in {request.url.path}: {type(e).__name__}: {e}")
+        return error_response(500, f"internal error in {request.url.path}: {errors.unexpected(e)}")
 
     app.router.routes.insert(0, generation_route(state))  # (first: the route of every sample)
     for router in (

@@ -5,12 +5,12 @@ can pick a component by name but can never make the service import anything."""
 
 from __future__ import annotations
 
-import math
 import os
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from rlmesh.common.limits import MAX_REWARD_WEIGHT
 from rlmesh.common.plugins import PluginPath
 from rlmesh.common.settings import GrpcServiceSettings
 from rlmesh.reward.url_policy import UrlPolicy
@@ -132,6 +132,8 @@ class Settings(GrpcServiceSettings):
         for name, weight in self.default_components.items():
             if name not in known:
                 raise ValueError(f"default_components: unknown component '{name}'; known: {', '.join(sorted(known))}")
-            if not math.isfinite(weight):
-                raise ValueError(f"default_components: weight of '{name}' must be a finite number")
+            if not abs(weight) <= MAX_REWARD_WEIGHT:  # (NaN too)
+                raise ValueError(
+                    f"default_components: weight of '{name}' must be a number within ±{MAX_REWARD_WEIGHT:g}"
+                )
         return self

@@ -15,10 +15,10 @@ from urllib.parse import urlsplit
 import httpx
 
 from rlmesh.common import errors
-from rlmesh.common.reward_service import RemoteServiceSpec, remote_service
+from rlmesh.common.reward_service import SERVICE_NAME_PATTERN, RemoteServiceSpec, remote_service
 
 PROTOCOLS = {"http": "http-json", "https": "http-json", "grpc": "grpc"}
-_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$")
+_NAME = re.compile(SERVICE_NAME_PATTERN)
 _TOKEN_CHARS = re.compile(r"^[A-Za-z0-9\-._~+/]*=*$")
 
 
@@ -94,12 +94,28 @@ def check_url(url: str) -> str:
         httpx.URL(url)
     except (httpx.InvalidURL, ValueError) as e:
         raise errors.InvalidArgument(f"URL {url!r} is not valid: {e}") from None
+    _check_host_name(url, parts.hostname)
     if scheme == "grpc":
         if port is None:
             raise errors.InvalidArgument(f"URL {url!r}: a grpc:// URL needs a port, e.g. grpc://judge:50053")
         if parts.path not in ("", "/") or parts.query:
             raise errors.InvalidArgument(f"URL {url!r}: a grpc:// URL is host:port only (no path or query)")
     return PROTOCOLS[scheme]
+
+
+def _check_host_name(url: str, host: str) -> None:
+    """A name DNS can carry (an address literal passes as it is): what a resolver would
+    otherwise fail on later, with its codec's words."""
+    if host.startswith("[") or host.replace(".", "").isdigit() or ":" in host:
+        return
+    try:
+        encoded = host.encode("idna")
+    except UnicodeError:
+        encoded = b""
+    if not encoded or len(encoded) > 253 or not all(0 < len(label) <= 63 for label in encoded.rstrip(b".").split(b".")):
+        raise errors.InvalidArgument(
+            f"URL {url[:200]!r}: host {host[:100]!r} is not a valid host name (labels of 1-63 characters, 253 in all)"
+        )
 
 
 def _is_loopback(host: str | None) -> bool:

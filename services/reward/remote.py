@@ -82,6 +82,7 @@ import grpc
 import httpx
 
 from rlmesh.common.auth import credential_headers
+from rlmesh.common.limits import MAX_ABS_REWARD
 from rlmesh.common.reward_service import RemoteServiceSpec
 from rlmesh.common.sample import (
     ConversionError,
@@ -155,6 +156,8 @@ def _finite(value: Any) -> float | str:
         return "an integer too large for a float"
     if not math.isfinite(result):
         return f"{result} (scores must be finite numbers)"
+    if abs(result) > MAX_ABS_REWARD:
+        return f"{result:g}, outside ±{MAX_ABS_REWARD:g} (scale the scores down)"
     return result
 
 

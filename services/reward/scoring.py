@@ -23,13 +23,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlmesh.common import errors
+from rlmesh.common.limits import MAX_ABS_REWARD, MAX_REWARD_WEIGHT
 from rlmesh.common.plugins import load_plugin
 from rlmesh.common.sample import Sample, SampleGroup, Status
 from rlmesh.reward.registry import RemoteRegistry
@@ -96,8 +96,8 @@ def _as_reward(value: Any, reward_key: str, name: str) -> float:
     if not isinstance(value, numbers.Real):
         raise _ComponentFailed(f"{name} returned {type(value).__name__}, not a number")
     result = float(value)
-    if not math.isfinite(result):
-        raise _ComponentFailed(f"{name} returned {result}")
+    if not abs(result) <= MAX_ABS_REWARD:  # (NaN and infinities too)
+        raise _ComponentFailed(f"{name} returned {result}, outside ±{MAX_ABS_REWARD:g} (scale the reward down)")
     return result
 
 
@@ -199,8 +199,10 @@ class Scorer:
                 raise errors.InvalidArgument(
                     f"{where}: reward component '{name}' scores whole groups; call ScoreGroups with the groups instead"
                 )
-            if not isinstance(weight, numbers.Real) or isinstance(weight, bool) or not math.isfinite(weight):
-                raise errors.InvalidArgument(f"{where}: the weight of '{name}' must be a finite number, got {weight!r}")
+            if not isinstance(weight, numbers.Real) or isinstance(weight, bool) or not abs(weight) <= MAX_REWARD_WEIGHT:
+                raise errors.InvalidArgument(
+                    f"{where}: the weight of '{name}' must be a number within ±{MAX_REWARD_WEIGHT:g}, got {weight!r}"
+                )
 
     def _base_weights(self, spec: RewardSpec, allow_group: bool, callers: dict[str, RemoteCaller]) -> dict[str, float]:
         """The spec's components; when it names none, the defaults plus every registered
@@ -486,6 +488,12 @@ class Scorer:
 
     def _write_back(self, sample: Sample, weights: dict[str, float], outcome: _Outcome) -> None:
         sample.reward_components = dict(outcome.values)
+        total = sum(weight * outcome.values.get(name, 0.0) for name, weight in weights.items())
+        if not outcome.errors and not abs(total) <= MAX_ABS_REWARD:
+            outcome.errors.append(
+                f"the weighted total {total:g} is outside ±{MAX_ABS_REWARD:g} (scale the weights down)"
+            )
+            outcome.causes.append(INVALID_VALUE)
         if outcome.errors:
             sample.status = Status.FAILED
             sample.reward = 0.0
@@ -497,5 +505,5 @@ class Scorer:
             for cause in outcome.causes:
                 self.stats.failures_by_cause[cause] = self.stats.failures_by_cause.get(cause, 0) + 1
             return
-        sample.reward = sum(weight * outcome.values[name] for name, weight in weights.items())
+        sample.reward = total
         self.stats.samples_scored += 1

@@ -108,7 +108,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             checkpoints=[
                 trainer_pb2.Checkpoint(
                     step=c.step,
-                    path=str(c.path),
+                    path=self.trainer.paths.relative_to_work_dir(c.path),  # (as final_model: no server directory)
                     automatic=c.automatic,
                     weight_version=c.weight_version,
                     written_at=c.written_at,

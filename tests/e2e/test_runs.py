@@ -26,6 +26,9 @@ def assert_final_model(api, run: dict, tmp_path, step: int | None) -> None:
     listed = api.get(f"/runs/{run['id']}/checkpoints").json()
     finals = [c["step"] for c in listed if c["final"]]
     assert len(finals) == 1 and (step is None or finals[0] == step)
+    # Listed as final_model is named: relative to the trainer's work_dir, no server directory.
+    assert [c["path"] for c in listed if c["final"]] == [run["final_model"]]
+    assert not any(c["path"].startswith("/") for c in listed)
 
 
 @pytest.mark.slow
@@ -99,7 +102,8 @@ def test_reward_services_are_registered_through_the_rest_api(services):
     r = api.post("/reward-services", json={"name": "judge", "url": "http://127.0.0.1:9/score", "timeout_seconds": 0.5})
     assert r.status_code == 409 and r.json()["code"] == "FAILED_PRECONDITION"
     assert api.delete("/reward-services/judge").json() == {"removed": False}
-    assert api.get("/reward-services/stats").status_code == 200
+    stats = api.get("/reward-services/stats")
+    assert stats.status_code == 200 and isinstance(stats.json()["samples_scored"], int)  # (not proto3's "0")
 
 
 @pytest.mark.slow

@@ -30,6 +30,14 @@ def not_a_number(sample: Sample):
     return "yes"
 
 
+def huge(sample: Sample) -> float:
+    return 1e300  # finite, but no reward: its square overflows
+
+
+def large(sample: Sample) -> float:
+    return 1e8  # a reward, until weighted by more than 10
+
+
 def rank_in_group(samples: list[Sample]) -> list[float]:
     """Shortest response in the group gets 1.0, the others 0.0."""
     shortest = min(len(s.response) for s in samples)
@@ -45,6 +53,8 @@ CUSTOM = {
     "contains_label": f"{__name__}:async_contains_label",
     "broken": f"{__name__}:broken",
     "not_a_number": f"{__name__}:not_a_number",
+    "huge": f"{__name__}:huge",
+    "large": f"{__name__}:large",
 }
 GROUP = {"shortest": f"{__name__}:rank_in_group", "wrong_length": f"{__name__}:wrong_length_group"}
 

@@ -60,6 +60,10 @@ def test_the_rest_api_refuses_requests_without_the_token(redis_url, start_in_loo
     assert r.status_code == 401 and "wrong bearer token" in r.json()["detail"]
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/runs", headers=auth.client_headers()).json() == []
+    # The scheme's name is case-insensitive (RFC 9110); the token is not.
+    token = auth.client_headers()["authorization"].split(" ", 1)[1]
+    assert httpx.get(f"{url}/runs", headers={"Authorization": f"bearer {token}"}).status_code == 200
+    assert httpx.get(f"{url}/runs", headers={"Authorization": f"bearer {token.upper()}x"}).status_code == 401
     # The spec says so.
     assert "401" in httpx.get(f"{url}/openapi.json").json()["paths"]["/runs"]["get"]["responses"]
 

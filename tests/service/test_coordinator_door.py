@@ -68,6 +68,13 @@ def server_dirs(tmp_path) -> list[str]:
             ["datasets", 0, "tokenizer_path"],
             "model_roots",
         ),
+        (  # named, though nothing uses it: checked all the same (it would reveal which paths exist)
+            lambda c, t: c["datasets"][0].update(tokenizer_path="/etc"),
+            ["datasets", 0, "tokenizer_path"],
+            "model_roots",
+        ),
+        (lambda c, t: c.update(checkpoint_dir="c" * 300), ["checkpoint_dir"], "too long"),
+        (lambda c, t: c["optimizer"].update(lr=1e300), ["optimizer", "lr"], "less than or equal to 1"),
         (lambda c, t: c["rollout"].update(generate={"name": "no_such_loop"}), ["rollout", "generate"], "no_such_loop"),
         (
             lambda c, t: c["rollout"].update(generate={"name": "agent", "options": {"tools": ["no_such_tool"]}}),

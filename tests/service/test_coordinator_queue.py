@@ -85,6 +85,7 @@ def test_runs_posted_while_one_is_active_wait_in_order_and_can_be_moved(api):
     assert r.status_code == 409 and "only a queued run" in r.json()["detail"]
     assert api.post("/runs/nope/queue-position", json={"position": 1}).status_code == 404
     assert api.post(f"/runs/{a}/queue-position", json={"position": 0}).status_code == 422
+    assert api.post(f"/runs/{a}/queue-position", json={"position": 1, "positon": 2}).status_code == 422
     # a queued run cannot be paused; it can be stopped (at once, off the queue) and deleted
     assert api.post(f"/runs/{a}/pause").status_code == 409
     assert api.post(f"/runs/{a}/stop").json() == {"id": a, "status": "stopped"}

@@ -200,10 +200,17 @@ def test_checkpoints_stay_under_work_dir(trainer, tiny_model_dir, tmp_path):
     stub.EndRun(trainer_pb2.EndRunRequest(run_id="r1"))
     for where in (str(precious), "../precious"):
         assert "checkpoint_dir" in refusal(lambda: init_run(stub, tiny_model_dir, checkpoint_dir=where))  # noqa: B023
+    # A path no file system takes is refused as such, not failed on (an OSError naming work_dir).
+    for too_long in ("a" * 300, "/".join(["é"] * 1400)):  # (a name over 255 bytes; a path over 4096)
+        details = refusal(lambda: init_run(stub, tiny_model_dir, checkpoint_dir=too_long))  # noqa: B023
+        assert "checkpoint_dir" in details and "too long" in details and str(work.resolve()) not in details
     init_run(stub, tiny_model_dir, checkpoint_dir="saves")
     assert stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(run_id="r1")).path == str(
         (work / "saves" / "step_0").resolve()
     )
+    # Listed relative to work_dir (no server directory), as a model_path takes it.
+    listed = stub.ListCheckpoints(trainer_pb2.ListCheckpointsRequest(run_id="r1", checkpoint_dir="saves"))
+    assert [c.path for c in listed.checkpoints] == ["saves/step_0"]
 
 
 def test_a_save_replaces_only_rlmeshs_own_checkpoints(trainer, tiny_model_dir):

@@ -96,6 +96,7 @@ def test_registration_is_refused_when_the_service_does_not_answer(reward, remote
         ("grpc://judge", "needs a port"),
         ("grpc://judge:50053/path", "host:port only"),
         ("http://", "has no host"),
+        (f"http://{'a' * 70}.example/score", "is not a valid host name"),  # (a label over 63: a codec error before)
     ],
 )
 def test_only_http_https_and_grpc_urls(reward, url, reason):
@@ -309,3 +310,6 @@ def test_the_active_runs_reward_services_cannot_be_swapped(start_in_loop, redis_
     # names the run does not use are free
     assert api.post("/reward-services", json={**judge, "name": "other"}).status_code == 201
     assert api.delete("/reward-services/other").json() == {"removed": True}
+    for bad in ("x" * 5000, "é", "a%00", "1st"):  # no service could have such a name
+        r = api.delete(f"/reward-services/{bad}")
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["path", "name"], r.text

@@ -94,3 +94,30 @@ def test_good_run_ids(run_id):
 def test_bad_run_ids(run_id):
     with pytest.raises(InvalidArgument, match="run_id must be"):
         validate_run_id(run_id)
+
+
+def test_relative_paths_are_found_under_the_root_that_holds_them(roots):
+    a, b = roots
+    (b / "only-in-b").mkdir()
+    assert under("only-in-b", roots) == b / "only-in-b"  # (a model_path a trainer listed under work_dir)
+    assert under("nowhere/x", roots) == a / "nowhere" / "x"  # none holds it: the first
+
+
+@pytest.mark.parametrize("path", ["n" * 256, "/".join(["é"] * 1400)])
+def test_paths_no_file_system_takes_are_refused_as_too_long_without_repeating_them(roots, path):
+    with pytest.raises(InvalidArgument, match="too long") as e:
+        under(path, roots)
+    assert len(str(e.value)) < 400  # (the caller's text cut short, not repeated whole)
+
+
+def test_an_unexpected_os_error_reaches_a_caller_without_its_file_names(tmp_path):
+    """What a gRPC or HTTP caller reads of an error nobody foresaw (INTERNAL, 500): its kind
+    and reason, never this machine's directories (the service's log has them)."""
+    from rlmesh.common.errors import unexpected
+
+    try:
+        (tmp_path / ("n" * 300)).mkdir()
+    except OSError as e:
+        described = unexpected(e)
+    assert described == "OSError: File name too long (errno 36)" and str(tmp_path) not in described
+    assert unexpected(RuntimeError("overflow")) == "RuntimeError: overflow"

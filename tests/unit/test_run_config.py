@@ -152,3 +152,55 @@ def test_a_warm_start_dataset_stays_out_of_the_training_stream_and_of_evaluation
         RunConfig.model_validate({"model_path": "/m", "datasets": datasets, "sft_warmup": {"dataset": "wram"}})
     with pytest.raises(ValueError, match="at least one training dataset"):
         RunConfig.model_validate({"model_path": "/m", "datasets": datasets[:1], "sft_warmup": {"dataset": "warm"}})
+    with pytest.raises(ValueError, match="'held_out' is an evaluation dataset"):
+        RunConfig.model_validate({"model_path": "/m", "datasets": datasets, "sft_warmup": {"dataset": "held_out"}})
+
+
+def _unbounded_floats(model, prefix: str, seen: set) -> list[str]:
+    """Float fields of the run config (and float values of its maps) without an upper bound."""
+    import typing
+
+    import annotated_types
+    from pydantic import BaseModel
+
+    if model in seen:
+        return []
+    seen.add(model)
+    found = []
+    for name, f in model.model_fields.items():
+        kinds = typing.get_args(f.annotation) or (f.annotation,)
+        for kind in kinds:
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                found += _unbounded_floats(kind, f"{prefix}{name}.", seen)
+        values = [f] if float in kinds else []
+        for kind in kinds:  # dict[str, Annotated[float, Field(...)]]
+            if typing.get_origin(kind) is dict:
+                value = typing.get_args(kind)[1]
+                if typing.get_origin(value) is typing.Annotated and typing.get_args(value)[0] is float:
+                    values += [m for m in typing.get_args(value)[1:]]
+                elif value is float:
+                    found.append(f"{prefix}{name}")
+        for v in values:
+            metadata = getattr(v, "metadata", [])
+            if not any(isinstance(m, (annotated_types.Le, annotated_types.Lt)) for m in metadata):
+                found.append(f"{prefix}{name}")
+    return found
+
+
+def test_every_number_of_the_run_config_has_an_upper_bound():
+    """A learning rate of 1e300 (or a reward weight, a temperature...) is refused at the door
+    (422), not met as an overflow in the trainer minutes later."""
+    assert _unbounded_floats(RunConfig, "", set()) == []
+    for body in (
+        {"optimizer": {"lr": 1e300}},
+        {"algorithm": {"kl_loss_coef": 1e308}},
+        {"reward": {"components": {"exact_match": 1e308}}},
+        {"rollout": {"sampling": {"temperature": 1e308}}},
+    ):
+        with pytest.raises(ValueError, match="less than or equal"):
+            RunConfig.model_validate(body)
+    for name in ("a\x00b", "invoice\u202egpj.exe", "two\nlines"):
+        with pytest.raises(ValueError, match="name"):
+            RunConfig.model_validate({"name": name})
+    with pytest.raises(ValueError, match=r"min_new_tokens \(100\) is more than max_new_tokens \(4\)"):
+        RunConfig.model_validate({"rollout": {"sampling": {"min_new_tokens": 100, "max_new_tokens": 4}}})

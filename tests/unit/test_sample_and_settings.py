@@ -109,6 +109,14 @@ _BROKEN = [  # (field of the third sample of the second group, value), each a gr
     ("reward_components", {"x": float("inf")}),
     ("group_id", ""),
     ("samples", []),
+    # Bounds: a trainer would waste steps on them, and they make every later read huge.
+    ("loss_mask", b"\x01\x07"),  # 0 or 1 per response token
+    ("reward", 1e308),  # finite, but its square is not (MAX_ABS_REWARD)
+    ("reward_components", {"x": -1e10}),
+    ("group_id", "g" * 513),
+    ("weight_versions", [-5]),
+    ("weight_versions", list(range(4097))),
+    ("tokens", b"\x00" * 4 * ((1 << 22) + 1)),  # (MAX_SAMPLE_TOKENS)
 ]
 
 
@@ -121,6 +129,8 @@ def test_a_whole_write_is_checked_as_strictly_as_each_group_alone(field, value):
     bad = groups[1] if field in ("group_id", "samples") else groups[1].samples[2]
     if field == "reward_components":
         bad.reward_components.update(value)
+    elif field == "weight_versions":
+        bad.weight_versions[:] = value
     elif field == "samples":
         del bad.samples[:]
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -66,6 +67,9 @@ def test_a_group_smaller_than_registered_is_taken_as_its_own_group():
         ({"advantages": [[1.0] * 3] * 2}, "advantages"),
         ({"tokens": [[1, 2, 3]] * 3, "masks": [[-100, 2, 3]] * 3, "scores": [0.0] * 3}, "registered group_size 2"),
         ({"inference_logprobs": [[-1.0], [-1.0]]}, "inference_logprobs[0] has 1 entries"),
+        ({"inference_logprobs": [[-1.0, 5.0], [-1.0, -1.0]]}, "a log-probability is a finite number at most 0"),
+        ({"scores": [1e308, 0.0]}, "scores[0] is 1e+308, outside ±1e+09"),
+        ({"group_overrides": {"group_size": "x"}}, "group_size is 'x', not a whole number"),
     ],
 )
 def test_bad_groups_are_refused_naming_the_problem(change, says):
@@ -83,6 +87,13 @@ def test_registration_is_bounded_and_status_counts_the_queue_in_groups():
         envs.register(RegisterEnv(max_token_length=16, desired_name="x", weight=1.0, group_size=2), 8)
     status = envs.status(first.env_id, step=5, queued_samples=12)
     assert status["queue_size"] == 3 and status["current_step"] == 5 and status["env_weight"] == pytest.approx(0.25)
+    for weight, length, says in ((-1.0, 16, "weight is -1.0"), (1e308, 16, "weight is 1e+308"), (1.0, 10**30, "1..")):
+        with pytest.raises(BadGroup, match=re.escape(says)):
+            Environments("run", limit=2).register(RegisterEnv(max_token_length=length, weight=weight, group_size=2), 8)
+    # A group names a registered environment, or none.
+    assert envs.poster(None) is None and envs.poster(first.env_id) is first
+    with pytest.raises(BadGroup, match="env_id 9999 is not registered"):
+        envs.poster(9999)
 
 
 def test_minimum_allocations_become_each_batchs_least_groups_as_atropos_counts_them():

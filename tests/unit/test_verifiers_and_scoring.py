@@ -254,11 +254,25 @@ def test_failing_component_marks_the_sample_failed(scorer):
     assert bad_label.status == Status.FAILED and bad_label.reward == 0.0
     assert "no label" in bad_label.metadata["reward_error"]
 
-    for name, reason in (("broken", "RuntimeError: the judge is down"), ("not_a_number", "returned str")):
+    for name, reason in (
+        ("broken", "RuntimeError: the judge is down"),
+        ("not_a_number", "returned str"),
+        ("huge", "returned 1e+300, outside ±1e+09"),
+    ):
         s = make_sample(2, "x", "x")
         asyncio.run(scorer.score_samples([s], RewardSpec({"exact_match": 1.0, name: 1.0})))
         assert s.status == Status.FAILED and reason in s.metadata["reward_error"]
         assert s.reward_components == {"exact_match": 1.0}  # what did work is kept for inspection
+
+
+def test_a_weighted_total_too_large_to_train_on_marks_the_sample_failed(scorer):
+    ok, too_large = make_sample(0, "x", "x"), make_sample(1, "x", "x")
+    asyncio.run(scorer.score_samples([ok], RewardSpec({"large": 10.0})))
+    assert ok.status == Status.COMPLETED and ok.reward == 1e9
+    asyncio.run(scorer.score_samples([too_large], RewardSpec({"large": 11.0})))
+    assert too_large.status == Status.FAILED and too_large.reward == 0.0
+    assert "the weighted total 1.1e+09 is outside ±1e+09" in too_large.metadata["reward_error"]
+    assert too_large.reward_components == {"large": 1e8}  # (kept for inspection)
 
 
 def test_already_failed_samples_are_left_alone(scorer):
@@ -285,8 +299,9 @@ def test_bad_specs_are_invalid_arguments(scorer):
         asyncio.run(scorer.score_samples([s], RewardSpec({"nope": 1.0})))
     with pytest.raises(errors.InvalidArgument, match="scores whole groups; call ScoreGroups"):
         asyncio.run(scorer.score_samples([s], RewardSpec({"shortest": 1.0})))
-    with pytest.raises(errors.InvalidArgument, match="finite"):
-        asyncio.run(scorer.score_samples([s], RewardSpec({"math": float("nan")})))
+    for weight in (float("nan"), 1e300):
+        with pytest.raises(errors.InvalidArgument, match="a number within"):
+            asyncio.run(scorer.score_samples([s], RewardSpec({"math": weight})))
     s.metadata["reward"] = ["math"]
     with pytest.raises(errors.InvalidArgument, match=r"sample 0: metadata\['reward'\]"):
         asyncio.run(scorer.score_samples([s], RewardSpec()))
