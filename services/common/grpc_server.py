@@ -224,6 +224,17 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
 
 
+# A status message travels in a header, which gRPC caps at 16 KiB (a longer one turns the
+# answer into RESOURCE_EXHAUSTED): a message quoting a caller's long value is cut.
+_MAX_DETAILS_CHARS = 4000
+
+
+def status_details(message: str) -> str:
+    if len(message) <= _MAX_DETAILS_CHARS:
+        return message
+    return message[:_MAX_DETAILS_CHARS] + f"... ({len(message)} characters in all)"
+
+
 class _StatusInterceptor(grpc.aio.ServerInterceptor):
     """Turns exceptions from plain logic into gRPC statuses with readable messages."""
 
@@ -243,17 +254,19 @@ class _StatusInterceptor(grpc.aio.ServerInterceptor):
             try:
                 return await inner(request, context)
             except RlmeshError as e:
-                await context.abort(e.code, str(e))
+                await context.abort(e.code, status_details(str(e)))
             except ConversionError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(str(e)))
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
             except grpc.aio.AioRpcError as e:
                 # A call to another service failed: pass its status on, saying where it came from.
-                await context.abort(e.code(), f"{e.details()} (reported by an upstream rlmesh service)")
+                await context.abort(e.code(), status_details(f"{e.details()} (reported by an upstream rlmesh service)"))
             except Exception as e:
                 log.exception("unhandled error in %s", method)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {errors.unexpected(e)}")
+                await context.abort(
+                    grpc.StatusCode.INTERNAL, status_details(f"internal error in {method}: {errors.unexpected(e)}")
+                )
 
         return grpc.unary_unary_rpc_method_handler(
             guarded,

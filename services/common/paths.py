@@ -55,6 +55,8 @@ def resolve_under(path: str | Path, roots: Sequence[Path], what: str, setting: s
         raise InvalidArgument(f"{what} is required (a path under {setting})")
     if not roots:
         raise InvalidArgument(f"{what} {shown(text)} cannot be used: {setting} names no directory")
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise InvalidArgument(f"{what} {shown(text)} holds a control character (a newline, a NUL, ...)")
     encoded = text.encode(errors="surrogatepass")
     if len(encoded) > MAX_PATH_BYTES or any(len(name) > MAX_NAME_BYTES for name in encoded.split(b"/")):
         raise InvalidArgument(

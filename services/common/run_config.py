@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from rlmesh.common.limits import INT32_MAX, INT64_MAX, MAX_DATASETS, MAX_REWARD_WEIGHT, Limits
 from rlmesh.common.off_policy import resolve
-from rlmesh.common.strict_model import Key, StrictModel, TokenId
+from rlmesh.common.strict_model import Key, StopText, StrictModel, TokenId
 from rlmesh.common.training_config import (
     LoraConfig,
     OptimizerConfig,
@@ -86,13 +86,15 @@ class SamplingConfig(StrictModel):
     """SGLang sampling parameters (same names and meaning)."""
 
     max_new_tokens: int = Field(
-        128, ge=1, description="Most tokens generated per response (at most limits.max_new_tokens)."
+        128, ge=1, le=INT32_MAX, description="Most tokens generated per response (at most limits.max_new_tokens)."
     )
     temperature: float = Field(1.0, ge=0, le=100, description="Softmax temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: smallest token set with this probability.")
     top_k: int = Field(-1, ge=-1, le=INT32_MAX, description="Sample among the k most likely tokens (-1 = all).")
     min_p: float = Field(0.0, ge=0, le=1, description="Drop tokens less likely than min_p times the most likely one.")
-    stop: list[str] = Field(default_factory=list, max_length=32, description="Stop when any of these texts appears.")
+    stop: list[StopText] = Field(
+        default_factory=list, max_length=32, description="Stop when any of these texts appears."
+    )
     stop_token_ids: list[TokenId] = Field(
         default_factory=list, max_length=32, description="Stop when any of these tokens is generated."
     )
@@ -144,21 +146,26 @@ class GenerateConfig(StrictModel):
 
 
 class RolloutConfig(StrictModel):
-    rollout_batch_size: int = Field(8, ge=1, description="Groups (prompts) per rollout.")
-    n_samples_per_prompt: int = Field(8, ge=1, description="Samples per prompt (the group size).")
+    rollout_batch_size: int = Field(8, ge=1, le=INT32_MAX, description="Groups (prompts) per rollout.")
+    n_samples_per_prompt: int = Field(8, ge=1, le=INT32_MAX, description="Samples per prompt (the group size).")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling of training rollouts.")
     group_filter: Literal["", "nonzero_std"] = Field(
         "", description="'nonzero_std' drops groups whose rewards are all equal (DAPO dynamic sampling)."
     )
     over_sampling_groups: int = Field(
-        0, ge=0, description="Extra groups generated per rollout so that filtered-out groups do not shrink the batch."
+        0,
+        ge=0,
+        le=INT32_MAX,
+        description="Extra groups generated per rollout so that filtered-out groups do not shrink the batch.",
     )
     partial_rollout: bool | None = Field(
         None,
         description="Samples aborted mid-generation (surplus groups; fully_async: by a weight push) keep their "
         "partial responses and resume later (default: on in fully_async, off in the other modes).",
     )
-    max_concurrency: int = Field(0, ge=0, description="Cap on in-flight engine requests (0 = service default).")
+    max_concurrency: int = Field(
+        0, ge=0, le=INT32_MAX, description="Cap on in-flight engine requests (0 = service default)."
+    )
     within_queue_cap: bool = Field(
         True,
         description="fully_async: start a group only while the buffer's queue cap (max_queued_groups; "
@@ -209,7 +216,9 @@ class EvalConfig(StrictModel):
     interval: int = Field(
         0, ge=0, le=INT32_MAX, description="Evaluate every this many rollouts (0 = only before and after)."
     )
-    n_samples_per_prompt: int = Field(1, ge=1, description="Responses per eval prompt (pass@k style metrics).")
+    n_samples_per_prompt: int = Field(
+        1, ge=1, le=INT32_MAX, description="Responses per eval prompt (pass@k style metrics)."
+    )
     sampling: SamplingConfig = Field(
         default_factory=lambda: SamplingConfig(temperature=0.0), description="Sampling of eval responses (greedy)."
     )
@@ -222,8 +231,8 @@ class EvalConfig(StrictModel):
 
 
 class SftWarmupConfig(StrictModel):
-    steps: int = Field(0, ge=0, description="SFT steps through the same pipeline before RL (0 = none).")
-    batch_groups: int = Field(16, ge=1, description="Prompts per SFT step.")
+    steps: int = Field(0, ge=0, le=INT32_MAX, description="SFT steps through the same pipeline before RL (0 = none).")
+    batch_groups: int = Field(16, ge=1, le=INT32_MAX, description="Prompts per SFT step.")
     dataset: str = Field(
         "",
         max_length=128,
@@ -292,7 +301,7 @@ class RunConfig(TrainingConfig):
     datasets: list[DatasetConfig] = Field(
         min_length=1, max_length=MAX_DATASETS, description="Training and evaluation datasets."
     )
-    num_rollouts: int = Field(10, ge=1, description="RL iterations: generate -> train -> push weights.")
+    num_rollouts: int = Field(10, ge=1, le=INT32_MAX, description="RL iterations: generate -> train -> push weights.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation of training samples.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="How samples are scored.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on the eval datasets.")

@@ -11,6 +11,8 @@ from rlmesh.common.limits import INT32_MAX
 
 Key = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# A stop string (SGLang's sampling_params.stop): an empty one would end every response at once.
+StopText = Annotated[str, Field(min_length=1, max_length=4096)]
 
 
 class StrictModel(BaseModel):

@@ -125,8 +125,10 @@ class TrainingConfig(StrictModel):
         "directory under the trainer's model_roots. With lora, 'initial' is the base model with the adapters "
         "disabled.",
     )
-    micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward (gradient accumulation).")
-    num_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout batch.")
+    micro_batch_size: int = Field(
+        16, ge=1, le=INT32_MAX, description="Samples per forward/backward (gradient accumulation)."
+    )
+    num_steps_per_rollout: int = Field(1, ge=1, le=INT32_MAX, description="Optimizer steps per rollout batch.")
     lora: LoraConfig | None = Field(
         None,
         description="Train LoRA adapters instead of the whole model (torch backend); a KL reference of the "
@@ -254,7 +256,7 @@ class TrainerRunConfig(TrainingConfig):
         "policy as RL begins.",
     )
     rollout_temperature: float = Field(
-        1.0, gt=0, description="The engines' sampling temperature: log-probs are taken of logits / temperature."
+        1.0, gt=0, le=100, description="The engines' sampling temperature: log-probs are taken of logits / temperature."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = the trainer service's setting.")
     staleness_bound: int | None = Field(

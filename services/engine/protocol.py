@@ -100,6 +100,13 @@ def check_supported_fields(body: dict[str, Any]) -> None:
         )
 
 
+# One request's prompts, and its sequences (prompts x n): an engine holds each until it answers.
+MAX_PROMPTS = 4096
+MAX_SEQUENCES = 65536
+MAX_PROMPT_CHARS = 4 * 1024 * 1024  # a text prompt, before it is tokenized
+MAX_RID_CHARS = 256
+
+
 def parse_generate_body(body: Any, tokenizer: Any, vocab_size: int) -> tuple[list[GenerationRequest], bool]:
     """SGLang's /generate body -> requests in response order, and whether the answer is a
     list (a batch of prompts, or n > 1). A batch with n > 1 is prompt-major, like SGLang."""
@@ -114,10 +121,14 @@ def parse_generate_body(body: Any, tokenizer: Any, vocab_size: int) -> tuple[lis
         texts = text if is_batch else [text]
         if not texts or not all(isinstance(t, str) for t in texts):
             raise RequestError("text must be a string or a non-empty list of strings")
+        _at_most("prompts (text)", len(texts), MAX_PROMPTS)
+        if any(len(t) > MAX_PROMPT_CHARS for t in texts):
+            raise RequestError(f"a text prompt has more than {MAX_PROMPT_CHARS} characters")
         prompts = [list(tokenizer(t)["input_ids"]) for t in texts]
     else:
         is_batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
         prompts = input_ids if is_batch else [input_ids]
+        _at_most("prompts (input_ids)", len(prompts), MAX_PROMPTS)
         for ids in prompts:
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise RequestError("input_ids must be a list of token ids or a list of such lists")
@@ -135,6 +146,7 @@ def parse_generate_body(body: Any, tokenizer: Any, vocab_size: int) -> tuple[lis
     top_num = _per_prompt("top_logprobs_num", body.get("top_logprobs_num") or 0, count)
     text_in_logprobs = bool(body.get("return_text_in_logprobs") or False)
     stream = bool(body.get("stream") or False)
+    _at_most("sequences (prompts x n)", sum(p.n for p in params), MAX_SEQUENCES)
     expanded = [(i, k) for i in range(count) for k in range(params[i].n)]
     is_batch = is_batch or len(expanded) > 1
     rids = _request_ids(body.get("rid"), len(expanded), is_batch)
@@ -146,8 +158,10 @@ def parse_generate_body(body: Any, tokenizer: Any, vocab_size: int) -> tuple[lis
                 prompt_ids=list(prompts[i]),
                 params=params[i],
                 return_logprob=bool(return_logprob[i]),
-                logprob_start_len=_top_level_int("logprob_start_len", start_len[i] if start_len[i] is not None else -1),
-                top_logprobs_num=_top_level_int("top_logprobs_num", top_num[i] or 0),
+                logprob_start_len=_top_level_int(
+                    "logprob_start_len", start_len[i] if start_len[i] is not None else -1, -1, 2**31 - 1
+                ),
+                top_logprobs_num=_top_level_int("top_logprobs_num", top_num[i] or 0, 0, vocab_size),
                 return_text_in_logprobs=text_in_logprobs,
                 stream=stream,
             )
@@ -159,23 +173,29 @@ def _request_ids(rid: Any, count: int, is_batch: bool) -> list[str]:
     if rid is None:
         return [uuid.uuid4().hex for _ in range(count)]
     if isinstance(rid, str):
-        if not rid:
-            raise RequestError("rid must not be empty")
+        if not rid or len(rid) > MAX_RID_CHARS:
+            raise RequestError(f"rid must have 1..{MAX_RID_CHARS} characters")
         return [rid] if not is_batch else [f"{rid}_{i}" for i in range(count)]
-    if isinstance(rid, list) and all(isinstance(r, str) and r for r in rid):
+    if isinstance(rid, list) and all(isinstance(r, str) and 0 < len(r) <= MAX_RID_CHARS for r in rid):
         if len(rid) != count:
             raise RequestError(f"rid has {len(rid)} ids for {count} sequences")
         return list(rid)
-    raise RequestError("rid must be a string or a list of strings")
+    raise RequestError(f"rid must be a string or a list of strings (each of 1..{MAX_RID_CHARS} characters)")
 
 
-def _top_level_int(name: str, value: Any) -> int:
+def _at_most(what: str, count: int, most: int) -> None:
+    if count > most:
+        raise RequestError(f"a request holds {count} {what}; at most {most}")
+
+
+def _top_level_int(name: str, value: Any, least: int, most: int) -> int:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or (isinstance(value, float) and not value.is_integer())
+        or not least <= value <= most
     ):
-        raise RequestError(f"{name} must be an integer, got {value!r}")
+        raise RequestError(f"{name} must be an integer in [{least}, {most}], got {value!r}")
     return int(value)
 
 

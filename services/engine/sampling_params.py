@@ -15,6 +15,10 @@ from rlmesh.engine.errors import RequestError
 
 SAMPLING_EPS = 1e-6
 MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 4096  # each stop string or regex (the rollout service's bound too)
+MAX_STOP_TOKEN_IDS = 1024
+# Samples of one prompt in one request (SGLang's n); each is a sequence the engine holds.
+MAX_N = 1024
 # Grammar-constrained decoding is an SGLang feature this engine does not have.
 _UNSUPPORTED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 
@@ -71,7 +75,7 @@ def _number(name: str, value: Any, kind: type) -> Any:
 def _str_list(name: str, value: Any) -> list[str]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-        raise RequestError(f"sampling_params.{name} must be a non-empty string or a list of them, got {value!r}")
+        raise RequestError(f"sampling_params.{name} must be a non-empty string or a list of them")
     return list(items)
 
 
@@ -131,11 +135,17 @@ def _stop_strings(value: Any) -> list[str]:
     stop = _str_list("stop", value)
     if len(stop) > MAX_STOP_STRINGS:
         raise RequestError(f"sampling_params.stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} allowed")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise RequestError(f"sampling_params.stop: each string must have 1..{MAX_STOP_CHARS} characters")
     return stop
 
 
 def _stop_regexes(value: Any) -> list[str]:
     patterns = _str_list("stop_regex", value)
+    if len(patterns) > MAX_STOP_STRINGS or any(len(p) > MAX_STOP_CHARS for p in patterns):
+        raise RequestError(
+            f"sampling_params.stop_regex: at most {MAX_STOP_STRINGS} patterns of at most {MAX_STOP_CHARS} characters"
+        )
     for pattern in patterns:
         try:
             re.compile(pattern)
@@ -146,7 +156,9 @@ def _stop_regexes(value: Any) -> list[str]:
 
 def _token_ids(ids: Any) -> set[int]:
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise RequestError(f"sampling_params.stop_token_ids must be a list of integers, got {ids!r}")
+        raise RequestError("sampling_params.stop_token_ids must be a list of integers")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"sampling_params.stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
     return set(ids)
 
 
@@ -180,8 +192,8 @@ def _verify(p: SamplingParams, vocab_size: int) -> None:
         raise RequestError(
             f"min_new_tokens must be in [0, max_new_tokens ({p.max_new_tokens})], got {p.min_new_tokens}"
         )
-    if p.n < 1:
-        raise RequestError(f"n must be at least 1, got {p.n}")
+    if not 1 <= p.n <= MAX_N:
+        raise RequestError(f"n must be in [1, {MAX_N}], got {p.n}")
     for t in [*p.stop_token_ids, *p.logit_bias]:
         if not 0 <= t < vocab_size:
             raise RequestError(f"token id {t} is outside the vocabulary [0, {vocab_size - 1}]")

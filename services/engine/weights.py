@@ -22,7 +22,9 @@ engine thread between decode steps."""
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -79,6 +81,43 @@ def parse_specs(names: Any, dtypes: Any, shapes: Any) -> list[TensorSpec]:
 # -- the process group -------------------------------------------------------
 
 
+# Where a weight group's rank 0 may be: never an address no trainer is at (link-local, such as
+# a cloud's metadata service, multicast, unspecified), so a caller cannot point the engine there.
+_NEVER_HOSTS = frozenset({"metadata", "metadata.google.internal", "metadata.goog", "instance-data"})
+MAX_GROUP_NAME_CHARS = 128
+MAX_WORLD_SIZE = 65536
+
+
+def check_group_endpoint(address: str, port: int, world_size: int, group_name: str, backend: str) -> None:
+    """The group's parameters, checked before anything waits on them (a join blocks until every
+    rank arrives, and the weight routes queue behind it)."""
+    if backend not in ("nccl", "gloo"):
+        raise WeightUpdateError(f"backend must be 'nccl' or 'gloo', got {backend[:40]!r}")
+    if not 1 <= port <= 65535:
+        raise WeightUpdateError(f"master_port must be in [1, 65535], got {port}")
+    if not 2 <= world_size <= MAX_WORLD_SIZE:
+        raise WeightUpdateError(f"world_size must be in [2, {MAX_WORLD_SIZE}] (the trainer and the engines)")
+    if not group_name or len(group_name) > MAX_GROUP_NAME_CHARS or not group_name.isprintable():
+        raise WeightUpdateError(f"group_name must be 1..{MAX_GROUP_NAME_CHARS} printable characters")
+    host = address.strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is None:
+        labels = host.rstrip(".").split(".")
+        if len(host) > 253 or not all(
+            re.fullmatch(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?", x) for x in labels
+        ):
+            raise WeightUpdateError(f"master_address {address[:100]!r} is neither an IP address nor a host name")
+        if host.lower().rstrip(".") in _NEVER_HOSTS:
+            raise WeightUpdateError(f"master_address {address!r} is a cloud metadata host, never a trainer")
+    elif ip.is_link_local or ip.is_multicast or ip.is_unspecified:
+        raise WeightUpdateError(
+            f"master_address {address!r} is a link-local, multicast or unspecified address, never a trainer"
+        )
+
+
 class WeightGroups:
     """Weight-update groups this engine has joined, by group name."""
 
@@ -92,6 +131,7 @@ class WeightGroups:
     ) -> None:
         """Join the group as rank `rank_offset` (this engine has one TP rank); blocks until
         every rank, the trainer's rank 0 included, has joined."""
+        check_group_endpoint(master_address, master_port, world_size, group_name, backend)
         if group_name in self._groups:
             raise WeightUpdateError(f"weight-update group {group_name!r} already exists; destroy it first")
         if not 1 <= rank_offset < world_size:

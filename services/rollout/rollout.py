@@ -266,6 +266,10 @@ class RolloutManager:
     def check_limits(self, req: RolloutRequest) -> None:
         """The operator's limits on one rollout (or on the groups an async loop keeps in flight)."""
         limits = self.settings.limits
+        if req.max_concurrency < 0:
+            raise InvalidArgument(
+                f"max_concurrency must be 0 (the service's default) or more, got {req.max_concurrency}"
+            )
         within(
             [
                 (

@@ -316,12 +316,14 @@ def commit_checkpoint(snapshot: CheckpointSnapshot, target: Path, extra: dict) -
     a save never deletes a directory rlmesh did not write."""
     if target.exists() and not is_own_checkpoint(target):
         raise errors.FailedPrecondition(
-            f"{str(target)!r} exists and is not a checkpoint rlmesh wrote; a save replaces only rlmesh's own "
+            f"{target.name!r} (under the trainer's work_dir) exists and is not a checkpoint rlmesh wrote; a save "
+            "replaces only rlmesh's own "
             "checkpoints: choose another path or remove it"
         )
     if target.exists() and (owner := read_state(target).get("run_id")) != extra["run_id"]:
         raise errors.FailedPrecondition(
-            f"{str(target)!r} is a checkpoint of run {owner!r}; a save replaces only its own run's: give this run "
+            f"{target.name!r} (under the trainer's work_dir) is a checkpoint of run {owner!r}; a save replaces only "
+            "its own run's: give this run "
             "a checkpoint_dir of its own"
         )
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -490,7 +490,9 @@ class Trainer:
                 extra = checkpoint_extra(run.run_id, run.weight_version, run.trained.state(target))
                 written = await asyncio.to_thread(commit_checkpoint, snapshot, target, extra)
             except OSError as e:
-                raise errors.FailedPrecondition(f"cannot write checkpoint to {str(target)!r}: {e}") from None
+                raise errors.FailedPrecondition(
+                    f"cannot write checkpoint {target.name!r}: {errors.unexpected(e)}"
+                ) from None
             resumable = written.parent == self.paths.checkpoint_dir(run.run_id, run.config) and CHECKPOINT.fullmatch(
                 written.name
             )

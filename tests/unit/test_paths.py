@@ -78,8 +78,9 @@ def test_an_empty_path_or_no_roots_is_refused(roots):
         under("", roots)
     with pytest.raises(InvalidArgument, match="data_roots names no directory"):
         under("x.jsonl", ())
-    with pytest.raises(InvalidArgument, match="not under data_roots"):
-        under("bad\0name", roots)
+    for bad in ("bad\0name", "a\nb", "tab\there"):
+        with pytest.raises(InvalidArgument, match="control character"):
+            under(bad, roots)
 
 
 @pytest.mark.parametrize("run_id", ["r1", "a", "run-2024.01_x", "0" * 64, "3f2a9c1b7d4e"])
@@ -121,3 +122,13 @@ def test_an_unexpected_os_error_reaches_a_caller_without_its_file_names(tmp_path
         described = unexpected(e)
     assert described == "OSError: File name too long (errno 36)" and str(tmp_path) not in described
     assert unexpected(RuntimeError("overflow")) == "RuntimeError: overflow"
+
+
+def test_a_status_message_quoting_a_long_value_is_cut_to_fit_grpcs_header():
+    """gRPC carries a status message in a header capped at 16 KiB: a longer one would reach the
+    caller as RESOURCE_EXHAUSTED instead of the status the service meant."""
+    from rlmesh.common.grpc_server import status_details
+
+    message = status_details("unknown mode " + "m" * 100_000)
+    assert len(message) < 4100 and message.endswith("(100013 characters in all)")
+    assert status_details("short") == "short"

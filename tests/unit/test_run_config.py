@@ -156,8 +156,8 @@ def test_a_warm_start_dataset_stays_out_of_the_training_stream_and_of_evaluation
         RunConfig.model_validate({"model_path": "/m", "datasets": datasets, "sft_warmup": {"dataset": "held_out"}})
 
 
-def _unbounded_floats(model, prefix: str, seen: set) -> list[str]:
-    """Float fields of the run config (and float values of its maps) without an upper bound."""
+def _unbounded_numbers(model, prefix: str, seen: set) -> list[str]:
+    """Number fields of the run config (and float values of its maps) without an upper bound."""
     import typing
 
     import annotated_types
@@ -171,8 +171,8 @@ def _unbounded_floats(model, prefix: str, seen: set) -> list[str]:
         kinds = typing.get_args(f.annotation) or (f.annotation,)
         for kind in kinds:
             if isinstance(kind, type) and issubclass(kind, BaseModel):
-                found += _unbounded_floats(kind, f"{prefix}{name}.", seen)
-        values = [f] if float in kinds else []
+                found += _unbounded_numbers(kind, f"{prefix}{name}.", seen)
+        values = [f] if (float in kinds or int in kinds) and bool not in kinds else []
         for kind in kinds:  # dict[str, Annotated[float, Field(...)]]
             if typing.get_origin(kind) is dict:
                 value = typing.get_args(kind)[1]
@@ -188,9 +188,10 @@ def _unbounded_floats(model, prefix: str, seen: set) -> list[str]:
 
 
 def test_every_number_of_the_run_config_has_an_upper_bound():
-    """A learning rate of 1e300 (or a reward weight, a temperature...) is refused at the door
-    (422), not met as an overflow in the trainer minutes later."""
-    assert _unbounded_floats(RunConfig, "", set()) == []
+    """A learning rate of 1e300 (or a reward weight, a temperature, 10**30 micro-batches...) is
+    refused at the door (422), not met as an overflow in the trainer minutes later."""
+    assert _unbounded_numbers(RunConfig, "", set()) == []
+    assert _unbounded_numbers(TrainerRunConfig, "", set()) == []  # (what InitRun takes from any caller)
     for body in (
         {"optimizer": {"lr": 1e300}},
         {"algorithm": {"kl_loss_coef": 1e308}},
