@@ -19,6 +19,23 @@ _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 _picked: set[int] = set()  # (never handed out twice by this process)
 
 
+# Cloud metadata services by name: no rlmesh service ever connects to them (the reward
+# service's URL policy, the engine's weight groups).
+METADATA_HOSTS = frozenset(
+    {"metadata", "metadata.google.internal", "metadata.goog", "instance-data", "instance-data.ec2.internal"}
+)
+
+
+def is_host_name(host: str) -> bool:
+    """A name DNS can carry: labels of 1-63 bytes (IDNA-encoded), 253 in all."""
+    try:
+        encoded = host.encode("idna")
+    except UnicodeError:
+        return False
+    labels = encoded.rstrip(b".").split(b".")
+    return 0 < len(encoded) <= 253 and all(0 < len(label) <= 63 for label in labels)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that is free on `host` right now, below the ephemeral range where it can be
     (else the OS picks one)."""

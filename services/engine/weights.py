@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ipaddress
 import math
-import re
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlmesh.common.net import METADATA_HOSTS, is_host_name
 from rlmesh.common.weight_group import destroy_weight_group, init_weight_group
 
 
@@ -83,7 +83,6 @@ def parse_specs(names: Any, dtypes: Any, shapes: Any) -> list[TensorSpec]:
 
 # Where a weight group's rank 0 may be: never an address no trainer is at (link-local, such as
 # a cloud's metadata service, multicast, unspecified), so a caller cannot point the engine there.
-_NEVER_HOSTS = frozenset({"metadata", "metadata.google.internal", "metadata.goog", "instance-data"})
 MAX_GROUP_NAME_CHARS = 128
 MAX_WORLD_SIZE = 65536
 
@@ -105,12 +104,9 @@ def check_group_endpoint(address: str, port: int, world_size: int, group_name: s
     except ValueError:
         ip = None
     if ip is None:
-        labels = host.rstrip(".").split(".")
-        if len(host) > 253 or not all(
-            re.fullmatch(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?", x) for x in labels
-        ):
+        if not host.isascii() or not all(c.isalnum() or c in "-_." for c in host) or not is_host_name(host):
             raise WeightUpdateError(f"master_address {address[:100]!r} is neither an IP address nor a host name")
-        if host.lower().rstrip(".") in _NEVER_HOSTS:
+        if host.lower().rstrip(".") in METADATA_HOSTS:
             raise WeightUpdateError(f"master_address {address!r} is a cloud metadata host, never a trainer")
     elif ip.is_link_local or ip.is_multicast or ip.is_unspecified:
         raise WeightUpdateError(

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from rlmesh.common import errors
+from rlmesh.common.net import is_host_name
 from rlmesh.common.reward_service import SERVICE_NAME_PATTERN, RemoteServiceSpec, remote_service
 
 PROTOCOLS = {"http": "http-json", "https": "http-json", "grpc": "grpc"}
@@ -108,11 +109,7 @@ def _check_host_name(url: str, host: str) -> None:
     otherwise fail on later, with its codec's words."""
     if host.startswith("[") or host.replace(".", "").isdigit() or ":" in host:
         return
-    try:
-        encoded = host.encode("idna")
-    except UnicodeError:
-        encoded = b""
-    if not encoded or len(encoded) > 253 or not all(0 < len(label) <= 63 for label in encoded.rstrip(b".").split(b".")):
+    if not is_host_name(host):
         raise errors.InvalidArgument(
             f"URL {url[:200]!r}: host {host[:100]!r} is not a valid host name (labels of 1-63 characters, 253 in all)"
         )

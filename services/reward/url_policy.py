@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from rlmesh.common import errors
+from rlmesh.common.net import METADATA_HOSTS
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -39,9 +40,6 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 # server, Oracle's legacy one); 169.254.169.254 and its kin are link-local anyway.
 METADATA_ADDRESSES = frozenset(
     ipaddress.ip_address(a) for a in ("fd00:ec2::254", "100.100.100.200", "168.63.129.16", "192.0.0.192")
-)
-METADATA_HOSTS = frozenset(
-    {"metadata", "metadata.google.internal", "metadata.goog", "instance-data", "instance-data.ec2.internal"}
 )
 
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
