@@ -125,7 +125,9 @@ def master_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def start_engine(model_dir: Path, log_path: Path, weight_file_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_engine(
+    model_dir: Path, log_path: Path, weight_file_dir: Path, weight_root: Path
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [
         sys.executable,
@@ -147,6 +149,8 @@ def start_engine(model_dir: Path, log_path: Path, weight_file_dir: Path) -> tupl
         "64",
         "--weight-file-dir",
         str(weight_file_dir),
+        "--weight-roots",
+        json.dumps([str(weight_root)]),  # (the disk push's directory)
     ]
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -220,7 +224,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
     print(f"model: {len(named)} tensors, {wire_bytes / GB:.3f} GB as bfloat16", flush=True)
 
     shm = weight_file.default_dir().parent / f"rlmesh-bench-{os.getpid()}"
-    engine, url = start_engine(model_dir, work / "engine.log", shm)
+    engine, url = start_engine(model_dir, work / "engine.log", shm, work)
     rollout, port = await start_rollout(RolloutSettings(port=0, engine_urls=[url]))
     pusher = WeightPusher(f"127.0.0.1:{port}", "bench", timeout_seconds=600)
     colocated = ColocatedPusher(f"127.0.0.1:{port}", "bench", shm, timeout_seconds=600)

@@ -53,6 +53,8 @@ def buffer_files_under_pytest_tmp(tmp_path_factory):
     # (and load models and tokenizers from there: tiny_model_dir and each test's own)
     os.environ["RLMESH_BUFFER_MODEL_ROOTS"] = json.dumps([base])
     os.environ["RLMESH_TRAINER_MODEL_ROOTS"] = json.dumps([base])
+    # (and every engine loads trainers' disk pushes from there: their work_dir is a tmp_path)
+    os.environ["RLMESH_ENGINE_WEIGHT_ROOTS"] = json.dumps([base])
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,14 @@ class Stack:
         return (
             common
             + {
-                "engine": ["--model-path", self.model_path, "--enable-metrics"],
+                "engine": [
+                    "--model-path",
+                    self.model_path,
+                    "--enable-metrics",
+                    # (the trainer's disk pushes: under its work_dir, in the data directory)
+                    "--weight-roots",
+                    json.dumps(self.model_roots()),
+                ],
                 # A local stack's judges run on this machine: let the reward service call loopback.
                 "reward": ["--remote-allowed-networks", json.dumps(["127.0.0.0/8", "::1"])],
                 "buffer": [

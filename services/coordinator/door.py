@@ -6,7 +6,8 @@ field to change:
 - buffer `CheckDatasets`: dataset paths under its data_roots with something there,
   tokenizer paths under its model_roots;
 - trainer `CheckRun`: model_path, kl_reference and checkpoint_dir (under its model_roots
-  and work_dir);
+  and work_dir), stop token ids within the model's vocabulary, a weight-sync backend its
+  device runs;
 - reward `CheckSpec`: every reward component (built-in, custom, group or registered remote);
 - rollout `CheckGenerateFunction`: the generate function and its options (an agent's tools).
 

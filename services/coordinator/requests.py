@@ -36,7 +36,14 @@ def init_run_request(run_id: str, cfg: RunConfig) -> trainer_pb2.InitRunRequest:
 
 
 def check_run_request(cfg: RunConfig) -> trainer_pb2.CheckRunRequest:
-    return trainer_pb2.CheckRunRequest(config_json=cfg.trainer_config().model_dump_json())
+    """The trainer's part of a run config, and the token ids the run will send the engines (the
+    trainer knows the model's vocabulary)."""
+    token_ids = [
+        trainer_pb2.TokenIds(field=f"{section}.sampling.stop_token_ids", ids=sampling.stop_token_ids)
+        for section, sampling in (("rollout", cfg.rollout.sampling), ("eval", cfg.eval.sampling))
+        if sampling.stop_token_ids
+    ]
+    return trainer_pb2.CheckRunRequest(config_json=cfg.trainer_config().model_dump_json(), token_ids=token_ids)
 
 
 def rollout_request(

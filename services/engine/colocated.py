@@ -48,9 +48,20 @@ class ModelMemory:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.released: set[str] = set()  # tags released now
-        # From a release of the weights until an update carried every parameter: what the
-        # parameters hold means nothing (resumed memory is not restored).
-        self.needs_full_update = False
+        # Parameters (by id: a tied one once) that hold nothing meaningful: released, or resumed
+        # (memory is not restored) and not written by an update since.
+        self.unloaded: set[int] = set()
+
+    @property
+    def needs_full_update(self) -> bool:
+        """Whether an update must carry every parameter before the engine can sample again."""
+        return bool(self.unloaded)
+
+    def loaded(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """An update wrote these tensors: they hold weights again."""
+        targets = model_tensors(self.model)
+        for name, _ in named:
+            self.unloaded.discard(id(targets[name]))
 
     @property
     def weights_released(self) -> bool:
@@ -69,7 +80,7 @@ class ModelMemory:
             if not p.data.untyped_storage().resizable():
                 p.data = torch.empty_like(p.data)  # (a view of a mapped file, its content dropped anyway)
             p.data.untyped_storage().resize_(0)
-        self.needs_full_update = True
+        self.unloaded = {id(p) for p in self.model.parameters()}
         if next(self.model.parameters()).device.type == "cuda":
             torch.cuda.empty_cache()
         self.released.add("weights")

@@ -80,6 +80,12 @@ class Settings(ServiceSettings):
         "names (sglang:num_running_reqs, sglang:num_queue_reqs, sglang:gen_throughput, sglang:prompt_tokens_total, "
         "sglang:generation_tokens_total; label model_name), open like SGLang's.",
     )
+    weight_roots: list[str] = Field(
+        [],
+        description="Directories whose checkpoints /update_weights_from_disk loads (where trainers that share "
+        "this machine's file system write them: their work_dir); a model_path elsewhere is refused, with the same "
+        "answer whether or not it exists. Empty means only model_path itself (reloading the served model).",
+    )
     weight_file_dir: str = Field(
         "",
         description="Colocated mode: the only directory whose rlmesh weight files /update_weights_from_tensor "

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from rlmesh.common import safe_json, weight_file
+from rlmesh.common.paths import resolve_roots
 from rlmesh.engine.colocated import ModelMemory, WeightFiles
 from rlmesh.engine.config import Settings
 from rlmesh.engine.errors import RequestError
@@ -21,8 +22,8 @@ from rlmesh.engine.runner import Engine
 from rlmesh.engine.weights import WeightGroups
 
 
-class ServerClosing(Exception):
-    """Answered with 503: the server is shutting down."""
+class NotServing(Exception):
+    """Answered with 503: the server is shutting down, or its weights hold nothing to sample from."""
 
 
 class EngineState:
@@ -52,6 +53,10 @@ class EngineState:
         self.awake = asyncio.Event()
         self.awake.set()
         self.memory = ModelMemory(model)
+        # Where /update_weights_from_disk may read (resolved once: the paths it is given are checked against them).
+        self.weight_roots = resolve_roots(
+            settings.weight_roots or ([settings.model_path] if settings.model_path else [])
+        )
         self.weight_files = WeightFiles(
             Path(settings.weight_file_dir) if settings.weight_file_dir else weight_file.default_dir()
         )
@@ -63,9 +68,15 @@ class EngineState:
             await self.unpaused.wait()
             await self.awake.wait()
 
-    def refuse_if_closing(self) -> None:
+    def refuse_unless_serving(self) -> None:
         if self.closing:
-            raise ServerClosing("the engine server is shutting down")
+            raise NotServing("the engine server is shutting down")
+        if self.memory.needs_full_update:
+            # (resumed memory is not restored: sampling from it would give noise, or fail)
+            raise NotServing(
+                "the weights were released (/release_memory_occupation) and no update has carried every "
+                "parameter since: the engine generates again after a full weight update"
+            )
 
     async def in_engine(self, fn: Callable[[], Any], changes_weights: bool = True) -> Any:
         """Run fn in the engine thread between decode steps and wait for its result."""

@@ -98,7 +98,7 @@ async def _update_from_weight_file(state: EngineState, body: dict) -> None:
                 if memory.weights_released:  # an update to released weights takes their memory back first
                     memory.resume_weights()
                 alias_into_model(state.model, loaded.named)
-                memory.needs_full_update = False
+                memory.loaded(loaded.named)
                 version = body.get("weight_version")
                 state.set_weight_version(version)
                 if version in (None, "") and engine.weight_version == RELEASED_VERSION:

@@ -29,7 +29,7 @@ def generation_route(state: EngineState) -> Route:
         body = await json_body(request)
         reqs, is_batch = parse_generate_body(body, tokenizer, engine.vocab_size)
         await state.ready_to_generate()  # new requests wait while generation is paused or memory released
-        state.refuse_if_closing()
+        state.refuse_unless_serving()
         if reqs[0].stream:
             return _stream(engine, tokenizer, reqs, is_batch)
         loop = asyncio.get_running_loop()

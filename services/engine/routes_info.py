@@ -30,7 +30,7 @@ def info_router(state: EngineState) -> APIRouter:
     @router.get("/health_generate")
     async def health_generate() -> Response:
         timeout = settings.health_generate_timeout_s
-        if not engine.alive:
+        if not engine.alive or state.memory.needs_full_update:  # (released weights: nothing to sample from)
             return Response(status_code=503)
         if engine.num_active() and not engine.paused and time.monotonic() - engine.last_step_time < timeout:
             return Response(status_code=200)  # busy and making progress

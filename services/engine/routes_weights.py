@@ -10,6 +10,8 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from rlmesh.common.errors import InvalidArgument
+from rlmesh.common.paths import resolve_under
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, error_response, json_body, result_response
 from rlmesh.engine.weights import (
@@ -81,9 +83,7 @@ def weights_router(state: EngineState) -> APIRouter:
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         body = await json_body(request)
-        path = body.get("model_path")
-        if not isinstance(path, str) or not path:
-            raise WeightUpdateError("model_path is required: a checkpoint directory on the engine's machine")
+        path = _checkpoint_dir(state, body)
         async with state.weight_lock:
             if body.get("abort_all_requests"):
                 engine.abort(abort_all=True, message="Aborted for a weight update.")
@@ -93,6 +93,7 @@ def weights_router(state: EngineState) -> APIRouter:
             def apply() -> None:
                 state.memory.check_resident()
                 load_into_model(model, named)
+                state.memory.loaded(named)
                 state.set_weight_version(body.get("weight_version"))
 
             await state.in_engine(apply)
@@ -122,6 +123,17 @@ def weights_router(state: EngineState) -> APIRouter:
         return JSONResponse(values)
 
     return router
+
+
+def _checkpoint_dir(state: EngineState, body: dict) -> str:
+    """The checkpoint directory an /update_weights_from_disk body names, if under the weight roots."""
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise WeightUpdateError("model_path is required: a checkpoint directory on the engine's machine")
+    try:
+        return str(resolve_under(path, state.weight_roots, "model_path", "the engine's weight_roots"))
+    except InvalidArgument as e:
+        raise WeightUpdateError(str(e)) from None
 
 
 def _requested_delta(state: EngineState, body: dict, specs: list[TensorSpec]) -> WeightDelta | None:
@@ -191,6 +203,7 @@ async def _receive_full(
             install_into_model(model, named, pool)
         else:
             load_into_model(model, named)
+        state.memory.loaded(named)
         state.set_weight_version(body.get("weight_version"))
 
     return apply

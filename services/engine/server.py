@@ -27,7 +27,7 @@ from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.prometheus import metrics_response
 from rlmesh.engine.config import Settings
 from rlmesh.engine.errors import RequestError
-from rlmesh.engine.http_common import EngineState, ServerClosing, error_response, result_response
+from rlmesh.engine.http_common import EngineState, NotServing, error_response, result_response
 from rlmesh.engine.metrics import engine_metrics
 from rlmesh.engine.routes_colocated import colocated_router
 from rlmesh.engine.routes_control import control_router
@@ -102,8 +102,8 @@ def create_app(settings: Settings) -> FastAPI:
     async def on_weight_error(_: Request, e: WeightUpdateError) -> JSONResponse:
         return result_response(False, str(e))
 
-    @app.exception_handler(ServerClosing)
-    async def on_closing(_: Request, e: ServerClosing) -> JSONResponse:
+    @app.exception_handler(NotServing)
+    async def on_not_serving(_: Request, e: NotServing) -> JSONResponse:
         return error_response(503, str(e))
 
     @app.exception_handler(Exception)

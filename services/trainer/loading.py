@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from rlmesh.common import errors
 from rlmesh.common.model_building import build_hf_model
@@ -67,3 +67,29 @@ def load_model(path: str, device: torch.device, what: str = "model_path") -> Pre
     except (OSError, ValueError) as e:
         raise errors.InvalidArgument(f"{what}: cannot load a causal LM from {path!r}: {e}") from None
     return model.to(device).eval()
+
+
+def vocabulary_size(path: Path) -> int | None:
+    """The vocabulary of the model at `path` (its config's vocab_size), or None when its
+    config does not say (the model's own load then reports what is wrong)."""
+    try:
+        size = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "vocab_size", None)
+    except (OSError, ValueError):
+        return None
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
+def token_id_problems(vocab_size: int, token_ids: list[tuple[str, list[int]]]) -> list[tuple[str, str]]:
+    """(field, message) for each field naming a token id the model cannot produce."""
+    problems = []
+    for field, ids in token_ids:
+        outside = sorted({i for i in ids if not 0 <= i < vocab_size})
+        if outside:
+            problems.append(
+                (
+                    field,
+                    f"token id(s) {outside[:10]} are outside the model's vocabulary [0, {vocab_size - 1}]: "
+                    "the engines would refuse every request",
+                )
+            )
+    return problems

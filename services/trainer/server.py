@@ -15,11 +15,13 @@ from rlmesh.trainer import rank_health, ranks
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.metrics import TrainerMetrics
 from rlmesh.trainer.results import RunStatus, parse_run_config
+from rlmesh.trainer.run_checks import run_problems
 from rlmesh.trainer.trainer import Trainer
 from rlmesh.trainer.weight_sync import PushResult
 from rlmesh.v1 import check_pb2, trainer_pb2, trainer_pb2_grpc
 
 SERVICE_NAME = "rlmesh.v1.Trainer"
+MAX_TOKEN_ID_FIELDS = 8  # a run config has two (rollout's and eval's stop_token_ids)
 
 
 def _push_response(result: PushResult) -> trainer_pb2.PublishWeightsResponse:
@@ -119,7 +121,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
 
     async def CheckRun(self, request, context):
-        problems = self.trainer.paths.check_run(parse_run_config(request.config_json))
+        token_ids = [(t.field, list(t.ids)) for t in request.token_ids[:MAX_TOKEN_ID_FIELDS]]
+        config = parse_run_config(request.config_json)
+        problems = await asyncio.to_thread(
+            run_problems, self.trainer.paths, config, self.trainer.settings.device, token_ids
+        )
         return check_pb2.CheckResponse(
             problems=[check_pb2.FieldProblem(field=name, message=message) for name, message in problems]
         )

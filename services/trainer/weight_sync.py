@@ -108,6 +108,10 @@ def group_backend(requested: str, own_gpu: str, engines: Sequence[rollout_pb2.En
     gloo on CPU, and gloo too when an engine runs on the trainer's own GPU (a single-GPU
     machine): NCCL refuses two ranks of one group on one GPU ("Duplicate GPU detected"),
     while gloo stages through host memory. An explicit "nccl" there is refused."""
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise errors.FailedPrecondition(
+            "weight_sync.backend 'nccl' needs the trainer on a GPU and this trainer has none: use 'auto' (gloo on CPU)"
+        )
     sharing = ", ".join(e.url for e in engines if own_gpu and e.gpu_uuid == own_gpu)
     if requested == "nccl" and sharing:
         raise errors.FailedPrecondition(

@@ -74,6 +74,21 @@ def server_dirs(tmp_path) -> list[str]:
             "model_roots",
         ),
         (lambda c, t: c.update(checkpoint_dir="c" * 300), ["checkpoint_dir"], "too long"),
+        (  # (the engines would refuse every request of the run)
+            lambda c, t: c["rollout"].update(sampling={"stop_token_ids": [2, 10_000_000]}),
+            ["rollout", "sampling", "stop_token_ids"],
+            "outside the model's vocabulary",
+        ),
+        (  # (this trainer runs on the CPU)
+            lambda c, t: c.update(weight_sync={"backend": "nccl"}),
+            ["weight_sync", "backend"],
+            "this trainer runs on the CPU",
+        ),
+        (
+            lambda c, t: c["eval"].update(sampling={"temperature": 0, "stop_token_ids": [10_000_000]}),
+            ["eval", "sampling", "stop_token_ids"],
+            "outside the model's vocabulary",
+        ),
         (lambda c, t: c["optimizer"].update(lr=1e300), ["optimizer", "lr"], "less than or equal to 1"),
         (lambda c, t: c["rollout"].update(generate={"name": "no_such_loop"}), ["rollout", "generate"], "no_such_loop"),
         (

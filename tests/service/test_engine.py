@@ -384,6 +384,29 @@ def test_update_weights_from_disk(client, tmp_path):
     assert unknown.status_code == 400 and "nope" in unknown.json()["error"]["message"]
 
 
+def test_update_weights_from_disk_reads_only_under_the_weight_roots(loop_thread, tiny_model_dir, tmp_path):
+    pushes, elsewhere = tmp_path / "pushes", tmp_path / "elsewhere"
+    inside, outside = build_tiny_model(pushes / "v1", seed=7), build_tiny_model(elsewhere / "v1", seed=8)
+    server, port = loop_thread.run(start(_settings(tiny_model_dir, weight_roots=[str(pushes)])))
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, headers=client_headers()) as c:
+            refusals = {}
+            for path in (outside, elsewhere / "missing", pushes / ".." / "elsewhere" / "v1"):
+                r = c.post("/update_weights_from_disk", json={"model_path": str(path), "weight_version": "x"})
+                assert r.status_code == 400 and r.json()["success"] is False, r.text
+                refusals[path] = r.json()["message"].replace(str(path), "<path>")
+                assert "weight_roots" in refusals[path] and str(pushes) not in refusals[path]
+            # The same answer whether or not the path exists: it tells nothing of the files outside.
+            assert len(set(refusals.values())) == 1, refusals
+            assert c.get("/get_model_info").json()["weight_version"] != "x"
+            for path in (inside, "v1"):  # (a relative path is taken under the roots)
+                r = c.post("/update_weights_from_disk", json={"model_path": str(path), "weight_version": "in"})
+                assert r.status_code == 200 and r.json()["success"] is True, r.text
+            assert c.get("/get_model_info").json()["model_path"] == str(inside)
+    finally:
+        loop_thread.run(server.stop())
+
+
 @pytest.mark.parametrize(
     "field,value",
     [

@@ -123,6 +123,23 @@ def test_release_holds_generation_until_resumed_and_weights_come_back_by_update(
     assert all(torch.equal(_weights(client, n), t) for n, t in named)
 
 
+def test_resumed_weights_are_not_sampled_until_an_update_carries_them_all(client, tiny_model_dir):
+    assert client.post("/release_memory_occupation", json={"tags": None}).status_code == 200
+    held = in_background(client.post, "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert client.post("/resume_memory_occupation", json={}).status_code == 200
+    # Resumed memory holds nothing: a clear 503 (a caller retries), never noise or a 500.
+    for answer in (held.result(30), client.post("/generate", json={"text": "hi"})):
+        assert answer.status_code == 503, answer.text
+        assert "full weight update" in answer.json()["error"]["message"]
+    assert client.get("/health_generate").status_code == 503
+    # Any update carrying every parameter brings it back (here the checkpoint, from disk).
+    loaded = client.post("/update_weights_from_disk", json={"model_path": str(tiny_model_dir), "weight_version": "8"})
+    assert loaded.status_code == 200, loaded.text
+    out = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert out.status_code == 200 and out.json()["meta_info"]["weight_version"] == "8"
+    assert client.get("/health_generate").status_code == 200
+
+
 def test_release_is_refused_while_requests_run_and_tags_are_checked(client):
     running = in_background(client.post, "/generate", json={"text": "go", "sampling_params": LONG})
     while client.post("/flush_cache", json={}).status_code != 400:  # (400 while requests are in flight)

@@ -32,6 +32,8 @@ def _engines(*gpus: str) -> list[rollout_pb2.EngineInfo]:
 
 def test_auto_is_gloo_on_cpu_and_nccl_between_gpus(monkeypatch):
     assert group_backend("auto", "", _engines("")) == ("gloo", "")
+    with pytest.raises(FailedPrecondition, match="'nccl' needs the trainer on a GPU.*'auto'"):
+        group_backend("nccl", "", _engines(""))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (a fake: no GPU here)
     assert group_backend("auto", "GPU-a", _engines("GPU-b", "")) == ("nccl", "")
 

@@ -176,10 +176,20 @@ class Checkpoint(_message.Message):
     def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., automatic: _Optional[bool] = ..., weight_version: _Optional[int] = ..., written_at: _Optional[float] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class CheckRunRequest(_message.Message):
-    __slots__ = ("config_json",)
+    __slots__ = ("config_json", "token_ids")
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     config_json: str
-    def __init__(self, config_json: _Optional[str] = ...) -> None: ...
+    token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, config_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("field", "ids")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, field: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints",)
