@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from rlmesh.common.errors import FailedPrecondition, InvalidArgument
+from rlmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlmesh.common.metrics import merge_sample_metrics
 from rlmesh.common.retry import Backoff
 from rlmesh.common.sample import SampleGroup, Status, group_from_proto, group_to_proto
@@ -265,11 +265,24 @@ class AsyncRollouts:
             )
         loop = self.loops.get(req.run_id)
         if loop is None or not loop.running:
+            await self._check_run(req.run_id)
             loop = self.loops[req.run_id] = AsyncLoop(self.manager, req)
             log.info("run %s: asynchronous generation started (%d groups in flight)", req.run_id, loop.target)
         else:  # a heartbeat: the weights pushed since, and the staleness bound that follows
             loop.req = replace(loop.req, weight_version=req.weight_version, min_weight_version=req.min_weight_version)
         return loop.report()
+
+    async def _check_run(self, run_id: str) -> None:
+        """Refuse a run the buffer does not hold (else the loop would end at its first prompts,
+        after an answer of "running"). A buffer that does not answer is not held against it:
+        the loop waits for it as for any outage."""
+        try:
+            await self.manager.buffer.GetStats(
+                buffer_pb2.GetStatsRequest(run_id=run_id), timeout=self.manager.settings.buffer_timeout_seconds
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(f"run {run_id!r}: the buffer holds no such run (create it first)") from None
 
     async def stop(self, run_id: str) -> AsyncStatus:
         loop = self.loops.pop(run_id, None)

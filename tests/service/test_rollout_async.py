@@ -102,6 +102,15 @@ def test_groups_keep_arriving_across_steps_and_a_stop_hands_the_rest_back(make_s
     assert s.partial_groups >= 1
 
 
+def test_a_run_the_buffer_does_not_hold_is_refused_not_started(make_stack):
+    _, rollout = make_stack()
+    with pytest.raises(grpc.RpcError) as e:
+        rollout.StartAsyncRollout(request(run_id="never-created", num_groups=2))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "never-created" in e.value.details()
+    assert rollout.StartAsyncRollout(request(num_groups=2)).running  # nothing of it is left holding the service
+    rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r"))
+
+
 def test_a_loop_whose_run_ended_in_the_buffer_ends_and_lets_another_run_start(make_stack, tmp_path):
     # (a coordinator that closed its run but could not stop the loop: say, down at that moment)
     buffer, rollout = make_stack()

@@ -137,7 +137,8 @@ class RolloutServicer:
     def StartAsyncRollout(self, request, context):
         """Fully asynchronous mode: keep num_groups + over_sampling_groups groups in flight across
         steps, writing finished ones to the buffer continuously. Calling it again for the same
-        run is a heartbeat (it reports; a loop that is gone is started again).
+        run is a heartbeat (it reports; a loop that is gone is started again). NOT_FOUND for a
+        run the buffer does not hold.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
