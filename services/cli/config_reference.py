@@ -27,8 +27,10 @@ HEADER = """\
 
 The body of the coordinator's `POST /runs`, declared once in `services/common/run_config.py`
 (`rlmesh.common.run_config.RunConfig`); the coordinator's OpenAPI docs (`/docs`) show the same
-schema. A field that breaks a bound below is refused with a 422 naming it. Each service's own
-settings are not here: they are in `services/<service>/config.py` (`rlmesh serve SERVICE --help`).
+schema. A field that breaks a bound below is refused with a 422 naming it. A number may also
+come as a string that reads as one (`"1e-6"`, as YAML writes some), as pydantic takes it; a
+string that does not is a 422. Each service's own settings are not here: they are in
+`services/<service>/config.py` (`rlmesh serve SERVICE --help`).
 """
 
 BOUNDS = (
