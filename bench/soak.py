@@ -69,6 +69,7 @@ MOMENTS = {
     "before_ack": "trainer.before_ack",
     "checkpoint": "trainer.checkpoint_written",
     "weight_push": "trainer.before_push",
+    "mid_push": "trainer.mid_push",
     "eval": "rollout.evaluate",
     "end_run": "trainer.end_run",
 }
@@ -165,6 +166,7 @@ class Soak:
         config["eval"]["interval"] = 0
         config["rollout"]["partial_rollout"] = mode == "fully_async"
         config["algorithm"]["rollout_is_upper"] = 2.0
+        config["weight_sync"]["bucket_bytes"] = 100_000  # (pushes in several buckets: a fault may fall between)
         return config
 
     def groups(self, config: dict) -> int:

@@ -219,10 +219,17 @@ class RunCalls:
         status = await self.set_up_trainer()
         if self.cfg.source == "environments":  # (the trajectory API refuses ids past it)
             await self.store.update(self.run_id, vocab_size=status.vocab_size)
-        await self.wake_engines()
         if (await self.store.get(self.run_id))["weight_version"] == 0:
+            await self.wake_engines()
             # The engines may hold another run's weights: start from the run's own.
             await self.publish()
+        else:
+            # A run resumed by a new coordinator: a push the last one died in may have left the
+            # engines with part of the new weights under the old version's label, and paused (a
+            # fully_async loop would generate on them as soon as they continue). The trainer's
+            # weights go out again, the engines paused meanwhile, before anything samples.
+            await self.resume_engines()
+            await self.publish_paused(self.cfg.pause_mode)
         return status.step
 
     async def set_up_trainer(self) -> trainer_pb2.TrainerStatus:
@@ -508,6 +515,11 @@ class RunCalls:
         comes next. An engine without the memory routes (SGLang without
         --enable-memory-saver) only costs a warning."""
         await self.continue_engines()
+        await self.resume_engines()
+
+    async def resume_engines(self) -> None:
+        """Best effort, one call: every engine's memory resumed (none is released but in a
+        colocated run's training)."""
         await self._best_effort(
             "resume the engines' memory",
             lambda: self.clients.rollout.ResumeMemoryOccupation(

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from rlmesh.common import errors
+from rlmesh.common.faults import fault_point
 from rlmesh.v1 import rollout_pb2
 
 
@@ -80,6 +81,7 @@ class BucketStream:
                 await self._watch(what, first, mine)
                 upcoming = await self._take(k + 1)  # prepared meanwhile
                 if upcoming is not None:
+                    await fault_point("trainer.mid_push")  # (bucket k on its way, bucket k+1 not asked for)
                     self._request(*upcoming)
             self.sent_bytes += await self._watch(what, mine, mine)
             finished = time.monotonic()

@@ -15,9 +15,12 @@ import time
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from rlmesh.cli.demo import demo_config, run_metrics, write_task
 from rlmesh.cli.launcher import datasets_dir
+from rlmesh.common.auth import client_headers
 from tests.helpers.chaos import (
     PROCESSES,
     TRAINER_BUFFER_OUTAGE,
@@ -329,5 +332,40 @@ def test_a_background_push_the_trainer_dies_in_is_pushed_again(chaos, tiny_model
         assert not accounting_problems(chaos.stack, chaos.stats(run_id), run_id, 4, queued_ok=True)
         records = chaos.api.get(f"/runs/{run_id}/metrics", params={"fields": "train/staleness_max"}).json()
         assert max(r["train/staleness_max"] for r in records["records"] if "train/staleness_max" in r) <= 2
+    finally:
+        chaos.ensure_finished(run_id)
+
+
+@pytest.mark.slow
+def test_a_push_its_coordinator_died_in_is_made_again_before_anything_samples(chaos, tiny_model_dir):
+    """The coordinator is killed in the middle of the push of the run's last step: the first
+    bucket is on its way to the engine under no version (a version travels with the last
+    bucket), and the trainer's call is cancelled with the rest. Before, the restarted
+    coordinator found engine and run at the same version and evaluated (in a longer run,
+    generated and trained) on that mix of two models. Now a resumed run pushes the trainer's
+    weights again before anything samples: the engine ends holding the final model bit for bit."""
+    config = chaos_config(chaos.stack, tiny_model_dir, num_rollouts=1)
+    config["weight_sync"] = {"bucket_bytes": 100_000}  # (the tiny model in about six buckets)
+    config["algorithm"] = {"entropy_coef": 0.1}  # (the step moves every weight, whatever its rewards)
+    run_id = chaos.start_run(config)
+    try:
+        eventually(lambda: chaos.api.get(f"/runs/{run_id}").json()["weight_version"] >= 1, "the run's first push")
+        chaos.hold("trainer.mid_push")
+        chaos.wait_reached("trainer.mid_push")
+        chaos.kill("coordinator")
+    finally:
+        chaos.release("trainer.mid_push")
+    try:
+        run = chaos.run(run_id)
+        assert run["status"] == "completed", run["error"]
+        final = {}
+        for f in (chaos.stack.data_dir / "trainer" / run["final_model"]).glob("*.safetensors"):
+            final.update(load_file(str(f)))
+        engine = f"http://{chaos.stack.address('engine')}"
+        with httpx.Client(base_url=engine, timeout=30, headers=client_headers()) as client:
+            for name, tensor in final.items():
+                got = client.post("/get_weights_by_name", json={"name": name, "truncate_size": 10**6})
+                assert got.status_code == 200, got.text
+                assert torch.equal(torch.tensor(got.json(), dtype=tensor.dtype), tensor), name
     finally:
         chaos.ensure_finished(run_id)
