@@ -42,6 +42,14 @@ local function active_holder(claim, index, prefix, statuses)
   if status and not indexed then redis.call('DEL', prefix .. holder) end
   return nil
 end
+-- The claim's holder if it is a run promoted or created but never set up ('pending'): a
+-- retried call whose first attempt promoted it (its reply lost) answers it again, and the
+-- caller starts it unless it already runs. '' otherwise.
+local function pending_holder(claim, index, prefix, statuses)
+  local holder = active_holder(claim, index, prefix, statuses)
+  if holder and redis.call('HGET', prefix .. holder, 'status') == 'pending' then return holder end
+  return ''
+end
 local function promote(claim, queue, prefix, now)
   while true do
     local head = redis.call('LPOP', queue)
@@ -72,7 +80,7 @@ for i = 6, 5 + n do statuses[#statuses + 1] = ARGV[i] end
 local mine = redis.call('HGET', KEYS[1], 'status')
 if mine then
   local pos = redis.call('LPOS', KEYS[4], ARGV[1])
-  return {mine, pos and pos + 1 or 0, '', ''}
+  return {mine, pos and pos + 1 or 0, pending_holder(KEYS[2], KEYS[3], ARGV[3], statuses), ''}
 end
 local holder = active_holder(KEYS[2], KEYS[3], ARGV[3], statuses)
 local waiting = redis.call('LLEN', KEYS[4])
@@ -98,14 +106,14 @@ return {status, pos and pos + 1 or 0, promoted, holder or ''}
 # Release the claim if run ARGV[1] holds it, then, with no active run holding it, start the
 # queue's next run (promote). KEYS: the claim, the index, the queue. ARGV: the run's id (''
 # at a coordinator's start: only promote), the prefix of run records, the time, the active
-# statuses. Returns the promoted run's id, or ''.
+# statuses. Returns the promoted run's id (or a pending holder's: pending_holder), or ''.
 _RELEASE_AND_PROMOTE = (
     _QUEUE_LIB
     + """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 local statuses = {}
 for i = 4, #ARGV do statuses[#statuses + 1] = ARGV[i] end
-if active_holder(KEYS[1], KEYS[2], ARGV[2], statuses) then return '' end
+if active_holder(KEYS[1], KEYS[2], ARGV[2], statuses) then return pending_holder(KEYS[1], KEYS[2], ARGV[2], statuses) end
 return promote(KEYS[1], KEYS[3], ARGV[2], ARGV[3])
 """
 )
@@ -163,9 +171,13 @@ _COUNT = (
 # before ARGV[1] is trimming its tail, O(steps undone) instead of O(run) (see
 # runs.steps_after_train_step and steps_held, the same rule on a Python list). A record
 # written before the list existed keeps its steps as JSON in its hash: moved to the list
-# first. ARGV[3]: the time, the record's updated_at. Returns {length before, length after}.
+# first. ARGV[3]: the time, the record's updated_at; ARGV[4]: the call's id (a repeat of the
+# last call changes nothing and answers as it did). Returns {length before, length after}.
 _REALIGN = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0} end
+if redis.call('HGET', KEYS[1], 'realign_call') == ARGV[4] then  -- a retried call (its reply lost): done
+  return {tonumber(redis.call('HGET', KEYS[1], 'realign_before')), redis.call('LLEN', KEYS[2])}
+end
 local legacy = redis.call('HGET', KEYS[1], 'train_steps')
 if legacy then
   redis.call('DEL', KEYS[2])
@@ -182,7 +194,7 @@ while true do
   redis.call('RPOP', KEYS[2])
 end
 if ARGV[2] == '1' or step > last then redis.call('RPUSH', KEYS[2], ARGV[1]) end
-redis.call('HSET', KEYS[1], 'updated_at', ARGV[3])
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[3], 'realign_call', ARGV[4], 'realign_before', before)
 return {before, redis.call('LLEN', KEYS[2])}
 """
 
@@ -418,8 +430,9 @@ class RunStore:
         (`answered`, see runs.steps_after_train_step) or what it said when asked
         (runs.steps_held). Returns how many train steps the run had before and has now."""
         key = self._key(run_id)
+        # (a call id: the client retries a call whose reply was lost, and this one must not append twice)
         before, after = await self.redis.eval(
-            _REALIGN, 2, key, key + ":train_steps", step, "1" if answered else "0", time.time()
+            _REALIGN, 2, key, key + ":train_steps", step, "1" if answered else "0", time.time(), uuid.uuid4().hex
         )
         return before, after
 
@@ -522,11 +535,14 @@ class RunStore:
         ], total
 
 
+_BOOKKEEPING = (b"realign_call", b"realign_before")  # (the store's own fields: no part of a record)
+
+
 def _record(raw: dict[bytes, bytes], train_steps: int, queue_index: int | None = None, summary: bool = False) -> dict:
     """A run's record from its hash, the length of its train steps list and its index in the
     queue (None: not queued). A summary leaves out the stored JSON that only GET /runs/{id}
     shows (config, eval_before, eval_after, warnings)."""
-    rec = {k.decode(): v.decode() for k, v in raw.items()}
+    rec = {k.decode(): v.decode() for k, v in raw.items() if k not in _BOOKKEEPING}
     rec["queue_position"] = None if queue_index is None else queue_index + 1
     rec["weight_version"] = int(rec["weight_version"])
     rec["held"] = rec.get("held", "0") == "1"  # (records written before pausing existed lack it)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import random
+import uuid
 
 import pytest
 import redis.asyncio as aioredis
 
 from rlmesh.common.errors import FailedPrecondition, NotFound
 from rlmesh.common.run_config import RunConfig
+from rlmesh.coordinator import store as store_module
 from rlmesh.coordinator.runs import steps_after_train_step, steps_held
 from rlmesh.coordinator.store import RunStore
 
@@ -85,7 +87,10 @@ def test_the_queue_starts_its_runs_in_order_each_with_the_claim(loop_thread, red
             await store.move(a.id, 1)
         assert await store.delete_queued(c.id) == "deleted"
         assert await store.queue() == [d.id, b.id]
-        # the active run holds the claim: nothing starts until it releases it
+        # the active run holds the claim: nothing starts until it releases it (a run never set up
+        # is answered: its caller starts it unless it runs)
+        assert await store.release_and_promote("") == a.id
+        await store.update(a.id, status="running")
         assert await store.release_and_promote("") == ""
         await store.update(a.id, status="completed")
         assert await store.release_and_promote(a.id) == d.id
@@ -98,6 +103,31 @@ def test_the_queue_starts_its_runs_in_order_each_with_the_claim(loop_thread, red
         await store.update(d.id, status="failed")
         assert await store.release_and_promote(d.id) == e.id
         assert await store.queue() == [] and (await store.active())[0] == e.id
+        await redis.aclose()
+
+    loop_thread.run(scenario())
+
+
+def test_a_call_repeated_after_its_reply_was_lost_answers_as_the_first(loop_thread, redis_url, monkeypatch):
+    """The driver's Redis client sends a command again when the connection drops before its
+    reply (Redis may have run it): a train step is recorded once, and a run the first call
+    promoted from the queue is answered again, so that it is started."""
+
+    async def scenario() -> None:
+        redis = aioredis.Redis.from_url(redis_url)
+        store = RunStore(redis, "repeat")
+        config = RunConfig.model_validate(CONFIG)
+        a, b = await store.create(config), await store.create(config)
+        monkeypatch.setattr(store_module.uuid, "uuid4", lambda: uuid.UUID(int=1))  # (one call, sent twice)
+        assert await store.realign(a.id, 1, answered=True) == (0, 1)
+        assert await store.realign(a.id, 1, answered=True) == (0, 1)
+        assert await store.train_steps(a.id) == [1]
+        monkeypatch.undo()
+        assert await store.realign(a.id, 1, answered=True) == (1, 2)  # another call: another step
+        assert "realign_call" not in await store.get(a.id)
+        await store.update(a.id, status="completed")
+        assert await store.release_and_promote(a.id) == b.id
+        assert await store.release_and_promote(a.id) == b.id  # (b pending, never set up)
         await redis.aclose()
 
     loop_thread.run(scenario())
