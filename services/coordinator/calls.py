@@ -18,6 +18,7 @@ from rlmesh.common.retry import Backoff, OutageTooLong, retry, transient_grpc_er
 from rlmesh.common.run_config import RunConfig, oldest_weight_version
 from rlmesh.coordinator import requests
 from rlmesh.coordinator.config import Settings
+from rlmesh.coordinator.engine_control import EngineControl
 from rlmesh.coordinator.store import RunStore
 from rlmesh.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -92,6 +93,8 @@ class RunCalls:
         # Set up again on a restarted trainer since the run's last train step: that step's
         # answer is not where the trainer stands.
         self.trainer_reset = False
+        self.trainer_step: int | None = None  # the trainer's step at its last answer (None: not known)
+        self.engines = EngineControl(clients.rollout, run_id, settings.call_deadline_seconds, self.rollout_call)
 
     def service(self, name: str) -> str:
         return f"{name} at {getattr(self.settings, name + '_address')}"
@@ -186,6 +189,11 @@ class RunCalls:
     async def init_trainer(self) -> trainer_pb2.TrainerStatus:
         """InitRun. A trainer that still holds a run that has ended (its EndRun never landed:
         the coordinator died first, or the call failed) lets that run go first."""
+        status = await self._init_run()
+        self.trainer_step = status.step
+        return status
+
+    async def _init_run(self) -> trainer_pb2.TrainerStatus:
 
         def init() -> Awaitable[trainer_pb2.TrainerStatus]:
             request = requests.init_run_request(self.run_id, self.cfg)
@@ -220,7 +228,7 @@ class RunCalls:
         if self.cfg.source == "environments":  # (the trajectory API refuses ids past it)
             await self.store.update(self.run_id, vocab_size=status.vocab_size)
         if (await self.store.get(self.run_id))["weight_version"] == 0:
-            await self.wake_engines()
+            await self.engines.wake()
             # The engines may hold another run's weights: start from the run's own.
             await self.publish()
         else:
@@ -228,7 +236,7 @@ class RunCalls:
             # engines with part of the new weights under the old version's label, and paused (a
             # fully_async loop would generate on them as soon as they continue). The trainer's
             # weights go out again, the engines paused meanwhile, before anything samples.
-            await self.resume_engines()
+            await self.engines.resume()
             await self.publish_paused(self.cfg.pause_mode)
         return status.step
 
@@ -256,7 +264,7 @@ class RunCalls:
         version = (await self.store.get(self.run_id))["weight_version"] + 1
         if self.cfg.weight_sync.method == "colocated":
             # In place: the engines' weights must hold memory (they may be released for training).
-            await self.memory_occupation(resume=True, tags=["weights"])
+            await self.engines.memory_occupation(resume=True, tags=["weights"])
         r = await self.watched(
             self.clients.trainer.PublishWeights(
                 trainer_pb2.PublishWeightsRequest(
@@ -288,7 +296,7 @@ class RunCalls:
             return metrics
         finally:
             if not continued:
-                await self.continue_engines(patiently=True)
+                await self.engines.let_continue(patiently=True)
 
     async def publish_in_background(self, pause_mode: str) -> tuple[int, float]:
         """PublishWeights(background): the trainer copies its weights and pushes them from the
@@ -323,7 +331,7 @@ class RunCalls:
             return await self.publish_paused(pause_mode)
         await self.store.update(self.run_id, weight_version=version)
         if not r.engines_continued:
-            await self.continue_engines(patiently=True)
+            await self.engines.let_continue(patiently=True)
         return _push_metrics(version, r)
 
     async def on_current_engines(self, call: Callable[[], Awaitable]):
@@ -363,14 +371,18 @@ class RunCalls:
         then the buffer whether its batch was acknowledged (nothing queued or leased: done);
         otherwise the step is taken again: a lease left from the failed step is given back by
         the trainer's next step, a dead trainer's by the restarted one set up again."""
-        tried = False
+        tried, before = False, self.trainer_step
 
         async def attempt():
             nonlocal tried
             if tried:
-                await self._wait_for_a_step_in_flight()
+                # (past the step it stood at, or, where the buffer holds no other groups (sync), with
+                # nothing queued or leased: an async mode's buffer always holds the next batch)
+                stood = (await self._wait_for_a_step_in_flight()).step
                 stats = await self.stats()
-                if not (stats.queued_groups or stats.leased_groups or stats.expired_lease_groups):
+                if (before is not None and stood > before) or not (
+                    stats.queued_groups or stats.leased_groups or stats.expired_lease_groups
+                ):
                     log.warning("run %s: the interrupted train step was taken (its metrics are lost)", self.run_id)
                     return trainer_pb2.TrainStepResponse()
             tried = True
@@ -384,11 +396,14 @@ class RunCalls:
                 )
             )
 
-        return await self.patiently(self.service("trainer"), attempt)
+        answer = await self.patiently(self.service("trainer"), attempt)
+        if answer.step:
+            self.trainer_step = answer.step
+        return answer
 
-    async def _wait_for_a_step_in_flight(self) -> None:
-        """_StepInFlight while the trainer's step, or its acknowledgment, is under way (another
-        TrainStep would take a second step)."""
+    async def _wait_for_a_step_in_flight(self) -> trainer_pb2.TrainerStatus:
+        """The trainer's status once no step of it, nor its acknowledgment, is under way
+        (_StepInFlight meanwhile: another TrainStep would take a second step)."""
         status = await self.on_trainer(
             lambda: self.clients.trainer.GetStatus(
                 trainer_pb2.GetStatusRequest(run_id=self.run_id), timeout=self.settings.call_deadline_seconds
@@ -400,6 +415,7 @@ class RunCalls:
             )
         if status.step_in_flight:
             raise _StepInFlight("the trainer's step is still under way")
+        return status
 
     async def train_batch(
         self,
@@ -500,53 +516,6 @@ class RunCalls:
             oldest,
         )
         return dict(g.metrics), time.monotonic() - t0
-
-    async def memory_occupation(self, resume: bool, tags: list[str] | None = None) -> None:
-        """Colocated runs: every engine releases (or resumes) the tagged memory (none: all)."""
-        request = rollout_pb2.MemoryOccupationRequest(tags=tags or [])
-        rollout = self.clients.rollout
-        call = rollout.ResumeMemoryOccupation if resume else rollout.ReleaseMemoryOccupation
-        await self.rollout_call(lambda: call(request, timeout=self.settings.call_deadline_seconds))
-
-    async def wake_engines(self) -> None:
-        """Best effort, one call each: engines that a run left paused (a weight push cut short:
-        its coordinator died, or the run was stopped mid-way) or asleep (a colocated run failed,
-        or its coordinator died) generate nothing until continued and resumed, whatever run
-        comes next. An engine without the memory routes (SGLang without
-        --enable-memory-saver) only costs a warning."""
-        await self.continue_engines()
-        await self.resume_engines()
-
-    async def resume_engines(self) -> None:
-        """Best effort, one call: every engine's memory resumed (none is released but in a
-        colocated run's training)."""
-        await self._best_effort(
-            "resume the engines' memory",
-            lambda: self.clients.rollout.ResumeMemoryOccupation(
-                rollout_pb2.MemoryOccupationRequest(), timeout=self.settings.call_deadline_seconds
-            ),
-        )
-
-    async def continue_engines(self, patiently: bool = False) -> None:
-        """Paused engines (a paused engine holds every new request) generate again: after a
-        push, patiently (through a rollout outage); else best effort, one call (engines a
-        push cut short left paused)."""
-
-        def call():
-            return self.clients.rollout.ContinueGeneration(
-                rollout_pb2.ContinueGenerationRequest(), timeout=self.settings.call_deadline_seconds
-            )
-
-        if patiently:
-            await self.rollout_call(call)
-        else:
-            await self._best_effort("let the engines continue", call)
-
-    async def _best_effort(self, what: str, call: Callable[[], Awaitable]) -> None:
-        try:
-            await call()
-        except grpc.aio.AioRpcError as e:
-            log.warning("run %s: could not %s: %s", self.run_id, what, e.details())
 
     async def rollout_call(self, call: Callable[[], Awaitable]):
         """A quick call to the rollout service, retried through its outage."""

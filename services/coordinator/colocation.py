@@ -28,7 +28,7 @@ class ColocatedMode(RunMode):
         # one_step_off: the next batch too (generated on these weights, trained one version later)
         batches = 2 if cfg.mode == "one_step_off" and rollout_id + 1 < cfg.num_rollouts else 1
         generation, generate_seconds = await calls.generate_batch(batches)
-        await calls.memory_occupation(resume=False)
+        await calls.engines.memory_occupation(resume=False)
         try:
             t, train_seconds = await calls.train_batch(self.on_no_batch)
         except BaseException:
@@ -42,12 +42,12 @@ class ColocatedMode(RunMode):
         return {**iteration_record(rollout_id, generation, t, w, phases, t0, phases), **buffer}
 
     async def wake(self) -> None:
-        await self.calls.memory_occupation(resume=True)
+        await self.calls.engines.memory_occupation(resume=True)
 
     async def _wake_after_failure(self) -> None:
         """The engines should not stay asleep because a step failed or the run ended (the next
         iteration, or the next run's setup, wakes them anyway)."""
-        await self.calls.wake_engines()
+        await self.calls.engines.wake()
 
     async def on_no_batch(self) -> str:
         """Generating what is missing needs the engines awake; they sleep again for training."""
@@ -55,7 +55,7 @@ class ColocatedMode(RunMode):
         try:
             return await super().on_no_batch()
         finally:
-            await self.calls.memory_occupation(resume=False)
+            await self.calls.engines.memory_occupation(resume=False)
 
     async def settle(self, keep_metrics: bool = False) -> None:
         await self.wake()

@@ -331,7 +331,7 @@ class FullyAsyncMode(RunMode):
         # requests in flight finish, or return to the buffer, only on running engines. (A push
         # under way in the background ends there before the trainer lets the run go.)
         self.pushing = 0
-        await self.calls.continue_engines()
+        await self.calls.engines.let_continue()
         await self._stop_generation(patiently=False)
 
     def cancel(self) -> None:

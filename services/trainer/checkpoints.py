@@ -107,9 +107,7 @@ def write_checkpoint(snapshot: CheckpointSnapshot, path: Path, extra: dict | Non
     torch.save(snapshot.optimizers, path / OPTIMIZER_FILE)
     torch.save(snapshot.rng, path / RNG_FILE)
     (path / STATE_FILE).write_text(json.dumps({**snapshot.state, **(extra or {})}, indent=2))
-    for f in path.rglob("*"):
-        if f.is_file():
-            _fsync(f)
+    fsync_tree(path)
     (path / COMPLETE_FILE).touch()
     _fsync(path / COMPLETE_FILE)
     fsync_dir(path)
@@ -119,6 +117,16 @@ def write_checkpoint(snapshot: CheckpointSnapshot, path: Path, extra: dict | Non
 def _fsync(path: Path) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
+
+
+def fsync_tree(path: Path) -> None:
+    """Make every file under `path`, and the directories holding them, durable."""
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            _fsync(f)
+        elif f.is_dir():
+            fsync_dir(f)
+    fsync_dir(path)
 
 
 def fsync_dir(path: Path) -> None:

@@ -34,6 +34,7 @@ from rlmesh.trainer.checkpoints import (
     CheckpointInfo,
     copy_model_extras,
     fsync_dir,
+    fsync_tree,
     read_state,
 )
 from rlmesh.trainer.critic import VALUE_HEAD_FILE
@@ -80,7 +81,9 @@ def final_model_entry(checkpoint_dir: Path, run_id: str) -> CheckpointInfo | Non
 def write_final_model(backend, target: Path, info: dict) -> Path:
     """The backend's current policy written to `target` (collective under torchrun: every
     rank gathers, rank 0 writes), under a hidden name first and then moved into place; an
-    existing `target` is replaced only when it is this run's final model."""
+    existing `target` is replaced only when it is this run's final model, and never by an
+    earlier step (a trainer set up again after the run ended, from an older checkpoint or
+    none, holds a policy the run had trained past: that one is kept)."""
     if target.exists():
         owner = read_model_info(target)
         if owner is None or owner.get("run_id") != info["run_id"]:
@@ -88,7 +91,11 @@ def write_final_model(backend, target: Path, info: dict) -> Path:
                 f"{target.name!r} in the run's checkpoint_dir exists and is not this run's final model; "
                 "give the run a checkpoint_dir of its own"
             )
+        if int(owner.get("step", 0)) > info["step"]:
+            return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    for scratch in target.parent.glob(f".{target.name}.*"):  # (left by a writer killed half way)
+        shutil.rmtree(scratch, ignore_errors=True)
     fresh = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}")
     try:
         backend.save_weights(fresh)
@@ -101,6 +108,7 @@ def write_final_model(backend, target: Path, info: dict) -> Path:
             )
             (fresh / ADAPTER_DIR / lora.ADAPTER_CONFIG).write_text(adapter_config)
         _finish(fresh, info)
+        fsync_tree(fresh)  # (on disk before it is named: a power cut never leaves a named, empty model)
         _replace(fresh, target)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)

@@ -3,16 +3,20 @@ own process), a real Redis, a real gloo weight group."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from transformers import AutoModelForCausalLM
 
 from rlmesh.cli.demo import run_metrics
+from rlmesh.common.faults import FAULTS_DIR_ENV
 from rlmesh.common.grpc_server import sync_channel
 from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.v1 import buffer_pb2, trainer_pb2
 from rlmesh.v1.trainer_pb2_grpc import TrainerStub
+from tests.helpers.chaos import eventually
 from tests.helpers.runs import run_config
 from tests.helpers.stack import start_local_stack, wait_for_run
 
@@ -140,3 +144,34 @@ def test_an_evaluation_of_a_whole_dataset_has_a_deadline_for_its_size(
     run = wait_for_run(stack.api, stack.api.post("/runs", json=config).json()["id"])
     assert run["status"] == "completed", run["error"]
     assert "eval/held_out/reward_mean" in run["eval_before"] and "eval/held_out/reward_mean" in run["eval_after"]
+
+
+@pytest.mark.slow
+def test_a_train_step_whose_answer_was_lost_is_not_taken_again(
+    redis_url, start_in_loop, engine_url, tmp_path, tiny_model_dir, monkeypatch
+):
+    """fully_async: the trainer's first step outlives the coordinator's deadline for it (held
+    before its acknowledgment), so the coordinator never gets its answer. Before, the retry
+    found the buffer holding groups (the next batch: in fully_async it always does) and trained
+    a second batch for the same iteration; now it finds the trainer past the step it stood at,
+    and the run ends with one optimizer step per iteration."""
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    monkeypatch.setenv(FAULTS_DIR_ENV, str(faults))
+    stack = start_local_stack(
+        start_in_loop, redis_url, engine_url, tmp_path,
+        coordinator_settings={"work_deadline_seconds": 0.001, "per_group_deadline_seconds": 2},
+    )  # fmt: skip
+    config = run_config(tmp_path, tiny_model_dir, num_rollouts=2)
+    config.update(mode="fully_async", max_outage_seconds=120, sft_warmup={"steps": 0})
+    hold = faults / "trainer.before_ack.hold"
+    hold.touch()
+    run_id = stack.api.post("/runs", json=config).json()["id"]
+    try:
+        eventually(lambda: (faults / "trainer.before_ack.reached").exists(), "the first step trained", timeout=120)
+        time.sleep(5 + 2 * 2 + 3)  # (past the TrainStep's deadline: a 5 s wait for the batch, 2 s a group)
+    finally:
+        hold.unlink()
+    run = wait_for_run(stack.api, run_id)
+    assert run["status"] == "completed", run["error"]
+    assert_final_model(stack.api, run, tmp_path, step=2)

@@ -21,7 +21,13 @@ from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.trainer.backend import TorchBackend
 from rlmesh.trainer.config import Settings
-from rlmesh.trainer.final_model import ADAPTER_DIR, MODEL_INFO_FILE, export_checkpoint
+from rlmesh.trainer.final_model import (
+    ADAPTER_DIR,
+    MODEL_INFO_FILE,
+    export_checkpoint,
+    final_model_info,
+    write_final_model,
+)
 from rlmesh.trainer.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rlmesh.trainer.trainer import Trainer
 from tests.helpers.trainer import CPU, config, make_groups
@@ -51,6 +57,30 @@ def trained_and_ended(tmp_path, cfg, steps: int = 2, end: bool = True):
         return trainer, status, policy
 
     return asyncio.run(scenario())
+
+
+def test_what_a_final_model_writer_killed_half_way_left_is_cleared_by_the_next(tiny_model_dir, tmp_path):
+    checkpoints = tmp_path / "work" / "r1" / "checkpoints"
+    left = [checkpoints / ".final.0123456789ab", checkpoints / ".final.0123456789ab.old"]
+    for scratch in left:  # (a copy being written, and the one it replaced)
+        scratch.mkdir(parents=True)
+        (scratch / "model.safetensors").write_bytes(b"half")
+    _, status, _ = trained_and_ended(tmp_path, config(tiny_model_dir), steps=1)
+    assert status.final_model == "r1/checkpoints/final"
+    assert not any(scratch.exists() for scratch in left)
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_final_model_is_never_replaced_by_an_earlier_step_of_its_run(tiny_model_dir, tmp_path):
+    """A trainer set up again after the run ended (from an older checkpoint, or none) holds a
+    policy the run had trained past: its EndRun keeps the final model that is there."""
+    _, status, policy = trained_and_ended(tmp_path, config(tiny_model_dir), steps=2)
+    final = tmp_path / "work" / status.final_model
+    base = TorchBackend(config(tiny_model_dir), CPU)  # (step 0)
+    assert write_final_model(base, final, final_model_info("r1", 0, 0)) == final
+    assert json.loads((final / MODEL_INFO_FILE).read_text())["step"] == 2
+    loaded = weights(build_hf_model(AutoModelForCausalLM.from_pretrained, final))
+    assert all(torch.equal(loaded[name], value) for name, value in policy.items())
 
 
 @pytest.mark.parametrize("interval", [0, 5])
