@@ -285,6 +285,15 @@ class EnvironmentsConfig(StrictModel):
     max_environments: int = Field(
         64, ge=1, le=4096, description="Most environments that may register with the run (register-env)."
     )
+    silent_after_seconds: float = Field(
+        300.0,
+        ge=10,
+        le=86400,
+        description="An environment that has neither posted a group nor asked /status-env (atroposlib asks "
+        "every few seconds) for this long is no longer waited for: its min_batch_allocation lapses until it is "
+        "heard from again (one that died without disconnect-env, perhaps registered again under a new env_id, "
+        "would hold every batch).",
+    )
 
 
 class RunConfig(TrainingConfig):

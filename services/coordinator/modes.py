@@ -377,8 +377,10 @@ class EnvironmentsMode(FullyAsyncMode):
         return iteration_record(rollout_id, {}, t, w, phases, t0, waited)
 
     async def _minimums(self) -> dict[str, int]:
-        envs = [Environment.from_json(raw) for raw in await self.calls.store.environments(self.calls.run_id)]
-        return batch_minimums(envs, self.calls.cfg.rollout.rollout_batch_size)
+        store, run_id, cfg = self.calls.store, self.calls.run_id, self.calls.cfg
+        envs = [Environment.from_json(raw) for raw in await store.environments(run_id)]
+        seen = await store.environments_seen(run_id)
+        return batch_minimums(envs, cfg.rollout.rollout_batch_size, seen, cfg.environments.silent_after_seconds)
 
     async def on_no_batch(self) -> str:
         found = await super().on_no_batch()

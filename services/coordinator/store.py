@@ -400,7 +400,9 @@ class RunStore:
 
     async def delete(self, run_id: str) -> None:
         key = self._key(run_id)
-        await self.redis.delete(key, key + ":metrics", key + ":train_steps", key + ":environments")
+        await self.redis.delete(
+            key, key + ":metrics", key + ":train_steps", key + ":environments", key + ":environments_seen"
+        )
         await self.redis.zrem(self.index_key, run_id)
 
     async def get(self, run_id: str) -> dict:
@@ -490,6 +492,16 @@ class RunStore:
 
     async def set_environment(self, run_id: str, env_id: int, stored: str) -> None:
         await self.redis.lset(self._key(run_id) + ":environments", env_id, stored)
+
+    async def environments_heard(self, run_id: str, env_ids: set[int]) -> None:
+        """These environments were heard from now (hash ...:environments_seen, env_id -> time)."""
+        if env_ids:
+            now = time.time()
+            await self.redis.hset(self._key(run_id) + ":environments_seen", mapping={i: now for i in env_ids})
+
+    async def environments_seen(self, run_id: str) -> dict[int, float]:
+        raw = await self.redis.hgetall(self._key(run_id) + ":environments_seen")
+        return {int(k): float(v) for k, v in raw.items()}
 
     async def append_metrics(self, run_id: str, record: dict) -> None:
         """Appended once, even when the client sends it again after a lost reply (the record

@@ -184,15 +184,28 @@ class Environments:
         }
 
 
-def batch_minimums(envs: list[Environment], batch_groups: int) -> dict[str, int]:
+def heard_from(env: Environment, seen: dict[int, float], now: float, silent_after: float) -> bool:
+    """Whether the environment registered, posted a group or asked /status-env within the last
+    `silent_after` seconds (`seen`: env_id -> when it was last heard from)."""
+    return max(env.registered_at, seen.get(env.env_id, 0.0)) >= now - silent_after
+
+
+def batch_minimums(
+    envs: list[Environment], batch_groups: int, seen: dict[int, float] | None = None, silent_after: float = 0.0
+) -> dict[str, int]:
     """Each connected environment's min_batch_allocation as its least groups in a training
     batch of `batch_groups` groups, keyed by its groups' dataset (its real name), as Atropos's
     grab_batch_with_minimum_allocations counts them: the fraction of the batch, rounded down;
     minimums adding up to more than the batch are scaled down, each to at least one group
-    (and, past the batch still, the later registrations' dropped). A disconnected environment's
-    minimum no longer applies: batches would wait for it forever."""
+    (and, past the batch still, the later registrations' dropped). The minimum of an
+    environment that disconnected, or (`silent_after` > 0) that has not been heard from for
+    that long (`seen`, see heard_from: it died without disconnecting, and may have registered
+    again under a new env_id), no longer applies: batches would wait for it forever."""
+    now = time.time()
     wanted = {
-        e.real_name: int(batch_groups * e.min_batch_allocation) for e in envs if e.connected and e.min_batch_allocation
+        e.real_name: int(batch_groups * e.min_batch_allocation)
+        for e in envs
+        if e.connected and e.min_batch_allocation and (not silent_after or heard_from(e, seen or {}, now, silent_after))
     }
     wanted = {name: n for name, n in wanted.items() if n > 0}
     total = sum(wanted.values())

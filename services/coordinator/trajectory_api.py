@@ -195,6 +195,7 @@ class Trajectory:
                 raise TrajectoryError(422, e.details()) from None
             raise
         await store.count(run.run_id, RECEIVED, len(groups))
+        await store.environments_heard(run.run_id, {p.env_id for p in posted if p.env_id is not None})
 
     async def register_env(self, request: Request, run: Run, body: RegisterEnv) -> dict:
         """/register-env: an environment registered once the run trains (before that it is
@@ -227,9 +228,11 @@ class Trajectory:
     async def status_env(self, request: Request, run: Run, env_id: int) -> dict:
         queued = (await self.stats(request, run.run_id)).queued_samples
         try:
-            return (await self.registry(request, run)).status(env_id, run.rec["rollout_id"], queued)
+            status = (await self.registry(request, run)).status(env_id, run.rec["rollout_id"], queued)
         except BadGroup as e:
             raise TrajectoryError(404, str(e)) from None
+        await request.app.state.store.environments_heard(run.run_id, {env_id})
+        return status
 
 
 def trajectory_router(settings: Settings) -> APIRouter:

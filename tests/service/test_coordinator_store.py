@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import uuid
 
 import pytest
@@ -128,6 +129,23 @@ def test_a_call_repeated_after_its_reply_was_lost_answers_as_the_first(loop_thre
         await store.update(a.id, status="completed")
         assert await store.release_and_promote(a.id) == b.id
         assert await store.release_and_promote(a.id) == b.id  # (b pending, never set up)
+        await redis.aclose()
+
+    loop_thread.run(scenario())
+
+
+def test_when_each_environment_was_last_heard_from_is_kept_with_the_run(loop_thread, redis_url):
+    async def scenario() -> None:
+        redis = aioredis.Redis.from_url(redis_url)
+        store = RunStore(redis, "heard")
+        run_id = (await store.create(RunConfig.model_validate(CONFIG))).id
+        assert await store.environments_seen(run_id) == {}
+        await store.environments_heard(run_id, {0, 2})
+        seen = await store.environments_seen(run_id)
+        assert sorted(seen) == [0, 2] and all(time.time() - t < 60 for t in seen.values())
+        await store.update(run_id, status="completed")
+        await store.delete(run_id)
+        assert not [k async for k in redis.scan_iter("heard:coord:run:*")]
         await redis.aclose()
 
     loop_thread.run(scenario())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 
 import pytest
 
@@ -114,3 +115,21 @@ def test_minimum_allocations_become_each_batchs_least_groups_as_atropos_counts_t
     assert batch_minimums(envs.envs, 16) == {"a_0": 4, "c_0": 8}
     stored = [Environment.from_json(e.to_json()) for e in envs.envs]  # (as the run's Redis list keeps them)
     assert stored == envs.envs
+
+
+def test_an_environment_not_heard_from_for_a_while_is_no_longer_waited_for():
+    """One that died without disconnecting (and came back under a new env_id) must not hold
+    every batch: its minimum lapses once it has been silent for silent_after seconds, and
+    applies again when it is heard from."""
+    envs = Environments("run", limit=8)
+    for name in ("a", "b"):
+        envs.register(RegisterEnv(max_token_length=16, desired_name=name, weight=1.0, group_size=2,
+                                  min_batch_allocation=0.25), 8)  # fmt: skip
+    now = time.time()
+    for e in envs.envs:
+        e.registered_at = now - 1000
+    assert batch_minimums(envs.envs, 16, {0: now - 5, 1: now - 400}, silent_after=300) == {"a_0": 4}
+    assert batch_minimums(envs.envs, 16, {0: now - 5, 1: now - 5}, silent_after=300) == {"a_0": 4, "b_0": 4}
+    envs.envs[1].registered_at = now  # (registering is being heard from)
+    assert batch_minimums(envs.envs, 16, {0: now - 5}, silent_after=300) == {"a_0": 4, "b_0": 4}
+    assert batch_minimums(envs.envs, 16) == {"a_0": 4, "b_0": 4}  # (no bound: every connected one)
