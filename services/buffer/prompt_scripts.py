@@ -16,9 +16,10 @@ from rlmesh.buffer.scripts import NOW
 # every point, deterministic, no randomness to replay).
 # With within_cap = 1 and the run's max_queued_groups set, n shrinks so that queued groups
 # plus live prompt leases (groups being generated) stay within that cap, or within `ahead`
-# when that is set and tighter.
+# when that is set and tighter. With reclaim = 1 every live lease of the run expires first
+# (GetPromptsRequest.reclaim_leases: the generator that held them is gone).
 #   KEYS: spec cursor prompt_leases prompts partial partial_groups stats closed queue
-#   ARGV: lease_seconds n within_cap ahead
+#   ARGV: lease_seconds n within_cap ahead reclaim
 # Returns {-1} unknown run, {-3} closed run (its datasets are gone), else {1, id, value, id, value, ...}.
 GET_PROMPTS = (
     NOW
@@ -31,6 +32,9 @@ local cursor, leases, prompts, partial, partial_groups, stats = KEYS[2], KEYS[3]
 local now = redis_now()
 local expiry, n = now + tonumber(ARGV[1]), tonumber(ARGV[2])
 local out, count, reissued = {1}, 0, 0
+if ARGV[5] == '1' then
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', leases, '(' .. now, '+inf')) do redis.call('ZADD', leases, now, id) end
+end
 local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, n)
 local cap, ahead = tonumber(spec.max_queued_groups) or 0, tonumber(ARGV[4]) or 0
 if ahead > 0 and (cap == 0 or ahead < cap) then cap = ahead end

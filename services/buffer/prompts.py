@@ -62,11 +62,13 @@ class PromptSource:
         lease_seconds: float,
         within_queue_cap: bool = False,
         max_groups_ahead: int = 0,
+        reclaim_leases: bool = False,
     ) -> list[bytes]:
         """Serialized prompt groups, leased: expired leases first, then partial groups,
         then fresh prompts from the cursor (see prompt_scripts.GET_PROMPTS); with
         `within_queue_cap`, no more than keep queued + being generated within the run's cap
-        (or within `max_groups_ahead`, when set and tighter)."""
+        (or within `max_groups_ahead`, when set and tighter); `reclaim_leases`: every live
+        prompt lease of the run expires first (its generator is gone)."""
         if num_groups < 1:
             raise InvalidArgument("num_groups must be at least 1")
         if lease_seconds <= 0:
@@ -87,7 +89,7 @@ class PromptSource:
                 k.queue,
             ],
             # (the lease's expiry is set on Redis's clock)
-            args=[lease_seconds, num_groups, int(within_queue_cap), max_groups_ahead],
+            args=[lease_seconds, num_groups, int(within_queue_cap), max_groups_ahead, int(reclaim_leases)],
         )
         if out[0] == -1:
             raise unknown_run(run_id)

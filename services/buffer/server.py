@@ -88,6 +88,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             lease,
             within_queue_cap=request.within_queue_cap,
             max_groups_ahead=request.max_groups_ahead,
+            reclaim_leases=request.reclaim_leases,
         )
         return wire.repeated_messages(1, groups)  # GetPromptsResponse.groups
 

@@ -37,6 +37,17 @@ def check_reward_service_change(
         )
 
 
+def check_queued_run_keeps(run_id: str, config: RunConfig, name: str, registered: dict[str, float]) -> None:
+    """FailedPrecondition (409) when deleting the registered service `name` would take away a
+    reward component that the queued run `run_id` names: it would fail when it starts, after
+    its warm start. (A spec without components takes what is registered then.)"""
+    if name in registered and name in {c.split("/", 1)[0] for c in config.reward.components}:
+        raise FailedPrecondition(
+            f"run {run_id} is queued and its reward uses the reward service '{name}'; delete that run from the "
+            f"queue first (DELETE /runs/{run_id}), or register the new service under another name"
+        )
+
+
 def _service_dict(msg) -> dict:
     """A reply as JSON, every field present, its 64-bit counts as numbers (proto3's JSON
     mapping writes them as strings, which no client adds up)."""
@@ -72,21 +83,29 @@ def reward_services_router(settings: Settings) -> APIRouter:
     router = APIRouter()
     deadline = settings.call_deadline_seconds
 
-    async def refuse_if_the_active_run_uses(request: Request, name: str, removes: bool, new_weight: float = 0.0):
-        """409 when the change would swap the rewards of the run training now (the reward service
-        knows no runs). Checked just before the change, not atomically with it."""
-        active = await request.app.state.store.active()
+    async def refuse_if_a_run_uses(
+        request: Request, name: str, removes: bool, new_weight: float = 0.0, deletes: bool = False
+    ):
+        """409 when the change would swap the rewards of the run training now, or (`deletes`)
+        take away one a queued run names (the reward service knows no runs). Checked just
+        before the change, not atomically with it."""
+        store = request.app.state.store
+        active, queued = await store.active(), await store.queued_configs() if deletes else []
+        if active is None and not queued:
+            return
+        listed = await request.app.state.reward.ListServices(reward_pb2.ListServicesRequest(), timeout=deadline)
+        registered = {s.name: s.weight for s in listed.services}
         if active is not None:
-            listed = await request.app.state.reward.ListServices(reward_pb2.ListServicesRequest(), timeout=deadline)
-            registered = {s.name: s.weight for s in listed.services}
             check_reward_service_change(*active, name, registered, removes, new_weight)
+        for run_id, config in queued:
+            check_queued_run_keeps(run_id, config, name, registered)
 
     @router.post("/reward-services", status_code=201, responses=error_responses(*RELAYED, 413))
     async def register_reward_service(spec: RewardServiceRegistration, request: Request):
         """Register a remote reward service by URL; refused (400) when its host is not allowed by the
         reward service's address policy, 409 when it does not answer the probe, when the name is taken
         and replace is not set, or when the active run uses the name."""
-        await refuse_if_the_active_run_uses(request, spec.name, removes=spec.replace, new_weight=spec.weight)
+        await refuse_if_a_run_uses(request, spec.name, removes=spec.replace, new_weight=spec.weight)
         # (registration probes the remote service, which may take its whole timeout)
         msg = await request.app.state.reward.RegisterService(
             reward_pb2.RegisterServiceRequest(
@@ -103,8 +122,8 @@ def reward_services_router(settings: Settings) -> APIRouter:
 
     @router.delete("/reward-services/{name}", responses=error_responses(*RELAYED))
     async def unregister_reward_service(request: Request, name: str = SERVICE_NAME):
-        """Unregister a remote reward service; 409 while the active run uses it."""
-        await refuse_if_the_active_run_uses(request, name, removes=True)
+        """Unregister a remote reward service; 409 while the active run or a queued run uses it."""
+        await refuse_if_a_run_uses(request, name, removes=True, deletes=True)
         resp = await request.app.state.reward.UnregisterService(
             reward_pb2.UnregisterServiceRequest(name=name), timeout=deadline
         )

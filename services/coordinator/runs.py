@@ -75,6 +75,8 @@ class RunDriver:
             status = await self.store.delete_queued(run_id)
             if status == "deleted":
                 return
+        if status == "stopping":
+            raise FailedPrecondition(f"run {run_id} is stopping; delete it once it has stopped (GET /runs/{run_id})")
         if status not in FINAL:
             raise FailedPrecondition(
                 f"run {run_id} is {status}; stop it first (POST /runs/{run_id}/stop), then delete it"

@@ -385,6 +385,17 @@ class RunStore:
             return None
         return (holder, RunConfig.model_validate(rec["config"])) if rec["status"] in ACTIVE else None
 
+    async def queued_configs(self) -> list[tuple[str, RunConfig]]:
+        """The queued runs (next first) and their configurations."""
+        ids = await self.queue()
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for run_id in ids:
+                pipe.hget(self._key(run_id), "config")
+            stored = await pipe.execute()
+        return [(i, RunConfig.model_validate_json(raw)) for i, raw in zip(ids, stored) if raw]
+
     async def active_record(self) -> dict | None:
         """The record of the run holding the claim (None: no run does)."""
         holder = (await self.redis.get(self.active_key) or b"").decode()

@@ -69,6 +69,8 @@ class AsyncLoop:
         self.stopping = asyncio.Event()
         self.metrics: dict[str, float] = {}
         self.error = ""
+        # Until the buffer first answers: the run's prompt leases are a dead loop's (this one is new).
+        self.reclaim_leases = True
         self.task = asyncio.create_task(self._run(), name=f"async-rollout-{req.run_id}")
 
     @property
@@ -105,9 +107,11 @@ class AsyncLoop:
                             num_groups=free,
                             within_queue_cap=self.req.within_queue_cap,
                             max_groups_ahead=self.req.max_groups_ahead,
+                            reclaim_leases=self.reclaim_leases,
                         ),
                         timeout=self.manager.settings.buffer_timeout_seconds,
                     )
+                    self.reclaim_leases = False
                     for prompt in resp.groups:
                         self.groups[asyncio.create_task(self._one_group(prompt))] = prompt
                     got = len(resp.groups)

@@ -310,6 +310,19 @@ def test_the_active_runs_reward_services_cannot_be_swapped(start_in_loop, redis_
     # names the run does not use are free
     assert api.post("/reward-services", json={**judge, "name": "other"}).status_code == 201
     assert api.delete("/reward-services/other").json() == {"removed": True}
+    # ... but not one a queued run names: it would fail when it starts, after its warm start
+    assert api.post("/reward-services", json={**judge, "name": "second"}).status_code == 201
+    queued = api.post(
+        "/runs",
+        json={"model_path": "/models/m", "datasets": [{"name": "d", "path": "d.jsonl"}],
+              "reward": {"components": {"second": 1.0}}},
+    ).json()  # fmt: skip
+    assert queued["status"] == "queued", queued
+    r = api.delete("/reward-services/second")
+    assert r.status_code == 409 and f"run {queued['id']} is queued" in r.json()["detail"], r.text
+    assert api.post("/reward-services", json={**judge, "name": "second", "replace": True}).status_code == 201
+    assert api.delete(f"/runs/{queued['id']}").status_code == 200
+    assert api.delete("/reward-services/second").json() == {"removed": True}
     for bad in ("x" * 5000, "é", "a%00", "1st"):  # no service could have such a name
         r = api.delete(f"/reward-services/{bad}")
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["path", "name"], r.text

@@ -131,6 +131,23 @@ def test_a_loop_whose_run_ended_in_the_buffer_ends_and_lets_another_run_start(ma
     rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="other"))
 
 
+def test_a_new_loop_takes_back_the_prompts_a_dead_one_held_at_once(make_stack):
+    """The rollout service was killed mid-generation: the prompts its loop held stay leased
+    (prompt_lease_seconds: 600), and within the queue cap they filled all the room, so the
+    restarted service's loop got nothing for ten minutes. A new loop reclaims them."""
+    buffer, rollout = make_stack()
+    held = buffer.GetPrompts(buffer_pb2.GetPromptsRequest(run_id="r", num_groups=4, within_queue_cap=True))
+    assert len(held.groups) == 4  # (the dead loop's: the cap of 4 is full)
+    assert rollout.StartAsyncRollout(request(num_groups=2, within_queue_cap=True)).running
+    deadline = time.monotonic() + 30
+    while stats(buffer).queued_groups < 4:
+        assert time.monotonic() < deadline, "the new loop generated nothing: the dead loop's leases held the room"
+        time.sleep(0.05)
+    written = [g.group_id for g in lease_and_ack(buffer, 4)]
+    assert sorted(written) == sorted(g.group_id for g in held.groups)  # the same prompts, each once
+    rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ahead, bound", [(0, 4), (3, 3)])
 def test_within_the_queue_cap_the_loop_starts_no_group_that_would_wait_for_room(make_stack, ahead, bound):

@@ -92,18 +92,20 @@ class CloseRunResponse(_message.Message):
     def __init__(self, keys_deleted: _Optional[int] = ...) -> None: ...
 
 class GetPromptsRequest(_message.Message):
-    __slots__ = ("run_id", "num_groups", "lease_seconds", "within_queue_cap", "max_groups_ahead")
+    __slots__ = ("run_id", "num_groups", "lease_seconds", "within_queue_cap", "max_groups_ahead", "reclaim_leases")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WITHIN_QUEUE_CAP_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUPS_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_LEASES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     num_groups: int
     lease_seconds: float
     within_queue_cap: bool
     max_groups_ahead: int
-    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., within_queue_cap: _Optional[bool] = ..., max_groups_ahead: _Optional[int] = ...) -> None: ...
+    reclaim_leases: bool
+    def __init__(self, run_id: _Optional[str] = ..., num_groups: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., within_queue_cap: _Optional[bool] = ..., max_groups_ahead: _Optional[int] = ..., reclaim_leases: _Optional[bool] = ...) -> None: ...
 
 class GetPromptsResponse(_message.Message):
     __slots__ = ("groups", "lease_id")
