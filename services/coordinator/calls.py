@@ -94,6 +94,7 @@ class RunCalls:
         # answer is not where the trainer stands.
         self.trainer_reset = False
         self.trainer_step: int | None = None  # the trainer's step at its last answer (None: not known)
+        self.recorded = 0  # the newest of the run's train steps (SFT, then RL) its metric records stand for
         self.engines = EngineControl(clients.rollout, run_id, settings.call_deadline_seconds, self.rollout_call)
 
     def service(self, name: str) -> str:

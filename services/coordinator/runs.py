@@ -21,7 +21,7 @@ from rlmesh.coordinator import requests
 from rlmesh.coordinator.calls import Clients, RunCalls, StopRequested
 from rlmesh.coordinator.colocation import mode_class
 from rlmesh.coordinator.config import Settings
-from rlmesh.coordinator.modes import RunMode, alongside, step_split
+from rlmesh.coordinator.modes import RunMode, step_split
 from rlmesh.coordinator.observe import CoordinatorMetrics, RunLoggers
 from rlmesh.coordinator.off_policy_watch import record_warnings
 from rlmesh.coordinator.store import ACTIVE, FINAL, QUEUED, Created, RunStore
@@ -232,6 +232,7 @@ class RunDriver:
         cfg = calls.cfg
         sft_steps, total = cfg.sft_warmup.steps, cfg.sft_warmup.steps + cfg.num_rollouts
         done = await self._realign(calls, await calls.setup(), answered=False)
+        await self._record_lost_steps(calls, done)
         step_start = None  # when the RL step under way began: where the one before it ended
         while True:
             if done < sft_steps:
@@ -239,7 +240,9 @@ class RunDriver:
                 if phase != "sft":
                     phase = "sft"
                     await self.store.update(calls.run_id, phase=phase)
-                done = await self._realign(calls, await self._sft_step(calls, mode, done))
+                record = await self._sft_step(calls, mode, done)
+                done = await self._realign(calls, record["step"])
+                await self._append_step(calls, record, done)
             elif phase != "rl":  # (also for a run of no RL iterations)
                 phase = await self._start_rl(calls)
             elif done == total:
@@ -308,14 +311,16 @@ class RunDriver:
             eval_seconds = time.monotonic() - evaluating
         end = time.monotonic()
         record.update(step_split(record, end - step_start, eval_seconds))
-        await self._append(calls.run_id, cfg, record)
-        done, _ = await alongside(self._realign(calls, record["step"]), record_warnings(self.store, calls.run_id))
+        # (realigned first: the record is labelled with the step the trainer holds for it)
+        done = await self._realign(calls, record["step"])
+        record = await self._append_step(calls, record, done)
+        await record_warnings(self.store, calls.run_id)
         if self.metrics is not None:
             self.metrics.iteration(cfg.mode, record)
         return done, end
 
-    async def _sft_step(self, calls: RunCalls, mode: RunMode, step: int) -> int:
-        """The warm start's step `step` (0-based); the trainer's step after it."""
+    async def _sft_step(self, calls: RunCalls, mode: RunMode, step: int) -> dict:
+        """The warm start's step `step` (0-based); its record ("step": the trainer's step after it)."""
         run_id, cfg = calls.run_id, calls.cfg
         await self._step_boundary(calls, mode)
         batch = cfg.sft_warmup.batch_groups
@@ -325,17 +330,34 @@ class RunDriver:
                 run_id=run_id, num_groups=batch, wait_seconds=self.train_wait_seconds, loss="sft"
             )
         )
-        await self._append(
-            run_id,
-            cfg,
-            {
-                "sft_step": step + 1,
-                "time": time.time(),
-                "step": r.step,
-                **{f"sft/{k}": v for k, v in r.metrics.items()},
-            },
-        )
-        return r.step
+        return {
+            "sft_step": step + 1,
+            "time": time.time(),
+            "step": r.step,
+            **{f"sft/{k}": v for k, v in r.metrics.items()},
+        }
+
+    async def _append_step(self, calls: RunCalls, record: dict, position: int) -> dict:
+        """A train step's record, labelled with the step of the run the trainer holds for it."""
+        record = at_position(record, position, calls.cfg.sft_warmup.steps, retaken=position <= calls.recorded)
+        await self._append(calls.run_id, calls.cfg, record)
+        calls.recorded = max(calls.recorded, position)
+        return record
+
+    async def _record_lost_steps(self, calls: RunCalls, done: int) -> None:
+        """Steps the trainer holds that no record stands for (their coordinator died after the
+        trainer took them, before it recorded them) get a record each, marked metrics_lost,
+        so that the run's history has every step it holds."""
+        run_id, sft_steps = calls.run_id, calls.cfg.sft_warmup.steps
+        last = await self.store.last_metrics(run_id)
+        calls.recorded = 0 if last is None else last.get("sft_step") or sft_steps + last.get("rollout_id", 0)
+        if done <= calls.recorded:
+            return
+        steps = await self.store.train_steps(run_id)
+        for position in range(calls.recorded + 1, min(done, len(steps)) + 1):
+            await self._append_step(
+                calls, {"time": time.time(), "step": steps[position - 1], "metrics_lost": 1}, position
+            )
 
     async def _start_rl(self, calls: RunCalls) -> str:
         """Between the warm start and RL: the engines get the warm-started weights, and the
@@ -416,6 +438,16 @@ class RunDriver:
         if promoted and promoted not in self.tasks:
             log.info("run %s starts (it was first in the queue)", promoted)
             self.start(promoted)
+
+
+def at_position(record: dict, position: int, sft_steps: int, retaken: bool = False) -> dict:
+    """A train step's record labelled with the run's train step the trainer holds for it
+    (`position`, counted over the warm start's steps, then RL's), marked `retaken` when that
+    step was recorded before (the trainer went back: it restarted from an older checkpoint,
+    and the steps after it are taken again)."""
+    key, value = ("sft_step", position) if position <= sft_steps else ("rollout_id", position - sft_steps)
+    labelled = {k: v for k, v in record.items() if k not in ("sft_step", "rollout_id")}
+    return {key: value, **labelled, **({"retaken": 1} if retaken else {})}
 
 
 # The run's train steps: the trainer's step after each of the run's train steps (SFT steps,

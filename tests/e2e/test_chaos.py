@@ -29,6 +29,7 @@ from tests.helpers.chaos import (
     chaos_config,
     check_accounting,
     eventually,
+    history_problems,
     supervised_stack,
     trained_record,
 )
@@ -79,6 +80,7 @@ def test_a_run_survives_a_killed_process(chaos, tmp_path, tiny_model_dir, victim
         assert run["status"] == "completed", run["error"]
         assert run["waiting_for"] == ""
         s = check_accounting(chaos, run_id)
+        assert not history_problems(chaos, run_id, 3), history_problems(chaos, run_id, 3)
         # (the chaos table of the docs: -s shows it)
         print(
             f"\n| {victim} | {moment} | completed | {after:.1f} | {s.groups_written} | {s.acknowledged_groups} | "

@@ -6,6 +6,7 @@ share them."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -262,6 +263,24 @@ def check_accounting(chaos: Chaos, run_id: str, min_groups: int = 4) -> buffer_p
     problems = accounting_problems(chaos.stack, s, run_id, min_groups)
     assert not problems, problems
     return s
+
+
+def history_problems(chaos: Chaos, run_id: str, num_rollouts: int) -> list[str]:
+    """What is wrong with a finished run's metric history: each RL iteration has a record (a
+    step taken again after a trainer restart has one more, marked retaken; one whose metrics a
+    dying coordinator lost has one marked metrics_lost), and the trainer's steps never go back
+    but where a record says it took a step again."""
+    records = chaos.api.get(f"/runs/{run_id}/metrics").json()["records"]
+    rl = [r for r in records if r.get("rollout_id", 0) > 0 and "step" in r]  # (not the evaluation after RL's)
+    problems = []
+    if sorted({r["rollout_id"] for r in rl}) != list(range(1, num_rollouts + 1)):
+        problems.append(f"RL records {[r['rollout_id'] for r in rl]}: not one per iteration 1..{num_rollouts}")
+    for before, after in itertools.pairwise(rl):
+        if after["rollout_id"] <= before["rollout_id"] and not after.get("retaken"):
+            problems.append(f"rollout {after['rollout_id']} recorded after {before['rollout_id']}, not marked retaken")
+    if problems:  # (the history, to see why)
+        problems.append(str([{k: r.get(k) for k in ("rollout_id", "step", "retaken", "metrics_lost")} for r in rl]))
+    return problems
 
 
 def _closed_run_prompt_problems(stats: dict[bytes, bytes], drawn: int) -> list[str]:
