@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 SECTIONS = ("engine", "reward", "buffer", "rollout", "trainer", "coordinator")
 # Settings the launcher adds to rather than sets.
-ADDED_LISTS = ("data_roots", "model_roots")
+ADDED_LISTS = ("data_roots", "model_roots", "weight_roots")
 MAX_BYTES = 1024 * 1024
 
 

@@ -236,9 +236,10 @@ class RunCalls:
             # A run resumed by a new coordinator: a push the last one died in may have left the
             # engines with part of the new weights under the old version's label, and paused (a
             # fully_async loop would generate on them as soon as they continue). The trainer's
-            # weights go out again, the engines paused meanwhile, before anything samples.
+            # weights go out again, the engines paused meanwhile, before anything samples (under
+            # the same version when nothing was trained since: groups made on it stay fresh).
             await self.engines.resume()
-            await self.publish_paused(self.cfg.pause_mode)
+            await self.publish_paused(self.cfg.pause_mode, again=True)
         return status.step
 
     async def set_up_trainer(self) -> trainer_pb2.TrainerStatus:
@@ -373,6 +374,7 @@ class RunCalls:
         otherwise the step is taken again: a lease left from the failed step is given back by
         the trainer's next step, a dead trainer's by the restarted one set up again."""
         tried, before = False, self.trainer_step
+        # (a step found taken answers no step: the run asks the trainer where it stands)
 
         async def attempt():
             nonlocal tried
@@ -380,6 +382,7 @@ class RunCalls:
                 # (past the step it stood at, or, where the buffer holds no other groups (sync), with
                 # nothing queued or leased: an async mode's buffer always holds the next batch)
                 stood = (await self._wait_for_a_step_in_flight()).step
+                self.trainer_step = stood
                 stats = await self.stats()
                 if (before is not None and stood > before) or not (
                     stats.queued_groups or stats.leased_groups or stats.expired_lease_groups

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 RUN_STATUSES = ("queued", "pending", "running", "stopping", "completed", "stopped", "failed")
 # Keys of a metric record that say where it stands (the x axis), not what was measured.
 STEP_KEYS = ("rollout_id", "sft_step")
-NOT_LOGGED = frozenset({"time"})
+NOT_LOGGED = frozenset({"time", "retaken", "metrics_lost"})  # (markers of the history, not series)
 
 
 class CoordinatorMetrics:

@@ -16,6 +16,11 @@ from rlmesh.coordinator.schemas import RELAYED, SERVICE_NAME, RewardServiceRegis
 from rlmesh.v1 import reward_pb2
 
 
+def services_named(components) -> set[str]:
+    """The reward services a spec's components name ("judge" or "judge/<score>")."""
+    return {c.split("/", 1)[0] for c in components}
+
+
 def check_reward_service_change(
     run_id: str, config: RunConfig, name: str, registered: dict[str, float], removes: bool, new_weight: float = 0.0
 ) -> None:
@@ -27,7 +32,7 @@ def check_reward_service_change(
     removes = removes and name in registered
     components = config.reward.components
     if components:
-        uses = removes and name in {c.split("/", 1)[0] for c in components}
+        uses = removes and name in services_named(components)
     else:
         uses = (removes and bool(registered[name])) or bool(new_weight)
     if uses:
@@ -41,7 +46,7 @@ def check_queued_run_keeps(run_id: str, config: RunConfig, name: str, registered
     """FailedPrecondition (409) when deleting the registered service `name` would take away a
     reward component that the queued run `run_id` names: it would fail when it starts, after
     its warm start. (A spec without components takes what is registered then.)"""
-    if name in registered and name in {c.split("/", 1)[0] for c in config.reward.components}:
+    if name in registered and name in services_named(config.reward.components):
         raise FailedPrecondition(
             f"run {run_id} is queued and its reward uses the reward service '{name}'; delete that run from the "
             f"queue first (DELETE /runs/{run_id}), or register the new service under another name"

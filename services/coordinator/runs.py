@@ -338,7 +338,10 @@ class RunDriver:
         }
 
     async def _append_step(self, calls: RunCalls, record: dict, position: int) -> dict:
-        """A train step's record, labelled with the step of the run the trainer holds for it."""
+        """A train step's record, labelled with the step of the run the trainer holds for it (one
+        found taken after its answer was lost has no metrics: it says so)."""
+        if not record.get("step"):
+            record = {**record, "step": calls.trainer_step or 0, "metrics_lost": 1}
         record = at_position(record, position, calls.cfg.sft_warmup.steps, retaken=position <= calls.recorded)
         await self._append(calls.run_id, calls.cfg, record)
         calls.recorded = max(calls.recorded, position)

@@ -143,7 +143,7 @@ class MetricRecords(BaseModel):
 
 MetricField = Annotated[str, Field(min_length=1, max_length=200)]
 # Fields every filtered metric record keeps, so that a curve knows where a point lies.
-METRIC_KEYS = ("rollout_id", "sft_step", "step", "time")
+METRIC_KEYS = ("rollout_id", "sft_step", "step", "time", "retaken", "metrics_lost")
 
 
 def pick_fields(record: dict, fields: list[str]) -> dict | None:

@@ -54,8 +54,20 @@ class ModelMemory:
 
     @property
     def needs_full_update(self) -> bool:
-        """Whether an update must carry every parameter before the engine can sample again."""
+        """Whether some parameter holds nothing: the engine samples again once updates carried them all."""
         return bool(self.unloaded)
+
+    def check_covers_unloaded(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """An in-place update must carry every parameter that holds nothing (released, or
+        resumed and not written since): it would be sampled from otherwise."""
+        sent = {n for n, _ in named}
+        covered = {id(t) for n, t in model_tensors(self.model).items() if n in sent}
+        missing = [n for n, p in self.model.named_parameters() if id(p) in self.unloaded and id(p) not in covered]
+        if missing:
+            raise WeightUpdateError(
+                f"the weights were released, so an update must carry every parameter not updated since; missing "
+                f"{missing[:10]}{' ...' if len(missing) > 10 else ''}. No weights were changed."
+            )
 
     def loaded(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """An update wrote these tensors: they hold weights again."""
@@ -186,16 +198,3 @@ class WeightFiles:
     def prune(self) -> None:
         """Unmap and unlock every file no view holds any more (after an update or a release)."""
         self._held = [m for m in self._held if not m.close()]
-
-
-def check_covers_released(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
-    """After a release the weights hold nothing: an update must carry every parameter."""
-    sent = {n for n, _ in named}
-    params = {id(p) for _, p in model.named_parameters()}
-    covered = {id(t) for n, t in model_tensors(model).items() if n in sent}
-    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
-    if missing and params:
-        raise WeightUpdateError(
-            f"the weights were released, so an update must carry every parameter; missing {missing[:10]}"
-            f"{' ...' if len(missing) > 10 else ''}. No weights were changed."
-        )

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from rlmesh.common import weight_file
-from rlmesh.engine.colocated import RELEASED_VERSION, check_covers_released, parse_tags
+from rlmesh.engine.colocated import RELEASED_VERSION, parse_tags
 from rlmesh.engine.http_common import EngineState, json_body, result_response
 from rlmesh.engine.weights import WeightUpdateError, alias_into_model, check_against_model
 
@@ -91,8 +91,7 @@ async def _update_from_weight_file(state: EngineState, body: dict) -> None:
         loaded = await asyncio.to_thread(state.weight_files.open, path)
         try:
             check_against_model(state.model, loaded.named)
-            if memory.needs_full_update:
-                check_covers_released(state.model, loaded.named)
+            memory.check_covers_unloaded(loaded.named)
 
             def apply() -> None:
                 if memory.weights_released:  # an update to released weights takes their memory back first

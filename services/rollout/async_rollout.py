@@ -251,6 +251,9 @@ class AsyncRollouts:
     def __init__(self, manager: RolloutManager) -> None:
         self.manager = manager
         self.loops: dict[str, AsyncLoop] = {}
+        # Loops being stopped (handing their prompts back): a new loop of the run waits for
+        # that, or it would reclaim those prompts while they go back, and generate them twice.
+        self.stopping: dict[str, asyncio.Future] = {}
 
     async def start(self, req: RolloutRequest) -> AsyncStatus:
         """Start the run's loop, or (already running) report on it: a heartbeat."""
@@ -269,6 +272,8 @@ class AsyncRollouts:
             )
         loop = self.loops.get(req.run_id)
         if loop is None or not loop.running:
+            if (stopping := self.stopping.get(req.run_id)) is not None:
+                await asyncio.wait([stopping])
             await self._check_run(req.run_id)
             loop = self.loops[req.run_id] = AsyncLoop(self.manager, req)
             log.info("run %s: asynchronous generation started (%d groups in flight)", req.run_id, loop.target)
@@ -291,8 +296,14 @@ class AsyncRollouts:
     async def stop(self, run_id: str) -> AsyncStatus:
         loop = self.loops.pop(run_id, None)
         if loop is None:
+            if (stopping := self.stopping.get(run_id)) is not None:  # (a second stop waits for the first)
+                await asyncio.wait([stopping])
             return AsyncStatus(running=False)
-        status = await loop.stop()
+        stopping = self.stopping[run_id] = asyncio.ensure_future(loop.stop())
+        stopping.add_done_callback(
+            lambda _: self.stopping.pop(run_id, None) if self.stopping.get(run_id) is stopping else None
+        )
+        status = await asyncio.shield(stopping)  # (carried through when its caller gives up)
         log.info("run %s: asynchronous generation stopped", run_id)
         return status
 

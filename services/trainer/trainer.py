@@ -562,7 +562,7 @@ class Trainer:
                 f"run {run.run_id!r}: its final model could not be written under checkpoint_dir (the trainer's log "
                 "says why); the run stays set up: EndRun again to retry"
             ) from None
-        log.info("run %s: final model (step %d) at %s", run.run_id, run.backend.step, target)
+        log.info("run %s: final model at %s (the trainer at step %d)", run.run_id, target, run.backend.step)
         return self.paths.relative_to_work_dir(target)
 
     async def list_checkpoints(self, run_id: str, checkpoint_dir: str = "") -> list[CheckpointInfo]:
