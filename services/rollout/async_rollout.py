@@ -265,21 +265,30 @@ class AsyncRollouts:
             raise InvalidArgument(f"unknown group_filter {req.group_filter!r}; known: 'nonzero_std'")
         self.manager.check_limits(req)
         self.manager.generator(req.generate)  # a bad choice is refused here, not in the loop
-        others = [run for run, loop in self.loops.items() if run != req.run_id and loop.running]
+        loop = self._running(req.run_id)
+        if loop is None:
+            if (stopping := self.stopping.get(req.run_id)) is not None:
+                await asyncio.wait([stopping])
+            await self._check_run(req.run_id)
+            # (decided after the waits, with none between: a heartbeat may have started it meanwhile)
+            loop = self._running(req.run_id)
+            if loop is None:
+                loop = self.loops[req.run_id] = AsyncLoop(self.manager, req)
+                log.info("run %s: asynchronous generation started (%d groups in flight)", req.run_id, loop.target)
+                return loop.report()
+        # a heartbeat: the weights pushed since, and the staleness bound that follows
+        loop.req = replace(loop.req, weight_version=req.weight_version, min_weight_version=req.min_weight_version)
+        return loop.report()
+
+    def _running(self, run_id: str) -> AsyncLoop | None:
+        """The run's loop if it runs (None: it does not); FailedPrecondition when another run's does."""
+        others = [run for run, loop in self.loops.items() if run != run_id and loop.running]
         if others:
             raise FailedPrecondition(
                 f"asynchronous generation is running for run {others[0]}; stop it first (StopAsyncRollout)"
             )
-        loop = self.loops.get(req.run_id)
-        if loop is None or not loop.running:
-            if (stopping := self.stopping.get(req.run_id)) is not None:
-                await asyncio.wait([stopping])
-            await self._check_run(req.run_id)
-            loop = self.loops[req.run_id] = AsyncLoop(self.manager, req)
-            log.info("run %s: asynchronous generation started (%d groups in flight)", req.run_id, loop.target)
-        else:  # a heartbeat: the weights pushed since, and the staleness bound that follows
-            loop.req = replace(loop.req, weight_version=req.weight_version, min_weight_version=req.min_weight_version)
-        return loop.report()
+        loop = self.loops.get(run_id)
+        return loop if loop is not None and loop.running else None
 
     async def _check_run(self, run_id: str) -> None:
         """Refuse a run the buffer does not hold (else the loop would end at its first prompts,

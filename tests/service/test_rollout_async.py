@@ -3,6 +3,7 @@ per-sample isolation, over real gRPC with a real buffer, reward service and engi
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 
@@ -109,6 +110,21 @@ def test_a_run_the_buffer_does_not_hold_is_refused_not_started(make_stack):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "never-created" in e.value.details()
     assert rollout.StartAsyncRollout(request(num_groups=2)).running  # nothing of it is left holding the service
     rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r"))
+
+
+def test_starts_at_the_same_moment_make_one_loop(make_stack):
+    """A heartbeat and a start of the coordinator may cross: one loop comes of them, and a
+    stop leaves nothing generating."""
+    buffer, rollout = make_stack()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: rollout.StartAsyncRollout(request(num_groups=2)), range(4)))
+    assert all(a.running for a in answers)
+    time.sleep(0.5)
+    assert not rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r")).running
+    before = stats(buffer)
+    time.sleep(1.0)  # (a second loop, left running, would go on taking prompts)
+    after = stats(buffer)
+    assert after.leased_groups == 0 and after.prompts_handed_out == before.prompts_handed_out
 
 
 def test_a_loop_whose_run_ended_in_the_buffer_ends_and_lets_another_run_start(make_stack, tmp_path):
