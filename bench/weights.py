@@ -388,7 +388,8 @@ def print_buckets(result, wire_bytes: int, label: str = "") -> None:
         f"  {label + ': ' if label else ''}{len(t)} buckets: each {1000 * per[0]:.1f}-{1000 * per[-1]:.1f} ms (median {1000 * per[len(per) // 2]:.1f}), "
         f"rank 0 idle between buckets {1000 * gaps[len(gaps) // 2]:.2f} ms median ({1000 * gaps[-1]:.2f} max), "
         f"a later bucket's first tensor out after {1000 * first[len(first) // 2]:.1f} ms median (with its own transfer), "
-        f"{wire_bytes / len(t) / 2**20:.0f} MiB a bucket",
+        f"{wire_bytes / len(t) / 2**20:.0f} MiB a bucket; the first broadcast began at {1000 * t[0].started:.1f} ms, "
+        f"the answers came {1000 * (result.seconds - t[-1].finished):.1f} ms after the last left",
         flush=True,
     )
 

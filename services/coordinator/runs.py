@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 from redis.exceptions import RedisError
 
 from rlmesh.common.errors import FailedPrecondition, NotFound
-from rlmesh.common.retry import Backoff, OutageTooLong
+from rlmesh.common.retry import Backoff, OutageTooLong, retry
 from rlmesh.common.run_config import RunConfig
 from rlmesh.common.tasks import cancel_and_wait
 from rlmesh.coordinator import requests
@@ -186,7 +187,7 @@ class RunDriver:
             await self.store.update(
                 run_id, phase="done", status="completed", eval_after=after, error=error, waiting_for=""
             )
-            await self._end(run_id, mode, trainer_ended=True)
+            await self._end(run_id, mode)
         except StopRequested:
             await self._record_end(run_id, mode, status="stopped")
         except asyncio.CancelledError:
@@ -207,7 +208,8 @@ class RunDriver:
         ends the run first, so a run that reads stopped (or failed) names its final model."""
         if mode is not None:
             await mode.close()
-        final_model = await self._end_in_trainer(run_id)
+        calls = mode.calls if mode is not None and fields["status"] == "stopped" else None
+        final_model = await self._end_in_trainer(run_id, calls)
         if final_model:
             fields["final_model"] = final_model
         fields.setdefault("waiting_for", "")  # (an ended run waits for nothing; `error` says why it failed)
@@ -221,7 +223,7 @@ class RunDriver:
             except RedisError as e:
                 log.error("run %s: its end (%s) cannot be recorded yet, Redis fails: %s", run_id, fields["status"], e)
                 await asyncio.sleep(self.backoff.max_seconds)
-        await self._end(run_id, None, trainer_ended=True)
+        await self._end(run_id, None)
 
     async def _train(self, calls: RunCalls, mode: RunMode, phase: str) -> None:
         """The run's train steps in order: the SFT warm start's, the evaluation before RL, then
@@ -412,23 +414,65 @@ class RunDriver:
             )
         return after
 
-    async def _end_in_trainer(self, run_id: str) -> str:
+    async def _end_in_trainer(self, run_id: str, stopping: RunCalls | None = None) -> str:
         """EndRun (the trainer writes the final model and lets the run go); the final model's
-        path relative to the trainer's work_dir, "" when it was not written."""
-        try:
-            status = await self.clients.trainer.EndRun(
+        path relative to the trainer's work_dir, "" when it was not written. A run that stops
+        (`stopping`: its calls) keeps its model whatever the trainer is doing: a trainer down
+        or restarting is waited for (up to the run's max_outage_seconds), and one that lost
+        the run (restarted) is set up again, from its last checkpoint, to write it."""
+
+        def end() -> Awaitable[trainer_pb2.TrainerStatus]:
+            return self.clients.trainer.EndRun(
                 trainer_pb2.EndRunRequest(run_id=run_id), timeout=self.settings.setup_deadline_seconds
             )
-        except grpc.aio.AioRpcError as e:
-            log.warning("EndRun for %s: %s", run_id, e.details())
+
+        async def on_wait(reason: str) -> None:
+            log.warning("run %s stops: waiting for the trainer to write its final model: %s", run_id, reason)
+            await self.store.update(run_id, waiting_for=f"the trainer, to write the final model ({reason})")
+
+        try:
+            if stopping is None:
+                return (await end()).final_model
+            status = await retry(
+                lambda: self._end_lost_run(stopping, end),
+                service=stopping.service("trainer"),
+                budget_seconds=stopping.cfg.max_outage_seconds,
+                on_wait=on_wait,
+                backoff=self.backoff,
+            )
+        except (grpc.aio.AioRpcError, OutageTooLong) as e:
+            log.warning("EndRun for %s: %s", run_id, e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
             return ""
+        await self._hold_final_steps(stopping, status.step)
         return status.final_model
 
-    async def _end(self, run_id: str, mode: RunMode | None, trainer_ended: bool = False) -> None:
+    async def _end_lost_run(
+        self, calls: RunCalls, end: Callable[[], Awaitable[trainer_pb2.TrainerStatus]]
+    ) -> trainer_pb2.TrainerStatus:
+        """EndRun; a trainer that lost a run it had trained (it restarted) is set up again first."""
+        try:
+            return await end()
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND or not await self.store.train_steps(calls.run_id):
+                raise
+        log.warning(
+            "run %s stops: the trainer lost it (restarted); set up again to write its final model", calls.run_id
+        )
+        await calls.init_trainer()
+        return await end()
+
+    async def _hold_final_steps(self, calls: RunCalls, step: int) -> None:
+        """A stopped run's train steps and history made those its final model (the trainer at
+        `step`) holds: a step the trainer took after the last record (whose coordinator died
+        first) is added, steps a restarted trainer lost are dropped."""
+        try:
+            await self._record_lost_steps(calls, await self._realign(calls, step, answered=False))
+        except RedisError as e:  # (the run's end is recorded all the same)
+            log.warning("run %s: its train steps could not be realigned to its final model: %s", calls.run_id, e)
+
+    async def _end(self, run_id: str, mode: RunMode | None) -> None:
         if mode is not None:
             await mode.close()
-        if not trainer_ended:
-            await self._end_in_trainer(run_id)
         await self._close_in_buffer(run_id)
         await self._start_next(run_id)
         await self.run_logs.close(run_id)

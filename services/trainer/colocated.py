@@ -47,6 +47,16 @@ def sglang_payload(named: Sequence[tuple[str, Tensor]], tp_size: int) -> list[st
     return [encoded] * tp_size
 
 
+def run_weight_file(directory: Path, run_id: str) -> Path:
+    """The first of a run's weight files (weight_file.Writer names the others after it)."""
+    return directory / f"{run_id}.rlmw"
+
+
+def discard_weight_files(directory: Path, run_id: str) -> None:
+    """A run's weight files removed (an engine that maps one keeps its pages until it moves on)."""
+    weight_file.Writer(run_weight_file(directory, run_id)).close(remove=True)
+
+
 class ColocatedPusher:
     """A run's colocated pushes: its weight file and its channel to the rollout service."""
 
@@ -57,7 +67,7 @@ class ColocatedPusher:
             )
         self.rollout_address = rollout_address
         self.timeout = timeout_seconds
-        self.writer = weight_file.Writer(directory / f"{run_id}.rlmw")
+        self.writer = weight_file.Writer(run_weight_file(directory, run_id))
         self._channel: grpc.aio.Channel | None = None
 
     @property

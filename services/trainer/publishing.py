@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 import torch
 
 from rlmesh.common import errors, weight_file
 from rlmesh.common.faults import fault_point
-from rlmesh.trainer.colocated import ColocatedPusher
+from rlmesh.trainer.colocated import ColocatedPusher, discard_weight_files
 from rlmesh.trainer.config import Settings
 from rlmesh.trainer.run_state import Run
 from rlmesh.trainer.weight_sync import PushResult, WeightPusher
@@ -30,10 +31,7 @@ async def push_weights(run: Run, settings: Settings, version: int, method: str, 
     if method == "colocated":
         if run.colocated is None:
             run.colocated = ColocatedPusher(
-                settings.rollout_address,
-                run.run_id,
-                settings.weight_file_dir or weight_file.default_dir(),
-                settings.weight_sync_timeout_seconds,
+                settings.rollout_address, run.run_id, weight_file_dir(settings), settings.weight_sync_timeout_seconds
             )
         return await run.colocated.push(
             list(run.backend.state_dict_for_sync()),
@@ -83,6 +81,16 @@ def start_background_push(run: Run, settings: Settings, version: int, pause_mode
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (its failure is WaitForPush's to report)
     run.background_push = (version, task)
     return PushResult(seconds=time.monotonic() - start, bytes=0, buckets=0, version=version)
+
+
+def weight_file_dir(settings: Settings) -> Path:
+    return settings.weight_file_dir or weight_file.default_dir()
+
+
+def discard_lost_weight_files(settings: Settings, run_id: str) -> None:
+    """The colocated weight files of a run this trainer does not hold removed: a trainer that
+    died with the run left them, in shared memory (the run's own pusher removes them at its end)."""
+    discard_weight_files(weight_file_dir(settings), run_id)
 
 
 def _wire_dtype(settings: Settings) -> torch.dtype | None:

@@ -44,7 +44,12 @@ from rlmesh.trainer.final_model import (
     write_final_model,
 )
 from rlmesh.trainer.loading import resolve_device
-from rlmesh.trainer.publishing import PUBLISH_METHODS, push_weights, start_background_push
+from rlmesh.trainer.publishing import (
+    PUBLISH_METHODS,
+    discard_lost_weight_files,
+    push_weights,
+    start_background_push,
+)
 from rlmesh.trainer.ranks import open_backend
 from rlmesh.trainer.results import RunStatus, StepResult
 from rlmesh.trainer.run_paths import RunPaths, model_paths
@@ -168,6 +173,8 @@ class Trainer:
             held = self._run is not None and self._run.run_id == run_id
             if not held and run_id in self._ended:
                 return dataclasses.replace(self._ended[run_id])
+            if not held:
+                discard_lost_weight_files(self.settings, run_id)  # (then NOT_FOUND)
             ending = asyncio.ensure_future(self._end_run(run_id, shutting_down))
             self._ending[run_id] = ending
             ending.add_done_callback(lambda done: self._ended_with(run_id, done, shutting_down))

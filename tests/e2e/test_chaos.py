@@ -371,3 +371,37 @@ def test_a_push_its_coordinator_died_in_is_made_again_before_anything_samples(ch
                 assert torch.equal(torch.tensor(got.json(), dtype=tensor.dtype), tensor), name
     finally:
         chaos.ensure_finished(run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["trainer", "coordinator"])
+def test_a_stopped_runs_final_model_is_the_model_its_record_says(chaos, tiny_model_dir, victim):
+    """A process is killed in the middle of a train step just as the run is asked to stop.
+    The trainer: before, the stop's one EndRun met a trainer that was down or had lost the run,
+    and the stopped run named no final model; now the stop waits for the trainer, sets the run
+    up on it again (from its last checkpoint) and has it write the final model. The
+    coordinator: the step ends while it is down, and before, the final model held one step
+    more than the run's record said. Either way the run's steps and history now say which
+    steps the final model holds."""
+    run_id = chaos.start_run(chaos_config(chaos.stack, tiny_model_dir, num_rollouts=4))
+    try:
+        chaos.wait_rollout(run_id, 1)  # (step 1 is in a checkpoint: checkpoint_interval 1)
+        chaos.hold("trainer.before_ack")
+        chaos.wait_reached("trainer.before_ack")
+        assert chaos.api.post(f"/runs/{run_id}/stop").status_code == 200
+        chaos.kill(victim, wait=False)
+    finally:
+        chaos.release("trainer.before_ack")
+    try:
+        run = chaos.run(run_id)
+        assert run["status"] == "stopped", run["error"]
+        assert run["final_model"] == f"{run_id}/checkpoints/final"
+        final = chaos.stack.data_dir / "trainer" / run["final_model"]
+        assert list(final.glob("*.safetensors")) and (final / "config.json").exists()
+        listed = chaos.api.get(f"/runs/{run_id}/checkpoints").json()
+        assert [c["step"] for c in listed if c["final"]] == [run["rollout_id"]]
+        # (step 2 lost with the trainer, or taken while the coordinator was down)
+        assert run["rollout_id"] == 2 if victim == "coordinator" else run["rollout_id"] <= 1
+        assert not history_problems(chaos, run_id, run["rollout_id"])
+    finally:
+        chaos.ensure_finished(run_id)

@@ -1,21 +1,26 @@
 """The trainer's colocated push (rlmesh.trainer.colocated) through the real rollout service:
 to the reference engine it writes the weight file and the engine ends with the trainer's
 weights bit for bit; to SGLang engines (no weight-file format) from a CPU trainer it is
-refused with a message that says why, before anything is sent."""
+refused with a message that says why, before anything is sent; a run a dead trainer held
+leaves no weight file behind once it ends."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 import uvicorn
 from fastapi import FastAPI
 
-from rlmesh.common import errors
+from rlmesh.common import errors, weight_file
 from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.net import free_port
 from rlmesh.rollout.config import Settings as RolloutSettings
 from rlmesh.rollout.server import start as start_rollout
 from rlmesh.trainer.colocated import ColocatedPusher
+from rlmesh.trainer.config import Settings
+from rlmesh.trainer.trainer import Trainer
 from tests.helpers.trainer import EngineProcess
 
 
@@ -93,3 +98,21 @@ def test_sglang_engines_and_a_cpu_trainer_are_refused_with_the_reason(loop_threa
     finally:
         loop_thread.run(pusher.close())
         loop_thread.run(server.stop(None))
+
+
+def test_the_weight_files_of_a_run_a_dead_trainer_held_go_at_its_end(tmp_path):
+    """A trainer that died with a colocated run left the run's weight files in shared memory; the
+    run's EndRun, answered NOT_FOUND by the restarted trainer, removes them (and no other run's)."""
+    shm = tmp_path / "shm"
+    for run_id in ("lost", "other"):
+        weight_file.Writer(shm / f"{run_id}.rlmw").write([("w", torch.ones(4))])
+    (shm / "lost.1.rlmw").write_bytes((shm / "lost.rlmw").read_bytes())  # (a second slot)
+
+    async def scenario():
+        trainer = Trainer(Settings(work_dir=tmp_path / "work", weight_file_dir=shm))
+        with pytest.raises(errors.NotFound):
+            await trainer.end_run("lost")
+        await trainer.close()
+
+    asyncio.run(scenario())
+    assert sorted(p.name for p in shm.iterdir()) == ["other.rlmw"]
