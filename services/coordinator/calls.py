@@ -366,12 +366,15 @@ class RunCalls:
             if e.healthy and (int(e.weight_version) if e.weight_version.isdigit() else 0) < version
         ]
 
-    async def train_step(self, request: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
+    async def train_step(
+        self, request: trainer_pb2.TrainStepRequest, before_retry: Callable[[], Awaitable] | None = None
+    ) -> trainer_pb2.TrainStepResponse:
         """A train step, retried only while its batch was not trained: the trainer finishes and
         acknowledges a started step even when the caller is gone. So before a retry, the
         trainer tells whether that step (or its acknowledgment) is still under way (wait), and
         then the buffer whether its batch was acknowledged (nothing queued or leased: done);
-        otherwise the step is taken again: a lease left from the failed step is given back by
+        otherwise the step is taken again (`before_retry` first: a restarted trainer set up
+        again had the run's weights pushed): a lease left from the failed step is given back by
         the trainer's next step, a dead trainer's by the restarted one set up again."""
         tried, before = False, self.trainer_step
         # (a step found taken answers no step: the run asks the trainer where it stands)
@@ -389,6 +392,8 @@ class RunCalls:
                 ):
                     log.warning("run %s: the interrupted train step was taken (its metrics are lost)", self.run_id)
                     return trainer_pb2.TrainStepResponse()
+                if before_retry is not None:
+                    await before_retry()
             tried = True
             return await self.on_trainer(
                 lambda: self.watched(
@@ -425,13 +430,14 @@ class RunCalls:
         self,
         on_no_batch: Callable[[], Awaitable[str]] | None = None,
         minimums: Callable[[], Awaitable[dict[str, int]]] | None = None,
+        before_retry: Callable[[], Awaitable] | None = None,
     ) -> tuple[trainer_pb2.TrainStepResponse, float]:
         """An RL train step on the next batch; its answer and how long it took. The trainer is
         asked with short waits: between them the mode acts (`on_no_batch`: generate what is
         missing, push weights to engines that fell behind; it says what it found) and the run
         record says what it waits for. `minimums`: the batch's least groups of each dataset,
-        asked again at each wait (environments register and leave meanwhile). No batch for
-        train_wait_seconds + max_outage_seconds: OutageTooLong."""
+        asked again at each wait (environments register and leave meanwhile); `before_retry`:
+        see train_step. No batch for train_wait_seconds + max_outage_seconds: OutageTooLong."""
         t0 = time.monotonic()
         batch = self.cfg.rollout.rollout_batch_size
         request = trainer_pb2.TrainStepRequest(
@@ -447,7 +453,7 @@ class RunCalls:
                 if minimums is not None:
                     request.min_groups_by_dataset.clear()
                     request.min_groups_by_dataset.update(await minimums())
-                t = await self.train_step(request)
+                t = await self.train_step(request, before_retry)
                 if not t.no_batch:
                     return t, time.monotonic() - t0
                 dropped += t.stale_groups_dropped

@@ -28,9 +28,10 @@ class ColocatedMode(RunMode):
         # one_step_off: the next batch too (generated on these weights, trained one version later)
         batches = 2 if cfg.mode == "one_step_off" and rollout_id + 1 < cfg.num_rollouts else 1
         generation, generate_seconds = await calls.generate_batch(batches)
-        await calls.engines.memory_occupation(resume=False)
+        await self.release()
         try:
-            t, train_seconds = await calls.train_batch(self.on_no_batch)
+            # (a trainer set up again mid-step has the run's weights pushed, which resumes them)
+            t, train_seconds = await calls.train_batch(self.on_no_batch, before_retry=self.release)
         except BaseException:
             await self._wake_after_failure()
             raise
@@ -44,6 +45,9 @@ class ColocatedMode(RunMode):
     async def wake(self) -> None:
         await self.calls.engines.memory_occupation(resume=True)
 
+    async def release(self) -> None:
+        await self.calls.engines.memory_occupation(resume=False)
+
     async def _wake_after_failure(self) -> None:
         """The engines should not stay asleep because a step failed or the run ended (the next
         iteration, or the next run's setup, wakes them anyway)."""
@@ -55,7 +59,7 @@ class ColocatedMode(RunMode):
         try:
             return await super().on_no_batch()
         finally:
-            await self.calls.engines.memory_occupation(resume=False)
+            await self.release()
 
     async def settle(self, keep_metrics: bool = False) -> None:
         await self.wake()

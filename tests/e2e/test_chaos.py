@@ -405,3 +405,34 @@ def test_a_stopped_runs_final_model_is_the_model_its_record_says(chaos, tiny_mod
         assert not history_problems(chaos, run_id, run["rollout_id"])
     finally:
         chaos.ensure_finished(run_id)
+
+
+@pytest.mark.slow
+def test_a_colocated_step_taken_again_on_a_restarted_trainer_has_the_engine_released(chaos, tiny_model_dir):
+    """A colocated run's trainer is killed in the middle of a step, while the engine has
+    released its memory for training. The restarted trainer is set up again and the run's
+    weights are pushed to the engine (which takes their memory back); before, the step was
+    then taken again beside the engine's weights (on a GPU: both models in its memory at
+    once). Now the engine releases them again first."""
+    config = chaos_config(chaos.stack, tiny_model_dir, num_rollouts=2)
+    config["weight_sync"] = {"method": "colocated"}
+    run_id = chaos.start_run(config)
+    engine = httpx.Client(base_url=f"http://{chaos.stack.address('engine')}", timeout=30, headers=client_headers())
+    try:
+        chaos.wait_rollout(run_id, 1)
+        chaos.hold("trainer.before_ack")
+        chaos.wait_reached("trainer.before_ack")
+        assert engine.get("/weight_version").json()["weight_version"] == "released"
+        chaos.kill("trainer")
+        chaos.hold("trainer.before_ack")  # (still armed: the restarted trainer's step stops there too)
+        chaos.wait_reached("trainer.before_ack")
+        assert engine.get("/weight_version").json()["weight_version"] == "released"
+    finally:
+        chaos.release("trainer.before_ack")
+        engine.close()
+    try:
+        run = chaos.run(run_id)
+        assert run["status"] == "completed", run["error"]
+        check_accounting(chaos, run_id)
+    finally:
+        chaos.ensure_finished(run_id)
