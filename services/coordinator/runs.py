@@ -7,9 +7,10 @@ retried through a service's outage (calls.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from redis.exceptions import RedisError
@@ -354,15 +355,24 @@ class RunDriver:
         trainer took them, before it recorded them) get a record each, marked metrics_lost,
         so that the run's history has every step it holds."""
         run_id, sft_steps = calls.run_id, calls.cfg.sft_warmup.steps
-        last = await self.store.last_metrics(run_id)
-        calls.recorded = 0 if last is None else last.get("sft_step") or sft_steps + last.get("rollout_id", 0)
-        if done <= calls.recorded:
-            return
+        positions = [record_position(json.loads(raw), sft_steps) async for raw in self._metric_records(run_id)]
+        # (after a step taken again, the newest record is not the furthest: those up to it are retaken)
+        newest, calls.recorded = (positions[-1], max(positions)) if positions else (0, 0)
         steps = await self.store.train_steps(run_id)
-        for position in range(calls.recorded + 1, min(done, len(steps)) + 1):
+        for position in range(newest + 1, min(done, len(steps)) + 1):
             await self._append_step(
                 calls, {"time": time.time(), "step": steps[position - 1], "metrics_lost": 1}, position
             )
+
+    async def _metric_records(self, run_id: str, page: int = 1000) -> AsyncIterator[bytes]:
+        since = 0
+        while True:
+            raw, total = await self.store.raw_metrics_since(run_id, since, page)
+            for record in raw:
+                yield record
+            since += len(raw)
+            if not raw or since >= total:
+                return
 
     async def _start_rl(self, calls: RunCalls) -> str:
         """Between the warm start and RL: the engines get the warm-started weights, and the
@@ -485,6 +495,11 @@ class RunDriver:
         if promoted and promoted not in self.tasks:
             log.info("run %s starts (it was first in the queue)", promoted)
             self.start(promoted)
+
+
+def record_position(record: dict, sft_steps: int) -> int:
+    """The run's train step (counted as at_position counts) a metric record stands for."""
+    return record.get("sft_step") or sft_steps + record.get("rollout_id", 0)
 
 
 def at_position(record: dict, position: int, sft_steps: int, retaken: bool = False) -> dict:

@@ -521,11 +521,6 @@ class RunStore:
         if await self.redis.eval(_APPEND_ONCE, 2, key + ":metrics", key, json.dumps(record)) == -1:
             raise NotFound(f"unknown run {run_id!r}")
 
-    async def last_metrics(self, run_id: str) -> dict | None:
-        """The run's newest metric record (None: none yet)."""
-        raw = await self.redis.lindex(self._key(run_id) + ":metrics", -1)
-        return None if raw is None else json.loads(raw)
-
     async def raw_metrics_since(self, run_id: str, since: int, limit: int) -> tuple[list[bytes], int]:
         """Up to `limit` metric records from position `since` (0 = the first ever written) as
         they are stored, each a JSON object (json.dumps's), and how many records the run has:

@@ -436,3 +436,41 @@ def test_a_colocated_step_taken_again_on_a_restarted_trainer_has_the_engine_rele
         check_accounting(chaos, run_id)
     finally:
         chaos.ensure_finished(run_id)
+
+
+@pytest.mark.slow
+def test_steps_taken_again_stay_marked_across_a_coordinator_restart(chaos, tiny_model_dir):
+    """The trainer restarts with no checkpoint (the interval is longer than the run), so the
+    run's steps are taken again from the first; the coordinator is killed after recording the
+    first again and before recording the second. Before, the restarted coordinator took the
+    newest record (the retaken first step) for the furthest step recorded, and the second
+    step's new record was not marked retaken. Every repeat of a step is marked now."""
+    point = "trainer.before_ack"
+    config = chaos_config(chaos.stack, tiny_model_dir, num_rollouts=3)
+    config["checkpoint_interval"] = 100
+
+    def records() -> list[dict]:
+        return [r for r in chaos.api.get(f"/runs/{run_id}/metrics").json()["records"] if "step" in r]
+
+    run_id = chaos.start_run(config)
+    try:
+        chaos.wait_rollout(run_id, 2)
+        chaos.hold(point)
+        chaos.wait_reached(point)  # (step 3)
+        chaos.kill("trainer")
+        chaos.hold(point)
+        chaos.wait_reached(point)  # (step 1 again)
+        chaos.release(point)
+        eventually(lambda: any(r.get("retaken") for r in records()), "step 1's record, taken again")
+        chaos.hold(point)
+        chaos.wait_reached(point)  # (step 2 again)
+        chaos.kill("coordinator")
+    finally:
+        chaos.release(point)
+    try:
+        run = chaos.run(run_id)
+        assert run["status"] == "completed", run["error"]
+        assert not history_problems(chaos, run_id, 3)
+        assert any(r.get("retaken") and r.get("rollout_id") == 2 for r in records())
+    finally:
+        chaos.ensure_finished(run_id)

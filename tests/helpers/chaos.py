@@ -267,9 +267,9 @@ def check_accounting(chaos: Chaos, run_id: str, min_groups: int = 4) -> buffer_p
 
 def history_problems(chaos: Chaos, run_id: str, num_rollouts: int) -> list[str]:
     """What is wrong with a finished run's metric history: each RL iteration has a record (a
-    step taken again after a trainer restart has one more, marked retaken; one whose metrics a
-    dying coordinator lost has one marked metrics_lost), and the trainer's steps never go back
-    but where a record says it took a step again."""
+    step taken again after a trainer restart has one more, marked retaken, and only a repeat
+    is; one whose metrics a dying coordinator lost has one marked metrics_lost), and the
+    trainer's steps never go back but where a record says it took a step again."""
     records = chaos.api.get(f"/runs/{run_id}/metrics").json()["records"]
     rl = [r for r in records if r.get("rollout_id", 0) > 0 and "step" in r]  # (not the evaluation after RL's)
     problems = []
@@ -278,6 +278,13 @@ def history_problems(chaos: Chaos, run_id: str, num_rollouts: int) -> list[str]:
     for before, after in itertools.pairwise(rl):
         if after["rollout_id"] <= before["rollout_id"] and not after.get("retaken"):
             problems.append(f"rollout {after['rollout_id']} recorded after {before['rollout_id']}, not marked retaken")
+    seen = set()
+    for r in rl:
+        if (r["rollout_id"] in seen) != bool(r.get("retaken")):
+            problems.append(
+                f"rollout {r['rollout_id']}: marked retaken {bool(r.get('retaken'))}, recorded before {r['rollout_id'] in seen}"
+            )
+        seen.add(r["rollout_id"])
     if problems:  # (the history, to see why)
         problems.append(str([{k: r.get(k) for k in ("rollout_id", "step", "retaken", "metrics_lost")} for r in rl]))
     return problems
