@@ -69,7 +69,7 @@ class BufferServicer(buffer_pb2_grpc.BufferServicer):
             # (a tokenizer the dataset does not name is the run's model)
             named = bool(spec.tokenizer_path)
             for name, message in self.store.prompts.data_files.check(dataset, named):
-                field = f"datasets.{i}.{name}" if name == "path" or named else "model_path"
+                field = "model_path" if name == "tokenizer_path" and not named else f"datasets.{i}.{name}"
                 problems.append(check_pb2.FieldProblem(field=field, message=message))
         return check_pb2.CheckResponse(problems=problems)
 

@@ -46,12 +46,24 @@ class DataFiles:
         model, which the buffer's machine may not hold) when it is used: templating, or a
         max_prompt_length."""
         problems = []
+        reader = _Reader(dataset.name, self)
         try:
-            if not _Reader(dataset.name, self).inside(dataset.path).exists():
+            found = reader.inside(dataset.path)
+            if not found.exists():
                 problems.append(
                     (
                         "path",
                         f"dataset {dataset.name!r}: path {dataset.path!r}: nothing there (under the buffer's data_roots)",
+                    )
+                )
+            elif not _known_layout(found):
+                problems.append(("path", str(reader.error(unsupported(dataset.path)))))
+            elif (keys := _first_row_keys(found)) is not None and dataset.prompt_key not in keys:
+                problems.append(
+                    (
+                        "prompt_key",
+                        f"dataset {dataset.name!r}: its first row has no {dataset.prompt_key!r} key (prompt_key); "
+                        f"it has {sorted(keys)[:20]}",
                     )
                 )
         except InvalidArgument as e:
@@ -79,6 +91,9 @@ class _Reader:
         self.bytes = 0
 
     def error(self, why: str) -> InvalidArgument:
+        """The refusal, its paths said relative to the data roots (the buffer's own directories stay its own)."""
+        for root in self.files.roots:
+            why = why.replace(f"{root}{os.sep}", "").replace(str(root), ".")
         return InvalidArgument(f"dataset {self.name!r}: {why}")
 
     def inside(self, path: str | Path) -> Path:
@@ -132,10 +147,46 @@ def read_rows(name: str, path: str, columns: list[str], split: str, files: DataF
         return _read_json_lines(reader, p)
     if p.suffix == ".parquet":
         return _read_parquet(reader, [p], columns)
-    raise reader.error(
-        f"unsupported file {path}; use JSONL (.jsonl/.json), Parquet (.parquet) "
-        "or a directory written by datasets' save_to_disk"
+    raise reader.error(unsupported(path))
+
+
+def unsupported(path: str) -> str:
+    return (
+        f"{path!r} is not a dataset rlmesh reads; use JSONL (.jsonl/.json), Parquet (.parquet), a directory of "
+        "Parquet files or a directory written by datasets' save_to_disk"
     )
+
+
+def _first_row_keys(p: Path) -> set[str] | None:
+    """The keys of a JSON-lines file's first row (None: not such a file, or not read here: read_rows
+    says what is wrong with it)."""
+    if p.is_dir() or p.suffix not in (".jsonl", ".json"):
+        return None
+    try:
+        with p.open("rb") as f:
+            line = f.readline(1 << 20).strip()
+        row = json.loads(line)
+    except (OSError, ValueError):
+        return None
+    return set(row) if isinstance(row, dict) else None
+
+
+def _known_layout(p: Path) -> bool:
+    """Whether read_rows reads what is at `p` by its form (a file's suffix; a directory's
+    save_to_disk files, or a Parquet file among its first entries): the door's check, before
+    reading a row."""
+    if not p.is_dir():
+        return p.suffix in (".jsonl", ".json", ".parquet")
+    if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file():
+        return True
+    entries = 0
+    for _, _, names in os.walk(p):
+        if any(n.endswith(".parquet") for n in names):
+            return True
+        entries += len(names)
+        if entries > 10_000:  # (read_rows then says what its own bound finds)
+            return True
+    return False
 
 
 def _read_json_lines(reader: _Reader, p: Path) -> list[dict]:
@@ -210,7 +261,7 @@ def _read_directory(reader: _Reader, p: Path, columns: list[str], split: str) ->
         return _read_parquet(reader, parquet, columns)
     raise reader.error(
         f"directory {p} is neither a save_to_disk dataset (state.json / dataset_dict.json) "
-        "nor a directory of Parquet files"
+        "nor a directory of Parquet files (a directory of JSONL files is not read: name one of them)"
     )
 
 

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from rlmesh.common.grpc_server import serve_service
@@ -117,11 +118,49 @@ def _health(address: str, timeout: float) -> int:
     return 0 if status == "SERVING" else 1
 
 
+def count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `minimum`."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"{number} is below {minimum}")
+        return number
+
+    return parse
+
+
+def seconds(value: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} seconds: give a positive number")
+    return number
+
+
+def host_port(value: str) -> str:
+    """An argparse type: HOST:PORT with a port in 1-65535."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r}: give HOST:PORT, the port in 1-65535")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `rlmesh` command line (`serve SERVICE` and `reward check` take their own flags: see main)."""
     parser = argparse.ArgumentParser(prog="rlmesh", description="RL post-training as five gRPC services.")
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run one service (rlmesh serve SERVICE --help lists its settings)", add_help=False)
+    s = sub.add_parser(
+        "serve",
+        help="run one service (rlmesh serve SERVICE --help lists its settings)",
+        description="Run one service; `rlmesh serve SERVICE --help` lists its settings (flags and RLMESH_* variables).",
+    )
     s.add_argument("service", choices=sorted(SERVICE_PACKAGES))
     u = sub.add_parser("up", help="run every service as a local process (embedded Redis, CPU engine, tiny model)")
     d = sub.add_parser(
@@ -160,8 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="reverse: reverse three letters; agent: call a tool to find a secret code (multi-turn); "
         "environment: reverse three letters, the samples from an Atropos environment (needs atroposlib)",
     )
-    d.add_argument("--sft-steps", type=int, default=0, help="SFT warm-start steps before RL (default: the task's)")
-    d.add_argument("--rollouts", type=int, default=0, help="RL iterations (default: the task's)")
+    d.add_argument(
+        "--sft-steps",
+        type=count(0),
+        default=None,
+        help="SFT warm-start steps before RL, 0 for none (default: the task's)",
+    )
+    d.add_argument("--rollouts", type=count(1), default=None, help="RL iterations (default: the task's)")
     d.add_argument(
         "--coordinator-url",
         default="",
@@ -175,15 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
     from rlmesh.cli.runs_cli import add_commands as add_run_commands
 
     add_run_commands(sub)
-    sub.add_parser(
-        "reward",
-        help="reward tools: `rlmesh reward check URL` runs the conformance suite against a remote reward service",
+    r = sub.add_parser("reward", help="reward tools")
+    r.add_subparsers(dest="reward_command", required=True).add_parser(
+        "check",
+        add_help=False,  # (its own flags: `rlmesh reward check --help`)
+        help="run the conformance suite against a remote reward service (`rlmesh reward check --help`)",
     )
     h = sub.add_parser(
         "health", help="exit 0 if the gRPC service at HOST:PORT reports SERVING (grpc.health.v1), else 1"
     )
-    h.add_argument("address", metavar="HOST:PORT")
-    h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    h.add_argument("address", metavar="HOST:PORT", type=host_port)
+    h.add_argument("--timeout", type=seconds, default=3.0, help="seconds to wait for the answer")
     t = sub.add_parser("build-tiny-model", help="write the tiny model and tokenizer to a directory")
     t.add_argument("out_dir")
     e = sub.add_parser(
@@ -223,19 +269,24 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "build-tiny-model":
         from rlmesh.cli.tiny_model import build_tiny_model
 
-        print(build_tiny_model(args.out_dir))
+        sys.exit(_writing("build-tiny-model", args.out_dir, lambda: build_tiny_model(args.out_dir)))
     elif args.command == "export":
-        sys.exit(_export(args.checkpoint, args.out))
+        from rlmesh.trainer.final_model import export_checkpoint
+
+        sys.exit(_writing("export", args.out, lambda: export_checkpoint(Path(args.checkpoint), Path(args.out))))
 
 
-def _export(checkpoint: str, out: str) -> int:
+def _writing(command: str, out: str, write: Callable[[], Path]) -> int:
+    """A command that writes a new directory `out`: what it wrote, or why it could not (2)."""
     from rlmesh.common.errors import RlmeshError
-    from rlmesh.trainer.final_model import export_checkpoint
 
     try:
-        print(export_checkpoint(Path(checkpoint), Path(out)))
+        print(write())
     except RlmeshError as e:
-        print(f"rlmesh export: {e}", file=sys.stderr)
+        print(f"rlmesh {command}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"rlmesh {command}: cannot write {out}: {e.strerror or e}", file=sys.stderr)
         return 2
     return 0
 

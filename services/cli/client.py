@@ -96,13 +96,20 @@ def run_metrics(http: httpx.Client, run_id: str, page: int = 1000) -> list[dict]
             return records
 
 
-def eval_rewards(metrics: dict) -> dict[str, float]:
-    """Eval dataset name -> its mean reward, from a metric record or an eval_before/after."""
+def eval_rewards(metrics: dict) -> dict[str, float | None]:
+    """Eval dataset name -> its mean reward, from a metric record or an eval_before/after;
+    None when every sample of it failed (its mean of 0 would read as a reward)."""
     return {
-        k[len("eval/") : -len("/reward_mean")]: v
+        name: None if metrics.get(f"eval/{name}/failed_ratio", 0) >= 1 else v
         for k, v in metrics.items()
         if k.startswith("eval/") and k.endswith("/reward_mean") and k.count("/") == 2 and v is not None
+        for name in [k[len("eval/") : -len("/reward_mean")]]
     }
+
+
+def reward_text(reward: float | None) -> str:
+    """An eval_rewards value as shown."""
+    return "n/a (every sample failed)" if reward is None else f"{reward:.2f}"
 
 
 def _eval_label(name: str) -> str:
@@ -130,7 +137,7 @@ def progress(run: dict, start: float) -> str:
             f"{elapsed}  RL rollout {run['rollout_id']:>3}/{run['num_rollouts']}  "
             f"train reward {reward:.2f}  weights v{run['weight_version']}"
         )
-        return line + "".join(f"  {_eval_label(name)} {v:.2f}" for name, v in eval_rewards(m).items())
+        return line + "".join(f"  {_eval_label(name)} {reward_text(v)}" for name, v in eval_rewards(m).items())
     return f"{elapsed}  {phase}" + (f" ({run['status']})" if run["status"] in FINAL else "")
 
 

@@ -112,15 +112,15 @@ def _task(args, data_dir: Path, model_path: Path) -> tuple[RunConfig, Path]:
     from rlmesh.cli import agent_demo, environment_demo
     from rlmesh.cli.launcher import datasets_dir
 
-    sft_steps, rollouts = args.sft_steps, args.rollouts or 80
+    sft_steps, rollouts = args.sft_steps, args.rollouts or 80  # (sft_steps None: the task's; 0: none)
     if args.task == "agent":
         warm_start, train, held_out = agent_demo.write_task(datasets_dir(data_dir) / "demo")
         return agent_demo.agent_demo_config(
-            str(model_path), warm_start, train, held_out, sft_steps or 200, rollouts
+            str(model_path), warm_start, train, held_out, 200 if sft_steps is None else sft_steps, rollouts
         ), train
     train, held_out = write_task(datasets_dir(data_dir) / "demo")
     make = environment_demo.environment_demo_config if args.task == "environment" else demo_config
-    return make(str(model_path), train, held_out, sft_steps or 35, rollouts), train
+    return make(str(model_path), train, held_out, 35 if sft_steps is None else sft_steps, rollouts), train
 
 
 def _cannot_run(args) -> str:
@@ -224,6 +224,9 @@ def run_demo(args) -> int:
             )
         print(f"eval reward: before={_eval_reward(run['eval_before']):.2f} after={_eval_reward(run['eval_after']):.2f}")
         return 0
+    except httpx.TransportError as e:
+        print(f"rlmesh demo: the coordinator at {url} cannot be reached: {e}", file=sys.stderr)
+        return 1
     finally:
         if environment is not None:
             environment_demo.stop_environment(environment)

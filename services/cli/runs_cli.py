@@ -8,6 +8,7 @@ import argparse
 import csv
 import json
 import os
+import signal
 import sys
 import time
 from datetime import datetime
@@ -25,6 +26,7 @@ from rlmesh.cli.client import (
     eval_rewards,
     find_coordinator,
     follow,
+    reward_text,
     run_metrics,
 )
 
@@ -129,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
         created = answer(http.post("/runs", json=config))
         run_id = created["id"]
         where = f"queued, #{created['queue_position']} in line" if created["status"] == "queued" else "started"
-        print(f"run {run_id} {where}: {config.get('name', '')}; watch it at {coordinator.url}/ui/", flush=True)
+        name = f": {config['name']}" if config.get("name") else ""
+        print(f"run {run_id} {where}{name}; watch it at {coordinator.url}/ui/", flush=True)
         if args.detach:
             return 0
         return follow_to_end(coordinator, http, run_id, start)
@@ -164,8 +167,10 @@ def print_outcome(coordinator: Coordinator, run: dict) -> None:
     print(f"run {run['id']} {run['status']}" + (f": {run['error']}" if run.get("error") else ""))
     before, after = eval_rewards(run.get("eval_before") or {}), eval_rewards(run.get("eval_after") or {})
     for name in sorted(set(before) | set(after)):
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-        print(f"eval {name} reward: before={fmt(before.get(name))} after={fmt(after.get(name))}")
+        said = [reward_text(rewards[name]) if name in rewards else "-" for rewards in (before, after)]
+        print(f"eval {name} reward: before={said[0]} after={said[1]}")
+    for warning in run.get("warnings") or []:
+        print(f"warning: {warning}")
     if run.get("final_model"):
         print(f"final model: {coordinator.final_model_path(run['final_model'])}")
 
@@ -236,6 +241,9 @@ def main(args: argparse.Namespace) -> int:
     except CliError as e:
         print(f"rlmesh {args.command}: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # (the output's reader left, say `| head`: quietly, as SIGPIPE would)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (OSError, httpx.TransportError) as e:
         print(f"rlmesh {args.command}: the coordinator cannot be reached: {e}", file=sys.stderr)
         return 1

@@ -64,6 +64,13 @@ class Settings(ServiceSettings):
         "reward components, generate function); a service that does not answer in time is not held against the "
         "run: it is accepted and checked at setup.",
     )
+    stop_trainer_wait_seconds: float = Field(
+        120.0,
+        ge=0,
+        le=86400,
+        description="How long a run that stops waits for a trainer that is down, restarting or not answering, to "
+        "write the run's final model (at most the run's max_outage_seconds); past it the run is stopped without one.",
+    )
     setup_deadline_seconds: float = Field(
         900.0, gt=0, description="Deadline of InitRun (loads the model) and PublishWeights (pushes it to every engine)."
     )

@@ -3,11 +3,11 @@ own part of the run config (it alone knows its roots, its reward components, its
 functions and tools), all at once, and every problem found becomes a 422 entry naming the
 field to change:
 
-- buffer `CheckDatasets`: dataset paths under its data_roots with something there,
-  tokenizer paths under its model_roots;
+- buffer `CheckDatasets`: dataset paths under its data_roots holding a dataset it reads (a
+  JSON-lines file's first row with the prompt_key), tokenizer paths under its model_roots;
 - trainer `CheckRun`: model_path, kl_reference and checkpoint_dir (under its model_roots
-  and work_dir), stop token ids within the model's vocabulary, a weight-sync backend its
-  device runs;
+  and work_dir, a model there, no other run's final model in checkpoint_dir), stop token
+  ids within the model's vocabulary, a weight-sync backend its device runs;
 - reward `CheckSpec`: every reward component (built-in, custom, group or registered remote);
 - rollout `CheckGenerateFunction`: the generate function and its options (an agent's tools).
 

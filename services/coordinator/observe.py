@@ -206,7 +206,7 @@ class RunLoggers:
                 self._failed("tensorboard", "could not start", run_id, e)
         if cfg.logging.wandb is not None:
             try:
-                sinks.append(WandbSink(directory / "wandb", run_id, cfg))
+                sinks.append(WandbSink(directory, run_id, cfg))  # (W&B makes its own wandb/ there)
             except Exception as e:
                 self._failed("wandb", "could not start", run_id, e)
         return sinks

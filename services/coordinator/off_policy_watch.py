@@ -1,6 +1,6 @@
-"""Warnings a run raises when its samples of older weights drift far from the trainer, and
-when its batches stop teaching anything after its reward fell: read from the trainer's
-metrics of the last iterations (docs/training-modes.md says what each means and what to
+"""Warnings a run raises when its samples of older weights drift far from the trainer, when
+most of its samples fail, and when its batches stop teaching anything after its reward fell:
+read from the metrics of the last iterations (docs/training-modes.md says what each means and what to
 change). The run driver calls record_warnings after each iteration; the warnings are kept
 with the run (`warnings` in GET /runs/{id})."""
 
@@ -23,25 +23,36 @@ HISTORY = 64
 # The metric that is 0 when every group's samples scored alike (see nothing_learned).
 NOTHING_LEARNED = "train/advantage_abs_mean"
 
-# (metric, comparison, threshold, what it means)
-CHECKS: tuple[tuple[str, Callable[[float, float], bool], float, str], ...] = (
+COLLAPSE = "a run may collapse next (see docs/training-modes.md#off-policy-correction)"
+# (metric, comparison, threshold, what it means, what follows)
+CHECKS: tuple[tuple[str, Callable[[float, float], bool], float, str, str], ...] = (
     (
         "train/is_ess",
         operator.lt,
         0.5,
         "a few samples of older weights dominate the batch's importance weights",
+        COLLAPSE,
     ),
     (
         "train/train_rollout_logprob_abs_diff",
         operator.gt,
         0.2,
         "the trainer's and the engines' log-probs of the trained tokens are far apart (nats per token)",
+        COLLAPSE,
     ),
     (
         "train/is_truncated_masked_fraction",
         operator.gt,
         0.2,
         "the off-policy correction truncates or masks a large share of the trained tokens",
+        COLLAPSE,
+    ),
+    (
+        "rollout/failed_ratio",
+        operator.gt,
+        0.5,
+        "most of the iteration's samples failed (a reward service or the engines answered an error)",
+        "failed samples are never trained; GET /runs/{id}/samples?status=failed says why (see docs/rewards.md)",
     ),
 )
 
@@ -51,7 +62,7 @@ def new_warnings(records: list[dict], raised: list[str]) -> list[str]:
     iteration records of `records` (oldest first), each raised once per run (`raised`: the
     run's warnings so far)."""
     out: list[str] = []
-    for name, crossed, threshold, meaning in CHECKS:
+    for name, crossed, threshold, meaning, follows in CHECKS:
         values = [r[name] for r in records[-WINDOW:] if isinstance(r.get(name), (int, float))]
         if len(values) < WINDOW or not all(crossed(v, threshold) for v in values):
             continue
@@ -61,7 +72,7 @@ def new_warnings(records: list[dict], raised: list[str]) -> list[str]:
         sign = "<" if crossed is operator.lt else ">"
         out.append(
             f"{name} {sign} {threshold:g} for {WINDOW} iterations (last {values[-1]:.3g}, at rollout {where}): "
-            f"{meaning}; a run may collapse next (see docs/training-modes.md#off-policy-correction)"
+            f"{meaning}; {follows}"
         )
     nothing = nothing_learned(records)
     if nothing and not any(w.startswith(NOTHING_LEARNED) for w in raised) and len(raised) + len(out) < MAX_WARNINGS:

@@ -49,7 +49,7 @@ def check_queued_run_keeps(run_id: str, config: RunConfig, name: str, registered
     if name in registered and name in services_named(config.reward.components):
         raise FailedPrecondition(
             f"run {run_id} is queued and its reward uses the reward service '{name}'; delete that run from the "
-            f"queue first (DELETE /runs/{run_id}), or register the new service under another name"
+            f"queue first (DELETE /runs/{run_id}), then the service"
         )
 
 

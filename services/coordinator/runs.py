@@ -210,9 +210,9 @@ class RunDriver:
         if mode is not None:
             await mode.close()
         calls = mode.calls if mode is not None and fields["status"] == "stopped" else None
-        final_model = await self._end_in_trainer(run_id, calls)
-        if final_model:
-            fields["final_model"] = final_model
+        ended = await self._end_in_trainer(run_id, calls)
+        if ended is not None:
+            fields.update(await self._final_model_fields(run_id, ended))
         fields.setdefault("waiting_for", "")  # (an ended run waits for nothing; `error` says why it failed)
         while True:
             try:
@@ -394,8 +394,8 @@ class RunDriver:
         the trainer held then. Fewer than all when it restarted from an older checkpoint since
         the last step: it is set up again (from that checkpoint) to take the rest."""
         status = await calls.end_run()
-        if status.final_model:
-            await self.store.update(calls.run_id, final_model=status.final_model)
+        if fields := await self._final_model_fields(calls.run_id, status):
+            await self.store.update(calls.run_id, **fields)
         done = await self._realign(calls, status.step, answered=False)
         if done < calls.cfg.sft_warmup.steps + calls.cfg.num_rollouts:
             await calls.set_up_trainer()
@@ -424,11 +424,25 @@ class RunDriver:
             )
         return after
 
-    async def _end_in_trainer(self, run_id: str, stopping: RunCalls | None = None) -> str:
-        """EndRun (the trainer writes the final model and lets the run go); the final model's
-        path relative to the trainer's work_dir, "" when it was not written. A run that stops
+    async def _final_model_fields(self, run_id: str, ended: trainer_pb2.TrainerStatus) -> dict:
+        """What the run's record says of its final model after EndRun: where it is, or a warning
+        saying why there is none."""
+        if ended.final_model:
+            return {"final_model": ended.final_model}
+        if not ended.final_model_problem:
+            return {}
+        log.warning("run %s: no final model: %s", run_id, ended.final_model_problem)
+        try:
+            warnings = (await self.store.get(run_id))["warnings"]
+        except (RedisError, NotFound):  # (the run's log has said it)
+            return {}
+        return {"warnings": [*warnings, f"no final model: {ended.final_model_problem}"]}
+
+    async def _end_in_trainer(self, run_id: str, stopping: RunCalls | None = None) -> trainer_pb2.TrainerStatus | None:
+        """EndRun (the trainer writes the final model and lets the run go); its answer, None
+        when it failed. A run that stops
         (`stopping`: its calls) keeps its model whatever the trainer is doing: a trainer down
-        or restarting is waited for (up to the run's max_outage_seconds), and one that lost
+        or restarting is waited for (up to stop_trainer_wait_seconds), and one that lost
         the run (restarted) is set up again, from its last checkpoint, to write it."""
 
         def end() -> Awaitable[trainer_pb2.TrainerStatus]:
@@ -442,19 +456,19 @@ class RunDriver:
 
         try:
             if stopping is None:
-                return (await end()).final_model
+                return await end()
             status = await retry(
                 lambda: self._end_lost_run(stopping, end),
                 service=stopping.service("trainer"),
-                budget_seconds=stopping.cfg.max_outage_seconds,
+                budget_seconds=min(stopping.cfg.max_outage_seconds, self.settings.stop_trainer_wait_seconds),
                 on_wait=on_wait,
                 backoff=self.backoff,
             )
         except (grpc.aio.AioRpcError, OutageTooLong) as e:
             log.warning("EndRun for %s: %s", run_id, e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
-            return ""
+            return None
         await self._hold_final_steps(stopping, status.step)
-        return status.final_model
+        return status
 
     async def _end_lost_run(
         self, calls: RunCalls, end: Callable[[], Awaitable[trainer_pb2.TrainerStatus]]

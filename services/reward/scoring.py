@@ -193,7 +193,7 @@ class Scorer:
             if component is None and self._remote_of(name, callers) is None:
                 raise errors.InvalidArgument(
                     f"{where}: unknown reward component '{name}'; known components: "
-                    f"{', '.join(self.known_components(callers))} (register remote services with RegisterService)"
+                    f"{', '.join(self.known_components(callers))} (a remote reward service is registered with POST /reward-services)"
                 )
             if component is not None and component.kind == "group" and not allow_group:
                 raise errors.InvalidArgument(

@@ -64,8 +64,10 @@ def load_model(path: str, device: torch.device, what: str = "model_path") -> Pre
         raise errors.InvalidArgument(f"{what}: {path!r} is not a directory (a local Hugging Face checkpoint)")
     try:
         model = build_hf_model(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise errors.InvalidArgument(f"{what}: cannot load a causal LM from {path!r}: {e}") from None
+    except (OSError, ValueError) as e:  # (its message names the directory: said as the setting instead)
+        raise errors.InvalidArgument(
+            f"{what}: cannot load a causal LM from it: {str(e).replace(str(path), what)}"
+        ) from None
     return model.to(device).eval()
 
 

@@ -32,6 +32,7 @@ class RunStatus:
     unacknowledged_step: int = 0  # a trained step whose acknowledgment has not landed (retried until it does)
     waiting_for: list[str] = field(default_factory=list)  # what the trainer waits for now (its buffer)
     final_model: str = ""  # EndRun: where the run's final model was written, relative to work_dir
+    final_model_problem: str = ""  # EndRun: why none was written
     vocab_size: int = 0  # the model's: token ids of a trainable group are below it
 
 

@@ -12,6 +12,7 @@ from rlmesh.common.paths import resolve_roots, resolve_under, validate_run_id
 from rlmesh.common.run_config import TrainerRunConfig
 from rlmesh.trainer.checkpoints import OPTIMIZER_FILE, STATE_FILE
 from rlmesh.trainer.config import Settings
+from rlmesh.trainer.final_model import FINAL_MODEL_DIR, read_model_info
 
 
 def model_paths(config: TrainerRunConfig) -> list[tuple[str, str]]:
@@ -31,20 +32,38 @@ class RunPaths:
         # Where models load from: model_roots, then work_dir.
         self.model_roots = resolve_roots([*settings.model_roots, settings.work_dir])
 
-    def check_run(self, config: TrainerRunConfig) -> list[tuple[str, str]]:
+    def check_run(self, config: TrainerRunConfig, run_id: str = "") -> list[tuple[str, str]]:
         """What in a run config this trainer cannot use, as (field, message): a model path
-        outside model_roots or holding no model directory, a checkpoint_dir outside work_dir."""
+        outside model_roots or holding no model (no Hugging Face config, no checkpoint of
+        ours), a checkpoint_dir outside work_dir or holding the final model of a run other
+        than `run_id` ("": a new run), which the run could not write its own over."""
         problems = []
         for name, value in model_paths(config):
             try:
-                self.model_dir(value, name)
+                found = self.model_dir(value, name)
             except errors.InvalidArgument as e:
                 problems.append((name, str(e)))
+                continue
+            if not (found / "config.json").is_file() and not (found / STATE_FILE).is_file():
+                problems.append(
+                    (name, f"{name} {value!r}: no model there (a Hugging Face model directory has a config.json)")
+                )
         if config.checkpoint_dir:
             try:
-                self.under_work_dir(config.checkpoint_dir, "checkpoint_dir")
+                final = self.under_work_dir(config.checkpoint_dir, "checkpoint_dir") / FINAL_MODEL_DIR
             except errors.InvalidArgument as e:
                 problems.append(("checkpoint_dir", str(e)))
+            else:
+                owner = read_model_info(final) or {}
+                if final.exists() and (not run_id or owner.get("run_id") != run_id):
+                    problems.append(
+                        (
+                            "checkpoint_dir",
+                            f"checkpoint_dir {config.checkpoint_dir!r} holds another run's final model "
+                            f"({FINAL_MODEL_DIR!r}), which this run could not write over: give the run a "
+                            "checkpoint_dir of its own",
+                        )
+                    )
         return problems
 
     def model_dir(self, path: str, what: str) -> Path:

@@ -45,6 +45,7 @@ def _status(status: RunStatus) -> trainer_pb2.TrainerStatus:
         unacknowledged_step=status.unacknowledged_step,
         waiting_for=status.waiting_for,
         final_model=status.final_model,
+        final_model_problem=status.final_model_problem,
         vocab_size=status.vocab_size,
     )
 

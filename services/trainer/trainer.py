@@ -92,7 +92,7 @@ class Trainer:
         """Load the run's model, or resume the newest complete checkpoint of the run in its
         checkpoint_dir (a restarted trainer, or the run set up again)."""
         validate_run_id(run_id)
-        problems = self.paths.check_run(config)
+        problems = self.paths.check_run(config, run_id)
         if problems:
             raise errors.InvalidArgument("; ".join(message for _, message in problems))
         checkpoints = self.paths.checkpoint_dir(run_id, config)  # refused now rather than at the first save
@@ -220,7 +220,7 @@ class Trainer:
                 await self._buffer.commit_acks(run, run.written_step, patiently=not shutting_down)
             status = run.status()
             if not shutting_down:
-                status.final_model = await self._write_final_model(run)
+                status.final_model, status.final_model_problem = await self._write_final_model(run)
             await run.pushed()
             if run.pusher is not None:
                 await run.pusher.close()
@@ -552,17 +552,17 @@ class Trainer:
             )
         )
 
-    async def _write_final_model(self, run: Run) -> str:
+    async def _write_final_model(self, run: Run) -> tuple[str, str]:
         """The run's final policy as a model directory <checkpoint_dir>/final; its path
         relative to work_dir (what a person names it by; the server's own directories stay
-        its own)."""
+        its own), or "" and why it was not written."""
         target = self.paths.checkpoint_dir(run.run_id, run.config) / FINAL_MODEL_DIR
         info = final_model_info(run.run_id, run.backend.step, run.weight_version)
         try:
             await asyncio.to_thread(write_final_model, run.backend, target, info)
         except errors.FailedPrecondition as e:  # another run's there: no retry would change that
             log.error("run %s: no final model: %s", run.run_id, e)
-            return ""
+            return "", str(e)
         except (OSError, errors.RlmeshError) as e:
             log.error("run %s: the final model could not be written to %s: %s", run.run_id, target, e)
             raise errors.FailedPrecondition(
@@ -570,7 +570,7 @@ class Trainer:
                 "says why); the run stays set up: EndRun again to retry"
             ) from None
         log.info("run %s: final model at %s (the trainer at step %d)", run.run_id, target, run.backend.step)
-        return self.paths.relative_to_work_dir(target)
+        return self.paths.relative_to_work_dir(target), ""
 
     async def list_checkpoints(self, run_id: str, checkpoint_dir: str = "") -> list[CheckpointInfo]:
         """The complete checkpoints of `run_id` in its checkpoint directory (the run config's

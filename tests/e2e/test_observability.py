@@ -46,7 +46,7 @@ def test_a_run_shows_in_prometheus_tensorboard_and_wandb(
     assert "time" not in scalars
 
     # W&B, offline: the same rows, the same names.
-    (wandb_run,) = (log_dir / run_id / "wandb" / "wandb").glob(f"offline-run-*-{run_id}")
+    (wandb_run,) = (log_dir / run_id / "wandb").glob(f"offline-run-*-{run_id}")
     history = wandb_history(wandb_run)
     logged = [row for row in history if "train/loss" in row]
     assert [row["rollout_id"] for row in logged] == [1, 2]

@@ -123,7 +123,7 @@ def test_jsonl_parquet_and_saved_datasets_read_the_same(buffer, tmp_path):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "['train', 'test']" in details
     (tmp_path / "notes.txt").write_text("hi")
     code, details = code_of(lambda: run_with(stub, spec(tmp_path / "notes.txt"), run_id="x"))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "unsupported" in details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "is not a dataset rlmesh reads" in details
     (tmp_path / "empty").mkdir()
     code, details = code_of(lambda: run_with(stub, spec(tmp_path / "empty"), run_id="x"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "Parquet" in details

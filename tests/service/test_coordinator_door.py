@@ -42,6 +42,13 @@ def strings(value) -> list[str]:
     return []
 
 
+def made(directory, file: str):
+    """`directory`, made, holding one small file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / file).write_text("{}\n")
+    return directory
+
+
 def server_dirs(tmp_path) -> list[str]:
     """The servers' own directories: the trainer's work_dir, the roots (pytest's base temp)."""
     return [str(tmp_path / "trainer"), str(tmp_path.parent.parent.resolve())]
@@ -53,7 +60,19 @@ def server_dirs(tmp_path) -> list[str]:
         (lambda c, t: c["datasets"][0].update(path="/etc/passwd"), ["datasets", 0, "path"], "data_roots"),
         (lambda c, t: c["datasets"][1].update(path="../../../x.jsonl"), ["datasets", 1, "path"], "data_roots"),
         (lambda c, t: c["datasets"][0].update(path=str(t / "missing.jsonl")), ["datasets", 0, "path"], "nothing there"),
+        (  # (a directory of JSONL files: read_rows takes one file of them, not the directory)
+            lambda c, t: c["datasets"][0].update(path=str(made(t / "jsonl-dir", "a.jsonl"))),
+            ["datasets", 0, "path"],
+            "not a dataset rlmesh reads",
+        ),
+        (lambda c, t: c["datasets"][0].update(prompt_key="nope"), ["datasets", 0, "prompt_key"], "no 'nope' key"),
         (lambda c, t: c.update(checkpoint_dir="/tmp"), ["checkpoint_dir"], "work_dir"),
+        (  # (the run could not write its own final model there)
+            lambda c, t: made(t / "trainer" / "shared" / "final", "config.json") and c.update(checkpoint_dir="shared"),
+            ["checkpoint_dir"],
+            "holds another run's final model",
+        ),
+        (lambda c, t: c.update(model_path=str(made(t / "not-a-model", "notes.txt"))), ["model_path"], "no model there"),
         (lambda c, t: c.update(checkpoint_dir="../elsewhere"), ["checkpoint_dir"], "work_dir"),
         (lambda c, t: c.update(model_path="/usr/lib"), ["model_path"], "model_roots"),
         (lambda c, t: c.update(model_path=str(t / "no-model")), ["model_path"], "no model directory"),

@@ -163,7 +163,8 @@ def test_a_run_that_ends_leaves_no_dataset_copy_in_redis_and_no_task(
     start_in_loop, redis_url, silent_address, tmp_path
 ):
     """A run stopped through the API: the coordinator closes it in the buffer (after the
-    trainer's EndRun, here a silent trainer past its deadline), and forgets its task."""
+    trainer's EndRun, here a silent trainer past its deadline and the stop's wait for it), and
+    forgets its task."""
     _, buffer_port = start_in_loop(lambda: start_buffer(BufferSettings(redis_url=redis_url, port=0)))
     coordinator, port = start_in_loop(
         lambda: start_coordinator(
@@ -177,6 +178,7 @@ def test_a_run_that_ends_leaves_no_dataset_copy_in_redis_and_no_task(
                 call_deadline_seconds=1.0,
                 setup_deadline_seconds=1.0,
                 check_deadline_seconds=0.5,
+                stop_trainer_wait_seconds=2.0,  # (then stopped without a final model)
             )
         )
     )

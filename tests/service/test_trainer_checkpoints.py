@@ -364,9 +364,28 @@ def test_a_save_never_replaces_another_runs_checkpoint(tiny_model_dir, tmp_path)
             await trainer.end_run(run_id)
 
     written = asyncio.run(save("a"))
+    shutil.rmtree(tmp_path / "shared" / "final")  # (else run b is refused at its setup: below)
     with pytest.raises(errors.FailedPrecondition, match="a checkpoint of run 'a'"):
         asyncio.run(save("b"))
     assert json.loads((written / "trainer_state.json").read_text())["run_id"] == "a"
+
+
+def test_a_run_is_not_set_up_where_another_runs_final_model_is(tiny_model_dir, tmp_path):
+    """A run whose checkpoint_dir holds another run's final model could not write its own there
+    (it would have trained to the end and kept no model): refused when it is set up, while the
+    run that wrote it is set up there again (a trainer restarted after its end)."""
+
+    async def scenario():
+        trainer = Trainer(Settings(work_dir=tmp_path))
+        shared = config(tiny_model_dir, checkpoint_dir="shared")
+        await trainer.init_run("a", shared)
+        assert (await trainer.end_run("a")).final_model == "shared/final"
+        with pytest.raises(errors.InvalidArgument, match="holds another run's final model"):
+            await trainer.init_run("b", shared)
+        await trainer.init_run("a", shared)
+        await trainer.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_lost_rollback_does_not_make_a_dead_trainers_later_steps_final(

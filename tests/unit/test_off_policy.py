@@ -234,3 +234,15 @@ def test_batches_that_teach_nothing_after_a_fall_are_warned_of():
     learned = [it(29, 0.3, 0.5), it(30, 1.0, 0.0), it(31, 0.94, 0.0), it(32, 0.94, 0.0)]
     assert new_warnings(learned, []) == []  # at the reward's ceiling (a group all wrong): the task is learned
     assert new_warnings([it(1, 0.0, 0.0), it(2, 0.0, 0.0), it(3, 0.0, 0.0)], []) == []  # never rose
+
+
+def test_iterations_whose_samples_mostly_failed_are_warned_of():
+    """A reward service down for the run: every sample failed, nothing was trained, and the
+    run went on to 'complete' with nothing said (found by a probe)."""
+    from rlmesh.coordinator.off_policy_watch import new_warnings
+
+    failing = [{"rollout_id": i, "rollout/failed_ratio": 1.0, "train/samples": 0.0} for i in (1, 2)]
+    (warned,) = new_warnings(failing, [])
+    assert warned.startswith("rollout/failed_ratio > 0.5 for 2 iterations (last 1, at rollout 2)")
+    assert "status=failed" in warned and "collapse" not in warned
+    assert new_warnings([{**failing[0], "rollout/failed_ratio": 0.25}, failing[1]], []) == []

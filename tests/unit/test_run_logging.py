@@ -42,7 +42,7 @@ def test_records_reach_tensorboard_and_wandb_under_their_names(tmp_path):
     assert scalars["eval/test/reward_mean"] == [(0, 0.25)]
     assert "time" not in scalars and "rollout_id" not in scalars
 
-    (run_dir,) = (tmp_path / "run1" / "wandb" / "wandb").glob("offline-run-*-run1")
+    (run_dir,) = (tmp_path / "run1" / "wandb").glob("offline-run-*-run1")
     rows = wandb_history(run_dir)
     assert [(r["rollout_id"], r["train/loss"]) for r in rows if "train/loss" in r] == [(1, 1.5), (2, 1.25)]
     assert [r["sft/loss"] for r in rows if "sft/loss" in r] == [2.5]

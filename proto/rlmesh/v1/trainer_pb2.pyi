@@ -128,7 +128,7 @@ class EndRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("run_id", "step", "weight_version", "model_path", "resumed_step", "step_in_flight", "unacknowledged_step", "waiting_for", "final_model", "vocab_size")
+    __slots__ = ("run_id", "step", "weight_version", "model_path", "resumed_step", "step_in_flight", "unacknowledged_step", "waiting_for", "final_model", "vocab_size", "final_model_problem")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class TrainerStatus(_message.Message):
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     FINAL_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FINAL_MODEL_PROBLEM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     weight_version: int
@@ -149,7 +150,8 @@ class TrainerStatus(_message.Message):
     waiting_for: _containers.RepeatedScalarFieldContainer[str]
     final_model: str
     vocab_size: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ..., resumed_step: _Optional[int] = ..., step_in_flight: _Optional[bool] = ..., unacknowledged_step: _Optional[int] = ..., waiting_for: _Optional[_Iterable[str]] = ..., final_model: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    final_model_problem: str
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., model_path: _Optional[str] = ..., resumed_step: _Optional[int] = ..., step_in_flight: _Optional[bool] = ..., unacknowledged_step: _Optional[int] = ..., waiting_for: _Optional[_Iterable[str]] = ..., final_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., final_model_problem: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("run_id", "checkpoint_dir")
