@@ -440,10 +440,10 @@ class RunDriver:
 
     async def _end_in_trainer(self, run_id: str, stopping: RunCalls | None = None) -> trainer_pb2.TrainerStatus | None:
         """EndRun (the trainer writes the final model and lets the run go); its answer, None
-        when it failed. A run that stops
-        (`stopping`: its calls) keeps its model whatever the trainer is doing: a trainer down
-        or restarting is waited for (up to stop_trainer_wait_seconds), and one that lost
-        the run (restarted) is set up again, from its last checkpoint, to write it."""
+        when it failed. A run that stops (`stopping`: its calls) keeps its model whatever the
+        trainer is doing: a trainer down or restarting is waited for (up to
+        stop_trainer_wait_seconds), and one that lost the run (restarted) is set up again,
+        from its last checkpoint, to write it."""
 
         def end() -> Awaitable[trainer_pb2.TrainerStatus]:
             return self.clients.trainer.EndRun(
