@@ -7,10 +7,9 @@ retried through a service's outage (calls.py)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from redis.exceptions import RedisError
@@ -355,7 +354,7 @@ class RunDriver:
         trainer took them, before it recorded them) get a record each, marked metrics_lost,
         so that the run's history has every step it holds."""
         run_id, sft_steps = calls.run_id, calls.cfg.sft_warmup.steps
-        positions = [record_position(json.loads(raw), sft_steps) async for raw in self._metric_records(run_id)]
+        positions = [record_position(record, sft_steps) for record in await self.store.metrics(run_id)]
         # (after a step taken again, the newest record is not the furthest: those up to it are retaken)
         newest, calls.recorded = (positions[-1], max(positions)) if positions else (0, 0)
         steps = await self.store.train_steps(run_id)
@@ -363,16 +362,6 @@ class RunDriver:
             await self._append_step(
                 calls, {"time": time.time(), "step": steps[position - 1], "metrics_lost": 1}, position
             )
-
-    async def _metric_records(self, run_id: str, page: int = 1000) -> AsyncIterator[bytes]:
-        since = 0
-        while True:
-            raw, total = await self.store.raw_metrics_since(run_id, since, page)
-            for record in raw:
-                yield record
-            since += len(raw)
-            if not raw or since >= total:
-                return
 
     async def _start_rl(self, calls: RunCalls) -> str:
         """Between the warm start and RL: the engines get the warm-started weights, and the
