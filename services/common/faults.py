@@ -9,7 +9,7 @@ request of a deployed service reaches this.
 
 The points: buffer.after_lease, buffer.after_ack (LeaseBatch, AckBatch: done in Redis,
 reply not sent), trainer.before_ack, trainer.before_push, trainer.mid_push (a distributed push between two
-buckets), trainer.checkpoint_written,
+buckets: the engines asked for the next one, not sent yet), trainer.checkpoint_written,
 trainer.end_run (EndRun begun, its last checkpoint not written), trainer.background_push (a
 background push's weights copied, nothing sent), rollout.evaluate (an
 evaluation's prompts fetched, nothing generated)."""

@@ -48,15 +48,25 @@ class BucketStream:
     buckets: int
     prepare: Callable[[int], OutgoingBucket | None]  # (in a thread) None: unchanged, skipped
     call: Callable[[str, rollout_pb2.UpdateWeightsRequest], Awaitable]
-    abandon: Callable[[asyncio.Future], None]  # our broadcast may never complete: give up the group
+    abandon: Callable[[asyncio.Future | None], None]  # our broadcast may never complete: give up the group
     early: bool  # request bucket k+1 once bucket k's first tensor left (gloo)
     pending: list[asyncio.Future] = field(default_factory=list)  # calls not answered yet, oldest first
     ready: dict[int, asyncio.Future] = field(default_factory=dict)  # buckets being prepared
     sent_bytes: int = 0
     delta_buckets: int = 0  # sent as deltas or skipped unchanged
     timings: list[BucketTiming] = field(default_factory=list)
+    sending: asyncio.Future | None = None  # our broadcast of the latest bucket
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        except BaseException:
+            # Stopped part way, the group's ranks are out of step (an engine may be waiting
+            # for a bucket never sent): it is not used again.
+            self.abandon(self.sending)
+            raise
+
+    async def _run(self) -> None:
         origin = time.monotonic()
         # Two buckets are prepared ahead at most: bucket k+2 reuses bucket k's staging
         # buffer, so it is prepared only once bucket k has left rank 0.
@@ -75,14 +85,14 @@ class BucketStream:
             def first_sent(first: asyncio.Future = first, loop: asyncio.AbstractEventLoop = loop) -> None:
                 loop.call_soon_threadsafe(lambda: first.done() or first.set_result(time.monotonic()))
 
-            mine = asyncio.ensure_future(asyncio.to_thread(item.send, first_sent))
+            mine = self.sending = asyncio.ensure_future(asyncio.to_thread(item.send, first_sent))
             upcoming = None
             if self.early:
                 await self._watch(what, first, mine)
                 upcoming = await self._take(k + 1)  # prepared meanwhile
                 if upcoming is not None:
-                    await fault_point("trainer.mid_push")  # (bucket k on its way, bucket k+1 not asked for)
                     self._request(*upcoming)
+                    await fault_point("trainer.mid_push")  # (bucket k on its way, k+1 asked for, not sent)
             self.sent_bytes += await self._watch(what, mine, mine)
             finished = time.monotonic()
             if not self.early:

@@ -447,6 +447,15 @@ class Trainer:
             raise errors.InvalidArgument(f"version must not be negative, got {version}")
         check_pause_mode(pause_mode)
         await fault_point("trainer.before_push")
+        # Shielded from the caller going away (a coordinator restarting): a push stopped
+        # between buckets would leave the engines waiting for a bucket never sent, and the
+        # next push's first broadcast would meet that wait (over gloo, the size mismatch
+        # aborts the engine's process). A push once begun goes to its end, holding the model.
+        return await asyncio.shield(self._publish(run, version, method, again, pause_mode, background))
+
+    async def _publish(
+        self, run: Run, version: int, method: str, again: bool, pause_mode: str, background: bool
+    ) -> PushResult:
         async with self._holding(run):
             await run.pushed()  # (pushes share the weight group: one at a time)
             if again and run.weight_version and run.pushed_at_step == run.backend.step:

@@ -371,9 +371,12 @@ class WeightPusher:
         log.info("weight group %s open: %d ranks over %s", name, world_size, backend)
         return self._group
 
-    def _abandon_group(self, pending: asyncio.Future) -> None:
+    def _abandon_group(self, pending: asyncio.Future | None) -> None:
         group, self._group = self._group, None
         if group is None:
+            return
+        if pending is None:
+            destroy_weight_group(group.group, group.name)
             return
         # A thread may still be blocked in a collective on it: free it only afterwards.
         pending.add_done_callback(lambda _: destroy_weight_group(group.group, group.name))

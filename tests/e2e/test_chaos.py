@@ -342,13 +342,17 @@ def test_a_background_push_the_trainer_dies_in_is_pushed_again(chaos, tiny_model
 def test_a_push_its_coordinator_died_in_is_made_again_before_anything_samples(chaos, tiny_model_dir):
     """The coordinator is killed in the middle of the push of the run's last step: the first
     bucket is on its way to the engine under no version (a version travels with the last
-    bucket), and the trainer's call is cancelled with the rest. Before, the restarted
-    coordinator found engine and run at the same version and evaluated (in a longer run,
-    generated and trained) on that mix of two models. Now a resumed run pushes the trainer's
-    weights again before anything samples: the engine ends holding the final model bit for bit."""
+    bucket) and the engine has been asked for the second. Before, the restarted coordinator
+    found engine and run at the same version and evaluated (in a longer run, generated and
+    trained) on that mix of two models; later, the trainer's push stopped with its cancelled
+    call, and the resumed run's push broadcast its first bucket into the engine's wait for the
+    second (gloo aborted the engine's process on the size mismatch). Now a push once begun
+    goes to its end, a resumed run pushes the trainer's weights again before anything
+    samples, and the same engine process ends holding the final model bit for bit."""
     config = chaos_config(chaos.stack, tiny_model_dir, num_rollouts=1)
     config["weight_sync"] = {"bucket_bytes": 100_000}  # (the tiny model in about six buckets)
     config["algorithm"] = {"entropy_coef": 0.1}  # (the step moves every weight, whatever its rewards)
+    engine_process = chaos.process("engine")
     run_id = chaos.start_run(config)
     try:
         eventually(lambda: chaos.api.get(f"/runs/{run_id}").json()["weight_version"] >= 1, "the run's first push")
@@ -369,6 +373,7 @@ def test_a_push_its_coordinator_died_in_is_made_again_before_anything_samples(ch
                 got = client.post("/get_weights_by_name", json={"name": name, "truncate_size": 10**6})
                 assert got.status_code == 200, got.text
                 assert torch.equal(torch.tensor(got.json(), dtype=tensor.dtype), tensor), name
+        assert chaos.process("engine") is engine_process and engine_process.poll() is None, "the engine restarted"
     finally:
         chaos.ensure_finished(run_id)
 

@@ -99,6 +99,20 @@ class Compose:
         }
         return {name: states.get(name, "missing") for name in SERVICES if states.get(name) != "running/healthy"}
 
+    def health_log(self, services) -> str:
+        """The last health checks' outputs of `services`."""
+        lines = []
+        try:
+            containers = self.containers()
+        except (AssertionError, subprocess.SubprocessError) as e:
+            return f"(no health log: {e})"
+        for name, c in containers.items():
+            if name in services:
+                for check in ((c["State"].get("Health") or {}).get("Log") or [])[-3:]:
+                    output = str(check.get("Output", "")).strip()[-400:]
+                    lines.append(f"{name} health check at {check.get('Start')}: exit {check.get('ExitCode')}: {output}")
+        return "\n".join(lines)
+
     def logs(self) -> str:
         try:
             return self("logs", "--no-color", "--tail", "40", timeout=60)[-12000:]
@@ -144,7 +158,7 @@ def test_the_cpu_profile_runs_and_a_run_survives_a_restarted_container(tmp_path,
         try:
             eventually(healthy, "every service healthy", timeout=300)
         except AssertionError as e:
-            raise AssertionError(f"{e}: {waiting}") from None
+            raise AssertionError(f"{e}: {waiting}\n{compose.health_log(waiting)}") from None
         t = phase("health checks passing", t)
         # Redis keeps its append-only file on its volume.
         aof = compose("exec", "-T", "redis", "ls", "/data", timeout=60).split()
@@ -204,10 +218,9 @@ def test_the_cpu_profile_runs_and_a_run_survives_a_restarted_container(tmp_path,
         assert "eval/held_out/reward_mean" in final["eval_after"], final["eval_after"]
         t = phase("run to its final evaluation", t)
         eventually(healthy, "every service healthy again (the restarted rollout too)", timeout=180)
-    except BaseException:
-        with capsys.disabled():
-            print(f"\ncompose test failed; the services' last log lines:\n{compose.logs()}", flush=True)
-        raise
+    except Exception as e:
+        # (in the message: under pytest-xdist a worker's own prints do not reach the report)
+        raise AssertionError(f"{type(e).__name__}: {e}\n\nthe services' last log lines:\n{compose.logs()}") from e
     finally:
         down = compose.run("down", "-v", "--remove-orphans", "-t", "5", timeout=180)
         phase("docker-compose down -v", t)
