@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlmesh.common import errors
+from rlmesh.common.faults import FAULTS_DIR_ENV
 from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.net import free_port
 from rlmesh.common.run_config import WeightSyncConfig
@@ -27,6 +28,7 @@ from rlmesh.trainer.results import parse_run_config
 from rlmesh.trainer.trainer import Trainer
 from rlmesh.trainer.weight_sync import WeightPusher, plan_buckets
 from rlmesh.v1 import buffer_pb2, trainer_pb2
+from tests.helpers.chaos import eventually
 from tests.helpers.trainer import (
     CPU,
     assert_engine_has,
@@ -408,6 +410,37 @@ def test_publish_weights_through_the_rollout_service(rollout_address, engine, tr
     with pytest.raises(grpc.RpcError) as e:
         stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=4, method="nfs"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_push_whose_caller_went_away_goes_to_its_end(
+    rollout_address, engine, trainer_server, tiny_model_dir, tmp_path, monkeypatch
+):
+    """PublishWeights's caller gives up (its deadline; a coordinator restarting) while bucket 1
+    is on its way and the engine has been asked for bucket 2: the push goes on to its end.
+    Before, it stopped there, and the next push broadcast its first bucket into the engine's
+    wait for bucket 2 (gloo aborted the engine's process on the size mismatch)."""
+    monkeypatch.setenv(FAULTS_DIR_ENV, str(tmp_path))
+    stub = trainer_server(rollout_address=rollout_address)
+    cfg = config(tiny_model_dir, weight_sync={"bucket_bytes": 128 * 1024})
+    stub.InitRun(trainer_pb2.InitRunRequest(run_id="r1", config_json=cfg.model_dump_json()))
+    stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=1))  # (opens the group)
+    backend, process = trainer_server.trainers[-1]._run.backend, engine.process
+
+    weights = moved(backend, 0.01)
+    hold = tmp_path / "trainer.mid_push.hold"
+    hold.touch()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=2), timeout=2)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert (tmp_path / "trainer.mid_push.reached").exists()  # (held there, bucket 2 asked for)
+    hold.unlink()
+    eventually(lambda: engine.weight_version() == "2", "the push carried on", timeout=60)
+    assert_engine_has(engine, weights)
+
+    weights = moved(backend, 0.01)
+    stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=3))
+    assert engine.weight_version() == "3" and engine.process is process and process.poll() is None
+    assert_engine_has(engine, weights)
 
 
 def test_weights_pushed_again_to_a_restarted_engine_keep_their_version_until_the_next_step(
