@@ -16,12 +16,32 @@ from rlmesh.common import errors, weight_file
 from rlmesh.common.faults import fault_point
 from rlmesh.trainer.colocated import ColocatedPusher, discard_weight_files
 from rlmesh.trainer.config import Settings
+from rlmesh.trainer.engine_pause import check_pause_mode
 from rlmesh.trainer.run_state import Run
 from rlmesh.trainer.weight_sync import PushResult, WeightPusher
 
 PUBLISH_METHODS = ("distributed", "disk", "colocated")
 
 log = logging.getLogger(__name__)
+
+
+def publish_method(run: Run, method: str, version: int, pause_mode: str, background: bool) -> str:
+    """The method a push of the run's weights asks for ("": the run config's), its request checked."""
+    method = method or run.config.weight_sync.method
+    if method not in PUBLISH_METHODS:
+        raise errors.InvalidArgument(f"method must be one of {', '.join(PUBLISH_METHODS)} (or empty), got {method!r}")
+    if background and method != "distributed":
+        raise errors.InvalidArgument(f"background pushes need method 'distributed', not {method!r}")
+    if version < 0:
+        raise errors.InvalidArgument(f"version must not be negative, got {version}")
+    check_pause_mode(pause_mode)
+    return method
+
+
+def log_failed_push(run_id: str, version: int, push: asyncio.Future) -> None:
+    """A push's failure said in the trainer's log (its caller may have gone away)."""
+    if not push.cancelled() and push.exception() is not None:
+        log.warning("run %s: the push of weights v%d failed: %s", run_id, version, push.exception())
 
 
 async def push_weights(run: Run, settings: Settings, version: int, method: str, pause_mode: str = "") -> PushResult:

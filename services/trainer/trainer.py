@@ -35,7 +35,6 @@ from rlmesh.trainer.checkpoints import (
     write_in_background,
 )
 from rlmesh.trainer.config import Settings
-from rlmesh.trainer.engine_pause import check_pause_mode
 from rlmesh.trainer.final_model import (
     FINAL_MODEL_DIR,
     KL_REFERENCE_DIR,
@@ -45,8 +44,9 @@ from rlmesh.trainer.final_model import (
 )
 from rlmesh.trainer.loading import resolve_device
 from rlmesh.trainer.publishing import (
-    PUBLISH_METHODS,
     discard_lost_weight_files,
+    log_failed_push,
+    publish_method,
     push_weights,
     start_background_push,
 )
@@ -436,27 +436,30 @@ class Trainer:
         return once the weights are copied, the push going on from the copy (wait_for_push
         tells its outcome). The result's version is the one used."""
         run = self._get(run_id)
-        method = method or run.config.weight_sync.method
-        if method not in PUBLISH_METHODS:
-            raise errors.InvalidArgument(
-                f"method must be one of {', '.join(PUBLISH_METHODS)} (or empty), got {method!r}"
-            )
-        if background and method != "distributed":
-            raise errors.InvalidArgument(f"background pushes need method 'distributed', not {method!r}")
-        if version < 0:
-            raise errors.InvalidArgument(f"version must not be negative, got {version}")
-        check_pause_mode(pause_mode)
+        method = publish_method(run, method, version, pause_mode, background)
         await fault_point("trainer.before_push")
         # Shielded from the caller going away (a coordinator restarting): a push stopped
         # between buckets would leave the engines waiting for a bucket never sent, and the
         # next push's first broadcast would meet that wait (over gloo, the size mismatch
         # aborts the engine's process). A push once begun goes to its end, holding the model.
-        return await asyncio.shield(self._publish(run, version, method, again, pause_mode, background))
+        caller = asyncio.current_task()
+        push = asyncio.ensure_future(self._publish(run, version, method, again, pause_mode, background, caller))
+        push.add_done_callback(lambda done: log_failed_push(run.run_id, version, done))
+        return await asyncio.shield(push)
 
     async def _publish(
-        self, run: Run, version: int, method: str, again: bool, pause_mode: str, background: bool
+        self,
+        run: Run,
+        version: int,
+        method: str,
+        again: bool,
+        pause_mode: str,
+        background: bool,
+        caller: asyncio.Task | None,
     ) -> PushResult:
         async with self._holding(run):
+            if caller is not None and caller.done():  # (it gave up while waiting for the model)
+                raise asyncio.CancelledError
             await run.pushed()  # (pushes share the weight group: one at a time)
             if again and run.weight_version and run.pushed_at_step == run.backend.step:
                 version = run.weight_version

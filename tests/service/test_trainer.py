@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from pathlib import Path
 
 import grpc
@@ -415,10 +416,11 @@ def test_publish_weights_through_the_rollout_service(rollout_address, engine, tr
 def test_a_push_whose_caller_went_away_goes_to_its_end(
     rollout_address, engine, trainer_server, tiny_model_dir, tmp_path, monkeypatch
 ):
-    """PublishWeights's caller gives up (its deadline; a coordinator restarting) while bucket 1
-    is on its way and the engine has been asked for bucket 2: the push goes on to its end.
-    Before, it stopped there, and the next push broadcast its first bucket into the engine's
-    wait for bucket 2 (gloo aborted the engine's process on the size mismatch)."""
+    """PublishWeights's caller goes away (a coordinator restarting) while bucket 1 is on its
+    way and the engine has been asked for bucket 2: the push goes on to its end. Before, it
+    stopped there, and the next push broadcast its first bucket into the engine's wait for
+    bucket 2 (gloo aborted the engine's process on the size mismatch). A push whose caller
+    went away while it waited for the model is not made."""
     monkeypatch.setenv(FAULTS_DIR_ENV, str(tmp_path))
     stub = trainer_server(rollout_address=rollout_address)
     cfg = config(tiny_model_dir, weight_sync={"bucket_bytes": 128 * 1024})
@@ -429,17 +431,20 @@ def test_a_push_whose_caller_went_away_goes_to_its_end(
     weights = moved(backend, 0.01)
     hold = tmp_path / "trainer.mid_push.hold"
     hold.touch()
-    with pytest.raises(grpc.RpcError) as e:
-        stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=2), timeout=2)
-    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert (tmp_path / "trainer.mid_push.reached").exists()  # (held there, bucket 2 asked for)
+    pushing = stub.PublishWeights.future(trainer_pb2.PublishWeightsRequest(run_id="r1", version=2), timeout=120)
+    eventually(lambda: (tmp_path / "trainer.mid_push.reached").exists(), "bucket 2 asked for", timeout=60)
+    waiting = stub.PublishWeights.future(trainer_pb2.PublishWeightsRequest(run_id="r1", version=3), timeout=120)
+    time.sleep(0.5)  # (queued behind the held push)
+    assert pushing.cancel() and waiting.cancel()
     hold.unlink()
     eventually(lambda: engine.weight_version() == "2", "the push carried on", timeout=60)
     assert_engine_has(engine, weights)
+    time.sleep(1)
+    assert engine.weight_version() == "2"  # (version 3's caller had gone)
 
     weights = moved(backend, 0.01)
-    stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=3))
-    assert engine.weight_version() == "3" and engine.process is process and process.poll() is None
+    stub.PublishWeights(trainer_pb2.PublishWeightsRequest(run_id="r1", version=4))
+    assert engine.weight_version() == "4" and engine.process is process and process.poll() is None
     assert_engine_has(engine, weights)
 
 
