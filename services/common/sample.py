@@ -8,6 +8,8 @@ uint8 loss mask); see bench/wire.py for the measurement behind that choice.
 from __future__ import annotations
 
 import base64
+import copy
+import dataclasses
 import enum
 import json
 import math
@@ -63,6 +65,23 @@ class Sample:
     @property
     def response_tokens(self) -> list[int]:
         return self.tokens[len(self.tokens) - self.response_length :]
+
+    def copy(self) -> Sample:
+        """A copy either may change without touching the other, as copy.deepcopy makes, but
+        several times cheaper on long samples: the lists of numbers are copied flat (their
+        items are immutable); what may nest (messages, metadata, ...) is deep-copied."""
+        changes = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _FLAT_FIELDS:
+                changes[f.name] = value.copy()
+            elif isinstance(value, (list, dict)):
+                changes[f.name] = copy.deepcopy(value)
+        return dataclasses.replace(self, **changes)
+
+
+# The fields of Sample that hold only numbers, or strings mapped to numbers.
+_FLAT_FIELDS = frozenset({"tokens", "reward_components", "loss_mask", "rollout_log_probs", "weight_versions"})
 
 
 @dataclass

@@ -20,6 +20,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from rlmesh.common import auth
 from rlmesh.common.errors import HTTP_STATUS_BY_GRPC_CODE, RlmeshError
 from rlmesh.common.grpc_server import aio_channel
+from rlmesh.common.heap import freeze_startup_heap
 from rlmesh.common.http_guard import guard
 from rlmesh.common.prometheus import metrics_response
 from rlmesh.coordinator.api_docs import DOCS_PATH, declare_bearer, is_docs_asset, mount_api_docs
@@ -224,4 +225,11 @@ async def start(settings: Settings) -> tuple[uvicorn.Server, int]:
 
 
 async def serve(settings: Settings) -> None:
-    await uvicorn.Server(server_config(settings)).serve()
+    """Serve until SIGTERM/SIGINT; once up, what start-up built is frozen (heap.py)."""
+    server = uvicorn.Server(server_config(settings))
+    serving = asyncio.ensure_future(server.serve())
+    while not (server.started or serving.done()):
+        await asyncio.sleep(0.02)
+    if server.started:
+        freeze_startup_heap()
+    await serving

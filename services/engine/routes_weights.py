@@ -15,6 +15,7 @@ from rlmesh.common.paths import resolve_under
 from rlmesh.engine.errors import RequestError
 from rlmesh.engine.http_common import EngineState, error_response, json_body, result_response
 from rlmesh.engine.weights import (
+    BroadcastFailed,
     ReceiveBuffers,
     TensorPool,
     TensorSpec,
@@ -72,11 +73,18 @@ def weights_router(state: EngineState) -> APIRouter:
         body = await json_body(request)
         specs = parse_specs(body.get("names"), body.get("dtypes"), body.get("shapes"))
         delta = _requested_delta(state, body, specs)
+        group_name = str(body.get("group_name") or "weight_update_group")
         async with state.weight_lock:
-            group = state.groups.get(str(body.get("group_name") or "weight_update_group"))
+            group = state.groups.get(group_name)
             if body.get("abort_all_requests"):
                 engine.abort(abort_all=True, message="Aborted for a weight update.")
-            applied = await _receive_and_queue(state, body, specs, delta, group, buffers, pool)
+            try:
+                applied = await _receive_and_queue(state, body, specs, delta, group, buffers, pool)
+            except BroadcastFailed:
+                # Freed now rather than at exit: each push cut short would leave one behind
+                # (over NCCL, with its GPU memory). Rank 0 opens a new group for its next push.
+                state.groups.destroy(group_name)
+                raise
         await asyncio.wrap_future(applied)
         return result_response(True, "Succeeded to update parameter online.")
 

@@ -42,6 +42,11 @@ class WeightUpdateError(ValueError):
     """An update that cannot be applied; answered as {"success": false, "message"} with 400."""
 
 
+class BroadcastFailed(WeightUpdateError):
+    """A broadcast of the group failed part way (rank 0 gone, or past the group's timeout):
+    the group cannot carry another."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -269,7 +274,7 @@ def receive(
         bucket = buffer[: receive_bytes(specs, load_format)]
         dist.broadcast(bucket, src=0, group=group)
     except Exception as e:
-        raise WeightUpdateError(f"receiving the broadcast failed: {type(e).__name__}: {e}") from e
+        raise BroadcastFailed(f"receiving the broadcast failed: {type(e).__name__}: {e}") from e
     received, offset = [], 0
     for spec in specs:
         chunk = bucket[offset : offset + spec.nbytes]
@@ -342,7 +347,7 @@ def receive_delta(
         if payload.numel():
             dist.broadcast(payload, src=0, group=group)
     except Exception as e:
-        raise WeightUpdateError(f"receiving the delta broadcast failed: {type(e).__name__}: {e}") from e
+        raise BroadcastFailed(f"receiving the delta broadcast failed: {type(e).__name__}: {e}") from e
     # The values start at a multiple of the index size (4 or 8), so their view is aligned.
     indices = payload[:index_bytes].view(delta.index_dtype).long()
     values = payload[index_bytes:].view(value_dtype)

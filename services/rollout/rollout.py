@@ -4,7 +4,6 @@ scores from the reward service, finished groups back to the buffer."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 import uuid
@@ -17,6 +16,7 @@ from pydantic import ValidationError
 
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable, validation_problems
 from rlmesh.common.faults import fault_point
+from rlmesh.common.heap import freeze_loaded_on_first_use
 from rlmesh.common.limits import within
 from rlmesh.common.plugins import load_plugin
 from rlmesh.common.retry import retry
@@ -143,6 +143,7 @@ class RolloutManager:
                 from transformers import AutoTokenizer
 
                 self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path, local_files_only=True)
+                freeze_loaded_on_first_use()  # (the tokenizer and its modules live as long as the service)
             return self._tokenizer
 
     def generator(self, choice: GenerateChoice) -> Generator:
@@ -191,12 +192,12 @@ class RolloutManager:
             if sample.status not in (Status.PENDING, Status.ABORTED):
                 return [sample]  # finished before an abort: keep as is
             # A try that failed may have changed the sample half-way: each retry starts from this.
-            before = copy.deepcopy(sample)
+            before = sample.copy()
             tries = 0
 
             async def attempt() -> Sample | list[Sample]:
                 nonlocal tries
-                current = sample if not tries else copy.deepcopy(before)
+                current = sample if not tries else before.copy()
                 tries += 1
                 if stop is not None and stop.is_set():
                     return current  # aborted before it started: hand back untouched

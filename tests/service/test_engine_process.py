@@ -129,6 +129,59 @@ def test_bad_weight_update_is_refused_and_changes_nothing(engine_process, hf_mod
         assert missing.status_code == 400 and "init_weights_update_group" in missing.json()["message"]
 
 
+# Rank 0 in its own process: joins, sends the first tensor of a bucket, and dies.
+_DYING_TRAINER = (
+    "import os, sys, torch\n"
+    "from rlmesh.common.weight_group import init_weight_group\n"
+    "group = init_weight_group('gloo', '127.0.0.1', int(sys.argv[1]), 2, 0, sys.argv[2], timeout_seconds=60)\n"
+    "torch.distributed.broadcast(torch.ones([int(d) for d in sys.argv[3:]]), src=0, group=group)\n"
+    "os._exit(0)\n"
+)
+
+
+def test_a_push_whose_trainer_died_part_way_frees_its_group(engine_process, hf_model):
+    """The trainer dies between two tensors of a bucket: the engine's update fails, and the
+    engine frees the group then instead of holding it until it exits; the next push, in a
+    new group of the same name, lands."""
+    with httpx.Client(base_url=engine_process, timeout=60, headers=client_headers()) as client:
+        port, name = free_port(), "wu-cut"
+        (first, first_param), (second, second_param) = list(hf_model.named_parameters())[:2]
+        dying = subprocess.Popen(
+            [sys.executable, "-c", _DYING_TRAINER, str(port), name, *map(str, first_param.shape)],
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
+        joined = client.post(
+            "/init_weights_update_group",
+            json={
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": name,
+                "backend": "gloo",
+            },
+        )
+        assert joined.json()["success"] is True, joined.text
+        cut = client.post(
+            "/update_weights_from_distributed",
+            json={
+                "names": [first, second],
+                "dtypes": ["float32"] * 2,
+                "group_name": name,
+                "shapes": [list(first_param.shape), list(second_param.shape)],
+            },
+        )
+        assert dying.wait(timeout=60) == 0
+        assert cut.status_code == 400 and "receiving the broadcast failed" in cut.json()["message"], cut.text
+        freed = client.post("/destroy_weights_update_group", json={"group_name": name})
+        assert freed.status_code == 400 and "does not exist" in freed.json()["message"]
+        again = WeightSender(client, name)
+        named = _new_weights(hf_model, seed=8)
+        assert again.send(named, "after-the-cut").json()["success"] is True
+        _assert_engine_has(client, named[:2])
+        again.close()
+
+
 def test_the_weight_group_rendezvous_is_the_one_sglang_clients_use(engine_process, hf_model):
     """slime, AReaL, OpenRLHF and SkyRL build rank 0 with torch's `tcp://` rendezvous,
     whose store waits until every rank has checked in: the engine must check in."""

@@ -59,6 +59,21 @@ def full_sample() -> Sample:
     )
 
 
+def test_a_samples_copy_equals_it_and_changes_to_either_leave_the_other_as_it_was():
+    original = full_sample()
+    twin = original.copy()
+    assert twin == original
+    twin.tokens.append(9)
+    twin.loss_mask.append(1)
+    twin.rollout_log_probs.append(-1.0)
+    twin.weight_versions.append(5)
+    twin.reward_components["format"] = 1.0
+    twin.messages[1]["tool_calls"][0]["function"]["name"] = "mul"
+    twin.metadata["n"] = 2
+    twin.multimodal_inputs[0]["uri"] = "file:///y.png"
+    assert original == full_sample()
+
+
 def test_sample_round_trips_through_protobuf_and_json():
     s = full_sample()
     assert sample_from_proto(sample_pb2.Sample.FromString(sample_to_proto(s).SerializeToString())) == s

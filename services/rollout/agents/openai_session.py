@@ -5,7 +5,6 @@ samples (one per chain of calls; see rlmesh.rollout.agents.openai_agent)."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 from dataclasses import dataclass
 
@@ -156,7 +155,7 @@ def chain_calls(calls: list[ModelCall]) -> list[list[ModelCall]]:
 
 def cleared_copy(sample: Sample) -> Sample:
     """A copy of the sample with nothing generated yet."""
-    s = copy.deepcopy(sample)
+    s = sample.copy()
     s.tokens, s.response, s.response_length = [], "", 0
     s.loss_mask, s.rollout_log_probs, s.weight_versions = [], [], []
     return s

@@ -1,0 +1,31 @@
+"""A service's start-up objects kept out of the cyclic collector's full collections."""
+
+import gc
+import weakref
+
+from rlmesh.common import heap
+
+
+class Node:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle: only the cyclic collector frees it
+
+
+def test_start_up_objects_leave_the_collectors_sight_and_later_garbage_is_still_freed(monkeypatch):
+    monkeypatch.setattr(heap, "_in_service_process", False)
+    built_at_start_up = Node()
+    garbage_at_start_up = weakref.ref(Node())
+    heap.freeze_loaded_on_first_use()  # outside a service's process (here, a test's): nothing
+    assert any(o is built_at_start_up for o in gc.get_objects())
+    heap.freeze_startup_heap()
+    try:
+        assert garbage_at_start_up() is None  # collected before the freeze, not kept for good
+        assert not any(o is built_at_start_up for o in gc.get_objects())  # no collection walks it
+        made_while_serving = weakref.ref(Node())
+        gc.collect()
+        assert made_while_serving() is None
+        loaded_later = Node()
+        heap.freeze_loaded_on_first_use()  # in a service's process now
+        assert not any(o is loaded_later for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
