@@ -69,13 +69,14 @@ class Sample:
     def copy(self) -> Sample:
         """A copy either may change without touching the other, as copy.deepcopy makes, but
         several times cheaper on long samples: the lists of numbers are copied flat (their
-        items are immutable); what may nest (messages, metadata, ...) is deep-copied."""
+        items are immutable); anything else that may hold mutable values (messages,
+        metadata, a field added later) is deep-copied."""
         changes = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in _FLAT_FIELDS:
-                changes[f.name] = value.copy()
-            elif isinstance(value, (list, dict)):
+                changes[f.name] = dict(value) if isinstance(value, dict) else list(value)
+            elif not isinstance(value, (str, int, float, enum.Enum, type(None))):
                 changes[f.name] = copy.deepcopy(value)
         return dataclasses.replace(self, **changes)
 

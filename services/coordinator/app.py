@@ -227,9 +227,14 @@ async def start(settings: Settings) -> tuple[uvicorn.Server, int]:
 async def serve(settings: Settings) -> None:
     """Serve until SIGTERM/SIGINT; once up, what start-up built is frozen (heap.py)."""
     server = uvicorn.Server(server_config(settings))
-    serving = asyncio.ensure_future(server.serve())
-    while not (server.started or serving.done()):
-        await asyncio.sleep(0.02)
-    if server.started:
+
+    async def freeze_once_up() -> None:
+        while not server.started:
+            await asyncio.sleep(0.02)
         freeze_startup_heap()
-    await serving
+
+    watcher = asyncio.ensure_future(freeze_once_up())
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()

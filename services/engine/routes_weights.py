@@ -81,8 +81,8 @@ def weights_router(state: EngineState) -> APIRouter:
             try:
                 applied = await _receive_and_queue(state, body, specs, delta, group, buffers, pool)
             except BroadcastFailed:
-                # Freed now rather than at exit: each push cut short would leave one behind
-                # (over NCCL, with its GPU memory). Rank 0 opens a new group for its next push.
+                # Freed now rather than at exit, where each push cut short would leave one
+                # behind. Rank 0 opens a new group for its next push.
                 state.groups.destroy(group_name)
                 raise
         await asyncio.wrap_future(applied)
@@ -172,7 +172,10 @@ async def _receive_and_queue(
     try:
         if delta is None:
             if load_format == "flattened_bucket":
-                buffer = buffers.take(receive_bytes(specs, load_format), engine.device)
+                try:
+                    buffer = buffers.take(receive_bytes(specs, load_format), engine.device)
+                except RuntimeError as e:  # (out of memory: rank 0's broadcast goes unreceived)
+                    raise BroadcastFailed(f"no memory to receive the bucket into: {e}") from e
             apply = await _receive_full(state, body, specs, group, buffer, pool)
         else:
             apply = await _receive_delta(state, body, specs, delta, group)

@@ -43,8 +43,9 @@ class WeightUpdateError(ValueError):
 
 
 class BroadcastFailed(WeightUpdateError):
-    """A broadcast of the group failed part way (rank 0 gone, or past the group's timeout):
-    the group cannot carry another."""
+    """A broadcast of the group was not received whole (rank 0 gone, past the group's
+    timeout, or no memory to receive it into): the group is out of step with rank 0 and
+    cannot carry another update."""
 
 
 @dataclass(frozen=True)
@@ -342,8 +343,8 @@ def receive_delta(
     check the indices before anything is applied."""
     value_dtype = specs[0].dtype
     index_bytes = delta.count * delta.index_dtype.itemsize
-    payload = torch.empty(index_bytes + delta.count * value_dtype.itemsize, dtype=torch.uint8, device=device)
     try:
+        payload = torch.empty(index_bytes + delta.count * value_dtype.itemsize, dtype=torch.uint8, device=device)
         if payload.numel():
             dist.broadcast(payload, src=0, group=group)
     except Exception as e:

@@ -150,31 +150,34 @@ def test_a_push_whose_trainer_died_part_way_frees_its_group(engine_process, hf_m
             [sys.executable, "-c", _DYING_TRAINER, str(port), name, *map(str, first_param.shape)],
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )
-        joined = client.post(
-            "/init_weights_update_group",
-            json={
-                "master_address": "127.0.0.1",
-                "master_port": port,
-                "rank_offset": 1,
-                "world_size": 2,
-                "group_name": name,
-                "backend": "gloo",
-            },
-        )
-        assert joined.json()["success"] is True, joined.text
-        cut = client.post(
-            "/update_weights_from_distributed",
-            json={
-                "names": [first, second],
-                "dtypes": ["float32"] * 2,
-                "group_name": name,
-                "shapes": [list(first_param.shape), list(second_param.shape)],
-            },
-        )
-        assert dying.wait(timeout=60) == 0
-        assert cut.status_code == 400 and "receiving the broadcast failed" in cut.json()["message"], cut.text
-        freed = client.post("/destroy_weights_update_group", json={"group_name": name})
-        assert freed.status_code == 400 and "does not exist" in freed.json()["message"]
+        try:
+            joined = client.post(
+                "/init_weights_update_group",
+                json={
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": name,
+                    "backend": "gloo",
+                },
+            )
+            assert joined.json()["success"] is True, joined.text
+            cut = client.post(
+                "/update_weights_from_distributed",
+                json={
+                    "names": [first, second],
+                    "dtypes": ["float32"] * 2,
+                    "group_name": name,
+                    "shapes": [list(first_param.shape), list(second_param.shape)],
+                },
+            )
+            assert dying.wait(timeout=60) == 0
+            assert cut.status_code == 400 and "receiving the broadcast failed" in cut.json()["message"], cut.text
+            freed = client.post("/destroy_weights_update_group", json={"group_name": name})
+            assert freed.status_code == 400 and "does not exist" in freed.json()["message"]
+        finally:
+            dying.kill()  # (a no-op once it has exited)
         again = WeightSender(client, name)
         named = _new_weights(hf_model, seed=8)
         assert again.send(named, "after-the-cut").json()["success"] is True
