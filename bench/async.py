@@ -15,9 +15,13 @@ their mean, the gap to sync's mean, and the number of collapsed seeds (final eva
 of sync's mean). One 80-rollout run's final eval swings by 0.1 from seed to seed, so each
 mode runs with several seeds (the trainer's random state and the data order), the modes
 interleaved seed by seed. The baseline is the sync run, measured in the same invocation:
-`ideal_speedup` = (generation + training time) / max(generation, training time) from the
-sync runs' own phase times, and `fully_async_fraction_of_ideal` = (fully_async samples/s /
-sync samples/s) / ideal_speedup.
+`ideal_speedup` = sync's RL time / (sync's RL time - min(generation, training time)), from
+the sync runs' own wall time and phase times: overlapping generation with training saves at
+most the shorter of the two, and the rest of a sync step (the weight push, which pauses
+generation in every mode, and the bookkeeping between phases) stays. Until 2026-11-29 it was
+(generation + training) / max(generation, training), which counted the push as if it could
+overlap too. `fully_async_fraction_of_ideal` = (fully_async samples/s / sync samples/s) /
+ideal_speedup.
 
     python -m bench.async [--rollouts 80] [--seeds 5] [--preamble 96] [--modes sync,fully_async]
 
@@ -98,11 +102,19 @@ def summarize(runs: list[dict]) -> dict:
         "samples_per_s": samples / seconds,
         "eval_after": statistics.fmean(evals),
         "evals": evals,
+        "seconds": seconds,
         "generate_seconds": sum(r["generate_seconds"] for r in runs),
         "train_seconds": sum(r["train_seconds"] for r in runs),
         "staleness_max": max(r["staleness_max"] for r in runs),
         "stale_groups_dropped": sum(r["stale_groups_dropped"] for r in runs),
     }
+
+
+def ideal_speedup(sync_seconds: float, generate_seconds: float, train_seconds: float) -> float:
+    """What a perfect overlap of generation and training would make of sync's RL time: it
+    saves at most the shorter of the two, and everything else (the pushes, which pause
+    generation, and the time between phases) stays."""
+    return sync_seconds / (sync_seconds - min(generate_seconds, train_seconds))
 
 
 def main() -> None:
@@ -212,11 +224,12 @@ def main() -> None:
         r["gap"] = r["eval_after"] - sync["eval_after"]
         r["collapsed"] = sum(e < sync["eval_after"] / 2 for e in r["evals"])
     g, t = sync["generate_seconds"], sync["train_seconds"]
-    ideal = (g + t) / max(g, t)
+    ideal = ideal_speedup(sync["seconds"], g, t)
     speedups = {mode: r["samples_per_s"] / sync["samples_per_s"] for mode, r in results.items() if mode != "sync"}
     speedup = speedups.get("fully_async", float("nan"))
     print(
-        f"sync phases: generation {g:.1f} s, training {t:.1f} s -> ideal speedup {ideal:.2f}; "
+        f"sync: {sync['seconds']:.1f} s of RL, generation {g:.1f} s, training {t:.1f} s -> ideal speedup "
+        f"{ideal:.2f}; "
         f"fully_async achieved {speedup:.2f} ({speedup / ideal:.0%} of ideal)"
     )
     samples_per_rollout = config["rollout"]["rollout_batch_size"] * config["rollout"]["n_samples_per_prompt"]
@@ -246,6 +259,7 @@ def main() -> None:
     print_table(
         [
             {
+                "sync RL s": f"{sync['seconds']:.1f}",
                 "sync generation s": f"{g:.1f}",
                 "sync training s": f"{t:.1f}",
                 "ideal speedup": f"{ideal:.2f}",
@@ -258,6 +272,7 @@ def main() -> None:
         json.dumps(
             {
                 **{f"{mode}_samples_per_s": round(r["samples_per_s"], 2) for mode, r in results.items()},
+                "sync_seconds": round(sync["seconds"], 2),
                 "sync_generate_seconds": round(g, 2),
                 "sync_train_seconds": round(t, 2),
                 "ideal_speedup": round(ideal, 3),
