@@ -15,12 +15,13 @@ their mean, the gap to sync's mean, and the number of collapsed seeds (final eva
 of sync's mean). One 80-rollout run's final eval swings by 0.1 from seed to seed, so each
 mode runs with several seeds (the trainer's random state and the data order), the modes
 interleaved seed by seed. The baseline is the sync run, measured in the same invocation:
-`ideal_speedup` = sync's RL time / (sync's RL time - min(generation, training time)), from
-the sync runs' own wall time and phase times: overlapping generation with training saves at
-most the shorter of the two, and the rest of a sync step (the weight push, which pauses
-generation in every mode, and the bookkeeping between phases) stays. Until 2026-11-29 it was
-(generation + training) / max(generation, training), which counted the push as if it could
-overlap too. `fully_async_fraction_of_ideal` = (fully_async samples/s / sync samples/s) /
+`ideal_speedup` = sync's RL time over what a perfect overlap of generation and training
+would leave of it (`ideal_speedup()`), from the sync runs' own wall time and phase times:
+it saves at most the shorter of the two; the weight pushes (which pause generation in every
+mode; with `--background-push` beside the next train step) and the bookkeeping between
+phases stay. Until 2026-11-29 it was (generation + training) / max(generation, training),
+which counted the pushes as if they could be hidden too (still in the JSON line as
+`ideal_speedup_before_2026_11_29`). `fully_async_fraction_of_ideal` = (fully_async samples/s / sync samples/s) /
 ideal_speedup.
 
     python -m bench.async [--rollouts 80] [--seeds 5] [--preamble 96] [--modes sync,fully_async]
@@ -81,6 +82,7 @@ def run_mode(api: httpx.Client, config: dict, mode: str) -> dict:
         "seconds": rl[-1]["time"] - rl[0]["time"] + rl[0]["iteration/seconds"],  # first RL start to last RL end
         "generate_seconds": sum(m.get("phase/generate_seconds", 0.0) for m in rl),
         "train_seconds": sum(m.get("phase/train_seconds", 0.0) for m in rl),
+        "push_seconds": sum(m.get("split/update_seconds", 0.0) for m in rl),
         "eval_after": run["eval_after"].get("eval/held_out/reward_mean"),
         "staleness_max": max((m.get("train/staleness_max", 0.0) for m in rl), default=0.0),
         "stale_groups_dropped": sum(m.get("train/stale_groups_dropped", 0.0) for m in rl),
@@ -105,16 +107,21 @@ def summarize(runs: list[dict]) -> dict:
         "seconds": seconds,
         "generate_seconds": sum(r["generate_seconds"] for r in runs),
         "train_seconds": sum(r["train_seconds"] for r in runs),
+        "push_seconds": sum(r["push_seconds"] for r in runs),
         "staleness_max": max(r["staleness_max"] for r in runs),
         "stale_groups_dropped": sum(r["stale_groups_dropped"] for r in runs),
     }
 
 
-def ideal_speedup(sync_seconds: float, generate_seconds: float, train_seconds: float) -> float:
-    """What a perfect overlap of generation and training would make of sync's RL time: it
-    saves at most the shorter of the two, and everything else (the pushes, which pause
-    generation, and the time between phases) stays."""
-    return sync_seconds / (sync_seconds - min(generate_seconds, train_seconds))
+def ideal_speedup(
+    sync_seconds: float, generate: float, train: float, push: float, push_beside_training: bool = False
+) -> float:
+    """What a perfect overlap of generation and training would make of sync's RL time (its
+    phases' seconds given). Each push pauses generation; it follows the train step, or
+    (push_beside_training, weight_sync.background) runs beside the next one. The time
+    between phases stays as it is."""
+    overlapped = max(generate + push, train) if push_beside_training else max(generate, train) + push
+    return sync_seconds / (sync_seconds - (generate + train + push) + overlapped)
 
 
 def main() -> None:
@@ -223,12 +230,13 @@ def main() -> None:
     for r in results.values():  # (a collapsed seed ends below half of sync's mean)
         r["gap"] = r["eval_after"] - sync["eval_after"]
         r["collapsed"] = sum(e < sync["eval_after"] / 2 for e in r["evals"])
-    g, t = sync["generate_seconds"], sync["train_seconds"]
-    ideal = ideal_speedup(sync["seconds"], g, t)
+    g, t, u = sync["generate_seconds"], sync["train_seconds"], sync["push_seconds"]
+    ideal = ideal_speedup(sync["seconds"], g, t, u, push_beside_training=args.background_push)
     speedups = {mode: r["samples_per_s"] / sync["samples_per_s"] for mode, r in results.items() if mode != "sync"}
     speedup = speedups.get("fully_async", float("nan"))
     print(
-        f"sync: {sync['seconds']:.1f} s of RL, generation {g:.1f} s, training {t:.1f} s -> ideal speedup "
+        f"sync: {sync['seconds']:.1f} s of RL, generation {g:.1f} s, training {t:.1f} s, pushes {u:.1f} s "
+        "-> ideal speedup "
         f"{ideal:.2f}; "
         f"fully_async achieved {speedup:.2f} ({speedup / ideal:.0%} of ideal)"
     )
@@ -262,6 +270,7 @@ def main() -> None:
                 "sync RL s": f"{sync['seconds']:.1f}",
                 "sync generation s": f"{g:.1f}",
                 "sync training s": f"{t:.1f}",
+                "sync pushes s": f"{u:.1f}",
                 "ideal speedup": f"{ideal:.2f}",
                 "fully_async speedup": f"{speedup:.2f}",
                 "of the ideal": f"{speedup / ideal:.0%}",
@@ -275,6 +284,8 @@ def main() -> None:
                 "sync_seconds": round(sync["seconds"], 2),
                 "sync_generate_seconds": round(g, 2),
                 "sync_train_seconds": round(t, 2),
+                "sync_push_seconds": round(u, 2),
+                "ideal_speedup_before_2026_11_29": round((g + t) / max(g, t), 3),  # (the older form)
                 "ideal_speedup": round(ideal, 3),
                 **{f"{mode}_speedup": round(x, 3) for mode, x in speedups.items()},
                 "fully_async_fraction_of_ideal": round(speedup / ideal, 3),

@@ -75,7 +75,12 @@ class Sample:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in _FLAT_FIELDS:
-                changes[f.name] = dict(value) if isinstance(value, dict) else list(value)
+                if isinstance(value, dict):
+                    changes[f.name] = dict(value)
+                elif isinstance(value, (list, tuple)):
+                    changes[f.name] = list(value)
+                else:  # (say, an array a plug-in put there: its own copy)
+                    changes[f.name] = copy.deepcopy(value)
             elif not isinstance(value, (str, int, float, enum.Enum, type(None))):
                 changes[f.name] = copy.deepcopy(value)
         return dataclasses.replace(self, **changes)

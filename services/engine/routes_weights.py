@@ -175,7 +175,7 @@ async def _receive_and_queue(
                 try:
                     buffer = buffers.take(receive_bytes(specs, load_format), engine.device)
                 except RuntimeError as e:  # (out of memory: rank 0's broadcast goes unreceived)
-                    raise BroadcastFailed(f"no memory to receive the bucket into: {e}") from e
+                    raise BroadcastFailed(f"receiving the broadcast failed: no memory for the bucket: {e}") from e
             apply = await _receive_full(state, body, specs, group, buffer, pool)
         else:
             apply = await _receive_delta(state, body, specs, delta, group)
