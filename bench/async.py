@@ -21,8 +21,8 @@ it saves at most the shorter of the two; the weight pushes (which pause generati
 mode; with `--background-push` beside the next train step) and the bookkeeping between
 phases stay. Until 2026-11-29 it was (generation + training) / max(generation, training),
 which counted the pushes as if they could be hidden too (still in the JSON line as
-`ideal_speedup_before_2026_11_29`). `fully_async_fraction_of_ideal` = (fully_async samples/s / sync samples/s) /
-ideal_speedup.
+`ideal_speedup_before_2026_11_29`). `fully_async_fraction_of_ideal` = (fully_async
+samples/s / sync samples/s) / ideal_speedup.
 
     python -m bench.async [--rollouts 80] [--seeds 5] [--preamble 96] [--modes sync,fully_async]
 
@@ -236,8 +236,7 @@ def main() -> None:
     speedup = speedups.get("fully_async", float("nan"))
     print(
         f"sync: {sync['seconds']:.1f} s of RL, generation {g:.1f} s, training {t:.1f} s, pushes {u:.1f} s "
-        "-> ideal speedup "
-        f"{ideal:.2f}; "
+        f"-> ideal speedup {ideal:.2f}; "
         f"fully_async achieved {speedup:.2f} ({speedup / ideal:.0%} of ideal)"
     )
     samples_per_rollout = config["rollout"]["rollout_batch_size"] * config["rollout"]["n_samples_per_prompt"]

@@ -19,6 +19,19 @@ def in_background(fn, *args, **kwargs) -> Future:
     return future
 
 
+def join_body(port: int, group_name: str) -> dict:
+    """/init_weights_update_group's body for an engine joining as rank 1 of 2 over gloo, rank 0
+    (the test, as the trainer) listening on `port` of loopback."""
+    return {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": group_name,
+        "backend": "gloo",
+    }
+
+
 class WeightSender:
     """Rank 0 of a weight-update group, as the trainer runs it."""
 
@@ -26,15 +39,7 @@ class WeightSender:
         self.client = client
         self.group_name = group_name
         port = free_port()
-        body = {
-            "master_address": "127.0.0.1",
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": 2,
-            "group_name": group_name,
-            "backend": "gloo",
-        }
-        joined = in_background(client.post, "/init_weights_update_group", json=body)
+        joined = in_background(client.post, "/init_weights_update_group", json=join_body(port, group_name))
         self.group = init_weight_group("gloo", "127.0.0.1", port, 2, 0, group_name, timeout_seconds=60)
         r = joined.result(60)
         assert r.status_code == 200 and r.json()["success"] is True, r.text

@@ -20,7 +20,7 @@ from rlmesh.common.auth import client_headers
 from rlmesh.common.net import free_port
 from rlmesh.common.weight_group import destroy_weight_group
 from tests.helpers.engine import LONG, wait_until_in_flight
-from tests.helpers.weight_group import WeightSender, in_background
+from tests.helpers.weight_group import WeightSender, in_background, join_body
 
 _ENGINE_MAIN = (
     "import asyncio, logging, sys\n"
@@ -153,14 +153,7 @@ def test_a_push_whose_trainer_died_part_way_frees_its_group(engine_process, hf_m
         try:
             joined = client.post(
                 "/init_weights_update_group",
-                json={
-                    "master_address": "127.0.0.1",
-                    "master_port": port,
-                    "rank_offset": 1,
-                    "world_size": 2,
-                    "group_name": name,
-                    "backend": "gloo",
-                },
+                json=join_body(port, name),
             )
             assert joined.json()["success"] is True, joined.text
             cut = client.post(
@@ -195,14 +188,7 @@ def test_the_weight_group_rendezvous_is_the_one_sglang_clients_use(engine_proces
         joined = in_background(
             client.post,
             "/init_weights_update_group",
-            json={
-                "master_address": "127.0.0.1",
-                "master_port": port,
-                "rank_offset": 1,
-                "world_size": 2,
-                "group_name": group_name,
-                "backend": "gloo",
-            },
+            json=join_body(port, group_name),
         )
         timeout = timedelta(seconds=30)
         store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
