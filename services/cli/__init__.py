@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlmesh.common.grpc_server import serve_service
+from rlmesh.common.heap import mark_service_process
 from rlmesh.common.net import loopback_bypasses_proxy
 from rlmesh.common.settings import add_settings_flags, settings_from_args
 
@@ -50,6 +51,7 @@ def _serve(name: str, argv: list[str]) -> None:
         # httpx logs every request at INFO: a line per sample generated (failures are logged as ours).
         logging.getLogger("httpx").setLevel(logging.WARNING)
     server = importlib.import_module(f"{package}.{SERVER_MODULE.get(name, 'server')}")
+    mark_service_process()  # (what the service builds is then kept out of the collector's sight)
     if hasattr(server, "serve"):  # HTTP services (coordinator, engine) serve themselves
         asyncio.run(server.serve(settings))
     else:

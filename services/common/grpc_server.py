@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rlmesh.common import auth, errors, tls
 from rlmesh.common.errors import RlmeshError
-from rlmesh.common.heap import freeze_startup_heap
+from rlmesh.common.heap import freeze_long_lived
 from rlmesh.common.prometheus import GrpcMetricsInterceptor, ServiceMetrics, start_metrics_server
 from rlmesh.common.sample import ConversionError
 from rlmesh.common.settings import ServiceSettings
@@ -412,7 +412,7 @@ async def serve_service(build: Builder, settings: ServiceSettings, grace_seconds
     """Serve until SIGTERM/SIGINT, then report NOT_SERVING, let in-flight calls finish
     (up to grace_seconds) and close what the service opened."""
     service, server, port, health_servicer, metrics_server = await _start(build, settings)
-    freeze_startup_heap()
+    freeze_long_lived()
     log.info("serving gRPC on port %d", port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import gc
 
-_in_service_process = False  # a service's entry point called freeze_startup_heap (not a test's process)
+_service_process = False  # `rlmesh serve` runs this process (not a test, which runs services inside its own)
 
 
-def freeze_startup_heap() -> None:
-    """Move what the service built at start-up (imported modules, model: objects that live
-    as long as the process) out of the cyclic garbage collector's sight; each service's
-    entry point calls it once the service is built. A full collection then walks only what
-    the service made while serving. Before, each full collection walked ~350k start-up
-    objects, stopping the process for 0.16-0.35 s on 2 busy cores (the rollout service,
-    the engine); a weight push that met one waited that long."""
-    global _in_service_process
-    _in_service_process = True
-    gc.collect()
-    gc.freeze()
+def mark_service_process() -> None:
+    """Called by `rlmesh serve` before it builds the service: freeze_long_lived acts from then on."""
+    global _service_process
+    _service_process = True
 
 
-def freeze_loaded_on_first_use() -> None:
-    """The same for what a service loads on first use and keeps (the rollout service's
-    tokenizer); only in a service's own process: tests run services inside theirs."""
-    if _in_service_process:
+def freeze_long_lived() -> None:
+    """Move what the service has built so far and keeps for the process's life (imported
+    modules, model, tokenizer) out of the cyclic garbage collector's sight; called once the
+    service is built, and again after what it loads on first use. A full collection then
+    walks only what the service made since. Before, each full collection walked ~350k
+    start-up objects, stopping the process for 0.16-0.35 s on 2 busy cores (the rollout
+    service, the engine); a weight push that met one waited that long. Nothing happens
+    outside a service's own process."""
+    if _service_process:
         gc.collect()
         gc.freeze()

@@ -20,7 +20,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from rlmesh.common import auth
 from rlmesh.common.errors import HTTP_STATUS_BY_GRPC_CODE, RlmeshError
 from rlmesh.common.grpc_server import aio_channel
-from rlmesh.common.heap import freeze_startup_heap
+from rlmesh.common.heap import freeze_long_lived
 from rlmesh.common.http_guard import guard
 from rlmesh.common.prometheus import metrics_response
 from rlmesh.coordinator.api_docs import DOCS_PATH, declare_bearer, is_docs_asset, mount_api_docs
@@ -122,6 +122,7 @@ def create_app(settings: Settings) -> FastAPI:
 
         app.state.driver = DriverThread(settings, stubs(channels), build_driver)
         await app.state.driver.start()
+        freeze_long_lived()
         yield
         await app.state.driver.close(after=close_driver_clients)
         await close_channels(channels)
@@ -225,16 +226,4 @@ async def start(settings: Settings) -> tuple[uvicorn.Server, int]:
 
 
 async def serve(settings: Settings) -> None:
-    """Serve until SIGTERM/SIGINT; once up, what start-up built is frozen (heap.py)."""
-    server = uvicorn.Server(server_config(settings))
-
-    async def freeze_once_up() -> None:
-        while not server.started:
-            await asyncio.sleep(0.02)
-        freeze_startup_heap()
-
-    watcher = asyncio.ensure_future(freeze_once_up())
-    try:
-        await server.serve()
-    finally:
-        watcher.cancel()
+    await uvicorn.Server(server_config(settings)).serve()

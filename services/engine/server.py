@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rlmesh.common import auth, errors
-from rlmesh.common.heap import freeze_startup_heap
+from rlmesh.common.heap import freeze_long_lived
 from rlmesh.common.http_guard import BodyLimit
 from rlmesh.common.model_building import build_hf_model
 from rlmesh.common.prometheus import metrics_response
@@ -206,7 +206,7 @@ async def serve(settings: Settings) -> None:
     import signal
 
     server, port = await start(settings)
-    freeze_startup_heap()
+    freeze_long_lived()
     log.info(
         "reference engine serving SGLang's HTTP API on http://%s:%d (model %s)",
         settings.host,

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable, validation_problems
 from rlmesh.common.faults import fault_point
-from rlmesh.common.heap import freeze_loaded_on_first_use
+from rlmesh.common.heap import freeze_long_lived
 from rlmesh.common.limits import within
 from rlmesh.common.plugins import load_plugin
 from rlmesh.common.retry import retry
@@ -143,7 +143,7 @@ class RolloutManager:
                 from transformers import AutoTokenizer
 
                 self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path, local_files_only=True)
-                freeze_loaded_on_first_use()  # (the tokenizer and its modules live as long as the service)
+                freeze_long_lived()  # (the tokenizer and its modules live as long as the service)
             return self._tokenizer
 
     def generator(self, choice: GenerateChoice) -> Generator:

@@ -26,13 +26,9 @@ from rlmesh.common.run_config import TrainerRunConfig, oldest_weight_version
 from rlmesh.common.sample import SampleGroup
 from rlmesh.trainer.batches import staleness_metrics, trainable_groups
 from rlmesh.trainer.buffer_client import BufferClient
-from rlmesh.trainer.checkpoints import (
-    newest_checkpoint,
-)
+from rlmesh.trainer.checkpoints import newest_checkpoint
 from rlmesh.trainer.config import Settings
-from rlmesh.trainer.final_model import (
-    KL_REFERENCE_DIR,
-)
+from rlmesh.trainer.final_model import KL_REFERENCE_DIR
 from rlmesh.trainer.loading import resolve_device
 from rlmesh.trainer.publishing import (
     discard_lost_weight_files,
