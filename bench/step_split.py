@@ -33,7 +33,8 @@ from rlmesh.cli.tiny_model import build_tiny_model
 from rlmesh.common.auth import client_headers
 
 PARTS = ("generate", "reward", "train", "update", "other")
-CPU_SHOWN = ("engine", "rollout", "trainer")  # each a column; "cpu all" sums every service
+# Each a column; "cpu all" sums every service (the embedded Redis is not counted).
+CPU_SHOWN = ("engine", "rollout", "trainer", "buffer", "reward", "coordinator")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -80,7 +81,7 @@ def run_split(api: httpx.Client, config: dict, mode: str, pids: dict[str, int]) 
     row["other share"] = sum(m["split/other_seconds"] for m in steps) / sum(m["split/step_seconds"] for m in steps)
     cores = cpu.cores()
     if cores:
-        row.update({f"cpu {name}": cores[name] for name in CPU_SHOWN})
+        row.update({f"cpu {name}": cores[name] for name in CPU_SHOWN if name in cores})
         row["cpu all"] = sum(cores.values())
     print(row, flush=True)
     return row

@@ -1,11 +1,12 @@
 """Fully asynchronous generation (the `fully_async` training mode): per run, a loop that
 keeps a fixed number of groups in flight on the engines, scores and filters each one as
-it finishes and writes it to the buffer at once, across the trainer's steps and weight
-pushes. The buffer's queue cap is the backpressure (with within_queue_cap it counts the
-groups being generated too, and the loop starts none that would wait for room; else a
-finished group waits for room, aging meanwhile); the coordinator pauses the engines
-around a weight push, and samples that the pause aborted are generated again once
-generation continues (from their partial response with partial_rollout, else afresh)."""
+it finishes and writes it to the buffer at once (groups finishing together share one call
+of each), across the trainer's steps and weight pushes. The buffer's queue cap is the
+backpressure (with within_queue_cap it counts the groups being generated too, and the loop
+starts none that would wait for room; else a finished group waits for room, aging
+meanwhile); the engines are paused around a weight push, and samples that the pause
+aborted are generated again once generation continues (from their partial response with
+partial_rollout, else afresh)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from rlmesh.common.coalesce import Coalescer
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlmesh.common.metrics import merge_sample_metrics
 from rlmesh.common.retry import Backoff
@@ -51,6 +53,11 @@ class AsyncStatus:
     error: str = ""  # the last error since the previous call
 
 
+def _invalid_argument(e: Exception) -> bool:
+    """A buffer call refused for what it carried (one group's fault, not the buffer's state)."""
+    return isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 class _Stopping(Exception):
     """The loop is stopping: the group goes back to the buffer as it is."""
 
@@ -71,6 +78,11 @@ class AsyncLoop:
         self.error = ""
         # Until the buffer first answers: the run's prompt leases are a dead loop's (this one is new).
         self.reclaim_leases = True
+        self.failures = 0  # groups failed in a row
+        # Groups finishing together are scored, written or dropped in one call each.
+        self.scorer = Coalescer(self._score, self.target, alone_if=lambda e: isinstance(e, InvalidArgument))
+        self.writer = Coalescer(self._write, self.target, alone_if=_invalid_argument)
+        self.dropper = Coalescer(self._drop, self.target, alone_if=_invalid_argument)
         self.task = asyncio.create_task(self._run(), name=f"async-rollout-{req.run_id}")
 
     @property
@@ -95,7 +107,6 @@ class AsyncLoop:
 
     async def _run(self) -> None:
         backoff = Backoff(0.5, 10.0)
-        failures = 0
         while not self.stopping.is_set():
             free = self.target - len(self.groups)
             got = 0
@@ -116,12 +127,12 @@ class AsyncLoop:
                         self.groups[asyncio.create_task(self._one_group(prompt))] = prompt
                     got = len(resp.groups)
                 except grpc.aio.AioRpcError as e:
-                    failures += 1
+                    self.failures += 1
                     self._failed("asking the buffer for prompts", e)
                     if e.code() in RUN_ENDED:  # nobody would take its groups: free the service
                         await self._abandon()
                         return
-                    await asyncio.sleep(backoff.delay(failures))
+                    await asyncio.sleep(backoff.delay(self.failures))
                     continue
             if not self.groups:
                 await asyncio.sleep(NO_PROMPTS_WAIT_SECONDS)
@@ -132,21 +143,24 @@ class AsyncLoop:
                 return_when=asyncio.FIRST_COMPLETED,
                 timeout=None if got == free else NO_PROMPTS_WAIT_SECONDS,
             )
-            for task in done:
-                # Kept in self.groups until written or handed back: a stop meanwhile (this
-                # loop cancelled) hands it back; the buffer ignores one already written.
-                prompt = self.groups[task]
-                try:
-                    await self._finish(task.result())
-                    failures = 0
-                except Exception as e:  # one group's failure never ends the loop
-                    if not isinstance(e, _Stopping):
-                        failures += 1
-                        self._failed(f"group {prompt.group_id}", e)
-                    await self._hand_back([prompt])
-                    if failures:
-                        await asyncio.sleep(backoff.delay(failures))
-                del self.groups[task]
+            await asyncio.gather(*(self._settle(task, backoff) for task in done))
+
+    async def _settle(self, task: asyncio.Task, backoff: Backoff) -> None:
+        """A finished group written (or dropped by the filter), or, failed, handed back. Kept in
+        self.groups until then: a stop meanwhile (this loop cancelled) hands it back; the
+        buffer ignores one already written."""
+        prompt = self.groups[task]
+        try:
+            await self._finish(task.result())
+            self.failures = 0
+        except Exception as e:  # one group's failure never ends the loop
+            if not isinstance(e, _Stopping):
+                self.failures += 1
+                self._failed(f"group {prompt.group_id}", e)
+            await self._hand_back([prompt])
+            if self.failures:
+                await asyncio.sleep(backoff.delay(self.failures))
+        del self.groups[task]
 
     async def _one_group(self, prompt: sample_pb2.SampleGroup) -> SampleGroup:
         """Generate a group until none of its samples is aborted, then score it."""
@@ -164,7 +178,7 @@ class AsyncLoop:
             )
             aborted = [s for s in group.samples if s.status == Status.ABORTED]
             if not aborted:
-                return (await self.manager._score([group], self.req.reward))[0]
+                return await self.scorer.submit(group)
             if self.stopping.is_set():
                 raise _Stopping
             self._count("samples_aborted", len(aborted))
@@ -179,17 +193,26 @@ class AsyncLoop:
 
     async def _finish(self, group: SampleGroup) -> None:
         if keep_group(group, self.req.group_filter):
-            await self.manager._put(self.req.run_id, [group])
+            await self.writer.submit(group)
             self._count("groups_written")
             merge_sample_metrics(self.metrics, rollout_metrics([group], "rollout/"), "rollout/samples")
         else:
-            await self.manager.buffer.DropGroups(
-                buffer_pb2.DropGroupsRequest(
-                    run_id=self.req.run_id, group_ids=[group.group_id], reason=self.req.group_filter
-                ),
-                timeout=self.manager.settings.buffer_timeout_seconds,
-            )
+            await self.dropper.submit(group.group_id)
             self._count("groups_filtered")
+
+    async def _score(self, groups: list[SampleGroup]) -> list[SampleGroup]:
+        return await self.manager._score(groups, self.req.reward)
+
+    async def _write(self, groups: list[SampleGroup]) -> list[None]:
+        await self.manager._put(self.req.run_id, groups)
+        return [None] * len(groups)
+
+    async def _drop(self, group_ids: list[str]) -> list[None]:
+        request = buffer_pb2.DropGroupsRequest(
+            run_id=self.req.run_id, group_ids=group_ids, reason=self.req.group_filter
+        )
+        await self.manager.buffer.DropGroups(request, timeout=self.manager.settings.buffer_timeout_seconds)
+        return [None] * len(group_ids)
 
     async def _hand_back(self, groups: list[sample_pb2.SampleGroup]) -> None:
         """Prompts go back to the buffer as they were handed out (else their lease expires)."""
@@ -223,14 +246,21 @@ class AsyncLoop:
             task.cancel()
         await asyncio.gather(*self.groups, return_exceptions=True)
         self.groups.clear()
+        for calls in (self.scorer, self.writer, self.dropper):
+            await calls.close()
 
     async def stop(self) -> AsyncStatus:
         """Abort what is in flight and hand the unfinished groups back (with their partial
         responses when partial_rollout is on)."""
         self.stopping.set()
         await cancel_and_wait(self.task)
+        # A write under way is cut short, as the loop's own call was before it wrote in
+        # batches: its groups go back with the others (the buffer ignores one it has).
+        await self.writer.close()
+        await self.dropper.close()
         await self._abort_in_flight()
         results = await asyncio.gather(*self.groups, return_exceptions=True)
+        await self.scorer.close()
         back = []
         for prompt, result in zip(self.groups.values(), results):
             if isinstance(result, SampleGroup) and self.req.partial_rollout:

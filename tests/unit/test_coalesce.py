@@ -1,0 +1,111 @@
+"""Coalescer: callers that submit while a call is under way share the next call, each gets
+its own item's result, and one bad item fails only its own caller."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rlmesh.common.coalesce import Coalescer
+
+
+class BadItem(ValueError):
+    pass
+
+
+class Calls:
+    """A call that doubles its items, taking `seconds`; records each call's items."""
+
+    def __init__(self, seconds: float = 0.01, bad: frozenset = frozenset()) -> None:
+        self.seconds = seconds
+        self.bad = bad
+        self.batches: list[list[int]] = []
+
+    async def __call__(self, items: list[int]) -> list[int]:
+        self.batches.append(list(items))
+        await asyncio.sleep(self.seconds)
+        if self.bad & set(items):
+            raise BadItem(f"bad item(s) {sorted(self.bad & set(items))}")
+        return [2 * i for i in items]
+
+
+def test_items_submitted_during_a_call_go_out_together_in_the_next():
+    async def main():
+        calls = Calls(seconds=0.05)
+        coalescer = Coalescer(calls, max_items=10)
+        first = asyncio.create_task(coalescer.submit(1))
+        await asyncio.sleep(0.01)  # the first call is under way
+        rest = [asyncio.create_task(coalescer.submit(i)) for i in (2, 3, 4)]
+        assert await first == 2
+        assert await asyncio.gather(*rest) == [4, 6, 8]
+        return calls.batches
+
+    assert asyncio.run(main()) == [[1], [2, 3, 4]]
+
+
+def test_a_call_carries_at_most_max_items():
+    async def main():
+        calls = Calls()
+        coalescer = Coalescer(calls, max_items=2)
+        results = await asyncio.gather(*(coalescer.submit(i) for i in range(5)))
+        return results, calls.batches
+
+    results, batches = asyncio.run(main())
+    assert results == [0, 2, 4, 6, 8]
+    assert batches == [[0, 1], [2, 3], [4]]
+
+
+def test_a_bad_item_fails_only_its_own_caller_when_its_error_is_an_items_own():
+    async def main():
+        calls = Calls(bad=frozenset({3}))
+        coalescer = Coalescer(calls, max_items=10, alone_if=lambda e: isinstance(e, BadItem))
+        return await asyncio.gather(*(coalescer.submit(i) for i in (1, 2, 3, 4)), return_exceptions=True), calls
+
+    results, calls = asyncio.run(main())
+    assert results[:2] == [2, 4] and results[3] == 8
+    assert isinstance(results[2], BadItem)
+    assert calls.batches == [[1, 2, 3, 4], [1], [2], [3], [4]]  # sent again one by one
+
+
+def test_any_other_failure_fails_every_caller_of_that_call_once():
+    async def main():
+        calls = Calls(bad=frozenset({3}))
+        coalescer = Coalescer(calls, max_items=10)  # (no error is an item's own)
+        return await asyncio.gather(*(coalescer.submit(i) for i in (1, 2, 3)), return_exceptions=True), calls
+
+    results, calls = asyncio.run(main())
+    assert all(isinstance(r, BadItem) for r in results)
+    assert calls.batches == [[1, 2, 3]]
+
+
+def test_a_caller_that_gives_up_is_left_out_and_the_others_are_answered():
+    async def main():
+        calls = Calls(seconds=0.05)
+        coalescer = Coalescer(calls, max_items=10)
+        first = asyncio.create_task(coalescer.submit(1))
+        await asyncio.sleep(0.01)
+        gone, kept = asyncio.create_task(coalescer.submit(2)), asyncio.create_task(coalescer.submit(3))
+        await asyncio.sleep(0)
+        gone.cancel()
+        assert await first == 2 and await kept == 6
+        return calls.batches
+
+    assert asyncio.run(main()) == [[1], [3]]
+
+
+def test_closing_fails_the_callers_still_waiting():
+    async def main():
+        coalescer = Coalescer(Calls(seconds=5), max_items=10)
+        waiting = [asyncio.create_task(coalescer.submit(i)) for i in (1, 2)]
+        await asyncio.sleep(0.01)
+        await coalescer.close()
+        return await asyncio.gather(*waiting, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) and "closing" in str(r) for r in results)
+
+
+def test_max_items_must_be_positive():
+    with pytest.raises(ValueError, match="max_items"):
+        Coalescer(Calls(), max_items=0)
