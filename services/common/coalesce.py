@@ -9,6 +9,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
+from rlmesh.common.tasks import cancel_and_wait
+
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
@@ -16,8 +18,8 @@ Result = TypeVar("Result")
 class Coalescer(Generic[Item, Result]):
     """`submit(item)` answers with `call(items)`'s result for its item. One call at a time:
     the items submitted meanwhile (at most `max_items` a call) wait for it and go out together
-    in the next. When a call of several items fails with an error `alone_if` accepts (an
-    item's own fault, such as a bad value), each item is sent again alone, so that a bad item
+    in the next. When a call of several items fails with an error `alone_if` accepts (one
+    that may be an item's own fault), each item is sent again alone, so that a bad item
     fails only its own caller; any other failure fails every caller of that call."""
 
     def __init__(
@@ -33,8 +35,11 @@ class Coalescer(Generic[Item, Result]):
         self.alone_if = alone_if
         self._queue: list[tuple[Item, asyncio.Future]] = []
         self._sender: asyncio.Task | None = None
+        self._closed = False
 
     async def submit(self, item: Item) -> Result:
+        if self._closed:
+            raise RuntimeError("no longer sending: its owner has closed it")
         answer = asyncio.get_running_loop().create_future()
         self._queue.append((item, answer))
         if self._sender is None or self._sender.done():
@@ -42,14 +47,17 @@ class Coalescer(Generic[Item, Result]):
         return await answer
 
     async def _send_queued(self) -> None:
-        while self._queue:
-            taken, self._queue = self._queue[: self.max_items], self._queue[self.max_items :]
-            batch = [(item, answer) for item, answer in taken if not answer.done()]  # (callers gone: left out)
-            try:
+        batch: list[tuple[Item, asyncio.Future]] = []
+        try:
+            while self._queue:
+                taken, self._queue = self._queue[: self.max_items], self._queue[self.max_items :]
+                batch = [(item, answer) for item, answer in taken if not answer.done()]  # (callers gone: left out)
                 await self._send(batch)
-            except asyncio.CancelledError:
-                _fail(batch, RuntimeError("no longer sending: its owner is closing"))
-                raise
+        except Exception as e:  # (not the call's: that one is its callers') nobody is left waiting
+            self._fail_all(batch, e)
+        except BaseException:
+            self._fail_all(batch, RuntimeError("no longer sending: its owner is closing"))
+            raise
 
     async def _send(self, batch: list[tuple[Item, asyncio.Future]]) -> None:
         if not batch:
@@ -61,7 +69,8 @@ class Coalescer(Generic[Item, Result]):
         except Exception as e:
             if len(batch) > 1 and self.alone_if(e):
                 for one in batch:
-                    await self._send([one])
+                    if not one[1].done():
+                        await self._send([one])
             else:
                 _fail(batch, e)
             return
@@ -69,13 +78,17 @@ class Coalescer(Generic[Item, Result]):
             if not answer.done():
                 answer.set_result(result)
 
-    async def close(self) -> None:
-        """Stop sending; the callers still waiting fail."""
-        if self._sender is not None and not self._sender.done():
-            self._sender.cancel()
-            await asyncio.gather(self._sender, return_exceptions=True)
-        _fail(self._queue, RuntimeError("no longer sending: its owner is closing"))
+    def _fail_all(self, batch: list[tuple[Item, asyncio.Future]], error: BaseException) -> None:
+        _fail(batch, error)
+        _fail(self._queue, error)
         self._queue.clear()
+
+    async def close(self) -> None:
+        """Stop sending; the callers still waiting fail, and so does a later submit."""
+        self._closed = True
+        if self._sender is not None:
+            await cancel_and_wait(self._sender)  # (again and again: a gRPC call can swallow a cancel)
+        self._fail_all([], RuntimeError("no longer sending: its owner is closing"))
 
 
 def _fail(batch: list[tuple[object, asyncio.Future]], error: BaseException) -> None:

@@ -1,7 +1,7 @@
 """Fully asynchronous generation (the `fully_async` training mode): per run, a loop that
 keeps a fixed number of groups in flight on the engines, scores and filters each one as
-it finishes and writes it to the buffer at once (groups finishing together share one call
-of each), across the trainer's steps and weight pushes. The buffer's queue cap is the
+it finishes and writes it to the buffer at once (groups that finish together share one
+ScoreGroups, PutGroups or DropGroups call), across the trainer's steps and weight pushes. The buffer's queue cap is the
 backpressure (with within_queue_cap it counts the groups being generated too, and the loop
 starts none that would wait for room; else a finished group waits for room, aging
 meanwhile); the engines are paused around a weight push, and samples that the pause
@@ -53,9 +53,16 @@ class AsyncStatus:
     error: str = ""  # the last error since the previous call
 
 
-def _invalid_argument(e: Exception) -> bool:
-    """A buffer call refused for what it carried (one group's fault, not the buffer's state)."""
-    return isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT
+# A shared call that failed with these had its peer out of reach, its retries spent: sent
+# again group by group it would fail as much, each after as long a wait.
+OUTAGES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _maybe_one_groups_fault(e: Exception) -> bool:
+    """Whether a shared call's failure may be one group's own (bad content, no room for all of
+    them at once): then each of its groups is sent again alone."""
+    rpc = e if isinstance(e, grpc.aio.AioRpcError) else e.__cause__  # (_score keeps the reward service's)
+    return not (isinstance(rpc, grpc.aio.AioRpcError) and rpc.code() in OUTAGES)
 
 
 class _Stopping(Exception):
@@ -78,11 +85,14 @@ class AsyncLoop:
         self.error = ""
         # Until the buffer first answers: the run's prompt leases are a dead loop's (this one is new).
         self.reclaim_leases = True
-        self.failures = 0  # groups failed in a row
-        # Groups finishing together are scored, written or dropped in one call each.
-        self.scorer = Coalescer(self._score, self.target, alone_if=lambda e: isinstance(e, InvalidArgument))
-        self.writer = Coalescer(self._write, self.target, alone_if=_invalid_argument)
-        self.dropper = Coalescer(self._drop, self.target, alone_if=_invalid_argument)
+        self.failures = 0  # failures in a row (the groups of one shared call count once)
+        self.last_failure: BaseException | None = None
+        self.unclaimed: asyncio.Future | None = None  # prompts asked for when the loop was stopped
+        # Groups that finish together share one ScoreGroups, PutGroups or DropGroups call (the
+        # reward service scores a call's groups side by side, as sync's one call a step).
+        self.scorer = Coalescer(self._score, self.target, alone_if=_maybe_one_groups_fault)
+        self.writer = Coalescer(self._write, self.target, alone_if=_maybe_one_groups_fault)
+        self.dropper = Coalescer(self._drop, self.target, alone_if=_maybe_one_groups_fault)
         self.task = asyncio.create_task(self._run(), name=f"async-rollout-{req.run_id}")
 
     @property
@@ -111,21 +121,27 @@ class AsyncLoop:
             free = self.target - len(self.groups)
             got = 0
             if free > 0:
+                request = buffer_pb2.GetPromptsRequest(
+                    run_id=self.req.run_id,
+                    num_groups=free,
+                    within_queue_cap=self.req.within_queue_cap,
+                    max_groups_ahead=self.req.max_groups_ahead,
+                    reclaim_leases=self.reclaim_leases,
+                )
+                call = asyncio.ensure_future(
+                    self.manager.buffer.GetPrompts(request, timeout=self.manager.settings.buffer_timeout_seconds)
+                )
                 try:
-                    resp = await self.manager.buffer.GetPrompts(
-                        buffer_pb2.GetPromptsRequest(
-                            run_id=self.req.run_id,
-                            num_groups=free,
-                            within_queue_cap=self.req.within_queue_cap,
-                            max_groups_ahead=self.req.max_groups_ahead,
-                            reclaim_leases=self.reclaim_leases,
-                        ),
-                        timeout=self.manager.settings.buffer_timeout_seconds,
-                    )
+                    # Shielded: a stop that lands meanwhile hands back what the buffer handed
+                    # out all the same (else those prompts stay leased to nobody).
+                    resp = await asyncio.shield(call)
                     self.reclaim_leases = False
                     for prompt in resp.groups:
                         self.groups[asyncio.create_task(self._one_group(prompt))] = prompt
                     got = len(resp.groups)
+                except asyncio.CancelledError:
+                    self.unclaimed = call
+                    raise
                 except grpc.aio.AioRpcError as e:
                     self.failures += 1
                     self._failed("asking the buffer for prompts", e)
@@ -154,12 +170,14 @@ class AsyncLoop:
             await self._finish(task.result())
             self.failures = 0
         except Exception as e:  # one group's failure never ends the loop
-            if not isinstance(e, _Stopping):
+            if not isinstance(e, _Stopping) and e is not self.last_failure:
                 self.failures += 1
                 self._failed(f"group {prompt.group_id}", e)
+            self.last_failure = e
+            delay = backoff.delay(self.failures) if self.failures else 0.0
             await self._hand_back([prompt])
-            if self.failures:
-                await asyncio.sleep(backoff.delay(self.failures))
+            if delay:
+                await asyncio.sleep(delay)
         del self.groups[task]
 
     async def _one_group(self, prompt: sample_pb2.SampleGroup) -> SampleGroup:
@@ -201,10 +219,15 @@ class AsyncLoop:
             self._count("groups_filtered")
 
     async def _score(self, groups: list[SampleGroup]) -> list[SampleGroup]:
-        return await self.manager._score(groups, self.req.reward)
+        scored = {g.group_id: g for g in await self.manager._score(groups, self.req.reward)}
+        if sorted(scored) != sorted(g.group_id for g in groups):
+            raise RuntimeError(f"the reward service answered for other groups than the {len(groups)} sent")
+        return [scored[g.group_id] for g in groups]
 
     async def _write(self, groups: list[SampleGroup]) -> list[None]:
-        await self.manager._put(self.req.run_id, groups)
+        # Several at once wait for room for all of them, which may never come (the trainer may
+        # wait for fewer): refused, they are written one by one.
+        await self.manager._put(self.req.run_id, groups, wait_for_room=len(groups) == 1)
         return [None] * len(groups)
 
     async def _drop(self, group_ids: list[str]) -> list[None]:
@@ -235,6 +258,15 @@ class AsyncLoop:
                 except Exception as e:  # the engine may be gone; its requests end with it
                     log.warning("could not abort %s: %s", rid, e)
 
+    async def _unclaimed_prompts(self) -> list[sample_pb2.SampleGroup]:
+        """The prompts of a GetPrompts that a stop cut short (none if it failed)."""
+        if self.unclaimed is None:
+            return []
+        try:
+            return list((await self.unclaimed).groups)
+        except grpc.aio.AioRpcError:
+            return []
+
     async def _abandon(self) -> None:
         """The run has ended in the buffer (closed or deleted; a loop its coordinator could not
         stop): end its requests and groups, which the buffer would refuse, so that the loop
@@ -261,7 +293,7 @@ class AsyncLoop:
         await self._abort_in_flight()
         results = await asyncio.gather(*self.groups, return_exceptions=True)
         await self.scorer.close()
-        back = []
+        back = await self._unclaimed_prompts()
         for prompt, result in zip(self.groups.values(), results):
             if isinstance(result, SampleGroup) and self.req.partial_rollout:
                 for s in result.samples:

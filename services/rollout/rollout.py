@@ -261,7 +261,7 @@ class RolloutManager:
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(f"reward service: {e.details()}") from None
-            raise Unavailable(f"reward service failed: {e.code().name}: {e.details()}") from None
+            raise Unavailable(f"reward service failed: {e.code().name}: {e.details()}") from e  # (its code kept)
         return [group_from_proto(g) for g in resp.groups]
 
     def check_limits(self, req: RolloutRequest) -> None:
@@ -284,9 +284,10 @@ class RolloutManager:
             ]
         )
 
-    async def _put(self, run_id: str, groups: list[SampleGroup]) -> None:
-        """Write groups in one call; wait while the buffer is full (backpressure) or briefly
-        unavailable (a restarting replica), instead of failing the rollout."""
+    async def _put(self, run_id: str, groups: list[SampleGroup], wait_for_room: bool = True) -> None:
+        """Write groups in one call; wait while the buffer is full (backpressure; unless
+        wait_for_room is off: RESOURCE_EXHAUSTED then) or briefly unavailable (a restarting
+        replica), instead of failing the rollout."""
         request = buffer_pb2.PutGroupsRequest(run_id=run_id, groups=[group_to_proto(g) for g in groups])
         delay, waited = 0.05, 0.0
         while True:
@@ -294,7 +295,7 @@ class RolloutManager:
                 await self.buffer.PutGroups(request, timeout=self.settings.buffer_timeout_seconds)
                 return
             except grpc.aio.AioRpcError as e:
-                retry = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or (
+                retry = (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and wait_for_room) or (
                     e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                     and waited < BUFFER_UNAVAILABLE_PATIENCE_SECONDS
                 )

@@ -165,6 +165,23 @@ def test_a_new_loop_takes_back_the_prompts_a_dead_one_held_at_once(make_stack):
 
 
 @pytest.mark.slow
+def test_groups_finishing_together_never_wait_for_more_room_than_one_needs(make_stack):
+    """Groups that finish together share one write; under the queue cap (4) all of them at
+    once may not fit while fewer would, and a trainer waiting for a whole batch would then
+    wait for ever. Refused together, they are written one by one. The stop then hands back
+    every prompt handed out, those of a GetPrompts it cut short included."""
+    buffer, rollout = make_stack()
+    assert rollout.StartAsyncRollout(request(num_groups=4, within_queue_cap=False)).running
+    lease_and_ack(buffer, 4)
+    time.sleep(2)  # the queue fills (4) and the next 4 finish meanwhile, waiting for room
+    for n in (2, 4, 4):  # (after the 2, the queue has room for 2 of those 4)
+        lease_and_ack(buffer, n)
+    rollout.StopAsyncRollout(rollout_pb2.StopAsyncRolloutRequest(run_id="r"))
+    s = stats(buffer)
+    assert s.leased_groups == 0 and s.prompts_handed_out == s.acknowledged_groups + s.queued_groups + s.partial_groups
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("ahead, bound", [(0, 4), (3, 3)])
 def test_within_the_queue_cap_the_loop_starts_no_group_that_would_wait_for_room(make_stack, ahead, bound):
     buffer, rollout = make_stack()

@@ -109,3 +109,52 @@ def test_closing_fails_the_callers_still_waiting():
 def test_max_items_must_be_positive():
     with pytest.raises(ValueError, match="max_items"):
         Coalescer(Calls(), max_items=0)
+
+
+def test_a_wrong_number_of_results_fails_every_caller_of_that_call():
+    async def short(items: list[int]) -> list[int]:
+        return items[:-1]
+
+    async def main():
+        coalescer = Coalescer(short, max_items=10)
+        return await asyncio.gather(*(coalescer.submit(i) for i in (1, 2)), return_exceptions=True)
+
+    assert all(isinstance(r, RuntimeError) and "1 results for 2 items" in str(r) for r in asyncio.run(main()))
+
+
+def test_close_ends_a_call_that_swallows_its_cancellation():
+    """grpc.aio's calls can return their answer when a cancellation lands: closing cancels
+    again until the sender has ended, and nobody is left waiting."""
+
+    async def swallowing(items: list[int]) -> list[int]:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass  # answers anyway, once
+        await asyncio.sleep(30)
+        return items
+
+    async def main():
+        coalescer = Coalescer(swallowing, max_items=1)
+        waiting = [asyncio.create_task(coalescer.submit(i)) for i in (1, 2)]
+        await asyncio.sleep(0.01)
+        await asyncio.wait_for(coalescer.close(), timeout=10)
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        with pytest.raises(RuntimeError, match="closed"):
+            await coalescer.submit(3)
+        return results
+
+    assert all(isinstance(r, RuntimeError) for r in asyncio.run(main()))
+
+
+def test_a_failing_alone_if_fails_the_callers_instead_of_leaving_them_waiting():
+    def broken(_: Exception) -> bool:
+        raise KeyError("alone_if")
+
+    async def main():
+        coalescer = Coalescer(Calls(bad=frozenset({1})), max_items=10, alone_if=broken)
+        return await asyncio.wait_for(
+            asyncio.gather(*(coalescer.submit(i) for i in (1, 2)), return_exceptions=True), timeout=5
+        )
+
+    assert all(isinstance(r, KeyError) for r in asyncio.run(main()))
