@@ -53,7 +53,7 @@ class Coalescer(Generic[Item, Result]):
                 taken, self._queue = self._queue[: self.max_items], self._queue[self.max_items :]
                 batch = [(item, answer) for item, answer in taken if not answer.done()]  # (callers gone: left out)
                 await self._send(batch)
-        except Exception as e:  # (not the call's: that one is its callers') nobody is left waiting
+        except Exception as e:  # an internal error (alone_if's, say): nobody may wait for ever
             self._fail_all(batch, e)
         except BaseException:
             self._fail_all(batch, RuntimeError("no longer sending: its owner is closing"))

@@ -19,7 +19,7 @@ import grpc
 from rlmesh.common.coalesce import Coalescer
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlmesh.common.metrics import merge_sample_metrics
-from rlmesh.common.retry import Backoff
+from rlmesh.common.retry import TRANSIENT_CODES, Backoff, OutageTooLong
 from rlmesh.common.sample import SampleGroup, Status, group_from_proto, group_to_proto
 from rlmesh.common.tasks import cancel_and_wait
 from rlmesh.rollout.rollout import (
@@ -53,16 +53,23 @@ class AsyncStatus:
     error: str = ""  # the last error since the previous call
 
 
-# A shared call that failed with these had its peer out of reach, its retries spent: sent
-# again group by group it would fail as much, each after as long a wait.
-OUTAGES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A shared call that failed so has its peer out of reach (its retries spent) or is refused
+# whatever it carries: sent again group by group, it would fail as much, each after as long.
+NOT_ONE_GROUPS_FAULT = TRANSIENT_CODES | {
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
 
 
-def _maybe_one_groups_fault(e: Exception) -> bool:
-    """Whether a shared call's failure may be one group's own (bad content, no room for all of
-    them at once): then each of its groups is sent again alone."""
+def maybe_one_groups_fault(e: Exception) -> bool:
+    """Whether a shared call's failure may be one group's own (bad content, no room in the
+    buffer's queue for all of them at once): then each of its groups is sent again alone."""
+    if isinstance(e, OutageTooLong):
+        return False
     rpc = e if isinstance(e, grpc.aio.AioRpcError) else e.__cause__  # (_score keeps the reward service's)
-    return not (isinstance(rpc, grpc.aio.AioRpcError) and rpc.code() in OUTAGES)
+    return not (isinstance(rpc, grpc.aio.AioRpcError) and rpc.code() in NOT_ONE_GROUPS_FAULT)
 
 
 class _Stopping(Exception):
@@ -90,9 +97,9 @@ class AsyncLoop:
         self.unclaimed: asyncio.Future | None = None  # prompts asked for when the loop was stopped
         # Groups that finish together share one ScoreGroups, PutGroups or DropGroups call (the
         # reward service scores a call's groups side by side, as sync's one call a step).
-        self.scorer = Coalescer(self._score, self.target, alone_if=_maybe_one_groups_fault)
-        self.writer = Coalescer(self._write, self.target, alone_if=_maybe_one_groups_fault)
-        self.dropper = Coalescer(self._drop, self.target, alone_if=_maybe_one_groups_fault)
+        self.scorer = Coalescer(self._score, self.target, alone_if=maybe_one_groups_fault)
+        self.writer = Coalescer(self._write, self.target, alone_if=maybe_one_groups_fault)
+        self.dropper = Coalescer(self._drop, self.target, alone_if=maybe_one_groups_fault)
         self.task = asyncio.create_task(self._run(), name=f"async-rollout-{req.run_id}")
 
     @property
@@ -173,7 +180,7 @@ class AsyncLoop:
             if not isinstance(e, _Stopping) and e is not self.last_failure:
                 self.failures += 1
                 self._failed(f"group {prompt.group_id}", e)
-            self.last_failure = e
+                self.last_failure = e
             delay = backoff.delay(self.failures) if self.failures else 0.0
             await self._hand_back([prompt])
             if delay:
@@ -219,14 +226,15 @@ class AsyncLoop:
             self._count("groups_filtered")
 
     async def _score(self, groups: list[SampleGroup]) -> list[SampleGroup]:
-        scored = {g.group_id: g for g in await self.manager._score(groups, self.req.reward)}
-        if sorted(scored) != sorted(g.group_id for g in groups):
-            raise RuntimeError(f"the reward service answered for other groups than the {len(groups)} sent")
-        return [scored[g.group_id] for g in groups]
+        scored = await self.manager._score(groups, self.req.reward)
+        if [g.group_id for g in scored] != [g.group_id for g in groups]:  # (answered in order, as sync relies on)
+            raise RuntimeError(f"the reward service answered other groups than the {len(groups)} sent, or out of order")
+        return scored
 
     async def _write(self, groups: list[SampleGroup]) -> list[None]:
-        # Several at once wait for room for all of them, which may never come (the trainer may
-        # wait for fewer): refused, they are written one by one.
+        # Several at once would wait for room for all of them, which may never come (the
+        # trainer may wait for more groups than are queued while these need more room than
+        # is free): refused, they are written one by one.
         await self.manager._put(self.req.run_id, groups, wait_for_room=len(groups) == 1)
         return [None] * len(groups)
 
@@ -259,13 +267,18 @@ class AsyncLoop:
                     log.warning("could not abort %s: %s", rid, e)
 
     async def _unclaimed_prompts(self) -> list[sample_pb2.SampleGroup]:
-        """The prompts of a GetPrompts that a stop cut short (none if it failed)."""
-        if self.unclaimed is None:
+        """The prompts of a GetPrompts that a stop cut short (none if it failed, or has not
+        answered within HAND_BACK_TIMEOUT_SECONDS: they come back when their lease expires)."""
+        call, self.unclaimed = self.unclaimed, None
+        if call is None:
             return []
-        try:
-            return list((await self.unclaimed).groups)
-        except grpc.aio.AioRpcError:
+        await asyncio.wait([call], timeout=HAND_BACK_TIMEOUT_SECONDS)
+        if not call.done():
+            call.add_done_callback(lambda c: c.cancelled() or c.exception())  # (its failure is nobody's)
             return []
+        if call.cancelled() or call.exception() is not None:
+            return []
+        return list(call.result().groups)
 
     async def _abandon(self) -> None:
         """The run has ended in the buffer (closed or deleted; a loop its coordinator could not

@@ -1,13 +1,18 @@
 """Coalescer: callers that submit while a call is under way share the next call, each gets
-its own item's result, and one bad item fails only its own caller."""
+its own item's result, and one bad item fails only its own caller; and which failures of a
+fully_async loop's shared call send its groups again one by one."""
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from rlmesh.common.coalesce import Coalescer
+from rlmesh.common.errors import InvalidArgument, Unavailable
+from rlmesh.common.retry import OutageTooLong
+from rlmesh.rollout.async_rollout import maybe_one_groups_fault
 
 
 class BadItem(ValueError):
@@ -158,3 +163,33 @@ def test_a_failing_alone_if_fails_the_callers_instead_of_leaving_them_waiting():
         )
 
     assert all(isinstance(r, KeyError) for r in asyncio.run(main()))
+
+
+def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "details")
+
+
+@pytest.mark.parametrize(
+    "code, split",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, True),  # one group's bad content
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, True),  # no room for all of them at once
+        (grpc.StatusCode.FAILED_PRECONDITION, True),  # more than the queue's cap at once
+        (grpc.StatusCode.INTERNAL, True),
+        (grpc.StatusCode.UNAVAILABLE, False),  # the peer out of reach, its retries spent
+        (grpc.StatusCode.DEADLINE_EXCEEDED, False),
+        (grpc.StatusCode.NOT_FOUND, False),  # the run is gone, whatever the groups
+        (grpc.StatusCode.UNAUTHENTICATED, False),
+    ],
+)
+def test_which_failures_of_a_shared_call_send_its_groups_again_alone(code, split):
+    assert maybe_one_groups_fault(rpc_error(code)) is split
+    try:  # as the reward service's failures reach the loop: chained to the gRPC error
+        raise Unavailable("reward service failed") from rpc_error(code)
+    except Unavailable as e:
+        assert maybe_one_groups_fault(e) is split
+
+
+def test_an_outage_the_retries_outlasted_is_not_one_groups_fault():
+    assert not maybe_one_groups_fault(OutageTooLong("the reward service has not answered for 120 s"))
+    assert maybe_one_groups_fault(InvalidArgument("reward service: a bad group"))
