@@ -1,12 +1,12 @@
 """Fully asynchronous generation (the `fully_async` training mode): per run, a loop that
 keeps a fixed number of groups in flight on the engines, scores and filters each one as
 it finishes and writes it to the buffer at once (groups that finish together share one
-ScoreGroups, PutGroups or DropGroups call), across the trainer's steps and weight pushes. The buffer's queue cap is the
-backpressure (with within_queue_cap it counts the groups being generated too, and the loop
-starts none that would wait for room; else a finished group waits for room, aging
-meanwhile); the engines are paused around a weight push, and samples that the pause
-aborted are generated again once generation continues (from their partial response with
-partial_rollout, else afresh)."""
+ScoreGroups, PutGroups or DropGroups call), across the trainer's steps and weight pushes.
+The buffer's queue cap is the backpressure (with within_queue_cap it counts the groups
+being generated too, and the loop starts none that would wait for room; else a finished
+group waits for room, aging meanwhile); the engines are paused around a weight push, and
+samples that the pause aborted are generated again once generation continues (from their
+partial response with partial_rollout, else afresh)."""
 
 from __future__ import annotations
 
