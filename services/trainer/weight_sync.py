@@ -47,6 +47,7 @@ from torch import Tensor
 
 from rlmesh.common import errors
 from rlmesh.common.grpc_server import aio_channel
+from rlmesh.common.retry import retry
 from rlmesh.common.run_config import WeightSyncConfig
 from rlmesh.common.weight_group import (
     WEIGHT_DELTA_FORMAT,
@@ -61,6 +62,12 @@ from rlmesh.v1 import rollout_pb2
 from rlmesh.v1.rollout_pb2_grpc import RolloutStub
 
 log = logging.getLogger(__name__)
+
+LIST_ENGINES_OUTAGE_SECONDS = 30.0
+
+
+async def _log_wait(reason: str) -> None:
+    log.warning("weight push %s", reason)
 
 
 @dataclass
@@ -320,8 +327,17 @@ class WeightPusher:
     # ---------------------------------------------------------------- group
 
     async def _ensure_group(self, requested_backend: str) -> _Group:
+        # The one call a push can repeat freely: a rollout service restarting (or just
+        # started) is waited for here a little; a longer outage fails the push, which the
+        # coordinator retries.
         engines = await self._call(
-            "ListEngines", self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout)
+            "ListEngines",
+            retry(
+                lambda: self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout),
+                service=f"rollout service (ListEngines) at {self.rollout_address}",
+                budget_seconds=min(self.timeout, LIST_ENGINES_OUTAGE_SECONDS),
+                on_wait=_log_wait,
+            ),
         )
         # world size: 1 + the TP ranks of the engines that answer. One that is down is
         # left out of the pool (and this group) and joins a later group once it answers.

@@ -572,3 +572,29 @@ def test_push_to_an_engine_that_is_down_is_a_clear_error(loop_thread):
     finally:
         loop_thread.run(pusher.close())
         loop_thread.run(server.stop(None))
+
+
+def test_a_push_waits_for_a_rollout_service_that_is_coming_up(loop_thread):
+    """A push that starts while the rollout service is still (re)starting waits for it
+    rather than failing: here it gets as far as the engines, which are down."""
+    down = f"http://127.0.0.1:{free_port()}"
+    port = free_port()
+    pusher = WeightPusher(f"127.0.0.1:{port}", "r-late")
+
+    async def push_then_start_rollout():
+        push = asyncio.ensure_future(pusher.push_distributed([("w", torch.zeros(2))], 1, WeightSyncConfig()))
+        await asyncio.sleep(1.0)  # refused meanwhile
+        assert not push.done()
+        server, _ = await start_rollout(RolloutSettings(port=port, engine_urls=[down]))
+        try:
+            return await asyncio.wait_for(asyncio.shield(push), 30)
+        except Exception as e:
+            return e
+        finally:
+            await server.stop(None)
+
+    try:
+        outcome = loop_thread.run(push_then_start_rollout())
+        assert isinstance(outcome, errors.Unavailable) and "engines not answering" in str(outcome)
+    finally:
+        loop_thread.run(pusher.close())
