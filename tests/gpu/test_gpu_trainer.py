@@ -1,7 +1,8 @@
 """The trainer on CUDA (marked gpu: skipped without one). A bf16 step (autocast, float32
 master weights: the trainer's default on CUDA) against the CPU float32 step on the same
 model and batch, and megatron-core on CUDA at TP=1 without the CPU shims against the torch
-backend on CUDA (TP=2 and PP=2 when two GPUs are present).
+backend on CUDA (TP=2 and PP=2 when two GPUs are present), and FSDP2 over NCCL on two GPUs
+against one process on one GPU.
 
 Tolerances. bf16 keeps 8 bits of mantissa, so the step's gradient norm may differ from
 float32's by a few percent (5 % allowed). AdamW's first step moves every weight by about
@@ -9,7 +10,9 @@ lr * sign(gradient) whatever the gradient's size, so the weights after it agree 
 within 2 lr where bf16 flips the sign of a near-zero gradient, and the updates point the same
 way overall (cosine >= 0.9: a sign-like update's cosine is about 1 - 2 x the share of flipped signs). megatron-core against the torch backend on the same GPU, both
 float32: only the order of floating-point sums differs (fused QKV and gate/up matmuls),
-1e-4 absolute on logits and loss, 1e-4 on the weights after the script's steps."""
+1e-4 absolute on logits and loss, 1e-4 on the weights after the script's steps. FSDP2 on
+two GPUs against one, float32: sums in another order again (two shards and an all-reduce),
+so the CPU test's tolerances, doubled for CUDA's kernels (which may sum in any order)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 
 from rlmesh.common.net import free_port
 from rlmesh.trainer.backend import TorchBackend
+from tests.helpers.fsdp_worker import STEPS
 from tests.helpers.trainer import CPU, config, make_groups
 
 pytestmark = pytest.mark.gpu
@@ -111,3 +115,39 @@ def test_megatron_core_on_cuda_without_the_cpu_shims_matches_the_torch_backend(t
         torch.testing.assert_close(
             got["weights"][name], w.cpu(), atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def test_fsdp2_over_nccl_on_two_gpus_trains_like_one_gpu(tiny_model_dir, tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    case = {"num_steps_per_rollout": 2, "optimizer": {"lr": LR, "grad_clip": 100.0}}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(REPO / "tests" / "helpers" / "fsdp_worker.py"),
+        str(tiny_model_dir),
+        str(tmp_path),
+        json.dumps({"grpo": case}),
+        "cuda",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    sharded = torch.load(tmp_path / "grpo.pt", weights_only=True)
+    one = TorchBackend(config(tiny_model_dir, device="cuda", **case), torch.device("cuda"), mixed_precision=False)
+    try:
+        for step in range(STEPS):
+            single, both = one.train_step(make_groups()), sharded["metrics"][step]
+            assert set(both) == set(single)
+            for key, value in single.items():
+                assert both[key] == pytest.approx(value, rel=2e-4, abs=2e-5), (step, key)
+        total = sum(p.numel() for p in one.policy.parameters())
+        assert sharded["held"] == pytest.approx(total / 2, rel=0.01)  # each GPU held half of the model
+        for name, value in one.state_dict_for_sync():
+            torch.testing.assert_close(sharded["weights"][name], value.cpu(), atol=2e-4, rtol=0, msg=name)
+    finally:
+        one.close()
