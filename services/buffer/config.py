@@ -33,7 +33,12 @@ class Settings(GrpcServiceSettings):
         "trainer that takes it must not come back forever, but a trainer preempted now and then is not its group's "
         "failure, so these count apart from max_deliveries, against their own, higher limit.",
     )
-    poll_interval_seconds: float = Field(0.02, gt=0, description="How often a waiting LeaseBatch checks the queue.")
+    poll_interval_seconds: float = Field(
+        0.02,
+        gt=0,
+        description="How often a waiting LeaseBatch checks the queue. Groups written (or handed back) through "
+        "the same replica wake it at once; the poll finds those written through other replicas and expired leases.",
+    )
     buffer_filter: PluginPath = Field(
         "rlmesh.buffer.filters:fifo",
         description="Import path of the function choosing which queued groups a lease gets, e.g. "

@@ -26,6 +26,7 @@ from rlmesh.buffer.keys import CLOSED_RUN_DROPS, RunKeys, closed_run, read_spec,
 from rlmesh.buffer.prompts import PromptSource, check_dataset_names
 from rlmesh.buffer.sources import DataFiles
 from rlmesh.buffer.stats import run_stats
+from rlmesh.buffer.wakeups import Wakeups
 from rlmesh.buffer.wire import repeated_messages
 from rlmesh.common.dataset_spec import dataset_defaults
 from rlmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RlmeshError
@@ -81,6 +82,7 @@ class BufferStore:
         self.max_deliveries = max_deliveries
         self.max_rollbacks = max_rollbacks
         self.recent_groups = recent_groups
+        self._queued = Wakeups()  # groups queued through this replica, by run
         self._put = redis.register_script(scripts.PUT_GROUPS)
         self._close = redis.register_script(scripts.CLOSE_RUN)
         self._lease_fifo = redis.register_script(scripts.LEASE_FIFO)
@@ -218,6 +220,8 @@ class BufferStore:
         token = result[1].decode()
         for position in result[2:]:
             self.cache.put(token, groups[position].group_id, raw_groups[position])
+        if result[0]:
+            self._queued.notify(run_id)
         return result[0], len(groups) - result[0]
 
     async def recent(self, run_id: str, offset: int, limit: int) -> tuple[list[bytes], int]:
@@ -340,24 +344,26 @@ class BufferStore:
         dropped = 0
         head = [k.batch(""), lease_id, lease_seconds, self.max_deliveries]  # (expiries on Redis's clock)
         while True:
-            if self.buffer_filter is None and not minimums:
-                result = await self._lease_fifo(
-                    keys=keys, args=[*head, num_groups, num_samples, min_weight_version, int(keep_stale)]
-                )
-            else:
-                result = await self._lease_filtered(
-                    keys, head, num_groups, num_samples, min_weight_version, keep_stale, minimums
-                )
-            if result[0] == -1:
-                raise unknown_run(run_id)
-            dropped += result[1]
-            if result[0] > 0:
-                await fault_point("buffer.after_lease")  # (the lease is taken; its reply is not sent yet)
-                groups = await self._group_bytes(k, result[3].decode(), [i.decode() for i in result[4:]])
-                return LeasedBatch(result[0], lease_response(lease_id, groups, result[2], dropped))
-            if time.monotonic() >= deadline:
-                return LeasedBatch(0, lease_response("", [], 0, dropped))
-            await asyncio.sleep(poll_seconds)
+            with self._queued.watch(run_id) as queued:
+                if self.buffer_filter is None and not minimums:
+                    result = await self._lease_fifo(
+                        keys=keys, args=[*head, num_groups, num_samples, min_weight_version, int(keep_stale)]
+                    )
+                else:
+                    result = await self._lease_filtered(
+                        keys, head, num_groups, num_samples, min_weight_version, keep_stale, minimums
+                    )
+                if result[0] == -1:
+                    raise unknown_run(run_id)
+                dropped += result[1]
+                if result[0] > 0:
+                    await fault_point("buffer.after_lease")  # (the lease is taken; its reply is not sent yet)
+                    groups = await self._group_bytes(k, result[3].decode(), [i.decode() for i in result[4:]])
+                    return LeasedBatch(result[0], lease_response(lease_id, groups, result[2], dropped))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return LeasedBatch(0, lease_response("", [], 0, dropped))
+                await asyncio.wait({queued}, timeout=min(poll_seconds, left))
 
     @staticmethod
     def _lease_keys(k: RunKeys, lease_id: str) -> list[str]:
@@ -500,6 +506,8 @@ class BufferStore:
         result = await self._rollback(keys=keys, args=[k.batch(""), step, self.max_deliveries, self.max_rollbacks])
         if result[0] == -2:
             raise unknown_run(run_id)
+        if result[1] or result[2]:
+            self._queued.notify(run_id)
         return result[0], result[1], result[2]
 
     async def release_batch(self, run_id: str, lease_id: str) -> int:
@@ -510,6 +518,8 @@ class BufferStore:
         n = await self._release(keys=self._lease_keys(k, lease_id), args=[lease_id])
         if n == -2:
             raise unknown_run(run_id)
+        if n > 0:
+            self._queued.notify(run_id)
         return n
 
     async def reject_groups(self, run_id: str, lease_id: str, reasons: dict[str, str]) -> int:

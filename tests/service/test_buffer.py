@@ -203,6 +203,35 @@ def test_expired_batch_lease_is_redelivered(buffer, dataset):
     assert (s.redelivered_groups, s.acknowledged_groups, s.leased_groups) == (1, 1, 0)
 
 
+def test_a_waiting_lease_is_answered_when_its_groups_arrive_not_at_the_next_poll(buffer, dataset):
+    stub = buffer(poll_interval_seconds=60)  # the poll alone would answer after a minute
+    create(stub, dataset)
+    groups = [completed(g) for g in prompts(stub, 3)]
+    waiting = stub.LeaseBatch.future(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2, wait_seconds=50))
+    put(stub, groups[:1])  # one is not a batch of two: the lease waits on
+    time.sleep(0.3)
+    assert not waiting.done()
+    put(stub, groups[1:])
+    assert [g.group_id for g in waiting.result(timeout=10).groups] == ["g0", "g1"]
+    # Groups a trainer hands back untrained wake a waiting lease too.
+    again = stub.LeaseBatch.future(buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2, wait_seconds=50))
+    time.sleep(0.3)
+    stub.ReleaseBatch(buffer_pb2.ReleaseBatchRequest(run_id="r1", lease_id=waiting.result().lease_id))
+    assert [g.group_id for g in again.result(timeout=10).groups] == ["g0", "g1"]
+
+
+def test_a_lease_waiting_on_one_replica_gets_groups_written_through_another(buffer, dataset):
+    waiting_replica, writing_replica = buffer(poll_interval_seconds=0.05), buffer()
+    create(writing_replica, dataset)
+    groups = [completed(g) for g in prompts(writing_replica, 2)]
+    waiting = waiting_replica.LeaseBatch.future(
+        buffer_pb2.LeaseBatchRequest(run_id="r1", num_groups=2, wait_seconds=50)
+    )
+    time.sleep(0.2)
+    put(writing_replica, groups)
+    assert [g.group_id for g in waiting.result(timeout=10).groups] == ["g0", "g1"]
+
+
 def test_lease_and_ack_errors(buffer, dataset):
     stub = buffer()
     code, _ = code_of(lambda: lease(stub, run_id="nope", num_groups=1))
