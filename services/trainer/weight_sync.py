@@ -47,7 +47,7 @@ from torch import Tensor
 
 from rlmesh.common import errors
 from rlmesh.common.grpc_server import aio_channel
-from rlmesh.common.retry import retry
+from rlmesh.common.retry import retry, transient_grpc_error
 from rlmesh.common.run_config import WeightSyncConfig
 from rlmesh.common.weight_group import (
     WEIGHT_DELTA_FORMAT,
@@ -68,6 +68,14 @@ LIST_ENGINES_OUTAGE_SECONDS = 30.0
 
 async def _log_wait(reason: str) -> None:
     log.warning("weight push %s", reason)
+
+
+def _unreachable(e: BaseException) -> str | None:
+    """Why to try again: a peer not (yet) reachable. Not a deadline: one that answers
+    nothing for a whole call's deadline is not waited for twice as long."""
+    if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE:
+        return transient_grpc_error(e)
+    return None
 
 
 @dataclass
@@ -336,6 +344,7 @@ class WeightPusher:
                 lambda: self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout),
                 service=f"rollout service (ListEngines) at {self.rollout_address}",
                 budget_seconds=min(self.timeout, LIST_ENGINES_OUTAGE_SECONDS),
+                transient=_unreachable,
                 on_wait=_log_wait,
             ),
         )
