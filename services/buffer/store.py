@@ -343,9 +343,11 @@ class BufferStore:
         keys = self._lease_keys(k, lease_id)
         dropped = 0
         head = [k.batch(""), lease_id, lease_seconds, self.max_deliveries]  # (expiries on Redis's clock)
+        filtered = self.buffer_filter is not None or bool(minimums)
         while True:
+            tried_at = time.monotonic()
             with self._queued.watch(run_id) as queued:
-                if self.buffer_filter is None and not minimums:
+                if not filtered:
                     result = await self._lease_fifo(
                         keys=keys, args=[*head, num_groups, num_samples, min_weight_version, int(keep_stale)]
                     )
@@ -364,6 +366,8 @@ class BufferStore:
                 if left <= 0:
                     return LeasedBatch(0, lease_response("", [], 0, dropped))
                 await asyncio.wait({queued}, timeout=min(poll_seconds, left))
+            if filtered:  # (a try reads up to filter_window groups: a stream of writes waits a little between tries)
+                await asyncio.sleep(max(0.0, min(tried_at + poll_seconds / 4, deadline) - time.monotonic()))
 
     @staticmethod
     def _lease_keys(k: RunKeys, lease_id: str) -> list[str]:
@@ -496,6 +500,8 @@ class BufferStore:
         result = await self._commit_acks(keys=keys, args=[through_step, load_id, loaded_step])
         if result[0] == -2:
             raise unknown_run(run_id)
+        if result[1]:
+            self._queued.notify(run_id)
         return result[0], result[1]
 
     async def rollback_to_checkpoint(self, run_id: str, step: int) -> tuple[int, int, int]:

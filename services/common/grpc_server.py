@@ -39,6 +39,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # "too_many_pings").
 KEEPALIVE_TIME_MS = 20_000
 KEEPALIVE_TIMEOUT_MS = 20_000
+# A channel to a peer that is down tries to reconnect at growing intervals (gRPC's default
+# grows to 2 minutes), and calls fail at once in between: a peer back after a long outage
+# would wait up to that long to be called again. Each caller's own retries wait that little.
+MAX_RECONNECT_BACKOFF_MS = 5_000
 
 
 def _caps_and_keepalive(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -53,9 +57,12 @@ def _caps_and_keepalive(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
-    """A channel's to an rlmesh service: message size caps and keepalive."""
-    # (an idle channel finds out at its next call)
-    return [*_caps_and_keepalive(max_message_bytes), ("grpc.keepalive_permit_without_calls", 0)]
+    """A channel's to an rlmesh service: message size caps, keepalive, and reconnects."""
+    return [
+        *_caps_and_keepalive(max_message_bytes),
+        ("grpc.keepalive_permit_without_calls", 0),  # (an idle channel finds out at its next call)
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+    ]
 
 
 def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:

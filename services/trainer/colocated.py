@@ -32,7 +32,7 @@ from torch import Tensor
 
 from rlmesh.common import errors, weight_file
 from rlmesh.common.grpc_server import aio_channel
-from rlmesh.trainer.engine_pause import EnginePause
+from rlmesh.trainer.engine_pause import UNREACHABLE_WAIT_SECONDS, EnginePause, when_reachable
 from rlmesh.trainer.weight_sync import PushResult, plan_buckets
 from rlmesh.v1 import rollout_pb2
 from rlmesh.v1.rollout_pb2_grpc import RolloutStub
@@ -82,6 +82,11 @@ class ColocatedPusher:
         except grpc.aio.AioRpcError as e:
             raise errors.upstream_error(f"rollout service ({what})", self.rollout_address, e) from None
 
+    async def _reach(self, what: str, make_call):
+        """A call safe to repeat, waited for while the rollout service is unreachable."""
+        budget = min(self.timeout, UNREACHABLE_WAIT_SECONDS)
+        return await self._call(what, when_reachable(what, self.rollout_address, make_call, budget))
+
     async def push(
         self,
         named: list[tuple[str, Tensor]],
@@ -92,9 +97,11 @@ class ColocatedPusher:
     ) -> PushResult:
         """With `pause_mode` the engines are paused in that mode while they take the weights."""
         start = time.monotonic()
-        pause = EnginePause(self._stub, pause_mode, self._call)
+        pause = EnginePause(self._stub, pause_mode, self._reach)
         listing = asyncio.ensure_future(
-            self._call("ListEngines", self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout))
+            self._reach(
+                "ListEngines", lambda: self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout)
+            )
         )
         try:
             # Weights off CUDA can only go by file (CUDA IPC needs CUDA tensors): written while

@@ -47,7 +47,6 @@ from torch import Tensor
 
 from rlmesh.common import errors
 from rlmesh.common.grpc_server import aio_channel
-from rlmesh.common.retry import retry, transient_grpc_error
 from rlmesh.common.run_config import WeightSyncConfig
 from rlmesh.common.weight_group import (
     WEIGHT_DELTA_FORMAT,
@@ -57,25 +56,11 @@ from rlmesh.common.weight_group import (
     rendezvous_socket,
 )
 from rlmesh.trainer.bucket_stream import BucketStream, BucketTiming, OutgoingBucket
-from rlmesh.trainer.engine_pause import EnginePause
+from rlmesh.trainer.engine_pause import UNREACHABLE_WAIT_SECONDS, EnginePause, when_reachable
 from rlmesh.v1 import rollout_pb2
 from rlmesh.v1.rollout_pb2_grpc import RolloutStub
 
 log = logging.getLogger(__name__)
-
-LIST_ENGINES_OUTAGE_SECONDS = 30.0
-
-
-async def _log_wait(reason: str) -> None:
-    log.warning("weight push %s", reason)
-
-
-def _unreachable(e: BaseException) -> str | None:
-    """Why to try again: a peer not (yet) reachable. Not a deadline: one that answers
-    nothing for a whole call's deadline is not waited for twice as long."""
-    if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE:
-        return transient_grpc_error(e)
-    return None
 
 
 @dataclass
@@ -309,6 +294,11 @@ class WeightPusher:
         except grpc.aio.AioRpcError as e:
             raise errors.upstream_error(f"rollout service ({what})", self.rollout_address, e) from None
 
+    async def _reach(self, what: str, make_call: Callable[[], Awaitable]):
+        """A call safe to repeat, waited for while the rollout service is unreachable."""
+        budget = min(self.timeout, UNREACHABLE_WAIT_SECONDS)
+        return await self._call(what, when_reachable(what, self.rollout_address, make_call, budget))
+
     async def _together(
         self,
         what: str,
@@ -335,18 +325,8 @@ class WeightPusher:
     # ---------------------------------------------------------------- group
 
     async def _ensure_group(self, requested_backend: str) -> _Group:
-        # The one call a push can repeat freely: a rollout service restarting (or just
-        # started) is waited for here a little; a longer outage fails the push, which the
-        # coordinator retries.
-        engines = await self._call(
-            "ListEngines",
-            retry(
-                lambda: self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout),
-                service=f"rollout service (ListEngines) at {self.rollout_address}",
-                budget_seconds=min(self.timeout, LIST_ENGINES_OUTAGE_SECONDS),
-                transient=_unreachable,
-                on_wait=_log_wait,
-            ),
+        engines = await self._reach(
+            "ListEngines", lambda: self._stub.ListEngines(rollout_pb2.ListEnginesRequest(), timeout=self.timeout)
         )
         # world size: 1 + the TP ranks of the engines that answer. One that is down is
         # left out of the pool (and this group) and joins a later group once it answers.
@@ -431,7 +411,7 @@ class WeightPusher:
         """With `pause_mode` the engines are paused in that mode (while the engines are listed)
         until all have answered the last bucket (engine_pause.py)."""
         start_time = time.monotonic()
-        pause = EnginePause(self._stub, pause_mode, self._call)
+        pause = EnginePause(self._stub, pause_mode, self._reach)
         # Both to the end, even when one fails: a group setup left running could race the retry's.
         group, paused = await asyncio.gather(self._ensure_group(config.backend), pause.begin(), return_exceptions=True)
         for outcome in (group, paused):
@@ -525,7 +505,7 @@ class WeightPusher:
         """Save the weights under directory/v<version>, have the engines load them (paused
         meanwhile, with pause_mode), then drop older versions' directories."""
         start = time.monotonic()
-        pause = EnginePause(self._stub, pause_mode, self._call)
+        pause = EnginePause(self._stub, pause_mode, self._reach)
         target = directory / f"v{version}"
         await asyncio.to_thread(save, target)
         await pause.begin()

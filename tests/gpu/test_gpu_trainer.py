@@ -138,6 +138,10 @@ def test_fsdp2_over_nccl_on_two_gpus_trains_like_one_gpu(tiny_model_dir, tmp_pat
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     sharded = torch.load(tmp_path / "grpo.pt", weights_only=True)
+    assert sharded["device"].startswith("cuda") and "nccl" in sharded["backend"], (
+        sharded["device"],
+        sharded["backend"],
+    )
     one = TorchBackend(config(tiny_model_dir, device="cuda", **case), torch.device("cuda"), mixed_precision=False)
     try:
         for step in range(STEPS):
@@ -146,7 +150,7 @@ def test_fsdp2_over_nccl_on_two_gpus_trains_like_one_gpu(tiny_model_dir, tmp_pat
             for key, value in single.items():
                 assert both[key] == pytest.approx(value, rel=2e-4, abs=2e-5), (step, key)
         total = sum(p.numel() for p in one.policy.parameters())
-        assert sharded["held"] == pytest.approx(total / 2, rel=0.01)  # each GPU held half of the model
+        assert sharded["held"] == pytest.approx(total / 2, rel=0.01)  # rank 0 held half of the model
         for name, value in one.state_dict_for_sync():
             torch.testing.assert_close(sharded["weights"][name], value.cpu(), atol=2e-4, rtol=0, msg=name)
     finally:

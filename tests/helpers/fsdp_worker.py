@@ -60,8 +60,12 @@ def main(model_dir: str, out_dir: str, cases_json: str, device_type: str = "cpu"
             resumed.train_step(make_groups())
             after_resume = {n: t.detach().cpu().clone() for n, t in resumed.state_dict_for_sync()}
             if dist.get_rank() == 0:
+                where = {  # (what the rank trained on, for the GPU test to check)
+                    "device": str(next(resumed.policy.parameters()).device),
+                    "backend": dist.get_backend_config(),
+                }
                 torch.save(
-                    {"metrics": metrics, "weights": weights, "held": held, "after_resume": after_resume},
+                    {"metrics": metrics, "weights": weights, "held": held, "after_resume": after_resume, **where},
                     Path(out_dir) / f"{name}.pt",
                 )
             resumed.close()

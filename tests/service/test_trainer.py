@@ -576,7 +576,8 @@ def test_push_to_an_engine_that_is_down_is_a_clear_error(loop_thread):
 
 def test_a_push_waits_for_a_rollout_service_that_is_coming_up(loop_thread):
     """A push that starts while the rollout service is still (re)starting waits for it
-    rather than failing: here it gets as far as the engines, which are down."""
+    rather than failing: here it gets as far as the engines, which are down. (A push that
+    pauses the engines first waits the same way for its PauseGeneration: engine_pause.py.)"""
     down = f"http://127.0.0.1:{free_port()}"
     port = free_port()
     pusher = WeightPusher(f"127.0.0.1:{port}", "r-late")
