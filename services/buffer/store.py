@@ -55,6 +55,9 @@ _MAX_REASON = 4096  # characters of a rejection's reason that are kept
 # before its reply) succeeds again; a trainer retries within minutes, not 1,000 steps.
 _REMEMBERED_ACKED_LEASES = 1000
 _LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# The least time between two tries of a waiting lease that filters (each reads up to
+# filter_window queued groups), however often writes wake it.
+FILTERED_LEASE_GAP_SECONDS = 0.005
 
 
 class BufferStore:
@@ -367,7 +370,8 @@ class BufferStore:
                     return LeasedBatch(0, lease_response("", [], 0, dropped))
                 await asyncio.wait({queued}, timeout=min(poll_seconds, left))
             if filtered:  # (a try reads up to filter_window groups: a stream of writes waits a little between tries)
-                await asyncio.sleep(max(0.0, min(tried_at + poll_seconds / 4, deadline) - time.monotonic()))
+                gap = min(poll_seconds, FILTERED_LEASE_GAP_SECONDS)
+                await asyncio.sleep(max(0.0, min(tried_at + gap, deadline) - time.monotonic()))
 
     @staticmethod
     def _lease_keys(k: RunKeys, lease_id: str) -> list[str]:

@@ -41,7 +41,8 @@ KEEPALIVE_TIME_MS = 20_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 # A channel to a peer that is down tries to reconnect at growing intervals (gRPC's default
 # grows to 2 minutes), and calls fail at once in between: a peer back after a long outage
-# would wait up to that long to be called again. Each caller's own retries wait that little.
+# would wait up to that long to be called again. Capped near the callers' own retry backoff
+# (rlmesh.common.retry, at most 10 s); gRPC adds up to 20 % jitter.
 MAX_RECONNECT_BACKOFF_MS = 5_000
 
 
@@ -243,8 +244,19 @@ def status_details(message: str) -> str:
     return message[:_MAX_DETAILS_CHARS] + f"... ({len(message)} characters in all)"
 
 
+# Trailing metadata on every status an rlmesh handler answers with, so a client can tell "the
+# service answered UNAVAILABLE" (a peer of it is down) from "the service could not be reached".
+ANSWERED = (("rlmesh-answered", "1"),)
+
+
+def answered_by_service(e: grpc.aio.AioRpcError) -> bool:
+    """Whether the status came from an rlmesh handler, not from the way to it."""
+    return any(key == ANSWERED[0][0] for key, _ in (e.trailing_metadata() or ()))
+
+
 class _StatusInterceptor(grpc.aio.ServerInterceptor):
-    """Turns exceptions from plain logic into gRPC statuses with readable messages."""
+    """Turns exceptions from plain logic into gRPC statuses with readable messages (marked
+    ANSWERED)."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -258,22 +270,27 @@ class _StatusInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"the request is not a valid {method.rsplit('/', 1)[-1]} message: {request.reason}",
+                    ANSWERED,
                 )
             try:
                 return await inner(request, context)
             except RlmeshError as e:
-                await context.abort(e.code, status_details(str(e)))
+                await context.abort(e.code, status_details(str(e)), ANSWERED)
             except ConversionError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(str(e)))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_details(str(e)), ANSWERED)
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
             except grpc.aio.AioRpcError as e:
                 # A call to another service failed: pass its status on, saying where it came from.
-                await context.abort(e.code(), status_details(f"{e.details()} (reported by an upstream rlmesh service)"))
+                await context.abort(
+                    e.code(), status_details(f"{e.details()} (reported by an upstream rlmesh service)"), ANSWERED
+                )
             except Exception as e:
                 log.exception("unhandled error in %s", method)
                 await context.abort(
-                    grpc.StatusCode.INTERNAL, status_details(f"internal error in {method}: {errors.unexpected(e)}")
+                    grpc.StatusCode.INTERNAL,
+                    status_details(f"internal error in {method}: {errors.unexpected(e)}"),
+                    ANSWERED,
                 )
 
         return grpc.unary_unary_rpc_method_handler(

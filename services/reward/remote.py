@@ -82,6 +82,7 @@ import grpc
 import httpx
 
 from rlmesh.common.auth import credential_headers
+from rlmesh.common.grpc_server import MAX_RECONNECT_BACKOFF_MS
 from rlmesh.common.limits import MAX_ABS_REWARD
 from rlmesh.common.reward_service import RemoteServiceSpec
 from rlmesh.common.sample import (
@@ -359,6 +360,7 @@ class GrpcTransport:
                     ("grpc.max_send_message_length", 256 * 1024 * 1024),
                     ("grpc.default_authority", grpc_target(self.url)),  # the registered name, not the address
                     ("grpc.enable_http_proxy", 0),  # connect only to the address just checked
+                    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
                 ],
             )
             self._stub = reward_pb2_grpc.RewardStub(self._channel)

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from rlmesh.common import errors
+from rlmesh.common.grpc_server import answered_by_service
 from rlmesh.common.retry import retry, transient_grpc_error
 from rlmesh.common.run_config import PAUSE_MODES
 from rlmesh.v1 import rollout_pb2
@@ -35,9 +36,10 @@ UNREACHABLE_WAIT_SECONDS = 30.0
 
 
 def _unreachable(e: BaseException) -> str | None:
-    """Why to try again: the peer is not (yet) reachable. Not a deadline: a peer that
-    answered nothing for a whole call's deadline is not waited for that long again."""
-    if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE:
+    """Why to try again: the rollout service is not (yet) reachable. Not its own UNAVAILABLE
+    (its engines are down: that answer is the push's), nor a deadline (a service that
+    answered nothing for a whole call's deadline is not waited for that long again)."""
+    if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE and not answered_by_service(e):
         return transient_grpc_error(e)
     return None
 

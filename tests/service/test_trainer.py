@@ -562,28 +562,37 @@ def test_many_buckets_each_requested_while_the_one_before_is_received(
         loop_thread.run(pusher.close())
 
 
-def test_push_to_an_engine_that_is_down_is_a_clear_error(loop_thread):
+@pytest.mark.parametrize("pause_mode", ["", "abort"])
+def test_push_to_an_engine_that_is_down_is_a_clear_error(loop_thread, pause_mode):
     down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     server, port = loop_thread.run(start_rollout(RolloutSettings(port=0, engine_urls=[down])))
     pusher = WeightPusher(f"127.0.0.1:{port}", "r-down")
     try:
+        # (the rollout service's own UNAVAILABLE, engines down, is an answer: not waited out
+        # as if the service itself were unreachable)
         with pytest.raises(errors.Unavailable, match=f"engines not answering, weights not pushed: {down}"):
-            loop_thread.run(pusher.push_distributed([("w", torch.zeros(2))], 1, WeightSyncConfig()))
+            loop_thread.run(
+                pusher.push_distributed([("w", torch.zeros(2))], 1, WeightSyncConfig(), pause_mode=pause_mode),
+                timeout=20,
+            )
     finally:
         loop_thread.run(pusher.close())
         loop_thread.run(server.stop(None))
 
 
-def test_a_push_waits_for_a_rollout_service_that_is_coming_up(loop_thread):
+@pytest.mark.parametrize("pause_mode", ["", "abort"])
+def test_a_push_waits_for_a_rollout_service_that_is_coming_up(loop_thread, pause_mode, caplog):
     """A push that starts while the rollout service is still (re)starting waits for it
-    rather than failing: here it gets as far as the engines, which are down. (A push that
-    pauses the engines first waits the same way for its PauseGeneration: engine_pause.py.)"""
+    rather than failing (its ListEngines, and its PauseGeneration when it pauses the
+    engines): here it gets as far as the engines, which are down."""
     down = f"http://127.0.0.1:{free_port()}"
     port = free_port()
     pusher = WeightPusher(f"127.0.0.1:{port}", "r-late")
 
     async def push_then_start_rollout():
-        push = asyncio.ensure_future(pusher.push_distributed([("w", torch.zeros(2))], 1, WeightSyncConfig()))
+        push = asyncio.ensure_future(
+            pusher.push_distributed([("w", torch.zeros(2))], 1, WeightSyncConfig(), pause_mode=pause_mode)
+        )
         await asyncio.sleep(1.0)  # refused meanwhile
         assert not push.done()
         server, _ = await start_rollout(RolloutSettings(port=port, engine_urls=[down]))
@@ -597,5 +606,7 @@ def test_a_push_waits_for_a_rollout_service_that_is_coming_up(loop_thread):
     try:
         outcome = loop_thread.run(push_then_start_rollout())
         assert isinstance(outcome, errors.Unavailable) and "engines not answering" in str(outcome)
+        waited = {r.getMessage().split("(")[1].split(")")[0] for r in caplog.records if "waiting for" in r.getMessage()}
+        assert waited == ({"ListEngines", "PauseGeneration"} if pause_mode else {"ListEngines"})
     finally:
         loop_thread.run(pusher.close())
