@@ -1,7 +1,6 @@
 """Waking a waiting LeaseBatch when this replica queues groups for its run, so a trainer
-gets its batch as soon as it is complete rather than at the next poll (a poll every 20 ms
-cost a fully_async step ~10 ms on average). Writes through another replica, and leases
-that expire, are still found by the poll."""
+gets its batch as soon as it is complete rather than at the next poll (up to 20 ms later).
+Writes through another replica, and leases that expire, are still found by the poll."""
 
 from __future__ import annotations
 
